@@ -1,0 +1,1 @@
+"""rank_lightning.analysis"""

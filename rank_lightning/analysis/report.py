@@ -1,0 +1,379 @@
+"""Figures and a summary table of the per-layer rank curves of finished runs, to compare runs side by side.
+
+Command::
+
+    python -m rank_lightning.analysis.report RUN_DIR [RUN_DIR ...] --out OUT_DIR
+        [--namespaces rank weight] [--final-metrics val/acc]
+
+``RUN_DIR`` is a run directory (a ``CSVLogger`` version folder holding ``metrics.csv``) or any folder above runs
+(``lightning_logs/`` with its ``version_*`` folders, a sweep folder): every folder below it that holds a
+``metrics.csv`` or a ``rank_curves/<namespace>_curves.json`` (written by the rank callbacks with any logger, W&B and
+TensorBoard included) is one run. Runs are labelled by their path relative to the folder above the argument.
+
+Logged keys ``<namespace>/<layer>/<metric>`` (``rank/...`` from ``ActivationRankMonitor``, ``weight/...`` from
+``WeightRankMonitor``) are read from ``metrics.csv`` (from the curves file when a run has no CSV); the layers' depth
+order comes from the curves file (CSV columns are sorted by name), else from a natural sort of the names.
+
+Written to ``OUT_DIR``:
+
+* ``<namespace>_<metric>_vs_epoch.png``: one panel per layer, metric against epoch, one line per run;
+* ``<namespace>_<metric>_vs_depth.png``: metric at each run's last epoch against layer depth, one line per run;
+* ``summary.csv`` and ``summary.md``: one row per run, namespace and layer with the last epoch's value of every
+  metric, plus the run's final value of each ``--final-metrics`` key (``val/acc`` by default) when it was logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from rank_lightning.callbacks.curves import FIGURE_DIR
+
+__all__ = ["RunCurves", "find_runs", "load_run", "main", "summary_rows", "write_figures", "write_summary"]
+
+DEFAULT_NAMESPACES: tuple[str, ...] = ("rank", "weight")
+DEFAULT_FINAL_METRICS: tuple[str, ...] = ("val/acc",)
+_UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9_.=-]+")
+
+
+@dataclass
+class RunCurves:
+    """The per-layer curves of one run.
+
+    Attributes:
+        label: the run's name in figures and tables.
+        directory: the run directory.
+        curves: ``namespace -> layer -> metric -> {epoch: value}``.
+        layers: ``namespace -> layers in depth order``.
+        final: last logged value of each requested final metric found in the run (e.g. ``val/acc``).
+        metric_order: ``namespace -> metrics`` in the order the callback computed them, when a curves file says so.
+    """
+
+    label: str
+    directory: Path
+    curves: dict[str, dict[str, dict[str, dict[int, float]]]] = field(default_factory=dict)
+    layers: dict[str, list[str]] = field(default_factory=dict)
+    final: dict[str, float] = field(default_factory=dict)
+    metric_order: dict[str, list[str]] = field(default_factory=dict)
+
+    def metrics(self, namespace: str) -> list[str]:
+        """Metrics of ``namespace``: in the callback's order when known, else in first-seen order over the layers."""
+        seen: dict[str, None] = dict.fromkeys(self.metric_order.get(namespace, []))
+        for layer in self.layers.get(namespace, []):
+            seen.update(dict.fromkeys(self.curves[namespace].get(layer, {})))
+        present = {m for curves in self.curves.get(namespace, {}).values() for m in curves}
+        return [metric for metric in seen if metric in present]
+
+    def last_epoch(self, namespace: str) -> int | None:
+        """The last epoch with any value in ``namespace``."""
+        epochs = [e for layer in self.curves.get(namespace, {}).values() for curve in layer.values() for e in curve]
+        return max(epochs) if epochs else None
+
+
+def _natural_key(name: str) -> list[int | str]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _is_run(directory: Path) -> bool:
+    return (directory / "metrics.csv").is_file() or any((directory / FIGURE_DIR).glob("*_curves.json"))
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[tuple[str, Path]]:
+    """Run directories at or below each path, with their labels.
+
+    Args:
+        paths: run directories or folders above runs.
+
+    Returns:
+        ``(label, directory)`` pairs in argument order, naturally sorted below each argument. A label is the run's
+        path relative to the deepest folder shared by all runs (the folder name for a single run).
+
+    Raises:
+        FileNotFoundError: a path that does not exist or holds no run.
+    """
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
+        if _is_run(path):
+            below = [path]
+        else:
+            candidates = {p.parent for p in path.rglob("metrics.csv")}
+            candidates |= {p.parent.parent for p in path.rglob(f"{FIGURE_DIR}/*_curves.json")}
+            below = sorted(candidates, key=lambda p: _natural_key(str(p)))
+        if not below:
+            raise FileNotFoundError(
+                f"no run found in {str(path)!r}: expected a metrics.csv or {FIGURE_DIR}/<namespace>_curves.json in it "
+                "or in a folder below it"
+            )
+        found.extend(run.resolve() for run in below if run.resolve() not in found)
+    if len(found) == 1:
+        return [(found[0].name, found[0])]
+    shared = Path(os.path.commonpath(found))
+    return [(str(run.relative_to(shared)), run) for run in found]
+
+
+def _to_float(text: str) -> float | None:
+    if text is None or text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _read_metrics_csv(run: RunCurves, path: Path, namespaces: Sequence[str], final_metrics: Sequence[str]) -> None:
+    with path.open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    if not rows:
+        return
+    columns = list(rows[0])
+    for column in columns:
+        namespace, _, rest = column.partition("/")
+        layer, _, metric = rest.partition("/")
+        if namespace not in namespaces or not layer or not metric:
+            continue
+        for row in rows:
+            value, epoch = _to_float(row[column]), _to_float(row.get("epoch", ""))
+            if value is not None and epoch is not None:
+                run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})[int(epoch)] = value
+    for key in final_metrics:
+        if key in columns:
+            values = [v for v in (_to_float(row[key]) for row in rows) if v is not None]
+            if values:
+                run.final[key] = values[-1]
+
+
+def _read_curve_file(run: RunCurves, path: Path, fill: bool) -> None:
+    content = json.loads(path.read_text())
+    namespace = content["namespace"]
+    run.layers[namespace] = list(content["layers"])
+    run.metric_order[namespace] = list(content["metrics"])
+    if not fill:
+        return
+    for epoch, layers in content["history"].items():
+        for layer, metrics in layers.items():
+            for metric, value in metrics.items():
+                run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})[int(epoch)] = value
+
+
+def load_run(
+    directory: str | Path,
+    *,
+    label: str | None = None,
+    namespaces: Sequence[str] = DEFAULT_NAMESPACES,
+    final_metrics: Sequence[str] = DEFAULT_FINAL_METRICS,
+) -> RunCurves:
+    """Read one run's curves from its ``metrics.csv`` and ``rank_curves/<namespace>_curves.json`` files.
+
+    Args:
+        directory: the run directory.
+        label: the run's name; defaults to the directory name.
+        namespaces: key prefixes to read.
+        final_metrics: keys whose last logged value is kept (from ``metrics.csv``).
+
+    Returns:
+        The run's curves; namespaces without values are left out.
+    """
+    directory = Path(directory)
+    run = RunCurves(label=label or directory.name, directory=directory)
+    csv_path = directory / "metrics.csv"
+    if csv_path.is_file():
+        _read_metrics_csv(run, csv_path, namespaces, final_metrics)
+    for namespace in namespaces:
+        curve_file = directory / FIGURE_DIR / f"{namespace}_curves.json"
+        if curve_file.is_file():
+            _read_curve_file(run, curve_file, fill=namespace not in run.curves)
+    for namespace, layers in run.curves.items():
+        known = [layer for layer in run.layers.get(namespace, []) if layer in layers]
+        extra = sorted((layer for layer in layers if layer not in known), key=_natural_key)
+        run.layers[namespace] = known + extra
+    run.layers = {ns: layers for ns, layers in run.layers.items() if ns in run.curves}
+    return run
+
+
+def _union(lists: Iterable[Sequence[str]]) -> list[str]:
+    merged: dict[str, None] = {}
+    for items in lists:
+        merged.update(dict.fromkeys(items))
+    return list(merged)
+
+
+def summary_rows(runs: Sequence[RunCurves]) -> tuple[list[str], list[dict[str, object]]]:
+    """The summary table: one row per run, namespace and layer, with the last epoch's value of each metric.
+
+    Returns:
+        ``(columns, rows)``; a missing value is ``None``.
+    """
+    namespaces = _union(run.layers for run in runs)
+    metric_columns = _union([f"{ns}/{m}" for m in run.metrics(ns)] for run in runs for ns in namespaces)
+    final_columns = _union(run.final for run in runs)
+    columns = ["run", "namespace", "layer", "depth", "epoch", *metric_columns, *final_columns]
+    rows: list[dict[str, object]] = []
+    for run in runs:
+        for namespace in namespaces:
+            last = run.last_epoch(namespace)
+            for depth, layer in enumerate(run.layers.get(namespace, [])):
+                row: dict[str, object] = dict.fromkeys(columns)
+                row.update(run=run.label, namespace=namespace, layer=layer, depth=depth, epoch=last)
+                for metric, curve in run.curves[namespace][layer].items():
+                    row[f"{namespace}/{metric}"] = curve.get(last)
+                row.update(run.final)
+                rows.append(row)
+    return columns, rows
+
+
+def _format(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def write_summary(runs: Sequence[RunCurves], out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``summary.csv`` and ``summary.md`` (see :func:`summary_rows`) into ``out_dir``.
+
+    Returns:
+        The paths of the CSV and Markdown files.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns, rows = summary_rows(runs)
+    csv_path, md_path = out_dir / "summary.csv", out_dir / "summary.md"
+    with csv_path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_format(row[c]) for c in columns) + " |" for row in rows]
+    md_path.write_text("\n".join(lines) + "\n")
+    return csv_path, md_path
+
+
+def _run_colors(count: int) -> list[tuple[float, float, float, float]]:
+    palette = colormaps["tab10" if count <= 10 else "viridis"]
+    return [palette(i if count <= 10 else i / max(count - 1, 1)) for i in range(count)]
+
+
+def _figure_vs_epoch(runs: Sequence[RunCurves], namespace: str, metric: str, layers: list[str]) -> Figure:
+    columns = min(4, len(layers))
+    rows = math.ceil(len(layers) / columns)
+    figure = Figure(figsize=(3.6 * columns, 2.6 * rows + 0.6), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False, sharex=True)
+    colors = _run_colors(len(runs))
+    for index, layer in enumerate(layers):
+        ax = axes[index // columns][index % columns]
+        for run, color in zip(runs, colors):
+            curve = run.curves.get(namespace, {}).get(layer, {}).get(metric, {})
+            if curve:
+                epochs = sorted(curve)
+                ax.plot(epochs, [curve[e] for e in epochs], marker=".", color=color, label=run.label)
+        ax.set_title(layer, fontsize="small")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", useOffset=False)
+        ax.grid(alpha=0.3)
+    for index in range(len(layers), rows * columns):
+        axes[index // columns][index % columns].set_axis_off()
+    figure.supxlabel("epoch")
+    figure.suptitle(f"{namespace}: {metric} per layer")
+    if len(runs) > 1:
+        handles = [Line2D([], [], color=color, marker=".") for color in colors]
+        figure.legend(handles, [run.label for run in runs], loc="outside right upper", fontsize="small")
+    return figure
+
+
+def _figure_vs_depth(runs: Sequence[RunCurves], namespace: str, metric: str, layers: list[str]) -> Figure:
+    figure = Figure(figsize=(max(7.0, 0.3 * len(layers)), 4.5), layout="constrained")
+    ax = figure.subplots()
+    for run, color in zip(runs, _run_colors(len(runs))):
+        last = run.last_epoch(namespace)
+        values = [run.curves.get(namespace, {}).get(layer, {}).get(metric, {}).get(last, math.nan) for layer in layers]
+        ax.plot(range(len(layers)), values, marker=".", color=color, label=f"{run.label} (epoch {last})")
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels(layers, rotation=90, fontsize="x-small")
+    ax.set_xlabel("layer (by depth)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{namespace}: {metric} vs depth at the last epoch")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return figure
+
+
+def write_figures(runs: Sequence[RunCurves], out_dir: str | Path) -> list[Path]:
+    """Write, per namespace and metric, the metric-vs-epoch (panel per layer) and metric-vs-depth figures.
+
+    Returns:
+        Paths of the written PNG files.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for namespace in _union(run.layers for run in runs):
+        layers = _union(run.layers.get(namespace, []) for run in runs)
+        for metric in _union(run.metrics(namespace) for run in runs):
+            stem = _UNSAFE_FILENAME.sub("_", f"{namespace}_{metric}")
+            for suffix, draw in (("vs_epoch", _figure_vs_epoch), ("vs_depth", _figure_vs_depth)):
+                path = out_dir / f"{stem}_{suffix}.png"
+                draw(runs, namespace, metric, layers).savefig(path, dpi=110)
+                written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m rank_lightning.analysis.report`` (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rank_lightning.analysis.report",
+        description="Figures and summary table of the per-layer rank curves of finished runs.",
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories or folders above runs")
+    parser.add_argument("--out", required=True, metavar="OUT_DIR", help="folder for the figures and tables")
+    parser.add_argument(
+        "--namespaces",
+        nargs="+",
+        default=list(DEFAULT_NAMESPACES),
+        help="key prefixes to report (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--final-metrics",
+        nargs="*",
+        default=list(DEFAULT_FINAL_METRICS),
+        help="keys whose final value joins the summary (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        found = find_runs(args.runs)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    runs = [
+        load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
+        for label, directory in found
+    ]
+    empty = [run.label for run in runs if not run.curves]
+    if len(empty) == len(runs):
+        parser.error(f"no keys with the namespaces {args.namespaces} in the runs {empty}")
+    runs = [run for run in runs if run.curves]
+    figures = write_figures(runs, args.out)
+    csv_path, md_path = write_summary(runs, args.out)
+    print(f"{len(runs)} run(s): {', '.join(run.label for run in runs)}")
+    if empty:
+        print(f"skipped (no rank curves): {', '.join(empty)}")
+    print(f"wrote {len(figures)} figures, {csv_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,524 @@
+"""Spectral rank metrics of a samples x features matrix ``X`` (N x d).
+
+Every metric is a function of the singular values ``s_1 >= s_2 >= ... >= s_K`` of ``X``, ``K = min(N, d)``. Each
+function accepts either the data matrix or a precomputed :class:`Spectrum`, so one decomposition serves all metrics of a
+layer. Spectra are always computed in float64, whatever the dtype of the input.
+
+Conventions for inputs without a meaningful answer:
+
+* Non-finite input (NaN or Inf anywhere): the spectrum is all NaN, a warning names the problem, and every metric derived
+  from it is NaN. Nothing raises, so a monitor never stops training.
+* All-zero input: every rank-like metric (numerical, soft, participation ratio, stable, effective) is 0; ratios that are
+  0/0 (variance ratio, tail error, normalised total cluster variation) are NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rank_lightning.functional.reductions import weight_as_matrix
+
+__all__ = [
+    "Spectrum",
+    "classwise_variance_ratio",
+    "default_rank_tolerance",
+    "effective_rank",
+    "numerical_rank",
+    "participation_ratio",
+    "singular_values",
+    "soft_rank",
+    "spectrum",
+    "spectrum_from_gram",
+    "stable_rank",
+    "tail_error",
+    "total_cluster_variation",
+    "total_cluster_variation_from_moments",
+    "variance_ratio",
+]
+
+_SIZE_CHOICES = ("min", "max")
+_GRAM_SIDES = ("feature", "sample")
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """Singular values of a samples x features matrix, with the shape they came from.
+
+    Attributes:
+        singular_values: float64, 1-D, descending, non-negative, of length ``min(num_samples, num_features)``
+            (all NaN when the input was not finite).
+        num_samples: N, the number of rows of ``X``.
+        num_features: d, the number of columns of ``X``.
+        centered: whether the column means were subtracted before the decomposition.
+    """
+
+    singular_values: Tensor
+    num_samples: int
+    num_features: int
+    centered: bool = False
+
+    @property
+    def is_finite(self) -> bool:
+        """Whether the spectrum holds numbers (False after non-finite input)."""
+        return bool(torch.isfinite(self.singular_values).all())
+
+
+def _check_matrix(x: Tensor, name: str = "x") -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or a Spectrum, got {type(x).__name__}")
+    if x.ndim != 2:
+        raise ValueError(
+            f"{name} must be a 2-D samples x features matrix, got shape {tuple(x.shape)}; "
+            "reduce activations first with rank_lightning.functional.reduce_activations"
+        )
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one sample and one feature, got shape {tuple(x.shape)}")
+
+
+def _warn_non_finite(what: str) -> None:
+    warnings.warn(
+        f"{what} contains NaN or Inf values; the spectrum and every metric derived from it are NaN",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _nan_spectrum(num_samples: int, num_features: int, centered: bool, device: torch.device) -> Spectrum:
+    values = torch.full((min(num_samples, num_features),), math.nan, dtype=torch.float64, device=device)
+    return Spectrum(values, num_samples, num_features, centered)
+
+
+def spectrum(x: Tensor, *, center: bool = False) -> Spectrum:
+    """Singular values of ``X`` computed in float64.
+
+    Args:
+        x: (N, d) samples x features matrix of any floating dtype (bf16 and fp16 are upcast before any arithmetic).
+        center: subtract the column means first (the PCA convention).
+
+    Returns:
+        The :class:`Spectrum` of ``X``; all NaN, with a ``RuntimeWarning``, if ``x`` holds NaN or Inf.
+    """
+    _check_matrix(x)
+    num_samples, num_features = x.shape
+    x64 = x.detach().to(torch.float64)
+    if not torch.isfinite(x64).all():
+        _warn_non_finite("input matrix")
+        return _nan_spectrum(num_samples, num_features, center, x.device)
+    if center:
+        x64 = x64 - x64.mean(dim=0, keepdim=True)
+    values = torch.linalg.svdvals(x64)
+    return Spectrum(values, num_samples, num_features, center)
+
+
+def spectrum_from_gram(
+    gram: Tensor,
+    num_samples: int,
+    *,
+    feature_sum: Tensor | None = None,
+    center: bool = False,
+    side: Literal["feature", "sample"] = "feature",
+    num_features: int | None = None,
+) -> Spectrum:
+    """Spectrum of ``X`` from a Gram matrix: ``s_i^2`` are the eigenvalues of ``X^T X`` (or of ``X X^T``).
+
+    The non-zero eigenvalues of the feature Gram ``X^T X`` (d x d) and of the sample Gram ``X X^T`` (N x N) coincide,
+    so either gives the spectrum; the result is truncated to ``min(N, d)`` values.
+
+    Args:
+        gram: float64 Gram matrix, ``X^T X`` (``side="feature"``) or ``X X^T`` (``side="sample"``).
+        num_samples: N, the number of rows of ``X`` (the count the Gram was summed over).
+        feature_sum: ``X^T 1 = N mu`` (length d); required to centre a feature Gram.
+        center: return the spectrum of the centred matrix ``X - 1 mu^T``: the feature Gram becomes
+            ``X^T X - N mu mu^T``, the sample Gram ``H X X^T H`` with ``H = I - 11^T / N``.
+        side: which Gram ``gram`` is.
+        num_features: d; defaults to ``gram.shape[0]`` for a feature Gram and is required for a sample Gram.
+
+    Returns:
+        The :class:`Spectrum`; all NaN, with a ``RuntimeWarning``, if the Gram is not finite.
+    """
+    if side not in _GRAM_SIDES:
+        raise ValueError(f"unknown side {side!r}; valid choices are {_GRAM_SIDES}")
+    if gram.ndim != 2 or gram.shape[0] != gram.shape[1]:
+        raise ValueError(f"gram must be a square matrix, got shape {tuple(gram.shape)}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+    if side == "feature":
+        if num_features is None:
+            num_features = gram.shape[0]
+        elif num_features != gram.shape[0]:
+            raise ValueError(
+                f"num_features={num_features} does not match the feature Gram of shape {tuple(gram.shape)}"
+            )
+    else:
+        if num_features is None:
+            raise ValueError("num_features is required for a sample Gram (side='sample')")
+        if gram.shape[0] != num_samples:
+            raise ValueError(f"num_samples={num_samples} does not match the sample Gram of shape {tuple(gram.shape)}")
+    g = gram.detach().to(torch.float64)
+    if center and side == "feature":
+        if feature_sum is None:
+            raise ValueError("center=True on a feature Gram needs feature_sum (X^T 1)")
+        s = feature_sum.detach().to(device=g.device, dtype=torch.float64).reshape(-1)
+        if s.shape[0] != g.shape[0]:
+            raise ValueError(f"feature_sum has length {s.shape[0]}, expected {g.shape[0]}")
+        g = g - torch.outer(s, s) / num_samples
+    elif center:
+        row_mean = g.mean(dim=1, keepdim=True)
+        g = g - row_mean - row_mean.T + g.mean()
+    if not torch.isfinite(g).all():
+        _warn_non_finite("Gram matrix")
+        return _nan_spectrum(num_samples, num_features, center, gram.device)
+    # Rounding makes the summed Gram slightly asymmetric and its smallest eigenvalues slightly negative.
+    eigenvalues = torch.linalg.eigvalsh((g + g.T) / 2)
+    values = eigenvalues.flip(0).clamp_min(0).sqrt()[: min(num_samples, num_features)]
+    return Spectrum(values.contiguous(), num_samples, num_features, center)
+
+
+def default_rank_tolerance(num_samples: int, num_features: int, *, size: Literal["min", "max"] = "min") -> float:
+    """Relative tolerance of the numerical rank: ``finfo(float32).eps * K`` (Feng et al. eq. 4, Sec. 4.3).
+
+    Feng et al. take ``K = min(N, d)``, the number of singular values (the default); NumPy's ``matrix_rank`` and
+    WeightWatcher take ``K = max(N, d)`` (``size="max"``). The float32 epsilon is used whatever dtype the data had, so
+    the rank does not depend on the precision the decomposition ran in.
+
+    Args:
+        num_samples: N.
+        num_features: d.
+        size: ``"min"`` or ``"max"``, which dimension is ``K``.
+
+    Returns:
+        The tolerance ``eps``; a singular value counts when ``s_i >= eps * s_1``.
+    """
+    if size not in _SIZE_CHOICES:
+        raise ValueError(f"unknown size {size!r}; valid choices are {_SIZE_CHOICES}")
+    k = min(num_samples, num_features) if size == "min" else max(num_samples, num_features)
+    return float(torch.finfo(torch.float32).eps) * k
+
+
+def _as_spectrum(x: Tensor | Spectrum, center: bool | None = None) -> Spectrum:
+    if isinstance(x, Spectrum):
+        if center is not None and center != x.centered:
+            raise ValueError(
+                f"center={center} requested but the precomputed spectrum has centered={x.centered}; "
+                "pass center=None to use the spectrum as it is"
+            )
+        return x
+    _check_matrix(x)
+    return spectrum(x, center=bool(center))
+
+
+def _nan_scalar(device: torch.device) -> Tensor:
+    return torch.tensor(math.nan, dtype=torch.float64, device=device)
+
+
+def singular_values(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
+    """Singular values of ``X`` in float64, descending, length ``min(N, d)``.
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        1-D float64 tensor.
+    """
+    return _as_spectrum(x, center).singular_values
+
+
+def numerical_rank(
+    x: Tensor | Spectrum,
+    *,
+    eps: float | None = None,
+    size: Literal["min", "max"] = "min",
+    center: bool | None = None,
+) -> Tensor:
+    """Numerical rank ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4).
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        eps: relative tolerance; ``None`` uses :func:`default_rank_tolerance` with ``size``.
+        size: ``K`` of the default tolerance, ``min(N, d)`` (Feng) or ``max(N, d)`` (NumPy).
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        int64 scalar; 0 for an all-zero matrix. A float64 NaN scalar if the spectrum is not finite (an integer
+        tensor cannot hold NaN).
+    """
+    spec = _as_spectrum(x, center)
+    s = spec.singular_values
+    if not spec.is_finite:
+        return _nan_scalar(s.device)
+    if eps is None:
+        eps = default_rank_tolerance(spec.num_samples, spec.num_features, size=size)
+    elif size not in _SIZE_CHOICES:
+        raise ValueError(f"unknown size {size!r}; valid choices are {_SIZE_CHOICES}")
+    # "> 0" keeps the rank of the zero matrix at 0 (with s_1 = 0 every s_i >= eps * s_1).
+    return ((s >= eps * s[0]) & (s > 0)).sum()
+
+
+def soft_rank(x: Tensor | Spectrum, *, tau: float = 0.5, center: bool | None = None) -> Tensor:
+    """Soft rank ``rank_tau(X) = #{i : s_i^2 / N >= tau}`` (Daneshmand et al. eq. 3).
+
+    ``s_i^2 / N`` are the eigenvalues of the second-moment matrix ``X^T X / N``; the paper uses ``tau = 0.5`` on
+    batch-normalised features, whose second moments are of order one.
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        tau: absolute threshold on the eigenvalues of ``X^T X / N``; must be positive.
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        int64 scalar; a float64 NaN scalar if the spectrum is not finite.
+    """
+    if tau <= 0:
+        raise ValueError(f"tau must be positive, got {tau}")
+    spec = _as_spectrum(x, center)
+    s = spec.singular_values
+    if not spec.is_finite:
+        return _nan_scalar(s.device)
+    return (s.square() / spec.num_samples >= tau).sum()
+
+
+def participation_ratio(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
+    """Participation ratio ``r(H) = (sum_i s_i^2)^2 / sum_i s_i^4 = Tr(M)^2 / ||M||_F^2``, ``M = X^T X / N``.
+
+    Daneshmand et al. eq. 4; by their Lemma 1 it lower-bounds the rank. On a matrix it is computed from the smaller of
+    ``X^T X`` and ``X X^T`` (the scale ``1/N`` cancels) and is differentiable with respect to ``x``, so it can be
+    maximised by gradient ascent (rank-increasing pre-training, Daneshmand et al. App. G).
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        float64 scalar in ``[1, min(N, d)]``; 0 for an all-zero matrix; NaN for non-finite input.
+    """
+    if isinstance(x, Spectrum):
+        spec = _as_spectrum(x, center)
+        s2 = spec.singular_values.square()
+        trace = s2.sum()
+        frob_sq = s2.square().sum()
+    else:
+        _check_matrix(x)
+        x64 = x.to(torch.float64)
+        if not torch.isfinite(x64.detach()).all():
+            _warn_non_finite("input matrix")
+            return _nan_scalar(x.device)
+        if center:
+            x64 = x64 - x64.mean(dim=0, keepdim=True)
+        m = x64.T @ x64 if x64.shape[1] <= x64.shape[0] else x64 @ x64.T
+        trace = x64.square().sum()
+        frob_sq = m.square().sum()
+    # The where keeps gradients finite at the zero matrix, where the ratio is 0/0 and is defined as 0.
+    is_zero = frob_sq == 0
+    safe = torch.where(is_zero, torch.ones_like(frob_sq), frob_sq)
+    return torch.where(is_zero, torch.zeros_like(frob_sq), trace.square() / safe)
+
+
+def stable_rank(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
+    """Stable rank ``sum_i s_i^2 / s_1^2`` (``||X||_F^2 / ||X||_2^2``, WeightWatcher's ``stable_rank``).
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        float64 scalar in ``[1, min(N, d)]``; 0 for an all-zero matrix; NaN for non-finite input.
+    """
+    s = _as_spectrum(x, center).singular_values
+    top = s[0].square()
+    is_zero = top == 0
+    return torch.where(is_zero, torch.zeros_like(top), s.square().sum() / torch.where(is_zero, 1.0, top))
+
+
+def effective_rank(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
+    """Effective rank ``exp(H(p))`` with ``p_i = s_i / sum_j s_j`` (Roy & Vetterli 2007; RankMe).
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        float64 scalar in ``[1, min(N, d)]``; 0 for an all-zero matrix; NaN for non-finite input.
+    """
+    s = _as_spectrum(x, center).singular_values
+    total = s.sum()
+    if not torch.isfinite(total):
+        return _nan_scalar(s.device)
+    if total == 0:
+        return torch.zeros((), dtype=torch.float64, device=s.device)
+    p = s / total
+    # 0 * log 0 = 0 by continuity.
+    entropy = -torch.xlogy(p, p).sum()
+    return entropy.exp()
+
+
+def _check_k(k: int | None) -> None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be a positive integer or None (the whole curve), got {k!r}")
+
+
+def variance_ratio(x: Tensor | Spectrum, k: int | None = None, *, center: bool | None = None) -> Tensor:
+    """Variance ratio ``VR_k = sum_{i<=k} s_i^2 / sum_i s_i^2`` (Sanyal et al. eq. 7); leakage is ``1 - VR_k``.
+
+    Sanyal et al. take the singular values of the activation matrix itself (uncentred, the default for a matrix).
+    With ``center=True`` the curve equals scikit-learn's ``PCA().explained_variance_ratio_.cumsum()``.
+
+    Args:
+        x: (N, d) matrix or precomputed spectrum.
+        k: number of leading singular values; ``None`` returns the whole curve ``[VR_1, ..., VR_K]``. ``k > K`` gives 1.
+        center: subtract column means first (only for a matrix; ``None`` means no).
+
+    Returns:
+        float64 scalar (or 1-D curve of length ``K``); NaN for an all-zero or non-finite input.
+    """
+    _check_k(k)
+    s2 = _as_spectrum(x, center).singular_values.square()
+    total = s2.sum()
+    if k is None:
+        return s2.cumsum(0) / total
+    return s2[:k].sum() / total
+
+
+def classwise_variance_ratio(
+    x: Tensor,
+    labels: Tensor,
+    *,
+    k: int = 1,
+    num_classes: int | None = None,
+    center: bool = False,
+) -> Tensor:
+    """Variance ratio ``VR_k`` of the rows of each class separately (Sanyal et al. Sec. 4.3 plots ``VR_1``).
+
+    Args:
+        x: (N, d) matrix.
+        labels: (N,) integer class labels in ``[0, num_classes)``.
+        k: number of leading singular values.
+        num_classes: number of classes; defaults to ``labels.max() + 1``.
+        center: subtract each class's mean first (Sanyal et al. do not).
+
+    Returns:
+        float64 tensor of shape ``(num_classes,)``; NaN for a class without samples.
+    """
+    _check_k(k)
+    _check_matrix(x)
+    labels = _check_labels(labels, x.shape[0], num_classes)
+    if num_classes is None:
+        num_classes = int(labels.max()) + 1
+    out = torch.full((num_classes,), math.nan, dtype=torch.float64, device=x.device)
+    for c in range(num_classes):
+        rows = x[labels == c]
+        if rows.shape[0] > 0:
+            out[c] = variance_ratio(spectrum(rows, center=center), k)
+    return out
+
+
+def _check_labels(labels: Tensor, num_samples: int, num_classes: int | None) -> Tensor:
+    if labels.ndim != 1 or labels.shape[0] != num_samples:
+        raise ValueError(f"labels must have shape ({num_samples},), got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    if labels.numel() and int(labels.min()) < 0:
+        raise ValueError(f"labels must be non-negative, got {int(labels.min())}")
+    if num_classes is not None and labels.numel() and int(labels.max()) >= num_classes:
+        raise ValueError(f"label {int(labels.max())} is out of range for num_classes={num_classes}")
+    return labels.long()
+
+
+def total_cluster_variation(
+    x: Tensor, labels: Tensor, *, normalized: bool = False, num_classes: int | None = None
+) -> Tensor:
+    """Total cluster variation ``TCV = sum_c sum_{i in c} ||x_i - mu_c||^2`` (Zangrando et al. Def. 3.2, eq. 6).
+
+    The class labels are the partition (Zangrando et al.'s own approximation of the best clustering, Sec. 6.3).
+
+    Args:
+        x: (N, d) matrix.
+        labels: (N,) integer class labels.
+        normalized: divide by the total sum of squares around the global mean, ``sum_i ||x_i - mu||^2``, giving the
+            fraction of the variance left inside the classes (in ``[0, 1]``; NaN when all rows are equal).
+        num_classes: number of classes; defaults to ``labels.max() + 1``.
+
+    Returns:
+        float64 scalar; NaN for non-finite input (with a ``RuntimeWarning``).
+    """
+    _check_matrix(x)
+    labels = _check_labels(labels, x.shape[0], num_classes)
+    x64 = x.detach().to(torch.float64)
+    if not torch.isfinite(x64).all():
+        _warn_non_finite("input matrix")
+        return _nan_scalar(x.device)
+    if num_classes is None:
+        num_classes = int(labels.max()) + 1
+    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+    sums = torch.zeros(num_classes, x64.shape[1], dtype=torch.float64, device=x.device).index_add_(0, labels, x64)
+    means = sums / counts.clamp_min(1).unsqueeze(1)
+    # Subtracting the means before squaring avoids the cancellation of the moment formula.
+    tcv = (x64 - means[labels]).square().sum()
+    if not normalized:
+        return tcv
+    return tcv / (x64 - x64.mean(dim=0)).square().sum()
+
+
+def total_cluster_variation_from_moments(
+    sum_squares: Tensor,
+    class_sums: Tensor,
+    class_counts: Tensor,
+    *,
+    normalized: bool = False,
+) -> Tensor:
+    """Total cluster variation from streamed moments (Zangrando et al. Def. 3.2, eq. 6).
+
+    Uses ``TCV = sum_i ||x_i||^2 - sum_c ||S_c||^2 / n_c`` and, for the normalised variant, the total sum of squares
+    ``sum_i ||x_i||^2 - ||sum_c S_c||^2 / N``; exact in float64 unless the within-class spread is tiny compared with
+    the distance of the data from the origin.
+
+    Args:
+        sum_squares: scalar ``sum_i ||x_i||^2``.
+        class_sums: (C, d) per-class sums ``S_c = sum_{i in c} x_i``.
+        class_counts: (C,) per-class sample counts ``n_c``.
+        normalized: divide by the total sum of squares around the global mean.
+
+    Returns:
+        float64 scalar, clamped at 0 against rounding; NaN if any moment is not finite.
+    """
+    sums = class_sums.to(torch.float64)
+    counts = class_counts.to(torch.float64)
+    total_sq = sum_squares.to(torch.float64)
+    between = (sums.square().sum(dim=1) / counts.clamp_min(1)).sum()
+    tcv = (total_sq - between).clamp_min(0)
+    if not normalized:
+        return tcv
+    n = counts.sum()
+    total_var = (total_sq - sums.sum(dim=0).square().sum() / n.clamp_min(1)).clamp_min(0)
+    return tcv / total_var
+
+
+def tail_error(w: Tensor | Spectrum, k: int | None = None) -> Tensor:
+    """Singular-value tail error ``sqrt(sum_{i>k} s_i^2) / sqrt(sum_i s_i^2)`` (Zangrando et al. eq. 22, Sec. 6.1).
+
+    It is the relative Frobenius distance of ``W`` from its best rank-``k`` approximation (Eckart-Young).
+
+    Args:
+        w: weight matrix (conv kernels ``(out, in, kh, kw)`` are reshaped to ``out x (in*kh*kw)``), any 2-D matrix, or
+            a precomputed spectrum.
+        k: rank of the approximation; ``None`` returns the curve for ``k = 1, ..., K`` (its last entry is 0).
+
+    Returns:
+        float64 scalar (or 1-D curve of length ``K``); NaN for an all-zero or non-finite input.
+    """
+    _check_k(k)
+    if isinstance(w, Tensor) and w.ndim != 2:
+        w = weight_as_matrix(w)
+    s2 = _as_spectrum(w).singular_values.square()
+    # The reverse cumulative sum keeps the small tails accurate instead of computing 1 - VR_k.
+    tails = s2.flip(0).cumsum(0).flip(0)
+    total = tails[0]
+    if k is None:
+        return (torch.cat([tails[1:], tails.new_zeros(1)]) / total).sqrt()
+    return (tails[k] / total).sqrt() if k < tails.shape[0] else (tails.new_zeros(()) / total).sqrt()

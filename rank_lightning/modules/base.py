@@ -1,0 +1,62 @@
+"""Behaviour shared by the package's LightningModules: optimiser set-up and the named blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from torch import nn
+
+from rank_lightning.modules.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+
+
+class RankModule(pl.LightningModule):
+    """A LightningModule whose network lives in ``self.backbone`` and exposes named blocks.
+
+    Args:
+        optimizer: ``sgd``, ``adam`` or ``adamw``.
+        lr: learning rate.
+        weight_decay: weight decay of the decayed parameter group.
+        momentum: SGD momentum.
+        decay_norm_and_bias: also decay biases and normalisation parameters (off by default).
+        scheduler: ``none``, ``cosine`` (over ``trainer.max_epochs``), ``step`` or ``multistep``.
+        step_size, milestones, gamma: settings of the ``step`` / ``multistep`` schedules (in epochs).
+    """
+
+    backbone: nn.Module
+
+    def __init__(
+        self,
+        *,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        weight_decay: float = 0.0,
+        momentum: float = 0.9,
+        decay_norm_and_bias: bool = False,
+        scheduler: str = "none",
+        step_size: int = 30,
+        milestones: tuple[int, ...] = (),
+        gamma: float = 0.1,
+    ) -> None:
+        super().__init__()
+        # Fail at construction, not at the first optimizer step.
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; optimizers are: {', '.join(OPTIMIZERS)}")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; schedulers are: {', '.join(SCHEDULERS)}")
+        self._optim_settings = dict(
+            name=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, decay_norm_and_bias=decay_norm_and_bias
+        )
+        self._sched_settings = dict(name=scheduler, step_size=step_size, milestones=tuple(milestones), gamma=gamma)
+
+    def blocks(self) -> dict[str, str]:
+        """The backbone's blocks (``short name -> submodule path``), with paths relative to this module."""
+        return {name: f"backbone.{path}" for name, path in self.backbone.blocks().items()}
+
+    def configure_optimizers(self) -> Any:
+        optimizer = build_optimizer(self, **self._optim_settings)
+        max_epochs = self.trainer.max_epochs if self._trainer is not None else None
+        scheduler = build_scheduler(optimizer, max_epochs=max_epochs, **self._sched_settings)
+        if scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}

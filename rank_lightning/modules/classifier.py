@@ -1,0 +1,104 @@
+"""Image (or vector) classification with any registered backbone."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from rank_lightning.models import create_model, get_model_factory
+from rank_lightning.modules.base import RankModule
+
+
+def _input_kwargs(backbone: str, input_shape: tuple[int, ...]) -> dict[str, Any]:
+    """The factory arguments that describe the input: ``input_shape`` for MLPs, channels and size for images."""
+    accepted = inspect.signature(get_model_factory(backbone)).parameters
+    if "input_shape" in accepted:
+        return {"input_shape": input_shape}
+    if len(input_shape) != 3:
+        raise ValueError(f"backbone {backbone!r} needs (C, H, W) image inputs, got input_shape={input_shape}")
+    channels, height, width = input_shape
+    if height != width:
+        raise ValueError(f"backbone {backbone!r} needs square images, got input_shape={input_shape}")
+    return {"in_channels": channels, "image_size": height}
+
+
+class ImageClassifier(RankModule):
+    """Cross-entropy classification of ``(x, y)`` batches with a backbone from the registry.
+
+    Args:
+        backbone: registered model name (see ``rank_lightning.models.list_models()``).
+        backbone_kwargs: keyword arguments of the backbone factory (depth, width, init, ...).
+        num_classes: number of classes; linked from the datamodule by the CLI.
+        input_shape: shape of one input, ``(C, H, W)`` or ``(d,)``; linked from the datamodule by the CLI.
+        label_smoothing: label smoothing of the cross-entropy.
+        **optim: optimiser and schedule settings of :class:`~rank_lightning.modules.base.RankModule`.
+
+    Logged metrics:
+        ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "mlp",
+        backbone_kwargs: dict[str, Any] | None = None,
+        num_classes: int = 10,
+        input_shape: tuple[int, ...] = (1, 8, 8),
+        label_smoothing: float = 0.0,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        weight_decay: float = 0.0,
+        momentum: float = 0.9,
+        decay_norm_and_bias: bool = False,
+        scheduler: str = "none",
+        step_size: int = 30,
+        milestones: tuple[int, ...] = (),
+        gamma: float = 0.1,
+    ) -> None:
+        super().__init__(
+            optimizer=optimizer,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            decay_norm_and_bias=decay_norm_and_bias,
+            scheduler=scheduler,
+            step_size=step_size,
+            milestones=milestones,
+            gamma=gamma,
+        )
+        self.save_hyperparameters()
+        self.num_classes = num_classes
+        self.input_shape = tuple(input_shape)
+        self.label_smoothing = label_smoothing
+        self.backbone = create_model(
+            backbone, num_classes=num_classes, **_input_kwargs(backbone, self.input_shape), **(backbone_kwargs or {})
+        )
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def _shared_step(self, batch: Any, stage: str) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        logits = self(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+        accuracy = getattr(self, f"{stage}_acc")
+        accuracy(logits, y)
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=not on_step)
+        self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._shared_step(batch, "test")

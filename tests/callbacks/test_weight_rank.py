@@ -1,0 +1,347 @@
+import csv
+import json
+import math
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger, WandbLogger
+from torch import nn
+
+from rank_lightning.callbacks import WeightRankMonitor
+from rank_lightning.callbacks.curves import FIGURE_DIR
+
+TAIL_RANKS = (1, 2, 5)
+
+
+def _reference(matrix: np.ndarray, eps: float | None = None) -> dict[str, float]:
+    """The logged metrics from NumPy's SVD of the (out, fan_in) matrix, written out from their definitions."""
+    matrix = matrix.reshape(matrix.shape[0], -1).astype(np.float64)
+    s = np.linalg.svd(matrix, compute_uv=False)
+    if eps is None:
+        eps = np.finfo(np.float32).eps * min(matrix.shape)
+    p = s / s.sum()
+    values = {
+        "numerical_rank": float(np.sum(s >= eps * s[0])),
+        "stable_rank": float(np.sum(s**2) / s[0] ** 2),
+        "effective_rank": float(np.exp(-np.sum(p[p > 0] * np.log(p[p > 0])))),
+        "spectral_norm": float(s[0]),
+    }
+    for k in TAIL_RANKS:
+        values[f"tail_error_k{k}"] = float(np.sqrt(np.sum(s[k:] ** 2) / np.sum(s**2)))
+    return values
+
+
+class _Steps:
+    """Layers and steps shared by the pytorch_lightning and lightning.pytorch test modules (no package base class)."""
+
+    def build(self) -> None:
+        self.conv = nn.Conv2d(3, 6, 3)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.hidden = nn.Linear(6, 12)
+        self.low_rank = nn.Linear(12, 12, bias=False)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.low_rank.weight.copy_(
+                torch.randn(12, 3, generator=generator) @ torch.randn(3, 12, generator=generator)
+            )
+        self.low_rank.weight.requires_grad_(False)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        tokens = self.conv(x).flatten(2).transpose(1, 2)  # (B, 9, 6)
+        tokens, _ = self.attn(tokens, tokens, tokens)
+        return self.head(self.low_rank(torch.relu(self.hidden(tokens.mean(1)))))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+class _Model(_Steps, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.build()
+
+
+def _expected_matrices(model: nn.Module) -> dict[str, np.ndarray]:
+    q, k, v = model.attn.in_proj_weight.detach().numpy().reshape(3, 6, 6)
+    return {
+        "conv": model.conv.weight.detach().numpy(),
+        "attn.q_proj": q,
+        "attn.k_proj": k,
+        "attn.v_proj": v,
+        "attn.out_proj": model.attn.out_proj.weight.detach().numpy(),
+        "hidden": model.hidden.weight.detach().numpy(),
+        "low_rank": model.low_rank.weight.detach().numpy(),
+        "head": model.head.weight.detach().numpy(),
+    }
+
+
+def _loader(n: int = 32) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 3, 5, 5, generator=generator), torch.randint(0, 3, (n,)))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _fit(trainer_cls, model, monitor, **kwargs):
+    options = dict(
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[monitor],
+    )
+    options.update(kwargs)
+    trainer = trainer_cls(**options)
+    trainer.fit(model, _loader(), _loader(16))
+    return trainer
+
+
+def test_logged_values_equal_numpy_svd_of_the_trained_weights(tmp_path):
+    torch.manual_seed(0)
+    model = _Model()
+    monitor = WeightRankMonitor(tail_ranks=TAIL_RANKS, save_singular_values=True, verbose=False)
+    logger = CSVLogger(tmp_path)
+    _fit(pl.Trainer, model, monitor, logger=logger)
+
+    with (Path(logger.log_dir) / "metrics.csv").open(newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("weight/head/stable_rank")]
+    assert len(rows) == 1
+    logged = {key: float(value) for key, value in rows[0].items() if key.startswith("weight/")}
+    matrices = _expected_matrices(model)
+    expected = {f"weight/{name}/{m}": v for name, w in matrices.items() for m, v in _reference(w).items()}
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value, rel=1e-6), key
+    assert logged["weight/low_rank/numerical_rank"] == 3
+    assert logged["weight/hidden/numerical_rank"] == 6
+
+    directory = Path(logger.log_dir) / FIGURE_DIR
+    assert json.loads((directory / "weight_curves.json").read_text())["layers"] == list(matrices)
+    assert (directory / "weight_tail_error_k5.png").is_file()
+    spectra = np.load(directory / "weight_singular_values" / "epoch_0000.npz")
+    for name, w in matrices.items():
+        np.testing.assert_allclose(spectra[name], np.linalg.svd(w.reshape(w.shape[0], -1), compute_uv=False), rtol=1e-5)
+
+
+def test_works_with_a_lightning_pytorch_trainer(tmp_path):
+    lightning = pytest.importorskip("lightning.pytorch")
+
+    class LightningModel(_Steps, lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.build()
+
+    torch.manual_seed(0)
+    model = LightningModel()
+    monitor = WeightRankMonitor(tail_ranks=TAIL_RANKS, verbose=False)
+    trainer = _fit(lightning.Trainer, model, monitor, logger=False, default_root_dir=tmp_path)
+    for name, w in _expected_matrices(model).items():
+        for metric, value in _reference(w).items():
+            assert float(trainer.callback_metrics[f"weight/{name}/{metric}"]) == pytest.approx(value, rel=1e-6)
+    assert (tmp_path / FIGURE_DIR / "weight_stable_rank.png").is_file()
+
+
+def test_measure_uses_the_configured_tolerance_and_metrics():
+    torch.manual_seed(0)
+    model = _Model()
+    monitor = WeightRankMonitor(
+        metrics=["numerical_rank", "tail_error"], tail_ranks=[2], rank_tolerance=0.5, tolerance_size="max"
+    )
+    values = monitor.measure(model)
+    for name, w in _expected_matrices(model).items():
+        s = np.linalg.svd(w.reshape(w.shape[0], -1).astype(np.float64), compute_uv=False)
+        assert values[name] == {
+            "numerical_rank": float(np.sum(s >= 0.5 * s[0])),
+            "tail_error_k2": pytest.approx(np.sqrt(np.sum(s[2:] ** 2) / np.sum(s**2)), rel=1e-12),
+        }
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.Conv1d(3, 4, 5), nn.Conv2d(4, 8, 3, groups=2), nn.Conv3d(3, 2, (1, 2, 2)), nn.Linear(7, 5)],
+    ids=["conv1d", "conv2d_groups", "conv3d", "linear"],
+)
+def test_conv_kernels_are_reshaped_to_out_by_fan_in(layer):
+    net = nn.Sequential(layer)
+    spectrum = WeightRankMonitor().spectra(net)["0"]
+    weight = layer.weight.detach().numpy()
+    fan_in = int(np.prod(weight.shape[1:]))
+    assert (spectrum.num_samples, spectrum.num_features) == (weight.shape[0], fan_in)
+    assert spectrum.singular_values.dtype == torch.float64
+    expected = np.linalg.svd(weight.reshape(weight.shape[0], fan_in).astype(np.float64), compute_uv=False)
+    np.testing.assert_allclose(spectrum.singular_values.numpy(), expected, rtol=1e-10)
+
+
+def test_attention_with_separate_projections_is_split_per_projection():
+    attention = nn.MultiheadAttention(8, 2, kdim=5, vdim=3)
+    spectra = WeightRankMonitor().spectra(nn.Sequential(attention))
+    assert list(spectra) == ["0.q_proj", "0.k_proj", "0.v_proj", "0.out_proj"]
+    for part, width in zip("qkv", (8, 5, 3)):
+        weight = getattr(attention, f"{part}_proj_weight").detach().double().numpy()
+        assert spectra[f"0.{part}_proj"].num_features == width
+        np.testing.assert_allclose(spectra[f"0.{part}_proj"].singular_values.numpy(), np.linalg.svd(weight)[1])
+
+
+def test_non_finite_weights_give_nan_without_touching_other_layers():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        net[0].weight[1, 2] = math.nan
+    values = WeightRankMonitor(tail_ranks=[1]).measure(net)
+    assert all(math.isnan(v) for v in values["0"].values())
+    assert values["1"]["spectral_norm"] == pytest.approx(np.linalg.norm(net[1].weight.detach().numpy(), 2))
+
+
+def _network() -> nn.Module:
+    net = nn.Module()
+    net.stem = nn.Conv2d(3, 4, 3)
+    net.block = nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 4))
+    net.attn = nn.MultiheadAttention(4, 2)
+    net.head = nn.Linear(4, 2)
+    return net
+
+
+ATTENTION = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, ["stem", "block.0", "block.2", *ATTENTION, "head"]),
+        ({"layers": ["block.*"]}, ["block.0", "block.2"]),
+        ({"layers": ["block"]}, ["block.0", "block.2"]),
+        ({"layers": ["head", "stem"]}, ["stem", "head"]),
+        ({"layers": ["attn"]}, ATTENTION),
+        ({"layer_types": [nn.Conv2d]}, ["stem", "block.0"]),
+        ({"layer_types": ["Linear"]}, ["block.2", "attn.out_proj", "head"]),
+        ({"layer_types": ["torch.nn.MultiheadAttention"]}, ATTENTION),
+        ({"layers": ["block.*", "h*"], "layer_types": [nn.Linear]}, ["block.2", "head"]),
+    ],
+)
+def test_layer_selection_by_name_glob_and_type(options, expected):
+    assert WeightRankMonitor(**options).select(_network()) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"layers": ["blokc"]}, "unknown layer 'blokc'; layers are: stem, block.0, block.2, attn, attn.out_proj, head"),
+        ({"layers": ["layer9.*"]}, "layer 'layer9.*' matches no Linear, Conv or MultiheadAttention layer; layers are"),
+        ({"layers": ["block.1"]}, "layer 'block.1' matches no"),
+        ({"layer_types": [nn.Conv3d]}, "match none of the selected layers; their types are: Conv2d, Linear"),
+    ],
+)
+def test_selection_errors_list_the_valid_choices(options, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):
+        WeightRankMonitor(**options).select(_network())
+
+
+def test_unknown_layer_fails_at_setup_before_training(tmp_path):
+    monitor = WeightRankMonitor(layers=["nonexistent"])
+    with pytest.raises(ValueError, match="unknown layer 'nonexistent'; layers are: conv, attn"):
+        _fit(pl.Trainer, _Model(), monitor, logger=False, default_root_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"metrics": ["rank"]}, r"unknown metrics \['rank'\]; valid choices are \('numerical_rank'"),
+        ({"every_n_epochs": 0}, "every_n_epochs must be a positive integer"),
+        ({"tolerance_size": "mid"}, r"unknown tolerance_size 'mid'; valid choices are \('min', 'max'\)"),
+        ({"tail_ranks": [0]}, "tail_ranks must be positive integers"),
+        ({"tail_ranks": []}, "needs at least one k"),
+        ({"rank_tolerance": -1.0}, "rank_tolerance must be positive"),
+        ({"layers": []}, "layers must be None or a non-empty list"),
+        ({"layer_types": ["torch.nn.Nope"]}, "layer type 'torch.nn.Nope' cannot be imported"),
+        ({"layer_types": [int]}, "layer_types entries must be nn.Module classes"),
+    ],
+)
+def test_constructor_validates_settings(options, message):
+    with pytest.raises(ValueError, match=message):
+        WeightRankMonitor(**options)
+
+
+def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path):
+    monitor = WeightRankMonitor(layers=["head"], every_n_epochs=2, verbose=False)
+    trainer = pl.Trainer(
+        max_epochs=5,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[monitor],
+    )
+    trainer.fit(_Model(), _loader(16))
+    assert monitor.curves.epochs == [1, 3]
+    assert monitor.curves.layers == ["head"]
+
+
+def _wandb_records(path: Path):
+    """Records of a ``.wandb`` transaction log: a 7-byte file header, then LevelDB log blocks of 32 KiB whose chunks
+    carry a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    position, pieces = 7, []
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        if left < 7:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if length == 0 and kind == 0:
+            position += left
+            continue
+        pieces.append(data[position + 7 : position + 7 + length])
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(pieces))
+            pieces = []
+            yield record
+
+
+def test_offline_wandb_run_holds_the_weight_keys_and_charts(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    model = _Model()
+    monitor = WeightRankMonitor(layers=["hidden", "head"], tail_ranks=TAIL_RANKS, save_singular_values=True)
+    logger = WandbLogger(mode="offline", save_dir=tmp_path, project="rank")
+    try:
+        _fit(pl.Trainer, model, monitor, logger=logger, max_epochs=2)
+        run_id = logger.experiment.id
+    finally:
+        wandb.finish()
+
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    # wandb.finish() can return before the service has flushed the log; its last record is "exit".
+    deadline = time.monotonic() + 60
+    while not (records := list(_wandb_records(run_file))) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the offline run was never closed"
+        time.sleep(0.2)
+    history: dict[str, str] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            history.update({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+    matrices = _expected_matrices(model)
+    for name in ("hidden", "head"):
+        for metric, value in _reference(matrices[name]).items():
+            assert float(history[f"weight/{name}/{metric}"]) == pytest.approx(value, rel=1e-6)
+        assert json.loads(history[f"weight_spectra/{name}/_type"]) == "histogram"
+    for metric in ("numerical_rank", "tail_error_k5"):
+        for chart in ("vs_epoch", "vs_depth"):
+            assert json.loads(history[f"weight_curves/{metric}_{chart}_table/_type"]) == "table-file"
+    assert (tmp_path / "rank" / run_id / FIGURE_DIR / "weight_spectral_norm.png").is_file()

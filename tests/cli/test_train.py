@@ -1,0 +1,123 @@
+"""The command line, end to end: every config parses, the quickstart trains, DDP fits."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rank_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "loggers" not in p.parts and "sweeps" not in p.parts)
+
+
+def _run_train(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _last_metrics(run_dir: Path) -> dict[str, float]:
+    """Last non-empty value of every column of a CSVLogger's metrics.csv."""
+    [metrics_file] = run_dir.rglob("metrics.csv")
+    last: dict[str, float] = {}
+    with open(metrics_file) as f:
+        for row in csv.DictReader(f):
+            last.update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return last
+
+
+def test_configs_exist():
+    names = {p.stem for p in CONFIGS}
+    assert {"quickstart"} <= names
+    assert len(CONFIGS) >= 5
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_print_config(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "class_path" in capsys.readouterr().out
+
+
+def test_wandb_switch_parses(capsys):
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs/quickstart.yaml"),
+                "--config",
+                str(ROOT / "configs/loggers/wandb.yaml"),
+                "--print_config",
+            ]
+        )
+    assert "WandbLogger" in capsys.readouterr().out
+
+
+def test_unknown_backbone_is_a_clear_error(tmp_path):
+    with pytest.raises((ValueError, SystemExit)) as info:
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs/quickstart.yaml"),
+                "--model.init_args.backbone=mlpp",
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.logger=false",
+            ],
+            run=False,
+        )
+    if isinstance(info.value, ValueError):
+        assert "mlpp" in str(info.value) and "resnet18" in str(info.value)
+
+
+@pytest.mark.slow
+def test_quickstart_end_to_end(tmp_path):
+    result = _run_train(["fit", "--config", str(ROOT / "configs/quickstart.yaml")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _last_metrics(tmp_path / "runs")
+    assert metrics["val/acc"] > 0.9
+    assert any(k.startswith("rank/") for k in metrics), sorted(metrics)
+    assert any(k.startswith("weight/") for k in metrics), sorted(metrics)
+    ckpts = list((tmp_path / "runs").rglob("*.ckpt"))
+    assert ckpts
+
+    validate = _run_train(
+        ["validate", "--config", str(ROOT / "configs/quickstart.yaml"), f"--ckpt_path={ckpts[0]}"], cwd=tmp_path
+    )
+    assert validate.returncode == 0, validate.stderr[-4000:]
+    test = _run_train(
+        ["test", "--config", str(ROOT / "configs/quickstart.yaml"), f"--ckpt_path={ckpts[0]}"], cwd=tmp_path
+    )
+    assert test.returncode == 0, test.stderr[-4000:]
+    assert "test/acc" in test.stdout + test.stderr
+
+
+@pytest.mark.slow
+def test_fit_ddp_two_processes(tmp_path):
+    result = _run_train(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs/quickstart.yaml"),
+            "--trainer.strategy=ddp",
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=2",
+            "--trainer.max_epochs=1",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _last_metrics(tmp_path / "runs")
+    assert "val/acc" in metrics

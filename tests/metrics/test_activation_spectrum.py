@@ -1,0 +1,330 @@
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from sklearn.decomposition import PCA
+
+import rank_lightning.functional as F
+from rank_lightning.metrics import ActivationSpectrum, ActivationSpectrumResult
+from tests.metrics.ddp_helpers import DDP_CONFIGS, clustered_data, ddp_results, ddp_worker
+
+
+def _stream(metric: ActivationSpectrum, x: torch.Tensor, y: torch.Tensor | None, sizes: list[int]) -> None:
+    start = 0
+    for size in sizes:
+        metric.update(x[start : start + size], None if y is None else y[start : start + size])
+        start += size
+    assert start == x.shape[0]
+
+
+def _np_sv(x: torch.Tensor, center: bool = False) -> np.ndarray:
+    a = x.double().numpy()
+    return np.linalg.svd(a - a.mean(0) if center else a, compute_uv=False)
+
+
+def _assert_scalars_close(a: dict[str, float], b: dict[str, float], rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == pytest.approx(b[key], rel=rtol, abs=1e-300), key
+
+
+def test_gram_path_matches_numpy_and_functional() -> None:
+    x, y = clustered_data()
+    metric = ActivationSpectrum(num_classes=4, center="both", variance_ratio_ks=(1, 3, 6))
+    _stream(metric, x, y, [100] * 6)
+    result = metric.compute()
+    assert isinstance(result, ActivationSpectrumResult)
+    assert result.path == "gram"
+    assert (result.num_samples, result.num_features, result.num_spectrum_samples) == (600, 24, 600)
+    for summary, center in ((result.uncentered, False), (result.centered, True)):
+        np.testing.assert_allclose(summary.spectrum.singular_values.numpy(), _np_sv(x, center), rtol=1e-9)
+        assert summary.spectrum.centered is center
+        spec = F.spectrum(x, center=center)
+        assert int(summary.numerical_rank) == int(F.numerical_rank(spec))
+        assert int(summary.soft_rank) == int(F.soft_rank(spec))
+        for name in ("participation_ratio", "stable_rank", "effective_rank"):
+            assert float(getattr(summary, name)) == pytest.approx(float(getattr(F, name)(spec)), rel=1e-9)
+        for k in (1, 3, 6):
+            assert float(summary.variance_ratio[k]) == pytest.approx(float(F.variance_ratio(spec, k)), rel=1e-9)
+    pca = PCA().fit(x.numpy())
+    np.testing.assert_allclose(
+        result.centered.variance_ratio_curve.numpy(), np.cumsum(pca.explained_variance_ratio_), rtol=1e-9
+    )
+    assert float(result.total_cluster_variation) == pytest.approx(float(F.total_cluster_variation(x, y)), rel=1e-9)
+    assert float(result.total_cluster_variation_normalized) == pytest.approx(
+        float(F.total_cluster_variation(x, y, normalized=True)), rel=1e-9
+    )
+    assert result.classwise_source == "class_gram"
+    np.testing.assert_allclose(
+        result.classwise_variance_ratio.numpy(), F.classwise_variance_ratio(x, y, num_classes=4).numpy(), rtol=1e-9
+    )
+    scalars = result.as_dict()
+    assert scalars["numerical_rank"] == float(result.uncentered.numerical_rank)
+    assert {"centered_variance_ratio_3", "tcv", "tcv_normalized", "classwise_variance_ratio_1_class_3"} <= set(scalars)
+
+
+def test_streaming_in_chunks_equals_one_shot() -> None:
+    x, y = clustered_data(n=500, d=16)
+    one_shot = ActivationSpectrum(num_classes=4, center="both")
+    one_shot.update(x, y)
+    chunked = ActivationSpectrum(num_classes=4, center="both")
+    _stream(chunked, x, y, [1, 7, 250, 42, 200])
+    a, b = one_shot.compute(), chunked.compute()
+    _assert_scalars_close(a.as_dict(), b.as_dict(), rtol=1e-11)
+    torch.testing.assert_close(
+        a.centered.spectrum.singular_values, b.centered.spectrum.singular_values, rtol=1e-11, atol=0
+    )
+
+
+def test_default_center_is_uncentered_only() -> None:
+    x, _ = clustered_data(n=50, d=8)
+    metric = ActivationSpectrum()
+    metric.update(x)
+    result = metric.compute()
+    assert result.centered is None and result.uncentered is not None
+    assert result.total_cluster_variation is None and result.classwise_variance_ratio is None
+    centred_only = ActivationSpectrum(center=True)
+    centred_only.update(x)
+    assert centred_only.compute().uncentered is None
+
+
+def test_float32_and_bf16_activations_give_float64_answer() -> None:
+    # Sums run in float64 on the upcast values: the result equals NumPy's float64 SVD of the same (rounded) data to
+    # 1e-9, and the float64 data's metrics to 1e-5 (float32) or 2e-2 (bf16, 8-bit mantissa).
+    x, y = clustered_data(n=400, d=20)
+    reference = ActivationSpectrum(num_classes=4)
+    reference.update(x, y)
+    ref = reference.compute()
+    for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        metric = ActivationSpectrum(num_classes=4)
+        _stream(metric, x.to(dtype), y, [150, 250])
+        result = metric.compute()
+        assert result.uncentered.spectrum.singular_values.dtype == torch.float64
+        np.testing.assert_allclose(
+            result.uncentered.spectrum.singular_values.numpy(), _np_sv(x.to(dtype).double()), rtol=1e-9, atol=1e-9
+        )
+        for key in ("participation_ratio", "stable_rank", "effective_rank", "variance_ratio_1", "tcv"):
+            assert result.as_dict()[key] == pytest.approx(ref.as_dict()[key], rel=rtol), (dtype, key)
+
+
+def test_conv_channel_reduction_repeats_labels() -> None:
+    g = torch.Generator().manual_seed(2)
+    maps = torch.randn(12, 5, 3, 3, generator=g)
+    labels = torch.arange(12) % 3
+    metric = ActivationSpectrum(num_classes=3, reduction="channel")
+    metric.update(maps[:5], labels[:5])
+    metric.update(maps[5:], labels[5:])
+    result = metric.compute()
+    rows = maps.permute(0, 2, 3, 1).reshape(-1, 5).double()
+    row_labels = labels.repeat_interleave(9)
+    assert result.num_samples == 108 and result.num_features == 5
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values.numpy(), _np_sv(rows), rtol=1e-9)
+    assert float(result.total_cluster_variation) == pytest.approx(
+        float(F.total_cluster_variation(rows, row_labels)), rel=1e-9
+    )
+
+
+def test_token_and_mean_reductions() -> None:
+    tokens = torch.randn(6, 4, 8)
+    metric = ActivationSpectrum(reduction="token")
+    metric.update(tokens)
+    assert metric.compute().num_samples == 24
+    pooled = ActivationSpectrum(reduction="mean")
+    pooled.update(torch.randn(6, 3, 4, 4))
+    assert pooled.compute().num_features == 3
+    with pytest.raises(ValueError, match="earlier batches had 3"):
+        pooled.update(torch.randn(6, 4, 4, 4))
+
+
+def test_sample_gram_path_is_exact_when_every_row_fits() -> None:
+    x, y = clustered_data(n=120, d=40)
+    metric = ActivationSpectrum(num_classes=4, center="both", max_gram_features=32, max_samples=200)
+    _stream(metric, x, y, [50, 50, 20])
+    result = metric.compute()
+    assert result.path == "sample_gram" and result.num_spectrum_samples == 120
+    for summary, center in ((result.uncentered, False), (result.centered, True)):
+        np.testing.assert_allclose(
+            summary.spectrum.singular_values.numpy(), _np_sv(x, center), rtol=1e-8, atol=1e-8 * _np_sv(x)[0]
+        )
+    assert result.classwise_source == "sample"
+    np.testing.assert_allclose(
+        result.classwise_variance_ratio.numpy(), F.classwise_variance_ratio(x, y, num_classes=4).numpy(), rtol=1e-9
+    )
+    assert float(result.total_cluster_variation) == pytest.approx(float(F.total_cluster_variation(x, y)), rel=1e-9)
+
+
+def test_sample_gram_subsample_is_uniform_and_bounded() -> None:
+    n, d, cap = 3000, 40, 300
+    # Feature 0 identifies the row, so the kept rows reveal which samples were chosen.
+    x = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    x[:, 0] = torch.arange(n, dtype=torch.float64)
+    metric = ActivationSpectrum(max_gram_features=32, max_samples=cap, seed=1)
+    _stream(metric, x, None, [100] * 30)
+    rows, _ = metric._subsample()
+    ids = rows[:, 0].long()
+    assert rows.shape == (cap, d)
+    assert ids.unique().numel() == cap
+    torch.testing.assert_close(rows, x[ids], rtol=0, atol=0)
+    # Uniform over the stream: mean index near n / 2 (std of the mean ~ 50), not skewed to early or late batches.
+    assert abs(ids.double().mean().item() - n / 2) < 250
+    assert (ids < n / 2).sum().item() == pytest.approx(cap / 2, abs=45)
+    result = metric.compute()
+    assert result.path == "sample_gram" and result.num_spectrum_samples == cap and result.num_samples == n
+
+
+def test_default_fallback_size_follows_the_budget() -> None:
+    metric = ActivationSpectrum(max_gram_features=999, memory_budget_mb=1.0)
+    metric.update(torch.randn(4, 1000))
+    assert metric.path == "sample_gram"
+    m = metric.fallback_size
+    assert 8 * (m * m + m * 1000) <= 2**20 < 8 * ((m + 1) ** 2 + (m + 1) * 1000)
+    capped = ActivationSpectrum(max_gram_features=64)
+    capped.update(torch.randn(4, 1000))
+    assert capped.fallback_size == 64
+
+
+def test_sketch_path_estimates_leading_singular_values() -> None:
+    g = torch.Generator().manual_seed(6)
+    s = torch.tensor([50.0, 30.0, 20.0, 10.0], dtype=torch.float64)
+    u, _ = torch.linalg.qr(torch.randn(4000, 4, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(64, 4, generator=g, dtype=torch.float64))
+    x = (u * s) @ v.T + 3.0
+    metric = ActivationSpectrum(center="both", max_gram_features=32, fallback="sketch", max_samples=512)
+    _stream(metric, x, None, [500] * 8)
+    result = metric.compute()
+    assert result.path == "sketch"
+    assert result.uncentered.spectrum.singular_values.shape == (64,)
+    est = result.centered.spectrum.singular_values[:4].numpy()
+    np.testing.assert_allclose(est, _np_sv(x, center=True)[:4], rtol=0.15)
+    assert int(result.centered.numerical_rank) == 4
+
+
+def test_class_grams_over_budget_are_skipped() -> None:
+    x, y = clustered_data(n=100, d=64)
+    # Gram 32 KiB fits, 4 class Grams (128 KiB) do not.
+    metric = ActivationSpectrum(num_classes=4, memory_budget_mb=0.1)
+    metric.update(x, y)
+    result = metric.compute()
+    assert result.path == "gram" and not metric.uses_class_grams
+    assert result.classwise_variance_ratio is None and result.classwise_source is None
+    assert result.total_cluster_variation is not None
+
+
+def test_num_features_preallocates_and_reset_clears() -> None:
+    x, y = clustered_data(n=80, d=10)
+    metric = ActivationSpectrum(num_classes=4, num_features=10)
+    assert metric.gram.shape == (10, 10) and metric.class_grams.shape == (4, 10, 10)
+    metric.update(x, y)
+    first = metric.compute().as_dict()
+    metric.reset()
+    assert float(metric.gram.abs().sum()) == 0.0 and metric.gram.shape == (10, 10)
+    metric.update(x, y)
+    _assert_scalars_close(first, metric.compute().as_dict(), rtol=1e-12)
+
+
+def test_forward_returns_batch_result_and_accumulates() -> None:
+    x, y = clustered_data(n=90, d=10)
+    metric = ActivationSpectrum(num_classes=4)
+    batch = metric(x[:30], y[:30])
+    assert batch.num_samples == 30
+    metric(x[30:], y[30:])
+    assert metric.compute().num_samples == 90
+
+
+def test_non_finite_rows_give_nan_and_warning_without_raising() -> None:
+    x, y = clustered_data(n=60, d=8)
+    bad = x.clone()
+    bad[5, 2] = math.nan
+    bad[40, 0] = math.inf
+    for kwargs in ({}, {"max_gram_features": 4}, {"max_gram_features": 4, "fallback": "sketch"}):
+        metric = ActivationSpectrum(num_classes=4, center="both", **kwargs)
+        metric.update(bad[:30], y[:30])
+        metric.update(bad[30:], y[30:])
+        with pytest.warns(RuntimeWarning, match=r"2 batch\(es\) of activations contained NaN or Inf"):
+            result = metric.compute()
+        assert result.num_nonfinite_batches == 2
+        values = result.as_dict()
+        assert values and all(math.isnan(v) for v in values.values()), kwargs
+
+
+def test_degenerate_inputs() -> None:
+    single = ActivationSpectrum(num_classes=2, center="both")
+    single.update(torch.tensor([[3.0, 4.0]]), torch.tensor([1]))
+    r = single.compute()
+    assert int(r.uncentered.numerical_rank) == 1
+    assert float(r.uncentered.spectrum.singular_values[0]) == pytest.approx(5.0)
+    assert int(r.centered.numerical_rank) == 0
+    assert float(r.total_cluster_variation) == 0.0
+    assert math.isnan(float(r.classwise_variance_ratio[0]))
+    assert float(r.classwise_variance_ratio[1]) == pytest.approx(1.0)
+
+    one_feature = ActivationSpectrum()
+    one_feature.update(torch.randn(50, 1))
+    assert int(one_feature.compute().uncentered.numerical_rank) == 1
+
+    zeros = ActivationSpectrum(num_classes=3)
+    zeros.update(torch.zeros(20, 6), torch.zeros(20, dtype=torch.long))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z = zeros.compute()
+    assert int(z.uncentered.numerical_rank) == 0 and float(z.uncentered.participation_ratio) == 0.0
+    assert float(z.total_cluster_variation) == 0.0
+
+    one_class = ActivationSpectrum(num_classes=3)
+    x, _ = clustered_data(n=40, d=5)
+    one_class.update(x, torch.full((40,), 2))
+    oc = one_class.compute()
+    assert float(oc.total_cluster_variation_normalized) == pytest.approx(1.0)
+    assert torch.isnan(oc.classwise_variance_ratio[:2]).all() and not torch.isnan(oc.classwise_variance_ratio[2])
+
+    empty = ActivationSpectrum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert math.isnan(empty.compute().as_dict()["numerical_rank"])
+    assert any("no activations were streamed" in str(w.message) for w in caught)
+
+
+def test_labels_are_validated_and_ignored_without_classes() -> None:
+    x, y = clustered_data(n=20, d=4)
+    metric = ActivationSpectrum(num_classes=4)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\)"):
+        metric.update(x, y + 4)
+    with pytest.raises(ValueError, match="shape"):
+        metric.update(x, y[:3])
+    plain = ActivationSpectrum()
+    plain.update(x, y)
+    assert plain.compute().total_cluster_variation is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reduction": "pool"}, "valid choices"),
+        ({"center": "yes"}, "valid choices"),
+        ({"fallback": "svd"}, "valid choices"),
+        ({"rank_tolerance_size": "mid"}, "valid choices"),
+        ({"num_classes": 0}, "num_classes"),
+        ({"variance_ratio_ks": (0, 2)}, "variance_ratio_ks"),
+        ({"max_samples": 0}, "max_samples"),
+        ({"memory_budget_mb": 0}, "memory_budget_mb"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ActivationSpectrum(**kwargs)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    single = ddp_results(0, 1)
+    for rank in range(2):
+        distributed = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in DDP_CONFIGS:
+            assert distributed[name]["num_samples"] == 480.0
+            _assert_scalars_close(distributed[name], single[name], rtol=1e-9)
