@@ -6,9 +6,12 @@ by one randomly initialised component and measure, before and after the componen
 * the feature rank: the numerical rank of the ``N x d`` matrix of features of ``N`` samples, and
 * the Jacobian rank: the numerical rank of the Jacobian of the network up to that point at one input.
 
-By their Theorem 3 a component whose output is invariant along some input direction loses rank: normalisation layers
-lose a few dimensions (per-sample centring and scaling), linear maps (dense, convolution, attention) as many as their
-weights' numerical rank deficiency, and ReLU zeroes the Jacobian rows of inactive units. Paper sizes are 128 x 8 x 8
+By their Theorem 3 a component whose output is invariant along some input direction loses rank. A normalisation
+layer is invariant to a shift of each normalised group (one Jacobian direction and one feature dimension per group:
+the output has zero mean) and, up to its epsilon, to a rescaling (a second Jacobian direction per group once
+``epsilon / variance`` falls below the tolerance, as it does at the default sizes). Linear maps (dense, convolution,
+attention) lose as many directions as their weights' numerical rank deficiency, and ReLU zeroes the Jacobian rows of
+the inactive units. Paper sizes are 128 x 8 x 8
 inputs, an 8,192-unit layer and 5,000 samples; the defaults here (16 x 8 x 8, 2,048 samples) run in about a minute on
 two CPU cores.
 
@@ -38,7 +41,7 @@ from torch import Tensor, nn
 from rank_lightning.functional.jacobian import partial_jacobian
 from rank_lightning.functional.spectral import numerical_rank
 
-__all__ = ["COMPONENTS", "ComponentRank", "build_component", "main", "measure_component", "to_markdown"]
+__all__ = ["COMPONENTS", "ComponentRank", "build_component", "main", "structural_impetus", "to_markdown"]
 
 COMPONENTS = ("linear", "conv3x3", "batchnorm", "layernorm", "groupnorm", "instancenorm", "relu", "gelu", "attention")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -111,8 +114,8 @@ class ComponentRank:
     jacobian_rank_after: int
 
 
-def measure_component(
-    name: str,
+def structural_impetus(
+    components: Sequence[str] = COMPONENTS,
     *,
     channels: int = 16,
     size: int = 8,
@@ -121,11 +124,13 @@ def measure_component(
     heads: int = 4,
     groups: int = 4,
     dtype: torch.dtype = torch.float32,
-) -> ComponentRank:
-    """Feature and Jacobian ranks of ``fc`` and of ``component o fc`` on standard Gaussian inputs.
+) -> list[ComponentRank]:
+    """Feature and Jacobian ranks of ``fc`` and of ``component o fc`` on standard Gaussian inputs (Feng et al. Fig. 3).
+
+    The inputs and the fully-connected layer are shared by all components, so the "before" ranks are computed once.
 
     Args:
-        name: the component, one of :data:`COMPONENTS`.
+        components: names from :data:`COMPONENTS`.
         channels: C of the ``(C, size, size)`` maps; the fully-connected layer has ``C * size^2`` units.
         size: spatial side of the maps.
         num_samples: N, the rows of the feature matrices (at least ``C * size^2`` for a full rank to be possible).
@@ -135,37 +140,46 @@ def measure_component(
         dtype: precision of the computation (the rank tolerance is the float32 one either way).
 
     Returns:
-        :class:`ComponentRank`.
+        One :class:`ComponentRank` per component, in the given order.
     """
     torch.manual_seed(seed)
     dim = channels * size * size
     fc = nn.Linear(dim, dim).to(dtype)
-    component = build_component(name, channels, size, heads=heads, groups=groups).to(dtype)
     inputs = torch.randn(num_samples, dim, dtype=dtype)
+    all_coordinates = torch.arange(dim)
 
     def before(x: Tensor) -> Tensor:
         return fc(x).view(-1, channels, size, size)
 
-    def after(x: Tensor) -> Tensor:
-        return component(before(x)).flatten(1)
-
     with torch.no_grad():
-        features_before = before(inputs).flatten(1)
-        component.train()  # BatchNorm: batch statistics, also stored as running statistics (momentum=None)
-        features_after = after(inputs)
-    component.eval()
-    all_coordinates = torch.arange(dim)
-    jacobian_before = partial_jacobian(lambda x: before(x).flatten(1), inputs[0], all_coordinates)
-    jacobian_after = partial_jacobian(after, inputs[0], all_coordinates)
-    return ComponentRank(
-        component=name,
-        dim_before=dim,
-        dim_after=features_after.shape[1],
-        feature_rank_before=int(numerical_rank(features_before)),
-        feature_rank_after=int(numerical_rank(features_after)),
-        jacobian_rank_before=int(numerical_rank(jacobian_before)),
-        jacobian_rank_after=int(numerical_rank(jacobian_after)),
+        feature_rank_before = int(numerical_rank(before(inputs).flatten(1)))
+    jacobian_rank_before = int(
+        numerical_rank(partial_jacobian(lambda x: before(x).flatten(1), inputs[0], all_coordinates))
     )
+
+    rows = []
+    for name in components:
+        component = build_component(name, channels, size, heads=heads, groups=groups).to(dtype)
+
+        def after(x: Tensor, component: nn.Module = component) -> Tensor:
+            return component(before(x)).flatten(1)
+
+        with torch.no_grad():
+            component.train()  # BatchNorm: batch statistics, also stored as running statistics (momentum=None)
+            features_after = after(inputs)
+        component.eval()
+        rows.append(
+            ComponentRank(
+                component=name,
+                dim_before=dim,
+                dim_after=features_after.shape[1],
+                feature_rank_before=feature_rank_before,
+                feature_rank_after=int(numerical_rank(features_after)),
+                jacobian_rank_before=jacobian_rank_before,
+                jacobian_rank_after=int(numerical_rank(partial_jacobian(after, inputs[0], all_coordinates))),
+            )
+        )
+    return rows
 
 
 def to_markdown(rows: Sequence[ComponentRank]) -> str:
@@ -212,19 +226,16 @@ def main(argv: Sequence[str] | None = None) -> list[ComponentRank]:
         parser.error(f"--heads {args.heads} and --groups {args.groups} must divide --channels {args.channels}")
 
     start = time.perf_counter()
-    rows = [
-        measure_component(
-            name,
-            channels=args.channels,
-            size=args.size,
-            num_samples=args.samples,
-            seed=args.seed,
-            heads=args.heads,
-            groups=args.groups,
-            dtype=_DTYPES[args.dtype],
-        )
-        for name in args.components
-    ]
+    rows = structural_impetus(
+        args.components,
+        channels=args.channels,
+        size=args.size,
+        num_samples=args.samples,
+        seed=args.seed,
+        heads=args.heads,
+        groups=args.groups,
+        dtype=_DTYPES[args.dtype],
+    )
     print(
         f"Gaussian inputs -> FC({dim}) -> component; N = {args.samples} samples, maps "
         f"{args.channels} x {args.size} x {args.size}, {args.dtype}, seed {args.seed}; "

@@ -300,7 +300,10 @@ class WeightRankMonitor(pl.Callback):
                 batch = torch.stack([w.to(device=device, dtype=torch.float64) for _, w in members])
                 finite = torch.isfinite(batch).flatten(1).all(dim=1)
                 # LAPACK fails on non-finite input; decompose zeros there and mark the result NaN.
-                values = torch.linalg.svdvals(torch.where(finite[:, None, None], batch, 0.0))
+                batch = torch.where(finite[:, None, None], batch, 0.0)
+                # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its
+                # transpose (conv kernels are wide: out < in * kh * kw).
+                values = torch.linalg.svdvals(batch.mT if shape[0] < shape[1] else batch)
                 values = values.masked_fill(~finite[:, None], torch.nan).cpu()
                 for (name, _), row in zip(members, values):
                     result[name] = Spectrum(row, num_samples=shape[0], num_features=shape[1])

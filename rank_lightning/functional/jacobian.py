@@ -22,12 +22,13 @@ from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rank_lightning.functional.spectral import numerical_rank
 
 __all__ = [
-    "Patch",
     "PartialJacobianRank",
+    "Patch",
     "capture_block_outputs",
     "default_patch_size",
     "partial_jacobian",
@@ -174,11 +175,11 @@ def _flatten_columns(tangents: Tensor) -> Tensor:
 
 @contextmanager
 def _forward_mode_context() -> Iterator[None]:
-    """Disable the fused attention kernels, which have no forward-mode derivative, and restore the setting after."""
+    """Use the attention kernels that have a forward-mode derivative (not the fused ones), restoring the settings."""
     enabled = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
             # On first use, forward-mode AD compiles torch's own decompositions with torch.jit.script and warns about
             # that deprecated call, which the user can do nothing about.
             warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)

@@ -79,13 +79,11 @@ def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Genera
     _check_finite(columns, "the sampled columns of w")
     core = columns[index].to(torch.float64)  # W_II, (l, l)
     identity = torch.eye(num_columns, dtype=torch.float64, device=w.device)
-    # Entries of W carry the rounding error of its own dtype: eigenvalues of W_II below l * eps * max|lambda| are noise.
-    eps = torch.finfo(w.dtype).eps
 
-    # Sanyal et al. Sec. 3.3: add 0.01 * I to W_II until the decomposition succeeds. Success means the eigensolver
-    # converged and the shifted W_II is positive semidefinite up to its noise level (the hypothesis of Lemma 3.1).
-    # A shift moves every eigenvalue by the same amount and keeps the eigenvectors, so the number of shifts that makes
-    # a converged decomposition PSD follows from its smallest eigenvalue without decomposing again.
+    # Sanyal et al. Sec. 3.3: add 0.01 * I to W_II until its decomposition succeeds, i.e. the eigensolver converges
+    # (their footnote 4: it may fail on ill-conditioned matrices). Negative eigenvalues need no shift: only the top-k
+    # positive ones enter W_k^+, so W_k^+ and X_k are PSD by construction. Shifting for them instead would bias every
+    # projection, since the eigenvalues of W_II scale like l/m times those of W and are often comparable to 0.01.
     shift = 0.0
     for _ in range(_MAX_FAILED_DECOMPOSITIONS):
         try:
@@ -98,15 +96,13 @@ def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Genera
             f"the eigendecomposition of the sampled {num_columns} x {num_columns} block did not converge after "
             f"{_MAX_FAILED_DECOMPOSITIONS} shifts of {jitter} * I"
         )
-    tolerance = num_columns * eps * eigenvalues.abs().max()
-    deficit = -(eigenvalues[0] + tolerance)
-    if deficit > 0:
-        eigenvalues = eigenvalues + jitter * math.ceil(float(deficit) / jitter)
 
-    # W_k^+: pseudo-inverse of the best rank-k approximation of the (PSD) shifted W_II; null directions stay null.
+    # W_k^+: pseudo-inverse of the best rank-k PSD approximation of W_II, from its top-k positive eigenpairs.
     top_values = eigenvalues[-k:]
     top_vectors = eigenvectors[:, -k:]
-    keep = top_values > num_columns * eps * top_values.abs().max()
+    # Entries of W carry the rounding error of its own dtype: eigenvalues below l * eps * max|lambda| are noise and,
+    # as in a pseudo-inverse, are not inverted.
+    keep = top_values > num_columns * torch.finfo(w.dtype).eps * eigenvalues.abs().max()
     half_inverse = top_vectors[:, keep] / top_values[keep].sqrt()  # W_k^+ = half_inverse @ half_inverse.T
     return columns @ half_inverse.to(w.dtype)
 

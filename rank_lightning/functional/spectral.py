@@ -174,8 +174,9 @@ def spectrum_from_gram(
     if not torch.isfinite(g).all():
         _warn_non_finite("Gram matrix")
         return _nan_spectrum(num_samples, num_features, center, gram.device)
-    # Rounding makes the summed Gram slightly asymmetric and its smallest eigenvalues slightly negative.
-    eigenvalues = torch.linalg.eigvalsh((g + g.T) / 2)
+    # eigvalsh reads one triangle only, so rounding asymmetry needs no symmetrising copy of a possibly large Gram;
+    # rounding can leave the smallest eigenvalues slightly negative.
+    eigenvalues = torch.linalg.eigvalsh(g)
     values = eigenvalues.flip(0).clamp_min(0).sqrt()[: min(num_samples, num_features)]
     return Spectrum(values.contiguous(), num_samples, num_features, center)
 

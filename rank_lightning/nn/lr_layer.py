@@ -27,7 +27,13 @@ class LRLayer(nn.Module):
     :meth:`project_` sets ``W_S <- Pi_k(W)`` (done by :class:`~rank_lightning.callbacks.LowRankProjection`).
 
     ``W_S`` starts at zero: a PSD matrix (the hypothesis of Lemma 3.1) that gradient descent on ``L_c`` grows along the
-    second moment of ``A + b``. The paper states no initialisation and no values for ``lambda_1`` and ``lambda_2``.
+    second moment of ``A + b``, a dense matrix whose columns uniform Nyström sampling represents well. An identity
+    start would be projected onto ``k`` coordinate axes, which a sample of ``2k`` columns mostly misses. The paper
+    states no initialisation and no values for ``lambda_1`` and ``lambda_2``.
+
+    Under a large learning rate the update of ``W`` is unstable when the activations are large (the curvature of
+    ``L_c`` in ``W`` is about ``2 lambda_1 E||a + b||^2``); the norm constraint pulls ``||a_i||`` to 1, but switching
+    the layer on late in training, when activations have grown, may need a smaller learning rate.
 
     Args:
         num_features: m, the width of one activation vector (``C * H * W`` for flattened conv activations, 16,384

@@ -1,0 +1,168 @@
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger
+from torch import nn
+
+from rank_lightning.analysis.report import find_runs, load_run, main
+from rank_lightning.callbacks import WeightRankMonitor
+
+METRICS = ["numerical_rank", "stable_rank"]
+DEPTH_ORDER = ["z_in", "m_mid", "a_out"]
+
+
+class _Classifier(pl.LightningModule):
+    def __init__(self, weight_decay: float) -> None:
+        super().__init__()
+        # Names sort alphabetically against depth, so the report must take the order from the run.
+        self.z_in = nn.Linear(6, 16)
+        self.m_mid = nn.Linear(16, 16)
+        self.a_out = nn.Linear(16, 3)
+        self.weight_decay = weight_decay
+
+    def forward(self, x):
+        return self.a_out(torch.relu(self.m_mid(torch.relu(self.z_in(x)))))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acc", (self(batch[0]).argmax(1) == batch[1]).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, weight_decay=self.weight_decay)
+
+
+def _loader(seed: int) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 6, generator=generator)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+    return torch.utils.data.DataLoader(data, batch_size=16)
+
+
+def _train(weight_decay: float, **trainer_options) -> tuple[WeightRankMonitor, pl.Trainer]:
+    torch.manual_seed(0)
+    monitor = WeightRankMonitor(metrics=METRICS, verbose=False)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[monitor],
+        **trainer_options,
+    )
+    trainer.fit(_Classifier(weight_decay), _loader(0), _loader(1))
+    return monitor, trainer
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> tuple[Path, dict[str, tuple[WeightRankMonitor, float]]]:
+    root = tmp_path_factory.mktemp("sweep")
+    runs = {}
+    for name, weight_decay in (("wd0", 0.0), ("wd1", 0.5)):
+        monitor, trainer = _train(weight_decay, logger=CSVLogger(root, name=name))
+        runs[f"{name}/version_0"] = (monitor, float(trainer.callback_metrics["val/acc"]))
+    return root, runs
+
+
+def _read(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_summary_holds_the_last_epoch_of_every_run_and_layer(sweep, tmp_path):
+    root, runs = sweep
+    assert main([str(root), "--out", str(tmp_path)]) == 0
+
+    rows = _read(tmp_path / "summary.csv")
+    assert [(r["run"], r["layer"], r["depth"]) for r in rows] == [
+        (run, layer, str(depth)) for run in runs for depth, layer in enumerate(DEPTH_ORDER)
+    ]
+    for row in rows:
+        monitor, final_accuracy = runs[row["run"]]
+        assert row["epoch"] == "1"
+        for metric in METRICS:
+            expected = monitor.curves.history[1][row["layer"]][metric]
+            assert float(row[f"weight/{metric}"]) == pytest.approx(expected, rel=1e-6)
+        assert float(row["val/acc"]) == pytest.approx(final_accuracy)
+    # Weight decay shrinks the weights: the runs must differ, or the comparison shows nothing.
+    assert rows[0]["weight/stable_rank"] != rows[3]["weight/stable_rank"]
+
+    markdown = (tmp_path / "summary.md").read_text().splitlines()
+    assert markdown[0].startswith("| run | namespace | layer | depth | epoch | weight/numerical_rank |")
+    assert len(markdown) == 2 + len(rows)
+    figures = {p.name for p in tmp_path.glob("*.png")}
+    assert figures == {f"weight_{m}_{kind}.png" for m in METRICS for kind in ("vs_epoch", "vs_depth")}
+
+
+def test_runs_without_csv_are_read_from_the_curve_file(tmp_path):
+    monitor, _ = _train(0.0, logger=False, default_root_dir=tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    assert run.layers == {"weight": DEPTH_ORDER}
+    assert run.metrics("weight") == METRICS
+    history = monitor.curves.history
+    assert run.curves["weight"]["m_mid"]["stable_rank"] == {e: history[e]["m_mid"]["stable_rank"] for e in (0, 1)}
+    assert run.final == {}
+
+
+def _write_csv(path: Path, rows: list[dict[str, object]]) -> None:
+    path.mkdir(parents=True)
+    columns = sorted({key for row in rows for key in row})
+    with (path / "metrics.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_csv_parsing_without_curve_file_uses_natural_layer_order(tmp_path):
+    _write_csv(
+        tmp_path / "lightning_logs" / "version_10",
+        [
+            {"epoch": 0, "step": 3, "train/loss": 1.0},
+            {"epoch": 0, "step": 3, "rank/layer10/flatten/numerical_rank": 5, "rank/layer2/flatten/numerical_rank": 7},
+            {"epoch": 1, "step": 7, "rank/layer10/flatten/numerical_rank": 4, "rank/layer2/flatten/numerical_rank": 6},
+            {"epoch": 1, "step": 7, "val/acc": 0.5, "weight/layer2/stable_rank": "nan"},
+        ],
+    )
+    _write_csv(tmp_path / "lightning_logs" / "version_9", [{"epoch": 0, "step": 1, "weight/fc/stable_rank": 2.0}])
+    found = find_runs([tmp_path / "lightning_logs"])
+    assert [label for label, _ in found] == ["version_9", "version_10"]
+
+    run = load_run(found[1][1])
+    assert run.layers == {"rank": ["layer2", "layer10"], "weight": ["layer2"]}
+    assert run.curves["rank"]["layer10"]["flatten/numerical_rank"] == {0: 5.0, 1: 4.0}
+    assert math.isnan(run.curves["weight"]["layer2"]["stable_rank"][1])
+    assert run.final == {"val/acc": 0.5}
+    assert run.last_epoch("rank") == 1
+
+
+@pytest.mark.parametrize("make", [False, True], ids=["missing", "empty"])
+def test_paths_without_runs_are_reported(tmp_path, capsys, make):
+    path = tmp_path / "nothing"
+    if make:
+        path.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert str(path) in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_command_line_on_a_real_run(sweep, tmp_path):
+    root, _ = sweep
+    result = subprocess.run(
+        [sys.executable, "-m", "rank_lightning.analysis.report", str(root / "wd0"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "1 run(s): version_0" in result.stdout
+    assert len(_read(tmp_path / "summary.csv")) == len(DEPTH_ORDER)
+    assert (tmp_path / "weight_stable_rank_vs_depth.png").stat().st_size > 1000

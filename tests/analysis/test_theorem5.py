@@ -1,0 +1,43 @@
+import numpy as np
+
+from rank_lightning.analysis.theorem5 import deep_linear_mlp, main, theorem5_ranks
+from rank_lightning.functional.theory import gaussian_product_numerical_rank
+
+WIDTH, DEPTH = 24, 30
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def test_jacobian_rank_is_the_rank_of_the_weight_product():
+    rows, rates = theorem5_ranks(WIDTH, DEPTH, seeds=[0])
+    model = deep_linear_mlp(WIDTH, DEPTH, seed=0)
+    product = np.eye(WIDTH)
+    for index, layer in enumerate(model):
+        product = layer.weight.detach().numpy() @ product
+        s = np.linalg.svd(product, compute_uv=False)
+        assert rows[index].jacobian_rank == int((s >= EPS32 * WIDTH * s[0]).sum())
+        assert rows[index].jacobian_rank_eps64 == int((s >= np.finfo(np.float64).eps * WIDTH * s[0]).sum())
+    # Ratios below about 1e-10 are rounding noise of the float64 products.
+    resolved = s / s[0] > 1e-10
+    assert resolved.sum() >= WIDTH // 2
+    np.testing.assert_allclose(rates.numpy()[resolved], np.log(s / s[0])[resolved] / DEPTH, rtol=1e-6)
+
+
+def test_ranks_decay_as_theorem5_predicts():
+    rows, _ = theorem5_ranks(WIDTH, DEPTH, seeds=range(3))
+    assert rows[0].jacobian_rank == rows[0].feature_rank == WIDTH
+    jacobian = [r.jacobian_rank for r in rows]
+    assert jacobian == sorted(jacobian, reverse=True)
+    assert jacobian[-1] < 0.6 * WIDTH
+    for r in rows:
+        assert r.predicted_rank == gaussian_product_numerical_rank(WIDTH, r.layer)
+        # Finite depth: the measured rank trails the limit law by a few units at most.
+        assert r.predicted_rank - 4 <= r.jacobian_rank <= r.predicted_rank + 1
+        assert abs(r.feature_rank - r.jacobian_rank) <= 1.5
+
+
+def test_command_line_prints_tables_and_saves_the_figure(tmp_path, capsys):
+    out = tmp_path / "theorem5.png"
+    main(["--width", "12", "--depth", "8", "--seeds", "2", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert out.stat().st_size > 1000
+    assert "| 8 |" in text and "| k | measured | Theorem 5 | difference |" in text

@@ -1,0 +1,245 @@
+"""LowRankProjection (switch-on, projection after each optimizer step, resume) and LowDimensionalEvaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import LowDimensionalEvaluation, LowRankProjection
+from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Many tiny steps: with several busy processes on two cores, one thread avoids oversubscription stalls.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Recorder(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+class _Scripted(pl.LightningModule):
+    """Small MLP with an LR-Layer before its head; logs a scripted ``train/acc`` per epoch."""
+
+    def __init__(self, accuracies: list[float], *, collect: bool = True) -> None:
+        super().__init__()
+        self.accuracies = accuracies
+        self.collect = collect
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        insert_lr_layer(self.net, "2", LRLayer(16, 2, projection="exact"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        if self.collect:
+            loss = loss + collect_auxiliary_losses(self)
+        self.log("train/acc", self.accuracies[self.current_epoch], on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader(n: int = 64, batch_size: int = 16) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=generator)
+    y = torch.randint(0, 3, (n,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def _trainer(callbacks: list[pl.Callback], max_epochs: int, **kwargs: Any) -> pl.Trainer:
+    options = dict(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+class _Probe(pl.Callback):
+    """Records, per epoch, whether the LR-Layer was enabled during training and how many projections ran."""
+
+    def __init__(self) -> None:
+        self.enabled: list[bool] = []
+        self.projections: list[int] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.projections.append(0)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx == 0:
+            self.enabled.append(pl_module.net[2][0].enabled)
+
+
+def _count_projections(module: _Scripted, probe: _Probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = module.net[2][0]
+    original = layer.project_
+
+    def counted(generator: torch.Generator | None = None) -> None:
+        probe.projections[-1] += 1
+        original(generator)
+
+    monkeypatch.setattr(layer, "project_", counted)
+
+
+def test_switch_on_at_the_accuracy_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _Scripted([0.3, 0.5, 0.7, 0.9])
+    probe = _Probe()
+    _count_projections(module, probe, monkeypatch)
+    callback = LowRankProjection(threshold=0.65, monitor="train/acc")
+    trainer = _trainer([callback, probe], max_epochs=4)
+    trainer.fit(module, _loader())
+    # The accuracy of epoch 2 reaches 0.65, so epoch 3 trains with the LR-Layer: 4 batches, 4 projections.
+    assert callback.switched_on_epoch == 2
+    assert probe.enabled == [False, False, False, True]
+    assert probe.projections == [0, 0, 0, 4]
+    weight = module.net[2][0].weight.detach()
+    assert torch.linalg.matrix_rank(weight, hermitian=True).item() <= 2
+    assert torch.count_nonzero(weight) > 0
+    metrics = trainer.callback_metrics
+    assert metrics["lr_layer/enabled"].item() == 1.0
+    assert metrics["lr_layer/net.2.0/reconstruction"].item() >= 0
+    assert metrics["lr_layer/net.2.0/norm"].item() >= 0
+
+
+def test_switch_on_at_a_fixed_epoch_and_only_after_optimizer_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _Scripted([0.0] * 3)
+    probe = _Probe()
+    _count_projections(module, probe, monkeypatch)
+    callback = LowRankProjection(threshold=None, switch_on_epoch=1)
+    _trainer([callback, probe], max_epochs=3, accumulate_grad_batches=2).fit(module, _loader())
+    assert probe.enabled == [False, True, True]
+    # 4 batches per epoch with accumulation over 2: two optimizer steps, two projections.
+    assert probe.projections == [0, 2, 2]
+
+
+def test_resume_restores_the_switched_on_state(tmp_path) -> None:
+    module = _Scripted([0.9] * 4)
+    callback = LowRankProjection(threshold=0.65)
+    trainer = _trainer([callback], max_epochs=2)
+    trainer.fit(module, _loader())
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    assert callback.state_dict() == {"enabled": True, "switched_on_epoch": 0}
+
+    resumed_module = _Scripted([0.0] * 4)
+    probe = _Probe()
+    resumed = LowRankProjection(threshold=0.65)
+    _trainer([resumed, probe], max_epochs=4).fit(resumed_module, _loader(), ckpt_path=path)
+    assert resumed.enabled and resumed.switched_on_epoch == 0
+    assert probe.enabled == [True, True]
+
+
+def test_warns_when_the_module_does_not_collect_the_auxiliary_loss() -> None:
+    module = _Scripted([0.0], collect=False)
+    with pytest.warns(UserWarning, match="never collected"):
+        _trainer([LowRankProjection(threshold=None, switch_on_epoch=0)], max_epochs=1).fit(module, _loader())
+    assert module.net[2][0].aux_loss is None
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="threshold or a switch_on_epoch"):
+        LowRankProjection(threshold=None)
+    module = _Scripted([0.5])
+    with pytest.raises(RuntimeError, match="monitors .train/accuracy.*logged metrics are: lr_layer/enabled, train/acc"):
+        _trainer([LowRankProjection(monitor="train/accuracy")], max_epochs=1).fit(module, _loader())
+
+    class _Plain(_Scripted):
+        def __init__(self) -> None:
+            super().__init__([0.5])
+            self.net = nn.Sequential(nn.Linear(8, 3))
+
+    with pytest.raises(ValueError, match="contains no LRLayer"):
+        _trainer([LowRankProjection()], max_epochs=1).fit(_Plain(), _loader())
+
+
+class _Digits(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _digits_loaders() -> tuple[DataLoader, DataLoader]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y)
+    train = DataLoader(TensorDataset(x[:1200], y[:1200]), batch_size=100, shuffle=True)
+    val = DataLoader(TensorDataset(x[1200:], y[1200:]), batch_size=200)
+    return train, val
+
+
+def test_low_dimensional_evaluation_logs_accuracy_per_dimension() -> None:
+    torch.manual_seed(0)
+    recorder = _Recorder()
+    callback = LowDimensionalEvaluation(dims=(1, 10, 500), every_n_epochs=2)
+    trainer = _trainer([callback], max_epochs=4, logger=recorder)
+    train, val = _digits_loaders()
+    with pytest.warns(UserWarning, match=r"dims \[500\] exceed min\(N, d\) = 64"):
+        trainer.fit(_Digits(), train, val)
+    assert set(callback.results) == {1, 10}
+    # Ten digit classes: one PCA direction separates a few, ten separate most.
+    assert 0.1 < callback.results[1] < 0.6
+    assert callback.results[10] > 0.85
+    assert "lowdim/acc@10" in trainer.callback_metrics  # from the validation epochs
+    final = [metrics for _, metrics in recorder.logged if "lowdim/acc@1" in metrics and "epoch" not in metrics]
+    assert final[-1] == {"lowdim/acc@1": callback.results[1], "lowdim/acc@10": callback.results[10]}
+
+
+def test_low_dimensional_evaluation_reads_the_named_layer() -> None:
+    torch.manual_seed(0)
+    callback = LowDimensionalEvaluation(dims=(3,), layer="features.0", max_batches=2)
+    train, val = _digits_loaders()
+    _trainer([callback], max_epochs=1).fit(_Digits(), train, val)
+    assert set(callback.results) == {3}
+    with pytest.raises(ValueError, match="unknown layer 'fc'; blocks are: ; submodules are: features, features.0"):
+        _trainer([LowDimensionalEvaluation(layer="fc")], max_epochs=1).fit(_Digits(), train, val)

@@ -1,0 +1,78 @@
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.modules import AutoEncoder, ImageClassifier
+
+
+def _loader(shape, num_classes=3, n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *shape, generator=g)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def _trainer(tmp_path, epochs=1):
+    return pl.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+
+@pytest.mark.parametrize(
+    ("backbone", "kwargs", "shape"),
+    [
+        ("mlp", {"depth": 2, "width": 16}, (1, 8, 8)),
+        ("resnet18", {}, (3, 8, 8)),
+        ("vgg11", {"classifier_width": 16}, (1, 8, 8)),
+        ("vit_tiny", {"num_layers": 1, "hidden_dim": 24, "num_heads": 2, "mlp_dim": 32}, (3, 8, 8)),
+    ],
+)
+def test_classifier_builds_any_backbone_from_the_input_shape(backbone, kwargs, shape, tmp_path):
+    model = ImageClassifier(backbone=backbone, backbone_kwargs=kwargs, num_classes=3, input_shape=shape)
+    assert model(torch.randn(2, *shape)).shape == (2, 3)
+    blocks = model.blocks()
+    assert blocks and all(path.startswith("backbone.") for path in blocks.values())
+    for path in blocks.values():
+        model.get_submodule(path)
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, _loader(shape), _loader(shape, seed=1))
+    assert {"train/loss", "train/acc", "val/loss", "val/acc"} <= set(trainer.callback_metrics)
+
+
+def test_classifier_rejects_non_image_shapes_for_conv_nets():
+    with pytest.raises(ValueError, match=r"resnet18.*\(C, H, W\)"):
+        ImageClassifier(backbone="resnet18", num_classes=3, input_shape=(64,))
+
+
+def test_classifier_learns_and_lowers_the_loss(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    model = ImageClassifier(backbone="mlp", backbone_kwargs={"depth": 1, "width": 32}, num_classes=2, input_shape=(8,))
+    trainer = _trainer(tmp_path, epochs=15)
+    trainer.fit(model, loader, DataLoader(TensorDataset(x, y), batch_size=96))
+    assert trainer.callback_metrics["val/acc"] > 0.9
+
+
+def test_autoencoder_reconstructs_and_exposes_hidden_blocks(tmp_path):
+    torch.manual_seed(0)
+    model = AutoEncoder(input_shape=(6,), hidden_dims=(8, 3, 8), lr=0.05)
+    assert list(model.blocks()) == ["layer1", "layer2", "layer3"]
+    x = torch.randn(64, 6)
+    loader = DataLoader(TensorDataset(x, torch.zeros(64, dtype=torch.long)), batch_size=16)
+    initial = torch.nn.functional.mse_loss(model(x), x).item()
+    trainer = _trainer(tmp_path, epochs=20)
+    trainer.fit(model, loader, loader)
+    assert trainer.callback_metrics["val/loss"] < 0.8 * initial
+
+
+def test_autoencoder_rejects_unknown_activation():
+    with pytest.raises(ValueError, match=r"unknown activation 'swish'.*tanh"):
+        AutoEncoder(activation="swish")
