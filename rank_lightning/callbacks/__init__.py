@@ -6,3 +6,4 @@ from rank_lightning.callbacks.low_rank import LowRankProjection as LowRankProjec
 from rank_lightning.callbacks.rank_pretraining import RankPretraining as RankPretraining
 from rank_lightning.callbacks.weight_rank import WeightRankMonitor as WeightRankMonitor
 from rank_lightning.callbacks.activation_rank import ActivationRankMonitor as ActivationRankMonitor
+from rank_lightning.callbacks.adversarial import AdversarialValidation as AdversarialValidation

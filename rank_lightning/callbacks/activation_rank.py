@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import pytorch_lightning as pl
-import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -53,14 +52,17 @@ _ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def _main_container(module: nn.Module) -> tuple[str, nn.Module]:
     """Descend through wrappers that hold all parameters in one child (``LightningModule -> self.net``)."""
     prefix, current = "", module
-    total = sum(p.numel() for p in module.parameters())
+    total = _parameter_count(module)
     while True:
-        children = [(name, child) for name, child in current.named_children()]
-        heavy = [(name, child) for name, child in children if sum(p.numel() for p in child.parameters()) == total]
-        if len(heavy) != 1 or not list(heavy[0][1].children()):
+        heavy = [(name, child) for name, child in current.named_children() if _parameter_count(child) == total]
+        if len(heavy) != 1 or not any(True for _ in heavy[0][1].children()):
             return prefix, current
         name, current = heavy[0]
         prefix = f"{prefix}{name}."
@@ -69,22 +71,31 @@ def _main_container(module: nn.Module) -> tuple[str, nn.Module]:
 def default_layers(module: nn.Module) -> dict[str, str]:
     """The layers watched when none are named: ``short name -> module path``.
 
-    ``module.blocks()`` when the module offers it (the package's LightningModules). Otherwise, inside the container
-    that holds the network: its activation modules when it has some as direct children (post-activation hidden
-    representations), else its parameterised children except the last one (taken to be the head).
+    ``module.blocks()`` when the module offers it (the package's LightningModules). Otherwise the choice is made
+    inside the container that holds the network (found by descending through children that hold every parameter,
+    ``LightningModule -> self.net``), among its direct children:
+
+    1. its blocks: children that hold parameters and have children of their own (``layer1`` ... ``layer4`` of a
+       torchvision ResNet), without the last one when it is the last child with parameters (it holds the head);
+    2. else its activation modules (``nn.Sequential(Linear, ReLU, Linear, ReLU, Linear)``: the two ReLUs, the
+       post-activation hidden representations);
+    3. else its children with parameters except the last one (taken to be the head);
+    4. else all its children.
     """
     blocks = module_blocks(module)
     if blocks is not None:
         return blocks
     prefix, container = _main_container(module)
     children = list(container.named_children())
+    weighted = [name for name, child in children if _parameter_count(child) > 0]
+    nested = [name for name, child in children if name in weighted and any(True for _ in child.children())]
     activations = [name for name, child in children if isinstance(child, _ACTIVATION_TYPES)]
-    if activations:
+    if nested:
+        chosen = nested[:-1] if nested[-1] == weighted[-1] and len(nested) > 1 else nested
+    elif activations:
         chosen = activations
     else:
-        chosen = [name for name, child in children if any(True for _ in child.parameters())][:-1]
-    if not chosen:
-        chosen = [name for name, _ in children]
+        chosen = weighted[:-1] or [name for name, _ in children]
     return {f"{prefix}{name}": f"{prefix}{name}" for name in chosen}
 
 
@@ -259,16 +270,24 @@ class ActivationRankMonitor(pl.Callback):
         """
         modules = dict(module.named_modules())
         blocks = module_blocks(module) or {}
-        if self.layers is None:
+        if self.layers is None and self.layer_types is not None:
+            # A type alone asks for every layer of that type, not for the default layers that happen to have it.
+            chosen = {name: name for name in match_layer_types([n for n in modules if n], modules, self.layer_types)}
+        elif self.layers is None:
             chosen = default_layers(module)
         else:
             candidates = {name: m for name, m in modules.items() if name}
             paths = match_layer_names(module, self.layers, candidates, blocks=blocks, expand_containers=False)
             by_path = {path: name for name, path in blocks.items()}
             chosen = {by_path.get(path, path): path for path in paths}
-        if self.layer_types is not None:
+        if self.layers is not None and self.layer_types is not None:
             kept = set(match_layer_types(list(chosen.values()), modules, self.layer_types))
             chosen = {name: path for name, path in chosen.items() if path in kept}
+        if not chosen:
+            raise ValueError(
+                f"{type(module).__name__} has no layer to monitor by default; name them with layers=[...] "
+                f"(module names: {', '.join(n for n in modules if n) or 'none'})"
+            )
         for name in chosen:
             if "/" in name:
                 raise ValueError(f"layer name {name!r} contains '/', which separates the parts of a logged key")
@@ -282,15 +301,18 @@ class ActivationRankMonitor(pl.Callback):
         if self.verbose and trainer.is_global_zero:
             names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
             classes = f"{self._num_classes} classes" if self._num_classes else "no class metrics (num_classes unknown)"
-            print(f"ActivationRankMonitor: monitoring {len(self._layers)} layers, {classes}: {names}")
+            how = ""
+            if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
+                how = " (default choice: the module has no blocks(); pass layers=[...] to choose)"
+            print(f"ActivationRankMonitor: monitoring {len(self._layers)} layers{how}, {classes}: {names}")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_hooks()
+        self._stop()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
+        self._stop()
 
     # -- when ---------------------------------------------------------------------------------------------------
 

@@ -128,8 +128,8 @@ class RankPretraining(pl.Callback):
     Deviation from the paper, on by default: each step moves along the gradient divided by its global norm
     (``normalize_gradient``). Through a deep vanilla network the gradient of ``r(H)`` spans orders of magnitude from
     one step to the next; with a fixed step size, plain SGD either barely moves or overshoots into dead ReLUs. On
-    ReLU MLPs of depth 32 and width 128 with Gaussian inputs, 75 normalised steps raised ``r(H_L)`` from about 1.04 to
-    6-22, where plain SGD reached at most about 2.
+    bias-free ReLU MLPs of depth 32 and width 128 with Gaussian inputs, the default 75 normalised steps raised
+    ``r(H_L)`` from about 1.04 to 8-26, where plain SGD at any of the step sizes tried reached at most about 2.
 
     ``r(H)`` of every block is measured before and after, averaged over the same minibatches, without changing the
     weights or buffers (batch-norm running statistics are restored after measuring), and printed as a table.

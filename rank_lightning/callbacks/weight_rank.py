@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,6 +13,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves, wandb_loggers
+from rank_lightning.callbacks.layers import check_layer_types, match_layer_names, match_layer_types, module_blocks
 from rank_lightning.functional import (
     Spectrum,
     effective_rank,
@@ -30,7 +29,6 @@ __all__ = ["WEIGHT_METRICS", "WeightRankMonitor"]
 WEIGHT_METRICS: tuple[str, ...] = ("numerical_rank", "stable_rank", "effective_rank", "spectral_norm", "tail_error")
 _TOLERANCE_SIZES = ("min", "max")
 _MONITORED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
-_GLOB_CHARACTERS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -39,17 +37,6 @@ class _WeightMatrix:
 
     name: str
     read: Callable[[], Tensor]
-
-
-def _resolve_type(name: str) -> type[nn.Module]:
-    module_path, _, class_name = name.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_path), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"layer type {name!r} cannot be imported ({error})") from error
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"layer type {name!r} is not a torch.nn.Module subclass")
-    return cls
 
 
 def _attention_matrices(name: str, attention: nn.MultiheadAttention) -> list[_WeightMatrix]:
@@ -96,9 +83,11 @@ class WeightRankMonitor(pl.Callback):
     :class:`~rank_lightning.callbacks.curves.LayerCurves` are written to ``<run dir>/rank_curves/``.
 
     Args:
-        layers: names of the layers to monitor, as in ``pl_module.named_modules()``: an exact name (a container such
-            as ``"backbone.layer1"`` selects every monitorable layer inside it) or a glob pattern matched with
-            ``fnmatch`` (``"backbone.layer4.*"``). ``None``: all monitorable layers.
+        layers: the layers to monitor (syntax of :mod:`rank_lightning.callbacks.layers`): exact names as in
+            ``pl_module.named_modules()``, where a container such as ``"backbone.layer1"`` selects every monitorable
+            layer inside it; block names of ``pl_module.blocks()`` (the package's modules: ``"layer4"``), likewise
+            expanded; glob patterns matched with ``fnmatch`` (``"backbone.layer4.*"``). ``None``: every monitorable
+            layer.
         layer_types: keep only layers of these types: classes (``nn.Conv2d``), class names (``"Conv2d"``, matched
             against the class and its bases) or dotted import paths (``"torch.nn.Linear"``). ``None``: all types.
         metrics: metrics to log, among ``WEIGHT_METRICS``.
@@ -163,7 +152,7 @@ class WeightRankMonitor(pl.Callback):
             if not layers or not all(isinstance(name, str) and name for name in layers):
                 raise ValueError(f"layers must be None or a non-empty list of non-empty strings, got {layers!r}")
         self.layers = layers
-        self.layer_types = None if layer_types is None else self._check_types(layer_types)
+        self.layer_types = None if layer_types is None else check_layer_types(layer_types)
         metrics = [metrics] if isinstance(metrics, str) else list(metrics)
         unknown = [m for m in metrics if m not in WEIGHT_METRICS]
         if unknown or not metrics:
@@ -191,22 +180,6 @@ class WeightRankMonitor(pl.Callback):
         self._resolved_for: int | None = None
         self._last_monitored_epoch: int | None = None
 
-    @staticmethod
-    def _check_types(layer_types: Sequence[type[nn.Module] | str]) -> list[type[nn.Module] | str]:
-        checked: list[type[nn.Module] | str] = []
-        for entry in [layer_types] if isinstance(layer_types, (str, type)) else layer_types:
-            if isinstance(entry, type) and issubclass(entry, nn.Module):
-                checked.append(entry)
-            elif isinstance(entry, str) and "." in entry:
-                checked.append(_resolve_type(entry))
-            elif isinstance(entry, str) and entry:
-                checked.append(entry)
-            else:
-                raise ValueError(f"layer_types entries must be nn.Module classes or class names, got {entry!r}")
-        if not checked:
-            raise ValueError("layer_types must be None or a non-empty list")
-        return checked
-
     @property
     @override
     def state_key(self) -> str:
@@ -228,12 +201,16 @@ class WeightRankMonitor(pl.Callback):
         Raises:
             ValueError: a name, pattern or type that matches no monitorable layer; the message lists the valid ones.
         """
-        candidates = {name: m for name, m in module.named_modules() if name and isinstance(m, _MONITORED_TYPES)}
+        modules = dict(module.named_modules())
+        candidates = {name: m for name, m in modules.items() if name and isinstance(m, _MONITORED_TYPES)}
         if not candidates:
             raise ValueError(f"{type(module).__name__} has no Linear, Conv or MultiheadAttention layer to monitor")
-        chosen = list(candidates) if self.layers is None else self._match_names(module, candidates)
+        chosen = list(candidates)
+        if self.layers is not None:
+            chosen = match_layer_names(module, self.layers, candidates, blocks=module_blocks(module))
+            chosen = self._expand(chosen, candidates)
         if self.layer_types is not None:
-            chosen = self._match_types(chosen, candidates)
+            chosen = match_layer_types(chosen, modules, self.layer_types)
         matrices: dict[str, _WeightMatrix] = {}
         for name in chosen:
             for matrix in _matrices_of(name, candidates[name]):
@@ -243,38 +220,18 @@ class WeightRankMonitor(pl.Callback):
         self._resolved_for = id(module)
         return self.monitored
 
-    def _match_names(self, module: nn.Module, candidates: dict[str, nn.Module]) -> list[str]:
-        all_modules = dict(module.named_modules())
+    def _expand(self, names: list[str], candidates: dict[str, nn.Module]) -> list[str]:
+        # A block name resolves to its container path; its weights are the monitorable layers inside it.
         selected: set[str] = set()
-        for pattern in self.layers or []:
-            if _GLOB_CHARACTERS & set(pattern):
-                matches = fnmatch.filter(candidates, pattern)
-            else:
-                if pattern not in all_modules:
-                    raise ValueError(f"unknown layer {pattern!r}; layers are: {', '.join(candidates)}")
-                matches = [name for name in candidates if name == pattern or name.startswith(pattern + ".")]
-            if not matches:
+        for name in names:
+            inside = [name] if name in candidates else [c for c in candidates if c.startswith(name + ".")]
+            if not inside:
                 raise ValueError(
-                    f"layer {pattern!r} matches no Linear, Conv or MultiheadAttention layer; "
-                    f"layers are: {', '.join(candidates)}"
+                    f"layer {name!r} holds no Linear, Conv or MultiheadAttention layer; layers are: "
+                    f"{', '.join(candidates)}"
                 )
-            selected.update(matches)
+            selected.update(inside)
         return [name for name in candidates if name in selected]
-
-    def _match_types(self, chosen: list[str], candidates: dict[str, nn.Module]) -> list[str]:
-        def matches(module: nn.Module, wanted: type[nn.Module] | str) -> bool:
-            if isinstance(wanted, str):
-                return any(cls.__name__ == wanted for cls in type(module).__mro__)
-            return isinstance(module, wanted)
-
-        kept = [name for name in chosen if any(matches(candidates[name], t) for t in self.layer_types or [])]
-        if not kept:
-            present = sorted({type(candidates[name]).__name__ for name in chosen})
-            raise ValueError(
-                f"layer_types {self._type_names()} match none of the selected layers; their types are: "
-                f"{', '.join(present)}"
-            )
-        return kept
 
     def spectra(self, module: nn.Module) -> dict[str, Spectrum]:
         """Float64 spectra of the monitored matrices of ``module``, one batched SVD per distinct shape.

@@ -11,6 +11,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from rank_lightning.models import create_model, get_model_factory
 from rank_lightning.modules.base import RankModule
+from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
 
 
 def _input_kwargs(backbone: str, input_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -35,10 +36,16 @@ class ImageClassifier(RankModule):
         num_classes: number of classes; linked from the datamodule by the CLI.
         input_shape: shape of one input, ``(C, H, W)`` or ``(d,)``; linked from the datamodule by the CLI.
         label_smoothing: label smoothing of the cross-entropy.
+        lr_layers: LR-Layers (Sanyal et al. Sec. 3) to insert, each a dict with ``before`` (a module path inside the
+            backbone, such as ``"layer4"``, or ``"head"`` for the classification head) and the keyword arguments of
+            :class:`~rank_lightning.nn.LRLayer` except ``num_features``, which is measured (``rank``, ``lambda_1``,
+            ``lambda_2``, ``projection``, ``num_runs``). Their auxiliary loss is added to the training loss; the
+            projection and switch-on are done by :class:`~rank_lightning.callbacks.LowRankProjection`.
         **optim: optimiser and schedule settings of :class:`~rank_lightning.modules.base.RankModule`.
 
     Logged metrics:
-        ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``.
+        ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``; with LR-Layers also
+        ``train/lr_layer_loss`` (their summed auxiliary loss, zero before switch-on).
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class ImageClassifier(RankModule):
         num_classes: int = 10,
         input_shape: tuple[int, ...] = (1, 8, 8),
         label_smoothing: float = 0.0,
+        lr_layers: list[dict[str, Any]] | None = None,
         optimizer: str = "sgd",
         lr: float = 0.1,
         weight_decay: float = 0.0,
@@ -76,9 +84,32 @@ class ImageClassifier(RankModule):
         self.backbone = create_model(
             backbone, num_classes=num_classes, **_input_kwargs(backbone, self.input_shape), **(backbone_kwargs or {})
         )
+        for spec in lr_layers or []:
+            self._insert_lr_layer(dict(spec))
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def _insert_lr_layer(self, spec: dict[str, Any]) -> None:
+        if "before" not in spec:
+            raise ValueError(f"an lr_layers entry needs 'before' (a backbone module path or 'head'), got {spec}")
+        before = spec.pop("before")
+        path = self.backbone.head_path if before == "head" else before
+        names = [name for name, _ in self.backbone.named_modules() if name]
+        if path not in names:
+            raise ValueError(f"unknown lr_layers position {before!r}; positions are: head, {', '.join(names)}")
+        widths: list[int] = []
+        handle = self.backbone.get_submodule(path).register_forward_pre_hook(
+            lambda module, args: widths.append(args[0][0].numel())
+        )
+        was_training = self.backbone.training
+        try:
+            with torch.no_grad():
+                self.backbone.eval()(torch.zeros(2, *self.input_shape))
+        finally:
+            handle.remove()
+            self.backbone.train(was_training)
+        insert_lr_layer(self.backbone, path, LRLayer(widths[0], **spec))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)
@@ -95,7 +126,13 @@ class ImageClassifier(RankModule):
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._shared_step(batch, "train")
+        loss = self._shared_step(batch, "train")
+        if self.hparams.lr_layers:
+            # Sanyal et al. eq. 4: the LR-Layers' reconstruction and norm losses join the task loss.
+            aux = collect_auxiliary_losses(self.backbone)
+            self.log("train/lr_layer_loss", aux, on_step=False, on_epoch=True)
+            loss = loss + aux
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._shared_step(batch, "val")

@@ -176,7 +176,8 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="threshold or a switch_on_epoch"):
         LowRankProjection(threshold=None)
     module = _Scripted([0.5])
-    with pytest.raises(RuntimeError, match="monitors .train/accuracy.*logged metrics are: lr_layer/enabled, train/acc"):
+    message = r"monitors 'train/accuracy'.*logged metrics are: lr_layer/enabled, train/acc"
+    with pytest.raises(RuntimeError, match=message):
         _trainer([LowRankProjection(monitor="train/accuracy")], max_epochs=1).fit(module, _loader())
 
     class _Plain(_Scripted):
@@ -241,5 +242,5 @@ def test_low_dimensional_evaluation_reads_the_named_layer() -> None:
     train, val = _digits_loaders()
     _trainer([callback], max_epochs=1).fit(_Digits(), train, val)
     assert set(callback.results) == {3}
-    with pytest.raises(ValueError, match="unknown layer 'fc'; blocks are: ; submodules are: features, features.0"):
+    with pytest.raises(ValueError, match=r"unknown layer 'fc'; blocks are: ; submodules are: features, features\.0"):
         _trainer([LowDimensionalEvaluation(layer="fc")], max_epochs=1).fit(_Digits(), train, val)

@@ -232,12 +232,23 @@ def test_layer_selection_by_name_glob_and_type(options, expected):
     assert WeightRankMonitor(**options).select(_network()) == expected
 
 
+def test_block_names_of_the_module_select_the_weights_inside():
+    net = _network()
+    net.blocks = lambda: {"features": "block", "attention": "attn"}
+    assert WeightRankMonitor(layers=["features"]).select(net) == ["block.0", "block.2"]
+    with pytest.raises(ValueError, match="unknown layer 'nope'; layers are: features, attention, stem"):
+        WeightRankMonitor(layers=["nope"]).select(net)
+    net.blocks = lambda: {"norm": "block.1"}
+    with pytest.raises(ValueError, match="layer 'block.1' holds no Linear, Conv or MultiheadAttention layer"):
+        WeightRankMonitor(layers=["norm"]).select(net)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"layers": ["blokc"]}, "unknown layer 'blokc'; layers are: stem, block.0, block.2, attn, attn.out_proj, head"),
-        ({"layers": ["layer9.*"]}, "layer 'layer9.*' matches no Linear, Conv or MultiheadAttention layer; layers are"),
-        ({"layers": ["block.1"]}, "layer 'block.1' matches no"),
+        ({"layers": ["layer9.*"]}, "layer 'layer9.*' matches nothing that can be monitored; layers are: stem, "),
+        ({"layers": ["block.1"]}, "layer 'block.1' matches nothing that can be monitored"),
         ({"layer_types": [nn.Conv3d]}, "match none of the selected layers; their types are: Conv2d, Linear"),
     ],
 )

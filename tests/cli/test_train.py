@@ -11,7 +11,7 @@ import pytest
 from rank_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "loggers" not in p.parts and "sweeps" not in p.parts)
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"loggers", "overlays", "sweeps"} & set(p.parts))
 
 
 def _run_train(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -65,21 +65,33 @@ def test_wandb_switch_parses(capsys):
     assert "WandbLogger" in capsys.readouterr().out
 
 
-def test_unknown_backbone_is_a_clear_error(tmp_path):
-    with pytest.raises((ValueError, SystemExit)) as info:
+def test_two_lr_overlay_adds_the_layer_before_the_last_block(capsys):
+    with pytest.raises(SystemExit):
         main(
             [
                 "fit",
                 "--config",
+                str(ROOT / "configs/lr_layer_resnet18_cifar10.yaml"),
+                "--config",
+                str(ROOT / "configs/overlays/lr_layer_resnet18_2lr.yaml"),
+                "--print_config",
+            ]
+        )
+    out = capsys.readouterr().out
+    assert "before: layer4" in out and "rank: 1000" in out and "before: head" in out
+
+
+def test_unknown_backbone_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown model 'mlpp'; models are: .*resnet18"):
+        main(
+            [
+                "--config",
                 str(ROOT / "configs/quickstart.yaml"),
                 "--model.init_args.backbone=mlpp",
-                f"--trainer.default_root_dir={tmp_path}",
                 "--trainer.logger=false",
             ],
             run=False,
         )
-    if isinstance(info.value, ValueError):
-        assert "mlpp" in str(info.value) and "resnet18" in str(info.value)
 
 
 @pytest.mark.slow

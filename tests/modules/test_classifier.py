@@ -76,3 +76,33 @@ def test_autoencoder_reconstructs_and_exposes_hidden_blocks(tmp_path):
 def test_autoencoder_rejects_unknown_activation():
     with pytest.raises(ValueError, match=r"unknown activation 'swish'.*tanh"):
         AutoEncoder(activation="swish")
+
+
+def test_lr_layer_inserted_before_the_head_with_measured_width(tmp_path):
+    from rank_lightning.nn import LRLayer, lr_layers
+
+    model = ImageClassifier(
+        backbone="mlp",
+        backbone_kwargs={"depth": 2, "width": 12},
+        num_classes=3,
+        input_shape=(1, 4, 4),
+        lr_layers=[{"before": "head", "rank": 2, "lambda_1": 0.5}],
+    )
+    [(name, layer)] = lr_layers(model)
+    assert isinstance(layer, LRLayer) and layer.num_features == 12 and layer.rank == 2
+    x = torch.randn(5, 1, 4, 4)
+    model.eval()
+    logits = model(x)
+    # The LR-Layer is an identity: removing it gives the same logits.
+    head = model.backbone.get_submodule(model.backbone.head_path)
+    torch.testing.assert_close(logits, head[1](model.backbone.forward_features(x)))
+    layer.enabled = True
+    model.train()
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, _loader((1, 4, 4)), _loader((1, 4, 4), seed=1))
+    assert trainer.callback_metrics["train/lr_layer_loss"] > 0
+
+
+def test_lr_layer_position_must_exist():
+    with pytest.raises(ValueError, match=r"unknown lr_layers position 'layer9'.*head"):
+        ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), lr_layers=[{"before": "layer9", "rank": 2}])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -62,7 +64,7 @@ def test_loss_treats_the_last_dimension_as_features_without_flatten() -> None:
 
 def test_wrong_width_names_both_widths() -> None:
     layer = _random_layer(12, 3)
-    with pytest.raises(ValueError, match="num_features=12 .* has 10 features"):
+    with pytest.raises(ValueError, match=r"num_features=12 .* has 10 features"):
         layer(torch.randn(4, 10, dtype=torch.float64))
 
 
@@ -127,7 +129,8 @@ def test_insert_keeps_the_forward_and_places_the_layer_before_the_submodule() ->
     torch.testing.assert_close(model(x), reference)
     assert layer.aux_loss is not None
     torch.testing.assert_close(seen["input"], torch.relu(model[0](x)))
-    with pytest.raises(ValueError, match="unknown submodule 'head'; submodules are: 0, 1, 2, 2.0, 2.0.0, 2.0.1, 2.1, 3"):
+    message = "unknown submodule 'head'; submodules are: 0, 1, 2, 2.0, 2.0.0, 2.0.1, 2.1, 3"
+    with pytest.raises(ValueError, match=re.escape(message)):
         insert_lr_layer(model, "head", LRLayer(16, 4))
 
 

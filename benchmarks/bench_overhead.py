@@ -1,0 +1,195 @@
+"""Wall-time overhead of the rank callbacks, and WeightRankMonitor against WeightWatcher.
+
+1. The same fit with and without monitoring (``ActivationRankMonitor`` on every block plus ``WeightRankMonitor``, both
+   every epoch), for
+   * ResNet-18 on CIFAR-shaped random data (3 x 32 x 32, 10 classes, 2,000 validation samples, a small training set);
+   * the quickstart MLP (depth 3, width 128) on scikit-learn's digits.
+   Plain and monitored fits alternate (plain first in even repeats, monitored first in odd ones) so that drifting
+   machine load hits both alike; the medians over repeats are compared. Target: monitored / plain <= 1.10. The time
+   spent writing the PNG figures at the end of fit (a fixed cost, independent of the number of epochs) is reported
+   separately.
+2. ``WeightRankMonitor.measure`` on torchvision's ResNet-50 against ``WeightWatcher(model).analyze()`` with its
+   defaults. Target: at least 2x faster.
+
+Run::
+
+    python benchmarks/bench_overhead.py           # full: 3 repeats, 2,000 validation samples
+    python benchmarks/bench_overhead.py --quick   # one repeat, smaller sets, a few minutes on a laptop CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.callbacks.curves import LayerCurves
+from rank_lightning.data import DigitsDataModule
+from rank_lightning.modules import ImageClassifier
+
+
+@dataclass
+class Case:
+    name: str
+    make_module: Callable[[], pl.LightningModule]
+    make_data: Callable[[], dict]
+    max_epochs: int
+
+
+@dataclass
+class FitTime:
+    wall: float
+    cpu: float
+    figures: float
+
+
+class _FigureTimer:
+    """Accumulates the time spent in ``LayerCurves.write_figures`` (the end-of-fit figures)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._original = LayerCurves.write_figures
+
+    def __enter__(self) -> _FigureTimer:
+        original = self._original
+
+        def timed(curves, trainer):
+            start = time.perf_counter()
+            try:
+                return original(curves, trainer)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        LayerCurves.write_figures = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        LayerCurves.write_figures = self._original
+
+
+def _resnet_case(quick: bool) -> Case:
+    generator = torch.Generator().manual_seed(0)
+    num_train, num_val = (256, 500) if quick else (512, 2000)
+    train = TensorDataset(torch.randn(num_train, 3, 32, 32, generator=generator), torch.randint(0, 10, (num_train,)))
+    val = TensorDataset(torch.randn(num_val, 3, 32, 32, generator=generator), torch.randint(0, 10, (num_val,)))
+
+    def make_data() -> dict:
+        return {
+            "train_dataloaders": DataLoader(train, batch_size=128, shuffle=True),
+            "val_dataloaders": DataLoader(val, batch_size=250),
+        }
+
+    def make_module() -> pl.LightningModule:
+        return ImageClassifier(backbone="resnet18", num_classes=10, input_shape=(3, 32, 32), lr=0.05)
+
+    return Case(f"ResNet-18, CIFAR-shaped ({num_train} train / {num_val} val)", make_module, make_data, 2)
+
+
+def _digits_case(quick: bool) -> Case:
+    def make_data() -> dict:
+        return {"datamodule": DigitsDataModule(batch_size=64)}
+
+    def make_module() -> pl.LightningModule:
+        return ImageClassifier(
+            backbone="mlp",
+            backbone_kwargs={"depth": 3, "width": 128, "activation": "relu"},
+            num_classes=10,
+            input_shape=(1, 8, 8),
+            lr=0.05,
+            weight_decay=5e-4,
+        )
+
+    epochs = 5 if quick else 30
+    return Case(f"quickstart MLP, digits ({epochs} epochs)", make_module, make_data, epochs)
+
+
+def _fit(case: Case, monitored: bool) -> FitTime:
+    torch.manual_seed(0)
+    module = case.make_module()
+    callbacks = [ActivationRankMonitor(verbose=False), WeightRankMonitor(verbose=False)] if monitored else []
+    with tempfile.TemporaryDirectory() as directory, _FigureTimer() as figures:
+        trainer = pl.Trainer(
+            max_epochs=case.max_epochs,
+            logger=CSVLogger(directory),
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            accelerator="cpu",
+        )
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        trainer.fit(module, **case.make_data())
+        return FitTime(time.perf_counter() - start_wall, time.process_time() - start_cpu, figures.seconds)
+
+
+def _overhead(case: Case, repeats: int) -> None:
+    plain: list[FitTime] = []
+    monitored: list[FitTime] = []
+    for repeat in range(repeats):
+        for is_monitored in (False, True) if repeat % 2 == 0 else (True, False):
+            (monitored if is_monitored else plain).append(_fit(case, is_monitored))
+    plain_wall = statistics.median(t.wall for t in plain)
+    monitored_wall = statistics.median(t.wall for t in monitored)
+    figures = statistics.median(t.figures for t in monitored)
+    cpu_ratio = statistics.median(t.cpu for t in monitored) / statistics.median(t.cpu for t in plain)
+    print(f"\n{case.name}, {repeats} repeat(s), medians:")
+    print(f"  plain fit                        {plain_wall:8.2f} s wall")
+    print(f"  monitored fit                    {monitored_wall:8.2f} s wall  (end-of-fit figures: {figures:.2f} s)")
+    ratio = monitored_wall / plain_wall
+    print(f"  ratio monitored / plain          {ratio:8.3f}  (target <= 1.10; CPU-time ratio {cpu_ratio:.3f})")
+    print(f"  ratio without end-of-fit figures {(monitored_wall - figures) / plain_wall:8.3f}")
+
+
+def _weightwatcher_comparison(repeats: int) -> None:
+    import torchvision
+    import weightwatcher
+
+    logging.getLogger("weightwatcher").setLevel(logging.ERROR)
+    model = torchvision.models.resnet50()
+    monitor = WeightRankMonitor(verbose=False)
+    monitor.measure(model)
+    ours = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        values = monitor.measure(model)
+        ours.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        details = weightwatcher.WeightWatcher(model=model).analyze()
+    theirs = time.perf_counter() - start
+    median = statistics.median(ours)
+    print(f"\nResNet-50 (torchvision), weight spectra of {len(values)} matrices:")
+    print(f"  WeightRankMonitor.measure        {median:8.2f} s (median of {repeats})")
+    print(f"  WeightWatcher.analyze()          {theirs:8.2f} s ({len(details)} layers, default options)")
+    print(f"  speed-up                         {theirs / median:8.2f}x  (target >= 2)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one repeat and smaller data sets")
+    parser.add_argument("--repeats", type=int, default=None, help="fits per configuration (default 3, quick 1)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="pytorch_lightning")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for case in (_digits_case(args.quick), _resnet_case(args.quick)):
+        _overhead(case, repeats)
+    _weightwatcher_comparison(max(repeats, 3))
+
+
+if __name__ == "__main__":
+    main()

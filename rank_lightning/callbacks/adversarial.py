@@ -1,0 +1,531 @@
+"""Robustness to the fast gradient sign attacks, measured during validation (Sanyal et al. Sec. 5, Fig. 5)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from torch import Tensor
+from typing_extensions import override
+
+from rank_lightning.attacks import (
+    ATTACKS,
+    accuracy_under_attack,
+    adversarial_feature_distance,
+    attack,
+    l2_dissimilarity,
+)
+from rank_lightning.callbacks.curves import FIGURE_DIR, run_directory, wandb_loggers
+from rank_lightning.callbacks.layers import match_layer_names, module_blocks
+from rank_lightning.callbacks.rank_pretraining import FeatureLayer, capture_features
+
+__all__ = ["AdversarialValidation", "grey_levels"]
+
+DEFAULT_EPS: tuple[float, ...] = (1 / 255, 2 / 255, 4 / 255, 8 / 255, 16 / 255)
+_NAMESPACES = {"validate": "adv", "test": "adv_test"}
+_INFERENCE_MODE_HELP = (
+    "build the Trainer with Trainer(inference_mode=False) (on the command line: --trainer.inference_mode=false)"
+)
+
+
+def grey_levels(eps: float) -> str:
+    """A budget in pixel units written in grey levels of an 8-bit image, as in the logged keys: ``8/255 -> "8"``.
+
+    Whole numbers of grey levels are written without decimals; others with four significant digits (``"0.5"``).
+    """
+    levels = eps * 255
+    if abs(levels - round(levels)) < 1e-6:
+        return str(round(levels))
+    return f"{levels:.4g}"
+
+
+def _parse_eps(value: float | str) -> float:
+    try:
+        eps = float(Fraction(value)) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError, ZeroDivisionError) as error:
+        raise ValueError(f"eps entries must be numbers or fractions such as '8/255'; got {value!r}") from error
+    if not (math.isfinite(eps) and 0 <= eps <= 1):
+        raise ValueError(
+            f"eps must lie in [0, 1] in pixel units (8/255 for 8 grey levels); got {value!r}"
+            + (f", did you mean {value}/255?" if math.isfinite(eps) and eps > 1 else "")
+        )
+    return eps
+
+
+class AdversarialValidation(pl.Callback):
+    """Attack a sample of the validation set with FGSM, Iter-FGSM and Iter-LL-FGSM and log what the attacks did.
+
+    Sanyal et al. (Sec. 5.1, Fig. 5) compare models by their misclassification rate under attack against the size of
+    the perturbation, measured by the normalised L2 dissimilarity (their eq. 10), and by ``D_Adv``, the mean squared
+    displacement of a layer's features (Sec. 5.1.1). This callback measures all three during validation, so that the
+    curves can be followed over training and compared between runs (e.g. with and without LR-Layers).
+
+    When: in the validation of every ``every_n_epochs``-th epoch of ``fit`` (``(epoch + 1) % every_n_epochs == 0``,
+    among the epochs that validate; sanity checks are skipped), in every ``trainer.validate`` run and, with keys under
+    ``adv_test/``, in every ``trainer.test`` run. The first validation dataloader's batches are collected in
+    ``on_validation_batch_end`` (inputs and labels, detached, on the module's device) until ``max_samples`` are held
+    by all processes together (process ``r`` of ``W`` keeps at most ``max_samples // W``, plus one if
+    ``r < max_samples % W``); the attacks run in ``on_validation_epoch_end``, in chunks of ``batch_size``.
+
+    Budgets are in pixel units: the attacks un-normalise the inputs with the per-channel ``mean`` and ``std``,
+    perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
+    ``pl_module(inputs)``, which must return logits; the attacks run the model in eval mode and afterwards restore
+    every submodule's train/eval flag, and no parameter's ``.grad`` is touched (gradients are taken with respect to
+    the inputs only). The clean and adversarial forward passes run in the mode Lightning validates in (eval).
+
+    Gradients and inference mode: inside ``fit``, validation runs under ``torch.no_grad``, which the attacks lift with
+    ``torch.enable_grad``. ``trainer.validate`` and ``trainer.test`` run under ``torch.inference_mode`` unless the
+    Trainer is built with ``inference_mode=False``; no gradient can be taken there, so :meth:`setup` raises a
+    ``RuntimeError`` saying so before any data is loaded. It does so under every backend, although under gloo
+    (CPU DDP) Lightning falls back to ``no_grad``: a configuration that runs on CPUs then also runs on GPUs.
+
+    DDP: every process attacks its own samples; sums and counts are all-reduced (``trainer.strategy.reduce``) before
+    logging, so every process logs the same values, equal to one process attacking all the samples (up to the
+    samples Lightning's ``DistributedSampler`` duplicates to pad the last batch).
+
+    Files: after every evaluation, rank zero writes ``<run dir>/rank_curves/adversarial.png`` (``adversarial_test.png``
+    for ``trainer.test``): misclassification rate against mean L2 dissimilarity, one line per attack, points at each
+    eps and at the clean inputs (Sanyal et al. Fig. 5), beside ``D_Adv`` against eps; and ``adversarial.json`` with
+    the logged values of every evaluation (``{epoch: {key: value}}``). The run directory is that of
+    :func:`~rank_lightning.callbacks.curves.run_directory`.
+
+    Args:
+        eps: L-infinity budgets in pixel units, numbers or fractions such as ``"8/255"``, each in [0, 1]; ``0``
+            gives the clean accuracy.
+        attacks: names among ``fgsm``, ``iter_fgsm``, ``iter_ll_fgsm``.
+        every_n_epochs: attack in every this many epochs of ``fit``.
+        max_samples: inputs attacked per evaluation, all processes together; ``None`` for the whole validation set.
+        batch_size: inputs attacked at once.
+        layer: layer of ``D_Adv``: a block name of ``pl_module.blocks()`` or a module name of ``named_modules()``
+            (its output is read); ``None`` takes the last block (the features feeding the head) when the module has
+            ``blocks()``, and skips ``D_Adv`` otherwise.
+        alpha: step of the iterative attacks in pixel units (Kurakin et al.: one grey level).
+        steps: iterations of the iterative attacks; ``None`` takes ``min(eps + 4, 1.25 eps)`` (eps in grey levels;
+            :func:`~rank_lightning.attacks.kurakin_steps`).
+        mean: per-channel mean of the normalisation of the inputs; with ``std``. When both are ``None`` they are read
+            from ``trainer.datamodule.mean`` / ``.std``, and without such a datamodule the inputs are taken to be
+            pixels in [0, 1] already (give ``mean=[0]``, ``std=[1]`` to say so explicitly).
+        std: per-channel standard deviation of that normalisation.
+        input_key: where the inputs are in a batch: an index for tuples and lists, a key for mappings.
+        label_key: where the int64 labels are in a batch.
+        verbose: print the settings resolved at setup (rank zero).
+
+    Raises:
+        ValueError: at construction for an invalid setting (the message lists the valid choices); at setup for a
+            ``layer`` that does not exist or names several modules.
+        RuntimeError: at setup of ``trainer.validate`` / ``trainer.test`` in inference mode, and whenever the attacks
+            would run under ``torch.inference_mode``.
+
+    Example::
+
+        import pytorch_lightning as pl
+        from rank_lightning.callbacks import AdversarialValidation
+
+        callback = AdversarialValidation(eps=["2/255", "8/255"], attacks=["fgsm", "iter_fgsm"], max_samples=512)
+        trainer = pl.Trainer(max_epochs=20, callbacks=[callback])
+        trainer.fit(model, datamodule=datamodule)
+        # Afterwards, or on a checkpoint: gradients need the Trainer out of inference mode.
+        pl.Trainer(inference_mode=False, callbacks=[callback]).validate(model, datamodule=datamodule)
+
+    Logged metrics:
+        With ``<eps>`` the budget in grey levels (``eps * 255``: ``acc@8`` for ``eps = 8/255``, ``acc@0.5`` for
+        ``0.5/255``), for every ``<attack>`` in ``attacks``, under ``adv/`` (``adv_test/`` in ``trainer.test``):
+
+        * ``adv/num_samples``: number of attacked samples, all processes together.
+        * ``adv/clean_acc``: accuracy on the attacked samples before the attack.
+        * ``adv/<attack>/acc@<eps>``: accuracy under attack, over all attacked samples (one minus the
+          misclassification rate of Sanyal et al. Fig. 5).
+        * ``adv/<attack>/l2@<eps>``: mean over all attacked samples of ``||x_a - x_d||_2 / ||x_d||_2`` in pixel
+          space (Sanyal et al. eq. 10).
+        * ``adv/<attack>/d_adv@<eps>``: ``D_Adv = mean ||f_l(x_a) - f_l(x_d)||_2^2`` at ``layer``, over the samples
+          classified correctly before the attack (Sanyal et al. Sec. 5.1.1); only when a layer is chosen, ``nan``
+          when no sample was classified correctly.
+
+        With a ``WandbLogger``, rank zero also logs the figure as ``adv_curves/figure`` and the table
+        ``adv_curves/table`` (one row per attack and eps) at every evaluation (``adv_test_curves/...`` in test).
+    """
+
+    def __init__(
+        self,
+        *,
+        eps: Sequence[float | str] = DEFAULT_EPS,
+        attacks: Sequence[str] = ATTACKS,
+        every_n_epochs: int = 1,
+        max_samples: int | None = 512,
+        batch_size: int = 256,
+        layer: str | None = None,
+        alpha: float = 1 / 255,
+        steps: int | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        input_key: int | str = 0,
+        label_key: int | str = 1,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__()
+        eps_values = [_parse_eps(value) for value in ([eps] if isinstance(eps, (str, float, int)) else eps)]
+        if not eps_values:
+            raise ValueError("eps must name at least one budget, e.g. [1/255, 2/255, 4/255, 8/255, 16/255]")
+        labels = [grey_levels(value) for value in eps_values]
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
+        if repeated:
+            raise ValueError(f"eps values {repeated} (grey levels) appear more than once; give each budget once")
+        attacks = [attacks] if isinstance(attacks, str) else list(attacks)
+        unknown = [name for name in attacks if name not in ATTACKS]
+        if unknown or not attacks:
+            raise ValueError(f"unknown attacks {unknown or attacks!r}; attacks are: {', '.join(ATTACKS)}")
+        if len(set(attacks)) != len(attacks):
+            raise ValueError(f"attacks {attacks!r} name an attack more than once; attacks are: {', '.join(ATTACKS)}")
+        for name, value in (("every_n_epochs", every_n_epochs), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_samples is not None and (
+            isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
+        ):
+            raise ValueError(f"max_samples must be a positive integer or None, got {max_samples!r}")
+        if not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"alpha must be a positive step in pixel units (1/255 for one grey level), got {alpha!r}")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be a positive integer or None (Kurakin's default), got {steps!r}")
+        if (mean is None) != (std is None):
+            raise ValueError(f"give both mean and std or neither; got mean={mean!r}, std={std!r}")
+        if std is not None and any(value <= 0 for value in std):
+            raise ValueError(f"std must be positive, got {std!r}")
+        if layer is not None and (not isinstance(layer, str) or not layer):
+            raise ValueError(f"layer must be None or a non-empty block or module name, got {layer!r}")
+        # Ascending budgets draw the curves in order.
+        order = sorted(range(len(eps_values)), key=eps_values.__getitem__)
+        self.eps = tuple(eps_values[i] for i in order)
+        self.attacks = tuple(attacks)
+        self.every_n_epochs = every_n_epochs
+        self.max_samples = max_samples
+        self.batch_size = batch_size
+        self.layer = layer
+        self.alpha = alpha
+        self.steps = steps
+        self.mean = None if mean is None else tuple(float(v) for v in mean)
+        self.std = None if std is None else tuple(float(v) for v in std)
+        self.input_key = input_key
+        self.label_key = label_key
+        self.verbose = verbose
+        self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
+        self._feature_layer: FeatureLayer | None = None
+        self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self._active: str | None = None
+        self._remaining = 0
+        self._inputs: list[Tensor] = []
+        self._labels: list[Tensor] = []
+
+    @property
+    def feature_layer(self) -> FeatureLayer | None:
+        """The layer of ``D_Adv`` resolved at setup (``None`` before setup or without one)."""
+        return self._feature_layer
+
+    @property
+    def pixel_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """``(mean, std)`` used to un-normalise the inputs, resolved at setup; ``None`` for pixels in [0, 1]."""
+        return self._pixel_stats
+
+    # -- setup -----------------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        stage = str(getattr(stage, "value", stage))
+        loop = {"validate": "validate_loop", "test": "test_loop"}.get(stage)
+        if loop is not None and getattr(getattr(trainer, loop, None), "inference_mode", False):
+            raise RuntimeError(
+                f"AdversarialValidation needs input gradients, but trainer.{stage}() runs under "
+                f"torch.inference_mode, where none can be taken; {_INFERENCE_MODE_HELP}"
+            )
+        self._feature_layer = self._resolve_layer(pl_module)
+        self._pixel_stats = self._resolve_pixel_stats(trainer)
+        if self.verbose and trainer.is_global_zero:
+            layer = self._feature_layer
+            where = "not measured" if layer is None else f"at {layer.name!r} ({layer.path})"
+            stats = "pixels in [0, 1]" if self._pixel_stats is None else f"mean/std {self._pixel_stats}"
+            samples = "all samples" if self.max_samples is None else f"at most {self.max_samples} samples"
+            print(
+                f"AdversarialValidation: {', '.join(self.attacks)} at eps "
+                f"{', '.join(grey_levels(e) for e in self.eps)} (grey levels) on {samples}; D_Adv {where}; {stats}"
+            )
+
+    def _resolve_layer(self, pl_module: pl.LightningModule) -> FeatureLayer | None:
+        blocks = module_blocks(pl_module) or {}
+        if self.layer is None:
+            if not blocks:
+                return None
+            name, path = list(blocks.items())[-1]
+            return FeatureLayer(name, path)
+        candidates = {name: module for name, module in pl_module.named_modules() if name}
+        paths = match_layer_names(pl_module, [self.layer], candidates, blocks=blocks, expand_containers=False)
+        if len(paths) != 1:
+            raise ValueError(
+                f"layer {self.layer!r} matches {len(paths)} modules ({', '.join(paths)}); name exactly one"
+            )
+        return FeatureLayer(self.layer, paths[0])
+
+    def _resolve_pixel_stats(self, trainer: pl.Trainer) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        if self.mean is not None and self.std is not None:
+            return self.mean, self.std
+        datamodule = getattr(trainer, "datamodule", None)
+        mean, std = getattr(datamodule, "mean", None), getattr(datamodule, "std", None)
+        if mean is None or std is None:
+            return None
+        return tuple(float(v) for v in mean), tuple(float(v) for v in std)
+
+    # -- when ------------------------------------------------------------------------------------------------------
+
+    def _due(self, trainer: pl.Trainer) -> str | None:
+        if trainer.sanity_checking:
+            return None
+        fn = getattr(trainer.state, "fn", None)
+        if fn in ("validate", "test"):
+            return str(fn.value if hasattr(fn, "value") else fn)
+        if fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            return "validate"
+        return None
+
+    def _start(self, trainer: pl.Trainer) -> None:
+        self._active = self._due(trainer)
+        self._inputs, self._labels = [], []
+        world, rank = max(trainer.world_size, 1), trainer.global_rank
+        if self.max_samples is None:
+            self._remaining = -1
+        else:
+            self._remaining = self.max_samples // world + int(rank < self.max_samples % world)
+
+    def _collect(self, batch: Any, dataloader_idx: int) -> None:
+        if self._active is None or dataloader_idx != 0 or self._remaining == 0:
+            return
+        inputs, labels = self._split(batch)
+        take = inputs.shape[0] if self._remaining < 0 else min(inputs.shape[0], self._remaining)
+        self._inputs.append(inputs[:take].detach().clone())
+        self._labels.append(labels[:take].detach().clone())
+        if self._remaining > 0:
+            self._remaining -= take
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._collect(batch, dataloader_idx)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module)
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._collect(batch, dataloader_idx)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {stage: dict(epochs) for stage, epochs in self.history.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for stage, epochs in state_dict["history"].items():
+            self.history[stage] = {int(epoch): dict(values) for epoch, values in epochs.items()}
+
+    # -- what ------------------------------------------------------------------------------------------------------
+
+    def _split(self, batch: Any) -> tuple[Tensor, Tensor]:
+        try:
+            inputs, labels = batch[self.input_key], batch[self.label_key]
+        except (KeyError, IndexError, TypeError) as error:
+            kind = f"keys {list(batch)}" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
+            raise ValueError(
+                f"cannot read inputs at {self.input_key!r} and labels at {self.label_key!r} from a batch with {kind}; "
+                "set input_key and label_key"
+            ) from error
+        if not isinstance(inputs, Tensor) or not isinstance(labels, Tensor) or labels.is_floating_point():
+            raise ValueError(
+                f"expected an input tensor at {self.input_key!r} and integer labels at {self.label_key!r}; got "
+                f"{type(inputs).__name__} and {getattr(labels, 'dtype', type(labels).__name__)}"
+            )
+        return inputs, labels
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stage, self._active = self._active, None
+        if stage is None:
+            return
+        inputs = torch.cat(self._inputs) if self._inputs else None
+        labels = torch.cat(self._labels) if self._labels else None
+        self._inputs, self._labels = [], []
+        if torch.is_inference_mode_enabled() or (inputs is not None and inputs.is_inference()):
+            raise RuntimeError(
+                "AdversarialValidation needs input gradients, but this evaluation runs under torch.inference_mode, "
+                f"where none can be taken; {_INFERENCE_MODE_HELP}"
+            )
+        totals = self._attack_sums(pl_module, inputs, labels)
+        totals = trainer.strategy.reduce(totals, reduce_op="sum")
+        values = self._values(totals.tolist())
+        if values is None:
+            return
+        # Every process holds the reduced values already: logging them unsynchronised lets every process monitor them.
+        pl_module.log_dict(self._namespaced(stage, values), on_step=False, on_epoch=True, sync_dist=False)
+        self.history[stage][trainer.current_epoch] = values
+        if trainer.is_global_zero:
+            self._write(trainer, stage)
+
+    def _attack_sums(self, pl_module: pl.LightningModule, inputs: Tensor | None, labels: Tensor | None) -> Tensor:
+        """``[n, correct, then per attack and eps: correct, sum of L2, sum of D_Adv]``, float64, on this process."""
+        sums = torch.zeros(2 + 3 * len(self.attacks) * len(self.eps), dtype=torch.float64, device=pl_module.device)
+        if inputs is None:
+            return sums
+        layers = [] if self._feature_layer is None else [self._feature_layer]
+        mean, std = self._pixel_stats if self._pixel_stats is not None else (None, None)
+        for start in range(0, inputs.shape[0], self.batch_size):
+            x, y = inputs[start : start + self.batch_size], labels[start : start + self.batch_size]
+            clean_logits, clean_features = self._forward(pl_module, x, layers)
+            correct = clean_logits.argmax(dim=1) == y
+            sums[0] += y.numel()
+            sums[1] += accuracy_under_attack(clean_logits, y).double() * y.numel()
+            index = 2
+            for name in self.attacks:
+                for eps in self.eps:
+                    adversarial = attack(
+                        name, pl_module, x, y, eps, alpha=self.alpha, steps=self.steps, mean=mean, std=std
+                    )
+                    logits, features = self._forward(pl_module, adversarial, layers)
+                    sums[index] += accuracy_under_attack(logits, y).double() * y.numel()
+                    sums[index + 1] += l2_dissimilarity(adversarial, x, mean=mean, std=std).double().sum()
+                    if features is not None:
+                        sums[index + 2] += adversarial_feature_distance(
+                            features, clean_features, correct, reduction="sum"
+                        ).double()
+                    index += 3
+        return sums
+
+    @staticmethod
+    def _forward(pl_module: pl.LightningModule, x: Tensor, layers: list[FeatureLayer]) -> tuple[Tensor, Tensor | None]:
+        with torch.no_grad(), capture_features(pl_module, layers) as captured:
+            logits = pl_module(x)
+        return logits, (captured[layers[0].name] if layers else None)
+
+    def _values(self, totals: list[float]) -> dict[str, float] | None:
+        count, correct = totals[0], totals[1]
+        if count == 0:
+            return None
+        # The correct count is a sum of float accuracies times batch sizes: round it back to the integer it is.
+        correct = round(correct)
+        values = {"num_samples": count, "clean_acc": correct / count}
+        index = 2
+        for name in self.attacks:
+            for eps in self.eps:
+                level = grey_levels(eps)
+                values[f"{name}/acc@{level}"] = round(totals[index]) / count
+                values[f"{name}/l2@{level}"] = totals[index + 1] / count
+                if self._feature_layer is not None:
+                    values[f"{name}/d_adv@{level}"] = totals[index + 2] / correct if correct else math.nan
+                index += 3
+        return values
+
+    def _namespaced(self, stage: str, values: Mapping[str, float]) -> dict[str, float]:
+        return {f"{_NAMESPACES[stage]}/{key}": value for key, value in values.items()}
+
+    # -- files and W&B ---------------------------------------------------------------------------------------------
+
+    def _write(self, trainer: pl.Trainer, stage: str) -> None:
+        directory = run_directory(trainer) / FIGURE_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = "adversarial" if stage == "validate" else "adversarial_test"
+        history = self.history[stage]
+        (directory / f"{stem}.json").write_text(
+            json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
+        )
+        epoch = max(history)
+        figure_path = directory / f"{stem}.png"
+        self._draw(history[epoch], f"{_NAMESPACES[stage]}, epoch {epoch}").savefig(figure_path, dpi=100)
+        loggers = wandb_loggers(trainer)
+        if loggers:
+            self._log_wandb(loggers, trainer, stage, history[epoch], figure_path)
+
+    def _curve(self, values: Mapping[str, float], name: str, metric: str) -> list[float]:
+        return [values.get(f"{name}/{metric}@{grey_levels(eps)}", math.nan) for eps in self.eps]
+
+    def _draw(self, values: Mapping[str, float], title: str) -> Figure:
+        with_d_adv = self._feature_layer is not None
+        figure = Figure(figsize=(12 if with_d_adv else 6.5, 4.8), layout="constrained")
+        panels = figure.subplots(1, 2 if with_d_adv else 1, squeeze=False)[0]
+        figure.suptitle(f"Adversarial robustness ({title})")
+        colors = colormaps["tab10"]
+        clean_error = 1 - values["clean_acc"]
+        levels = [float(grey_levels(eps)) for eps in self.eps]
+        for i, name in enumerate(self.attacks):
+            errors = [1 - acc for acc in self._curve(values, name, "acc")]
+            distances = self._curve(values, name, "l2")
+            panels[0].plot([0.0, *distances], [clean_error, *errors], marker="o", color=colors(i), label=name)
+            for level, x, y in zip(levels, distances, errors):
+                panels[0].annotate(f"{level:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize="x-small")
+            if with_d_adv:
+                panels[1].plot(levels, self._curve(values, name, "d_adv"), marker="o", color=colors(i), label=name)
+        panels[0].set_xlabel("normalised L2 dissimilarity ||x_a - x_d|| / ||x_d|| (Sanyal eq. 10)")
+        panels[0].set_ylabel("misclassification rate")
+        panels[0].set_ylim(-0.02, 1.02)
+        panels[0].set_title("labels: eps in grey levels; first point: clean inputs", fontsize="medium")
+        if with_d_adv:
+            panels[1].set_xscale("symlog", linthresh=1.0)
+            panels[1].set_xticks(levels, [f"{level:g}" for level in levels])
+            panels[1].set_xlabel("eps (grey levels)")
+            panels[1].set_ylabel(f"D_Adv at {self._feature_layer.name}")
+            panels[1].set_title("mean ||f(x_a) - f(x_d)||^2 over originally correct samples", fontsize="medium")
+        for panel in panels:
+            panel.grid(alpha=0.3)
+            panel.legend(fontsize="small")
+        return figure
+
+    def _log_wandb(
+        self, loggers: list[Any], trainer: pl.Trainer, stage: str, values: Mapping[str, float], figure_path: Path
+    ) -> None:
+        import wandb
+
+        rows = []
+        for name in self.attacks:
+            for eps in self.eps:
+                level = grey_levels(eps)
+                accuracy = values[f"{name}/acc@{level}"]
+                distance = values[f"{name}/l2@{level}"]
+                rows.append([name, float(level), distance, 1 - accuracy, accuracy, values.get(f"{name}/d_adv@{level}")])
+        columns = ["attack", "eps_grey_levels", "l2_dissimilarity", "misclassification", "accuracy", "d_adv"]
+        prefix = f"{_NAMESPACES[stage]}_curves"
+        payload = {
+            f"{prefix}/figure": wandb.Image(str(figure_path)),
+            f"{prefix}/table": wandb.Table(columns=columns, data=rows),
+        }
+        for logger in loggers:
+            logger.log_metrics(payload, step=trainer.global_step)
