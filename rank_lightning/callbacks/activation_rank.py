@@ -245,11 +245,13 @@ class ActivationRankMonitor(pl.Callback):
         self._reductions: dict[str, str | None] = {}
         self._handles: list[RemovableHandle] = []
         self._active = False
+        self._in_batch = False
         self._remaining: int | None = None
-        self._take = 0
+        self._batch: int | None = None
+        self._take: int | None = None
         self._labels: Tensor | None = None
         self._seen_this_batch: set[str] = set()
-        self._warned_reuse: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()
         self._reported_paths: set[str] = set()
 
     @property
@@ -325,6 +327,10 @@ class ActivationRankMonitor(pl.Callback):
         return fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # An epoch cut short by an exception may have left partial sums behind.
+        self._stop()
+        for metric in self._metrics.values():
+            metric.reset()
         if self.max_samples is None:
             self._remaining = None
         else:
@@ -334,26 +340,41 @@ class ActivationRankMonitor(pl.Callback):
             self._handles.append(layer.register_forward_hook(self._make_hook(name)))
         self._active = True
 
-    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._remove_hooks()
+    def _stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._active = False
+        self._in_batch = False
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop()
         values: dict[str, dict[str, float]] = {}
         for name in self._layers:
             metric = self._metrics.get(name)
             if metric is None or metric.update_count == 0:
                 continue
-            values[name] = self._values_of(name, metric)
+            values[name] = self._values_of(name, metric, trainer.current_epoch)
             metric.reset()
         if values:
             self.curves.record_and_log(trainer, pl_module, values)
 
     def _batch_start(self, batch: Any) -> None:
-        size = _batch_size(batch)
-        self._take = size if self._remaining is None else max(0, min(size, self._remaining))
-        if self._remaining is not None:
-            self._remaining -= self._take
         self._labels = self._extract_labels(batch) if self._num_classes else None
+        self._batch = _batch_size(batch)
+        if self._batch is None and self._labels is not None:
+            self._batch = self._labels.shape[0]
+        self._take = None
         self._seen_this_batch = set()
+        self._in_batch = True
+
+    def _claim(self, size: int) -> int:
+        """Rows of the current batch to measure; the first monitored layer to run decides for all of them."""
+        if self._take is None:
+            self._take = size if self._remaining is None else max(0, min(size, self._remaining))
+            if self._remaining is not None:
+                self._remaining -= self._take
+        return self._take
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -393,7 +414,7 @@ class ActivationRankMonitor(pl.Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation interrupts a monitored training epoch: its forward passes must not reach the training metrics.
         if self._active and self.stage == "train":
-            self._take = 0
+            self._in_batch = False
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -411,27 +432,56 @@ class ActivationRankMonitor(pl.Callback):
 
     def _make_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if self._take <= 0:
+            if not self._in_batch:
                 return
             if name in self._seen_this_batch:
                 # A module called twice per forward (a shared ReLU) would mix two representations.
-                if name not in self._warned_reuse:
-                    self._warned_reuse.add(name)
-                    warnings.warn(
-                        f"ActivationRankMonitor: layer {name!r} runs more than once per forward pass; "
-                        "only its first call is measured. Monitor a module that runs once instead.",
-                        stacklevel=2,
-                    )
+                self._warn_once(
+                    name,
+                    "reuse",
+                    "runs more than once per forward pass; only its first call is measured. "
+                    "Monitor a module that runs once instead.",
+                )
                 return
             self._seen_this_batch.add(name)
-            activations = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(activations, Tensor) or activations.ndim < 2:
+            activations = output[0] if isinstance(output, (tuple, list)) and output else output
+            if not isinstance(activations, Tensor) or activations.ndim not in (2, 3, 4):
+                shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(activations).__name__
+                self._warn_once(
+                    name,
+                    "shape",
+                    f"gives {shape}, not (B, d) features, (B, T, D) tokens or (B, C, H, W) conv maps; it is skipped.",
+                )
                 return
-            activations = activations.detach()[: self._take]
-            labels = None if self._labels is None else self._labels[: self._take].to(activations.device)
-            self._metric_for(name, activations).update(activations, labels)
+            activations = self._batch_first(name, activations.detach())
+            if activations is None:
+                return
+            take = self._claim(activations.shape[0])
+            if take == 0:
+                return
+            labels = None if self._labels is None else self._labels[:take].to(activations.device)
+            self._metric_for(name, activations).update(activations[:take], labels)
 
         return hook
+
+    def _batch_first(self, name: str, activations: Tensor) -> Tensor | None:
+        batch = self._batch
+        if batch is None or activations.shape[0] == batch:
+            return activations
+        if activations.ndim == 3 and activations.shape[1] == batch:
+            # Sequence-first tokens (T, B, D), the default layout of nn.Transformer and nn.MultiheadAttention.
+            return activations.transpose(0, 1)
+        self._warn_once(
+            name,
+            "batch",
+            f"gives {tuple(activations.shape)}, with no leading dimension of the batch size {batch}; it is skipped.",
+        )
+        return None
+
+    def _warn_once(self, name: str, kind: str, message: str) -> None:
+        if (name, kind) not in self._warned:
+            self._warned.add((name, kind))
+            warnings.warn(f"ActivationRankMonitor: layer {name!r} {message}", stacklevel=3)
 
     def _metric_for(self, name: str, activations: Tensor) -> ActivationSpectrum:
         metric = self._metrics.get(name)
@@ -451,8 +501,18 @@ class ActivationRankMonitor(pl.Callback):
             self._metrics[name] = metric
         return metric
 
-    def _values_of(self, name: str, metric: ActivationSpectrum) -> dict[str, float]:
-        result = metric.compute()
+    def _values_of(self, name: str, metric: ActivationSpectrum, epoch: int) -> dict[str, float]:
+        with warnings.catch_warnings():
+            # Replaced below by a warning that names the layer.
+            warnings.filterwarnings("ignore", message="ActivationSpectrum: .*NaN or Inf", category=RuntimeWarning)
+            result = metric.compute()
+        if result.num_nonfinite_batches:
+            warnings.warn(
+                f"ActivationRankMonitor: layer {name!r} gave NaN or Inf activations in {result.num_nonfinite_batches} "
+                f"batch(es) at epoch {epoch}; its metrics are logged as NaN for that epoch.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if result.path != "gram" and name not in self._reported_paths:
             self._reported_paths.add(name)
             warnings.warn(
@@ -499,22 +559,18 @@ class ActivationRankMonitor(pl.Callback):
             return None
         return labels
 
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
-
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: Any) -> int | None:
+    """Leading dimension of the batch's first tensor; ``None`` when it holds none (the activations then tell)."""
     if isinstance(batch, Tensor):
-        return batch.shape[0]
+        return batch.shape[0] if batch.ndim else None
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (tuple, list)):
         for item in batch:
             if isinstance(item, Tensor) and item.ndim > 0:
                 return item.shape[0]
-    raise ValueError(f"cannot tell the batch size of a {type(batch).__name__}; pass batches of tensors")
+    return None
 
 
 def _num_classes_of(pl_module: nn.Module, trainer: pl.Trainer) -> int | None:

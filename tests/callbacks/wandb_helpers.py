@@ -1,0 +1,61 @@
+"""Reading back what an offline W&B run logged: its ``.wandb`` transaction log, record by record."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_BLOCK = 32768
+_CHUNK_HEADER = 7
+_FILE_HEADER = 7
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    """Records of a ``.wandb`` transaction log.
+
+    The file is a 7-byte header (``:W&B`` and a version) followed by LevelDB log blocks of 32 KiB; each chunk has a
+    7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) and a record may span several chunks.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    position, pieces = _FILE_HEADER, []
+    while position + _CHUNK_HEADER <= len(data):
+        left = _BLOCK - position % _BLOCK
+        if left < _CHUNK_HEADER:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + _CHUNK_HEADER])
+        if length == 0 and kind == 0:
+            position += left
+            continue
+        pieces.append(data[position + _CHUNK_HEADER : position + _CHUNK_HEADER + length])
+        position += _CHUNK_HEADER + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(pieces))
+            pieces = []
+            yield record
+
+
+def offline_run_history(save_dir: Path, timeout: float = 60.0) -> dict[str, list[str]]:
+    """Every history value of the single offline run under ``save_dir``: ``key -> [value_json, ...]`` in log order.
+
+    ``wandb.finish()`` can return before the service has flushed the log, so this waits (up to ``timeout`` seconds)
+    for the run's last record, ``exit``. Nested keys are joined with ``/``.
+    """
+    (run_file,) = Path(save_dir).glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while not (records := list(wandb_records(run_file))) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, f"the offline run {run_file} was never closed"
+        time.sleep(0.2)
+    history: dict[str, list[str]] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                history.setdefault(item.key or "/".join(item.nested_key), []).append(item.value_json)
+    return history
