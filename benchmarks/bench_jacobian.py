@@ -4,7 +4,8 @@ Both compute the same sub-Jacobian ``d f(x) / d x_P`` of a CIFAR ResNet-18 (eval
 the central patch ``P`` of one 32 x 32 input. Forward mode (:func:`rank_lightning.functional.partial_jacobian`) costs
 about ``K = |P|`` batched forward passes; reverse mode costs one backward pass per output. Default: up to ``layer3``
 (256 x 8 x 8 = 16,384 outputs) with an 8 x 8 x 3 patch (K = 192); reverse mode takes minutes on two CPU cores.
-``--quick`` stops at the global average pool (512 outputs) with a 4 x 4 x 3 patch, so both finish in about a minute.
+``--quick`` uses 16 x 16 inputs, stops at the global average pool (512 outputs) and takes a 4 x 4 x 3 patch, so both
+finish in about a minute even on a busy machine.
 
 Printed: the time of each, their ratio, the numerical rank of each Jacobian (they must agree) and the largest absolute
 difference between them. The forward-mode timing excludes a first warm-up call, which loads torch's forward-mode
@@ -13,7 +14,7 @@ decompositions once per process.
 Usage::
 
     python benchmarks/bench_jacobian.py            # layer3, 8 x 8 x 3 patch
-    python benchmarks/bench_jacobian.py --quick    # avgpool, 4 x 4 x 3 patch
+    python benchmarks/bench_jacobian.py --quick    # 16 x 16 inputs, avgpool, 4 x 4 x 3 patch
 """
 
 from __future__ import annotations
@@ -44,19 +45,25 @@ def cifar_resnet18() -> tuple[nn.Module, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="stop at avgpool with a 4 x 4 x 3 patch")
+    parser.add_argument("--quick", action="store_true", help="16 x 16 inputs, avgpool, 4 x 4 x 3 patch")
     parser.add_argument("--layer", default=None, help="dotted module path of the output block (default layer3)")
     parser.add_argument("--patch-size", type=int, default=None, help="side of the central patch (default 8)")
+    parser.add_argument("--image-size", type=int, default=None, help="side of the input image (default 32)")
     parser.add_argument("--chunk-size", type=int, default=None, help="forward-mode directions per chunk")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     layer = args.layer or ("avgpool" if args.quick else "layer3")
     side = args.patch_size or (4 if args.quick else 8)
+    image_size = args.image_size or (16 if args.quick else 32)
 
+    if args.threads is not None:
+        # On a machine shared with other jobs, fewer threads than cores avoids threads waiting on each other.
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, description = cifar_resnet18()
     model.eval()
-    x = torch.randn(3, 32, 32)
+    x = torch.randn(3, image_size, image_size)
     patch = Patch.central(x.shape, size=side)
     mask = patch.mask(x.shape)
     block = capture_block_outputs(model, {layer: layer})
@@ -83,7 +90,10 @@ def main() -> None:
 
     print(f"model: {description}, eval mode, torch {torch.__version__}, {torch.get_num_threads()} threads")
     outputs, directions = forward.shape
-    print(f"sub-Jacobian: input -> {layer}, {outputs} outputs x K = {directions} ({side}x{side}x3 patch)")
+    print(
+        f"sub-Jacobian: {image_size}x{image_size} input -> {layer}, {outputs} outputs x K = {directions} "
+        f"({side}x{side}x3 patch)"
+    )
     print(f"forward mode (vmap of jvp):          {forward_s:9.2f} s")
     print(f"reverse mode (autograd.functional):  {reverse_s:9.2f} s")
     print(f"speed-up: {reverse_s / forward_s:.1f}x")

@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -111,21 +113,31 @@ class ActivationRankMonitor(pl.Callback):
 
     Timing: with ``stage="val"``, during validation of every ``every_n_epochs``-th epoch of ``fit``
     (``(epoch + 1) % every_n_epochs == 0``) and of every ``trainer.validate`` run; with ``stage="train"``, over the
-    training batches of those epochs. Sanity checks are skipped. Hooks exist only while an epoch is monitored and are
-    removed afterwards. Figures go to ``<run dir>/rank_curves/`` at the end of fit.
+    training batches of those epochs (validation run in between is not measured). Sanity checks are skipped. Hooks
+    exist only while an epoch is monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64
+    history) is rewritten every monitored epoch and the figures are drawn at the end of fit, both in
+    ``<run dir>/rank_curves/`` (:class:`~rank_lightning.callbacks.curves.LayerCurves`); the history is saved in
+    checkpoints, so a resumed run continues its curves.
 
     Activations of conv layers ``(B, C, H, W)`` and token layers ``(B, T, D)`` are reduced to a samples x features
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
     ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
-    reduction is part of the logged key of those layers.
+    reduction is part of the logged key of those layers. Token layers laid out sequence-first, ``(T, B, D)`` (the
+    default of ``nn.Transformer``), are recognised by their second dimension being the batch size and read as
+    ``(B, T, D)``; a layer whose output is of another kind is skipped with a warning.
+
+    Non-finite activations never stop training: a layer that gives NaN or Inf in a monitored epoch logs NaN for every
+    metric of that epoch, with a warning naming it; the other layers and later epochs are unaffected.
 
     Args:
-        layers: block names (``pl_module.blocks()``), module names (``named_modules()``) or glob patterns;
-            ``None`` picks the default layers.
-        layer_types: keep only layers of these types (classes, class names or dotted import paths).
+        layers: block names (``pl_module.blocks()``), module names (``named_modules()``) or glob patterns (matched
+            against both); ``None`` picks the default layers.
+        layer_types: keep only layers of these types (classes, class names or dotted import paths); without
+            ``layers``, every module of these types.
         every_n_epochs: monitor every this many epochs.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``).
-        max_samples: inputs per monitored epoch (all processes together); ``None`` for all.
+        max_samples: inputs per monitored epoch, the first ones seen; under DDP each of the W processes takes
+            ``ceil(max_samples / W)`` of its own. ``None`` for all.
         conv_reduction: reduction of conv activations.
         token_reduction: reduction of token activations.
         metrics: which of ``ACTIVATION_METRICS`` to log.
@@ -140,7 +152,7 @@ class ActivationRankMonitor(pl.Callback):
         label_fn: a function ``batch -> labels`` overriding ``label_key``.
         log_per_class: also log the class-wise VR of every class, not only their mean.
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
-            :class:`~rank_lightning.metrics.ActivationSpectrum` (the result's path is printed once).
+            :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
         figures_every_epoch: rewrite the PNG figures after every monitored epoch.
         verbose: print the monitored layers at setup (rank zero).
 
@@ -171,8 +183,10 @@ class ActivationRankMonitor(pl.Callback):
         * ``rank/<layer>/<r>classwise_variance_ratio_<k>_mean``: mean over classes of the class-wise VR_k (Sanyal
           et al. Sec. 4.3); with ``log_per_class``, ``..._class_<c>`` for every class too.
 
-        Class metrics need labels and ``num_classes``. With a ``WandbLogger``, also the charts
-        ``rank_curves/<metric>_vs_epoch`` and ``rank_curves/<metric>_vs_depth`` and the table ``rank_curves/layers``.
+        Class metrics need labels and ``num_classes``. Values pass through ``LightningModule.log``, which stores
+        them in float32; the curve file keeps float64. With a ``WandbLogger``, also the charts
+        ``rank_curves/<r><metric>_vs_epoch`` and ``rank_curves/<r><metric>_vs_depth`` and the table
+        ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``).
     """
 
     def __init__(
@@ -219,6 +233,16 @@ class ActivationRankMonitor(pl.Callback):
             raise ValueError(f"unknown metrics {unknown or metrics!r}; valid choices are {ACTIVATION_METRICS}")
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"num_classes must be a positive integer or None, got {num_classes!r}")
+        if rank_eps is not None and not rank_eps > 0:
+            raise ValueError(f"rank_eps must be positive or None, got {rank_eps!r}")
+        # The metric checks the spectral settings now rather than at the first monitored batch.
+        ActivationSpectrum(
+            num_classes=num_classes,
+            center=center,
+            variance_ratio_ks=variance_ratio_ks,
+            soft_rank_tau=soft_rank_tau,
+            max_gram_features=max_gram_features,
+        )
         self.layers = layers
         self.layer_types = None if layer_types is None else check_layer_types(layer_types)
         self.every_n_epochs = every_n_epochs
@@ -350,14 +374,37 @@ class ActivationRankMonitor(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
         values: dict[str, dict[str, float]] = {}
-        for name in self._layers:
-            metric = self._metrics.get(name)
-            if metric is None or metric.update_count == 0:
-                continue
-            values[name] = self._values_of(name, metric, trainer.current_epoch)
+        for name in self._measured_everywhere(pl_module.device):
+            values[name] = self._values_of(name, self._metrics[name], trainer.current_epoch)
+        for metric in self._metrics.values():
             metric.reset()
         if values:
             self.curves.record_and_log(trainer, pl_module, values)
+
+    def _measured_everywhere(self, device: torch.device) -> list[str]:
+        """The layers that every process measured this epoch: ``compute()`` is a collective all of them must join."""
+        counts = torch.tensor(
+            [self._metrics[name].update_count if name in self._metrics else 0 for name in self._layers],
+            dtype=torch.int64,
+            device=device,
+        )
+        fewest, most = counts, counts
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # One all-reduce gives both the minimum and (negated) the maximum over processes.
+            both = torch.cat([counts, -counts])
+            dist.all_reduce(both, op=dist.ReduceOp.MIN)
+            fewest, most = both[: len(counts)], -both[len(counts) :]
+        measured = []
+        for name, low, high in zip(self._layers, fewest.tolist(), most.tolist()):
+            if low > 0:
+                measured.append(name)
+            elif high > 0:
+                self._warn_once(
+                    name,
+                    "unmeasured",
+                    "ran on some processes only in a monitored epoch; it is not logged for such epochs.",
+                )
+        return measured
 
     def _batch_start(self, batch: Any) -> None:
         self._labels = self._extract_labels(batch) if self._num_classes else None
@@ -549,13 +596,18 @@ class ActivationRankMonitor(pl.Callback):
             labels = self.label_fn(batch)
         elif isinstance(batch, Mapping):
             keys = [self.label_key] if self.label_key is not None else [k for k in _LABEL_KEYS if k in batch]
-            labels = batch[keys[0]] if keys else None
+            labels = batch.get(keys[0]) if keys else None
         elif isinstance(batch, (tuple, list)):
             index = 1 if self.label_key is None else self.label_key
             labels = batch[index] if isinstance(index, int) and len(batch) > index else None
         else:
             labels = None
-        if not isinstance(labels, Tensor) or labels.ndim != 1 or labels.is_floating_point():
+        if (
+            not isinstance(labels, Tensor)
+            or labels.ndim != 1
+            or labels.is_floating_point()
+            or labels.dtype == torch.bool
+        ):
             return None
         return labels
 

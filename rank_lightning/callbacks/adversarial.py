@@ -79,7 +79,10 @@ class AdversarialValidation(pl.Callback):
     perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
     ``pl_module(inputs)``, which must return logits; the attacks run the model in eval mode and afterwards restore
     every submodule's train/eval flag, and no parameter's ``.grad`` is touched (gradients are taken with respect to
-    the inputs only). The clean and adversarial forward passes run in the mode Lightning validates in (eval).
+    the inputs only). The clean and adversarial forward passes run in the mode Lightning validates in (eval). Forward
+    hooks that other callbacks still hold see these passes: list this callback after those that hook layers during
+    validation (:class:`~rank_lightning.callbacks.ActivationRankMonitor` removes its hooks in its own
+    ``on_validation_epoch_end``, which then runs first).
 
     Gradients and inference mode: inside ``fit``, validation runs under ``torch.no_grad``, which the attacks lift with
     ``torch.enable_grad``. ``trainer.validate`` and ``trainer.test`` run under ``torch.inference_mode`` unless the
@@ -141,6 +144,8 @@ class AdversarialValidation(pl.Callback):
 
         * ``adv/num_samples``: number of attacked samples, all processes together.
         * ``adv/clean_acc``: accuracy on the attacked samples before the attack.
+        * ``adv/feature_sq_norm``: ``mean ||f_l(x_d)||_2^2`` at ``layer`` over the samples classified correctly, the
+          scale against which to read ``D_Adv`` (an LR-Layer's norm constraint changes it); only with a layer.
         * ``adv/<attack>/acc@<eps>``: accuracy under attack, over all attacked samples (one minus the
           misclassification rate of Sanyal et al. Fig. 5).
         * ``adv/<attack>/l2@<eps>``: mean over all attacked samples of ``||x_a - x_d||_2 / ||x_d||_2`` in pixel
@@ -403,8 +408,9 @@ class AdversarialValidation(pl.Callback):
             self._write(trainer, stage)
 
     def _attack_sums(self, pl_module: pl.LightningModule, inputs: Tensor | None, labels: Tensor | None) -> Tensor:
-        """``[n, correct, then per attack and eps: correct, sum of L2, sum of D_Adv]``, float64, on this process."""
-        sums = torch.zeros(2 + 3 * len(self.attacks) * len(self.eps), dtype=torch.float64, device=pl_module.device)
+        """Sums of this process, float64: ``[n, correct, ||f(x_d)||^2 of the correct ones, then per attack and eps:
+        correct, L2 dissimilarity, ||f(x_a) - f(x_d)||^2 of the samples correct before the attack]``."""
+        sums = torch.zeros(3 + 3 * len(self.attacks) * len(self.eps), dtype=torch.float64, device=pl_module.device)
         if inputs is None:
             return sums
         layers = [] if self._feature_layer is None else [self._feature_layer]
@@ -415,7 +421,9 @@ class AdversarialValidation(pl.Callback):
             correct = clean_logits.argmax(dim=1) == y
             sums[0] += y.numel()
             sums[1] += accuracy_under_attack(clean_logits, y).double() * y.numel()
-            index = 2
+            if clean_features is not None:
+                sums[2] += clean_features[correct].flatten(1).double().square().sum()
+            index = 3
             for name in self.attacks:
                 for eps in self.eps:
                     adversarial = attack(
@@ -444,7 +452,9 @@ class AdversarialValidation(pl.Callback):
         # The correct count is a sum of float accuracies times batch sizes: round it back to the integer it is.
         correct = round(correct)
         values = {"num_samples": count, "clean_acc": correct / count}
-        index = 2
+        if self._feature_layer is not None:
+            values["feature_sq_norm"] = totals[2] / correct if correct else math.nan
+        index = 3
         for name in self.attacks:
             for eps in self.eps:
                 level = grey_levels(eps)

@@ -4,7 +4,8 @@ Shared by every rank callback so that one selection syntax works everywhere:
 
 * a block name from ``pl_module.blocks()`` (the package's LightningModules: ``"layer3"``, ``"pool"``);
 * an exact name from ``named_modules()`` (``"backbone.layer3"``);
-* a glob pattern matched with ``fnmatch`` (``"backbone.layer*"``, ``"*.relu"``);
+* a glob pattern matched with ``fnmatch`` against block names and module names (``"layer*"``,
+  ``"backbone.layer*"``, ``"*.relu"``);
 * module types: classes (``nn.Conv2d``), class names (``"Conv2d"``, matched against the class and its bases) or
   dotted import paths (``"torch.nn.Linear"``).
 """
@@ -23,13 +24,17 @@ GLOB_CHARACTERS = frozenset("*?[")
 
 
 def module_blocks(module: nn.Module) -> dict[str, str] | None:
-    """``module.blocks()`` (short name -> module path) when the module offers it and every path resolves."""
+    """``module.blocks()`` (short name -> module path) when the module offers it and every path resolves.
+
+    Models from elsewhere often have a ``blocks`` attribute of another kind (timm's ViT: an ``nn.Sequential`` of
+    transformer blocks); anything that is not a method returning such a mapping gives ``None``.
+    """
     blocks = getattr(module, "blocks", None)
-    if not callable(blocks):
+    if not callable(blocks) or isinstance(blocks, nn.Module):
         return None
     try:
         mapping = dict(blocks())
-    except (TypeError, NotImplementedError, AttributeError):
+    except (TypeError, ValueError, NotImplementedError, AttributeError):
         return None
     names = dict(module.named_modules())
     if not mapping or not all(isinstance(path, str) and path in names for path in mapping.values()):
@@ -88,9 +93,10 @@ def match_layer_names(
 
     Args:
         module: the model the names refer to.
-        patterns: block names, exact module names or glob patterns.
+        patterns: block names, exact module names or glob patterns (matched against block names and candidates).
         candidates: ``name -> module`` of the layers that may be chosen (in depth order).
-        blocks: ``short name -> module path`` accepted as aliases.
+        blocks: ``short name -> module path`` accepted as aliases; an alias gives its path as it is, candidate or not
+            (a caller that watches leaf layers expands a block's container itself).
         expand_containers: an exact name of a container that is not itself a candidate selects the candidates inside
             it (``"backbone.layer1"`` -> every Conv in it); otherwise the name must be a candidate.
         kind: word used in error messages ("layer", "weight layer").
@@ -106,7 +112,7 @@ def match_layer_names(
         if pattern in blocks:
             matches = [blocks[pattern]]
         elif GLOB_CHARACTERS & set(pattern):
-            matches = fnmatch.filter(candidates, pattern)
+            matches = [blocks[name] for name in fnmatch.filter(blocks, pattern)] + fnmatch.filter(candidates, pattern)
         elif pattern in candidates:
             matches = [pattern]
         elif expand_containers and pattern in all_modules:

@@ -130,6 +130,8 @@ class RankPretraining(pl.Callback):
     one step to the next; with a fixed step size, plain SGD either barely moves or overshoots into dead ReLUs. On
     bias-free ReLU MLPs of depth 32 and width 128 with Gaussian inputs, the default 75 normalised steps raised
     ``r(H_L)`` from about 1.04 to 8-26, where plain SGD at any of the step sizes tried reached at most about 2.
+    With biases and PyTorch's default initialisation the same networks map every input to one constant vector
+    (``r = 1`` to machine precision); there the gradient of ``r(H)`` vanishes (about 1e-14) and no ascent helps.
 
     ``r(H)`` of every block is measured before and after, averaged over the same minibatches, without changing the
     weights or buffers (batch-norm running statistics are restored after measuring), and printed as a table.
@@ -189,7 +191,8 @@ class RankPretraining(pl.Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Fail before any data is loaded if the layer does not exist.
-        select_feature_layer(pl_module, self.layer)
+        if stage == "fit":
+            select_feature_layer(pl_module, self.layer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

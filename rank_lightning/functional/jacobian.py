@@ -250,7 +250,7 @@ def partial_jacobian_rank(
         inputs: ``(B, ...)`` a few inputs; one Jacobian per row.
         patch: the patch ``P`` (see :func:`partial_jacobian`).
         eps: relative tolerance of :func:`~rank_lightning.functional.spectral.numerical_rank`; ``None`` takes the
-            default ``finfo(float32).eps * K`` with ``K`` given by ``size``.
+            default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``size="max"``).
         size: ``"min"`` (Feng et al.: the number of singular values) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
 
@@ -414,7 +414,7 @@ def partial_jacobian_ranks(
         inputs: ``(B, C, H, W)`` (or ``(B, ...)``) a few inputs.
         layers: blocks to measure (see :func:`capture_block_outputs`); ``None`` takes ``model.blocks()``.
         patch: the patch ``P`` (see :func:`partial_jacobian`); default: central, :func:`default_patch_size`.
-        eps: relative tolerance of the numerical rank; ``None`` takes ``finfo(float32).eps * K``.
+        eps: relative tolerance of the numerical rank; ``None`` takes ``finfo(float32).eps * min(num_outputs, K)``.
         size: ``K`` of the default tolerance: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
         eval_mode: switch the model to eval mode temporarily (True) or require it (False).

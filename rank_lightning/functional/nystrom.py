@@ -80,10 +80,7 @@ def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Genera
     core = columns[index].to(torch.float64)  # W_II, (l, l)
     identity = torch.eye(num_columns, dtype=torch.float64, device=w.device)
 
-    # Sanyal et al. Sec. 3.3: add 0.01 * I to W_II until its decomposition succeeds, i.e. the eigensolver converges
-    # (their footnote 4: it may fail on ill-conditioned matrices). Negative eigenvalues need no shift: only the top-k
-    # positive ones enter W_k^+, so W_k^+ and X_k are PSD by construction. Shifting for them instead would bias every
-    # projection, since the eigenvalues of W_II scale like l/m times those of W and are often comparable to 0.01.
+    # Sanyal et al. Sec. 3.3 and footnote 4: add 0.01 * I to W_II until the decomposition converges.
     shift = 0.0
     for _ in range(_MAX_FAILED_DECOMPOSITIONS):
         try:
@@ -120,9 +117,16 @@ def nystrom_projection(
     """Ensemble Nyström rank-``k`` projection of a symmetric matrix (Sanyal et al. Sec. 3.3, eq. 6, Lemma 3.1).
 
     Each run samples ``l = oversampling * k`` indices ``I`` uniformly without replacement, takes ``C = W[:, I]`` and
-    ``W_II = W[I, I]``, adds ``jitter * I`` to ``W_II`` until its eigendecomposition converges and is positive
-    semidefinite, and forms ``X_k = C W_k^+ C^T`` with ``W_k^+`` the pseudo-inverse of the best rank-``k``
-    approximation of ``W_II``. The ``num_runs`` results are averaged (Kumar et al. 2009, uniform weights).
+    ``W_II = W[I, I]``, adds ``jitter * I`` to ``W_II`` until its eigendecomposition succeeds, and forms
+    ``X_k = C W_k^+ C^T`` with ``W_k^+`` the pseudo-inverse of the best rank-``k`` PSD approximation of ``W_II`` (its
+    top-``k`` positive eigenpairs). The ``num_runs`` results are averaged (Kumar et al. 2009, uniform weights).
+
+    "Succeeds" means that the eigensolver converges (Sanyal et al.: "until the SVD algorithm converges"; it can fail
+    on ill-conditioned matrices), so in practice no shift is applied. Negative eigenvalues of ``W_II`` (``W`` not PSD,
+    or rounding) trigger no shift: they are excluded from ``W_k^+``, which keeps ``X_k`` PSD as Lemma 3.1 requires.
+    Shifting until ``W_II`` is PSD would instead bias almost every projection inside the LR-Layer, where the update
+    makes ``W`` slightly indefinite and the eigenvalues of ``W_II`` (about ``l/m`` times those of ``W``) are often
+    comparable to 0.01.
 
     Deviation from the paper: an average of ``t`` rank-``k`` matrices can have rank ``t * k``. With ``truncate=True``
     (default) the average is replaced by its own best rank-``k`` approximation, computed from the ``m x (t k)``

@@ -16,8 +16,8 @@ __all__ = ["LRLayer", "collect_auxiliary_losses", "insert_lr_layer", "lr_layers"
 class LRLayer(nn.Module):
     """Identity layer carrying the low-rank prior of Sanyal et al. (Sec. 3.1-3.4, eq. 4, Alg. 1).
 
-    The forward pass returns its input ``A`` unchanged. While the layer is ``enabled`` and in training mode it also
-    computes, on the (n, m) activation matrix, the auxiliary loss
+    The forward pass returns its input ``A`` unchanged. While the layer is ``enabled``, in training mode and with
+    gradients enabled, it also computes, on the (n, m) activation matrix, the auxiliary loss
 
     ``lambda_1 / n * sum_i ||W^T (a_i + b) - (a_i + b)||^2  +  lambda_2 / n * sum_i |1 - ||a_i|| |``
 
@@ -52,7 +52,8 @@ class LRLayer(nn.Module):
         weight: ``W_S``, (m, m).
         bias: ``b``, (m,); the origin of the affine subspace.
         enabled: whether training forward passes compute the auxiliary loss (off until switch-on).
-        aux_loss: the auxiliary loss of the latest training forward pass not yet collected, or ``None``.
+        aux_loss: the auxiliary loss of the latest training forward pass not yet collected, or ``None``. Before
+            switch-on it is a zero connected to the parameters, so that DDP sees a (zero) gradient for them.
         last_losses: detached ``{"reconstruction": L_c, "norm": L_N}`` of the latest loss (unweighted means).
 
     Example::
@@ -118,14 +119,20 @@ class LRLayer(nn.Module):
         return a
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.training and self.enabled:
-            a = self._as_matrix(x)  # (n, m)
-            shifted = a + self.bias  # rows a_i + b
-            # Row form of W^T (a_i + b): (a_i + b)^T W.
-            reconstruction = (shifted @ self.effective_weight - shifted).square().sum(dim=1).mean()
-            norm = (1 - torch.linalg.vector_norm(a, dim=1)).abs().mean()
-            self.aux_loss = self.lambda_1 * reconstruction + self.lambda_2 * norm
-            self.last_losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
+        if not (self.training and torch.is_grad_enabled()):
+            return x
+        if not self.enabled:
+            # A zero that depends on the parameters: DDP without find_unused_parameters expects every parameter to
+            # receive a gradient in every step, also before switch-on.
+            self.aux_loss = (self.weight[0, 0] + self.bias[0]) * 0.0
+            return x
+        a = self._as_matrix(x)  # (n, m)
+        shifted = a + self.bias  # rows a_i + b
+        # Row form of W^T (a_i + b): (a_i + b)^T W.
+        reconstruction = (shifted @ self.effective_weight - shifted).square().sum(dim=1).mean()
+        norm = (1 - torch.linalg.vector_norm(a, dim=1)).abs().mean()
+        self.aux_loss = self.lambda_1 * reconstruction + self.lambda_2 * norm
+        self.last_losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
         return x
 
     def auxiliary_loss(self) -> Tensor | None:

@@ -148,12 +148,15 @@ def test_resumed_run_continues_its_curves(tmp_path):
     assert [resumed.curves.history[e]["z_first"]["m"] for e in (0, 1, 2)] == [10.0, 11.0, 12.0]
 
 
-def test_without_logger_figures_go_to_default_root_dir(tmp_path):
+@pytest.mark.parametrize("with_tensorboard", [False, True], ids=["no_logger", "tensorboard"])
+def test_figures_go_to_the_run_directory(tmp_path, with_tensorboard):
     callback = _EpochCurves()
     callback.curves.figures_every_epoch = True
-    _trainer(tmp_path, callback, logger=False, max_epochs=1).fit(_Net(), _loader(), _loader())
-    assert (tmp_path / FIGURE_DIR / "test_m.png").is_file()
-    assert (tmp_path / FIGURE_DIR / "test_curves.json").is_file()
+    logger = TensorBoardLogger(tmp_path, name="tb") if with_tensorboard else False
+    _trainer(tmp_path, callback, logger=logger, max_epochs=1).fit(_Net(), _loader(), _loader())
+    directory = (tmp_path / "tb" / "version_0" if with_tensorboard else tmp_path) / FIGURE_DIR
+    assert (directory / "test_m.png").is_file()
+    assert json.loads((directory / "test_curves.json").read_text())["history"]["0"]["z_first"]["m"] == 10.0
 
 
 def test_run_directory_follows_the_first_logger(tmp_path):

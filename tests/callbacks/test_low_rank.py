@@ -244,3 +244,47 @@ def test_low_dimensional_evaluation_reads_the_named_layer() -> None:
     assert set(callback.results) == {3}
     with pytest.raises(ValueError, match=r"unknown layer 'fc'; blocks are: ; submodules are: features, features\.0"):
         _trainer([LowDimensionalEvaluation(layer="fc")], max_epochs=1).fit(_Digits(), train, val)
+
+
+def test_callbacks_work_under_the_lightning_pytorch_trainer() -> None:
+    lightning_pytorch = pytest.importorskip("lightning.pytorch")
+
+    class _Module(lightning_pytorch.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+            insert_lr_layer(self.net, "2", LRLayer(32, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("train/acc", 0.9, on_step=False, on_epoch=True)
+            return F.cross_entropy(self(batch[0]), batch[1]) + collect_auxiliary_losses(self)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val/loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    module = _Module()
+    projection = LowRankProjection(threshold=0.65)
+    evaluation = LowDimensionalEvaluation(dims=(2,), max_batches=3)
+    trainer = lightning_pytorch.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[projection, evaluation],
+    )
+    train, val = _digits_loaders()
+    trainer.fit(module, train, val)
+    assert projection.switched_on_epoch == 0
+    assert torch.linalg.matrix_rank(module.net[2][0].weight.detach(), hermitian=True).item() <= 4
+    assert trainer.callback_metrics["lr_layer/enabled"].item() == 1.0
+    assert set(evaluation.results) == {2}

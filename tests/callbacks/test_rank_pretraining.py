@@ -190,3 +190,40 @@ def test_bad_arguments_raise() -> None:
         RankPretraining(num_batches=0)
     with pytest.raises(ValueError, match="unknown reduction 'pool'"):
         RankPretraining(reduction="pool")
+
+
+def test_pretraining_under_the_lightning_pytorch_trainer() -> None:
+    lightning_pytorch = pytest.importorskip("lightning.pytorch")
+
+    class _Module(lightning_pytorch.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = create_model("mlp", input_shape=(16,), num_classes=3, depth=4, width=16, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+        def blocks(self) -> dict[str, str]:
+            return {name: f"backbone.{path}" for name, path in self.backbone.blocks().items()}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    torch.manual_seed(0)
+    callback = RankPretraining(num_batches=2, steps=5)
+    trainer = lightning_pytorch.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    trainer.fit(_Module(), _gaussian_loader(2, 32, 16, 3))
+    assert list(callback.results) == ["layer1", "layer2", "layer3", "layer4"]
+    assert callback.results["layer4"]["r_after"] > callback.results["layer4"]["r_before"]

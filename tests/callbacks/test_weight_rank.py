@@ -239,7 +239,7 @@ def test_block_names_of_the_module_select_the_weights_inside():
     with pytest.raises(ValueError, match="unknown layer 'nope'; layers are: features, attention, stem"):
         WeightRankMonitor(layers=["nope"]).select(net)
     net.blocks = lambda: {"norm": "block.1"}
-    with pytest.raises(ValueError, match="layer 'block.1' holds no Linear, Conv or MultiheadAttention layer"):
+    with pytest.raises(ValueError, match=r"layer 'block\.1' holds no Linear, Conv or MultiheadAttention layer"):
         WeightRankMonitor(layers=["norm"]).select(net)
 
 

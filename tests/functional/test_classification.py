@@ -188,3 +188,17 @@ def test_independence_deficit_rejects_bad_arguments():
         independence_deficit(logits, labels, classes=[7])
     with pytest.raises(ValueError, match="unknown fit_on 'pos'"):
         independence_deficit(logits, labels, fit_on="pos")
+
+
+def test_accuracy_with_a_replaced_logit_matches_a_direct_argmax():
+    logits, labels = _planted_logits(seed=5)
+    logits = logits.round()  # ties between logits exercise argmax's first-index rule
+    z = logits.double().numpy()
+    y = labels.numpy()
+    for row in independence_deficit(logits, labels, eta=0.3):
+        i = row["class"]
+        replaced = z.copy()
+        replaced[:, i] = sum(w * z[:, j] for j, w in zip(row["terms"], row["weights"]))
+        predicted = replaced.argmax(axis=1)
+        assert row["accuracy_fit"] == float((predicted == y).mean())
+        assert row["class_accuracy_fit"] == float((predicted[y == i] == i).mean())

@@ -40,7 +40,16 @@ def test_forward_is_identity(enabled: bool, training: bool) -> None:
     layer.train(training)
     x = torch.randn(5, 3, 2, 2, dtype=torch.float64)
     assert layer(x) is x
-    assert (layer.aux_loss is not None) == (enabled and training)
+    assert (layer.aux_loss is not None) == training
+    if training and not enabled:
+        # Before switch-on the loss is a zero that still reaches the parameters (for DDP).
+        layer.auxiliary_loss().backward()
+        assert layer.aux_loss is None
+        assert layer.weight.grad is not None and torch.count_nonzero(layer.weight.grad) == 0
+    with torch.no_grad():
+        layer.aux_loss = None
+        assert layer(x) is x
+        assert layer.aux_loss is None
 
 
 def test_loss_matches_the_formula_for_flattened_conv_input() -> None:

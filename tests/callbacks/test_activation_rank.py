@@ -1,0 +1,651 @@
+import csv
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger, WandbLogger
+from torch import nn
+
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.callbacks.activation_rank import default_layers
+from rank_lightning.callbacks.curves import FIGURE_DIR
+from rank_lightning.data.digits import DigitsDataModule
+from rank_lightning.functional import (
+    classwise_variance_ratio,
+    effective_rank,
+    numerical_rank,
+    participation_ratio,
+    reduce_activations,
+    soft_rank,
+    stable_rank,
+    total_cluster_variation,
+    variance_ratio,
+)
+from tests.callbacks.wandb_helpers import offline_run_history
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trainer(tmp_path: Path, callbacks: list, trainer_cls=pl.Trainer, **kwargs):
+    options = dict(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+    )
+    options.update(kwargs)
+    return trainer_cls(**options)
+
+
+def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int = 16) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+def _gaussian(n: int, d: int, seed: int, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=generator), torch.randint(0, classes, (n,), generator=generator)
+
+
+def _csv_rows(log_dir: str | Path) -> list[dict[str, str]]:
+    with (Path(log_dir) / "metrics.csv").open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def _collect(model: nn.Module, names: list[str], loader) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Outputs of the named submodules over ``loader`` in eval mode, gathered by our own forward hooks."""
+    outputs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    handles = [
+        model.get_submodule(name).register_forward_hook(lambda m, i, o, name=name: outputs[name].append(o.detach()))
+        for name in names
+    ]
+    labels = []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for x, y in loader:
+                model(x)
+                labels.append(y)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(chunks) for name, chunks in outputs.items()}, torch.cat(labels)
+
+
+def _reference(x: torch.Tensor, labels: torch.Tensor | None = None, num_classes: int = 10) -> dict[str, float]:
+    """Every logged metric of an (N, d) matrix from rank_lightning.functional (SVD of X itself, not a Gram)."""
+    values = {
+        "numerical_rank": float(numerical_rank(x)),
+        "soft_rank": float(soft_rank(x, tau=0.5)),
+        "participation_ratio": float(participation_ratio(x)),
+        "stable_rank": float(stable_rank(x)),
+        "effective_rank": float(effective_rank(x)),
+        "variance_ratio_1": float(variance_ratio(x, 1)),
+        "variance_ratio_10": float(variance_ratio(x, 10)),
+    }
+    if labels is not None:
+        values["tcv"] = float(total_cluster_variation(x, labels, num_classes=num_classes))
+        values["tcv_normalized"] = float(total_cluster_variation(x, labels, normalized=True, num_classes=num_classes))
+        per_class = classwise_variance_ratio(x, labels, k=1, num_classes=num_classes)
+        values["classwise_variance_ratio_1_mean"] = float(per_class[~per_class.isnan()].mean())
+    return values
+
+
+def _assert_close(logged: dict[str, float], expected: dict[str, float], rel: float = 2e-6) -> None:
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value, rel=rel, abs=1e-9), key
+
+
+# -- 1. logged values equal the functional metrics -------------------------------------------------------------------
+
+
+class _ConvTokenNet(pl.LightningModule):
+    """Conv maps (B, 4, 8, 8), tokens (B, 16, 6) and a rank-3 linear layer (B, 12) on 8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.pool = nn.AvgPool2d(2)
+        self.embed = nn.Linear(4, 6)
+        self.hidden = nn.Linear(96, 12)
+        self.head = nn.Linear(12, 10)
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            self.hidden.weight.copy_(torch.randn(12, 3, generator=generator) @ torch.randn(3, 96, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        maps = self.pool(torch.relu(self.conv(x)))
+        tokens = self.embed(maps.flatten(2).transpose(1, 2))
+        return self.head(torch.relu(self.hidden(tokens.flatten(1))))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize(("conv_reduction", "token_reduction"), [("channel", "token"), ("flatten", "cls")])
+def test_logged_values_equal_the_functional_metrics(tmp_path, conv_reduction, token_reduction):
+    torch.manual_seed(0)
+    model = _ConvTokenNet()
+    datamodule = DigitsDataModule(batch_size=64)
+    monitor = ActivationRankMonitor(
+        layers=["conv", "embed", "hidden"],
+        conv_reduction=conv_reduction,
+        token_reduction=token_reduction,
+        max_samples=None,
+        verbose=False,
+    )
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer = _trainer(tmp_path, [monitor], logger=logger)
+    (results,) = trainer.validate(model, datamodule=datamodule, verbose=False)
+
+    outputs, labels = _collect(model, ["conv", "embed", "hidden"], datamodule.val_dataloader())
+    assert labels.shape == (359,)
+    prefixes = {"conv": f"{conv_reduction}/", "embed": f"{token_reduction}/", "hidden": ""}
+    reductions = {"conv": conv_reduction, "embed": token_reduction, "hidden": "flatten"}
+    expected = {}
+    for name, output in outputs.items():
+        x = reduce_activations(output, reductions[name])
+        # "channel" and "token" make every position a sample that keeps its input's label.
+        row_labels = labels.repeat_interleave(x.shape[0] // labels.shape[0])
+        for metric, value in _reference(x, row_labels).items():
+            expected[f"rank/{name}/{prefixes[name]}{metric}"] = value
+    assert expected["rank/hidden/numerical_rank"] == 4  # rank-3 weight plus the bias
+    if conv_reduction == "channel":
+        assert expected["rank/conv/channel/numerical_rank"] == 4
+
+    from_trainer = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rank/")}
+    _assert_close(from_trainer, expected)
+    assert {k: v for k, v in results.items() if k.startswith("rank/")} == pytest.approx(from_trainer)
+    (row,) = [row for row in _csv_rows(logger.log_dir) if row.get("rank/hidden/numerical_rank")]
+    _assert_close({k: float(v) for k, v in row.items() if k.startswith("rank/")}, expected)
+    # The history holds the same values (in float64: the tiny singular values of a rank-deficient layer that the Gram
+    # gives, ~1e-8 s_1 instead of the SVD's, still move the effective rank by ~1e-7).
+    history = monitor.curves.history[0]
+    _assert_close({f"rank/{layer}/{m}": v for layer, ms in history.items() for m, v in ms.items()}, expected)
+
+
+# -- 2. any LightningModule, either Lightning package ----------------------------------------------------------------
+
+
+class _PlainSteps:
+    """An MLP in an nn.Sequential, with nothing from this package (no blocks(), no num_classes)."""
+
+    def build(self) -> None:
+        self.net = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _PlainModel(_PlainSteps, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.build()
+
+
+def _lightning_plain_model():
+    lightning = pytest.importorskip("lightning.pytorch")
+
+    class LightningPlainModel(_PlainSteps, lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.build()
+
+    return LightningPlainModel(), lightning.Trainer
+
+
+@pytest.mark.parametrize("flavour", ["pytorch_lightning", "lightning.pytorch"])
+def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, capsys, flavour):
+    torch.manual_seed(0)
+    model, trainer_cls = (_PlainModel(), pl.Trainer) if flavour == "pytorch_lightning" else _lightning_plain_model()
+    x, y = _gaussian(48, 8, seed=1, classes=3)
+    monitor = ActivationRankMonitor(metrics=["numerical_rank", "participation_ratio"])
+    weights = WeightRankMonitor(metrics=["stable_rank"])
+    trainer = _trainer(tmp_path, [monitor, weights], trainer_cls=trainer_cls, max_epochs=2)
+    trainer.fit(model, _loader(x, y), _loader(x, y))
+
+    printed = capsys.readouterr().out
+    assert "ActivationRankMonitor: monitoring 2 layers (default choice" in printed
+    assert "no class metrics (num_classes unknown): net.1, net.3" in printed
+    assert "WeightRankMonitor: monitoring 3 weight matrices: net.0, net.2, net.4" in printed
+    assert monitor.monitored == {"net.1": "net.1", "net.3": "net.3"}
+    assert monitor.curves.epochs == [0, 1]
+
+    outputs, _ = _collect(model, ["net.1", "net.3"], _loader(x, y))
+    for layer, output in outputs.items():
+        reference = _reference(output)
+        for metric in ("numerical_rank", "participation_ratio"):
+            assert float(trainer.callback_metrics[f"rank/{layer}/{metric}"]) == pytest.approx(reference[metric], 2e-6)
+    assert {k for k in trainer.callback_metrics if k.startswith("weight/")} == {
+        f"weight/net.{i}/stable_rank" for i in (0, 2, 4)
+    }
+    directory = tmp_path / FIGURE_DIR
+    for figure in ("rank_numerical_rank.png", "rank_participation_ratio.png", "weight_stable_rank.png"):
+        assert (directory / figure).read_bytes()[:8] == PNG_MAGIC
+    curves = json.loads((directory / "rank_curves.json").read_text())
+    assert curves["layers"] == ["net.1", "net.3"]
+    assert sorted(curves["history"]) == ["0", "1"]
+
+
+def test_default_layer_choice_for_foreign_networks():
+    mlp = nn.Module()
+    mlp.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert list(default_layers(mlp)) == ["net.1", "net.3"]
+
+    # ResNet-like: the parameterised blocks, not the stem activation.
+    resnet = nn.Module()
+    resnet.model = nn.Module()
+    resnet.model.conv1 = nn.Conv2d(3, 4, 3)
+    resnet.model.relu = nn.ReLU()
+    for i in (1, 2):
+        setattr(resnet.model, f"layer{i}", nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()))
+    resnet.model.fc = nn.Linear(4, 2)
+    assert list(default_layers(resnet)) == ["model.layer1", "model.layer2"]
+
+    # VGG-like: features and classifier containers; the classifier holds the head.
+    vgg = nn.Sequential()
+    vgg.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    vgg.classifier = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert list(default_layers(vgg)) == ["features"]
+
+    # No activation modules (functional relu): the parameterised children except the head.
+    linear = nn.Module()
+    linear.fc1, linear.fc2, linear.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+    assert list(default_layers(linear)) == ["fc1", "fc2"]
+
+
+def test_layer_types_alone_selects_every_layer_of_that_type():
+    model = _ConvTokenNet()
+    assert ActivationRankMonitor(layer_types=[nn.Linear]).select(model) == {
+        "embed": "embed",
+        "hidden": "hidden",
+        "head": "head",
+    }
+    assert ActivationRankMonitor(layers=["conv", "embed"], layer_types=["Conv2d"]).select(model) == {"conv": "conv"}
+
+
+# -- 4. resuming continues the curves -------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_resuming_from_a_checkpoint_continues_the_curves(tmp_path):
+    torch.manual_seed(0)
+    x, y = _gaussian(32, 8, seed=2, classes=3)
+    options = dict(layers=["net.1"], metrics=["numerical_rank"], verbose=False)
+
+    first = ActivationRankMonitor(**options)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+    trainer = _trainer(
+        tmp_path, [first, checkpoint], max_epochs=2, enable_checkpointing=True, logger=CSVLogger(tmp_path, version=0)
+    )
+    trainer.fit(_PlainModel(), _loader(x, y), _loader(x, y))
+    assert first.curves.epochs == [0, 1]
+
+    second = ActivationRankMonitor(**options)
+    logger = CSVLogger(tmp_path, version=1)
+    resumed = _trainer(tmp_path, [second], max_epochs=4, logger=logger)
+    resumed.fit(_PlainModel(), _loader(x, y), _loader(x, y), ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
+
+    assert second.curves.epochs == [0, 1, 2, 3]
+    assert {e: second.curves.history[e] for e in (0, 1)} == first.curves.history
+    curves = json.loads((Path(logger.log_dir) / FIGURE_DIR / "rank_curves.json").read_text())
+    assert sorted(curves["history"], key=int) == ["0", "1", "2", "3"]
+    assert curves["history"]["3"]["net.1"]["numerical_rank"] == second.curves.history[3]["net.1"]["numerical_rank"]
+    # The resumed run logged only its own epochs.
+    logged = [int(r["epoch"]) for r in _csv_rows(logger.log_dir) if r.get("rank/net.1/numerical_rank")]
+    assert logged == [2, 3]
+
+
+# -- 5. NaN activations ----------------------------------------------------------------------------------------------
+
+
+class _Poison(nn.Module):
+    """Turns its input into NaN while ``active``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(x, math.nan) if self.active else x
+
+
+class _PoisonedModel(pl.LightningModule):
+    def __init__(self, poison_epoch: int) -> None:
+        super().__init__()
+        self.poison_epoch = poison_epoch
+        self.fc = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.poison = _Poison()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.poison(self.act(self.fc(x))))
+
+    def training_step(self, batch, batch_idx):
+        self.poison.active = False
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.poison.active = self.current_epoch == self.poison_epoch
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_nan_activations_are_logged_as_nan_with_a_warning_and_training_goes_on(tmp_path):
+    torch.manual_seed(0)
+    x, y = _gaussian(32, 8, seed=3, classes=3)
+    monitor = ActivationRankMonitor(
+        layers=["act", "poison"], metrics=["numerical_rank", "variance_ratio", "tcv"], num_classes=3, verbose=False
+    )
+    trainer = _trainer(tmp_path, [monitor], max_epochs=3)
+    with pytest.warns(RuntimeWarning, match="layer 'poison' gave NaN or Inf activations in 2 batch\\(es\\) at epoch 1"):
+        trainer.fit(_PoisonedModel(poison_epoch=1), _loader(x, y), _loader(x, y))
+
+    assert monitor.curves.epochs == [0, 1, 2]
+    history = monitor.curves.history
+    assert history[1]["poison"].keys() == {"numerical_rank", "variance_ratio_1", "variance_ratio_10", "tcv"}
+    assert all(math.isnan(v) for v in history[1]["poison"].values())
+    for epoch in (0, 1, 2):
+        assert all(math.isfinite(v) for v in history[epoch]["act"].values()), epoch
+    # The sums are reset after the poisoned epoch.
+    assert all(math.isfinite(v) for v in history[2]["poison"].values())
+    assert history[2]["poison"]["numerical_rank"] == history[2]["act"]["numerical_rank"]
+    assert trainer.global_step == 3 * 2
+
+
+# -- 6. W&B offline run ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_holds_the_rank_keys_and_charts(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    model = _ConvTokenNet()
+    datamodule = DigitsDataModule(batch_size=128, val_fraction=0.1)
+    monitor = ActivationRankMonitor(layers=["conv", "hidden"], metrics=["numerical_rank"], verbose=False)
+    logger = WandbLogger(mode="offline", save_dir=tmp_path, project="rank")
+    try:
+        _trainer(tmp_path, [monitor], logger=logger, max_epochs=2, limit_train_batches=2).fit(
+            model, datamodule=datamodule
+        )
+        run_id = logger.experiment.id
+    finally:
+        wandb.finish()
+
+    history = offline_run_history(tmp_path)
+    for epoch in (0, 1):
+        for layer, metric in (("conv", "channel/numerical_rank"), ("hidden", "numerical_rank")):
+            logged = [float(v) for v in history[f"rank/{layer}/{metric}"]]
+            assert logged[epoch] == monitor.curves.history[epoch][layer][metric]
+    for metric in ("numerical_rank", "channel/numerical_rank"):
+        for chart in ("vs_epoch", "vs_depth"):
+            assert json.loads(history[f"rank_curves/{metric}_{chart}_table/_type"][-1]) == "table-file"
+    assert json.loads(history["rank_curves/layers/_type"][0]) == "table-file"
+    directory = tmp_path / "rank" / run_id / FIGURE_DIR
+    assert json.loads((directory / "rank_curves.json").read_text())["layers"] == ["conv", "hidden"]
+    assert (directory / "rank_channel_numerical_rank.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# -- 7. unknown layers -----------------------------------------------------------------------------------------------
+
+
+class _CountingModel(_PlainModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_unknown_layer_fails_at_setup_listing_the_valid_names(tmp_path):
+    model = _CountingModel()
+    x, y = _gaussian(16, 8, seed=0)
+    trainer = _trainer(tmp_path, [ActivationRankMonitor(layers=["net.1", "net.9"])], num_sanity_val_steps=0)
+    with pytest.raises(ValueError, match=r"unknown layer 'net\.9'; layers are: net, net\.0, net\.1, net\.2, net\.3"):
+        trainer.fit(model, _loader(x, y), _loader(x, y))
+    assert model.steps == 0
+
+
+def test_block_names_of_package_modules_are_accepted_and_logged_by_short_name():
+    from rank_lightning.modules import ImageClassifier
+
+    model = ImageClassifier(backbone="mlp", backbone_kwargs={"depth": 2, "width": 8}, input_shape=(64,))
+    assert ActivationRankMonitor(layers=["layer2"]).select(model) == {"layer2": "backbone.layers.1"}
+    assert ActivationRankMonitor(layers=["layer*"]).select(model) == {
+        "layer1": "backbone.layers.0",
+        "layer2": "backbone.layers.1",
+    }
+    with pytest.raises(ValueError, match="unknown layer 'layer7'; layers are: layer1, layer2, backbone"):
+        ActivationRankMonitor(layers=["layer7"]).select(model)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stage": "test"}, r"unknown stage 'test'; stages are: val, train"),
+        ({"conv_reduction": "token"}, r"unknown conv_reduction 'token'; valid choices are \('flatten', 'channel'"),
+        ({"token_reduction": "channel"}, r"unknown token_reduction 'channel'; valid choices are \('flatten', 'token'"),
+        ({"metrics": ["rank"]}, r"unknown metrics \['rank'\]; valid choices are \('numerical_rank'"),
+        ({"every_n_epochs": 0}, "every_n_epochs must be a positive integer, got 0"),
+        ({"max_samples": 0}, "max_samples must be a positive integer or None, got 0"),
+        ({"layers": []}, "layers must be None or a non-empty list"),
+        ({"soft_rank_tau": 0.0}, "soft_rank_tau must be positive, got 0.0"),
+        ({"variance_ratio_ks": [0]}, r"variance_ratio_ks must be positive integers, got \(0,\)"),
+        ({"rank_eps": -1e-3}, "rank_eps must be positive or None, got -0.001"),
+        ({"layer_types": ["torch.nn.Nope"]}, "layer type 'torch.nn.Nope' cannot be imported"),
+    ],
+)
+def test_constructor_rejects_bad_settings(options, message):
+    with pytest.raises(ValueError, match=message):
+        ActivationRankMonitor(**options)
+
+
+# -- 8. sample cap, timing, training stage, hooks, validate ---------------------------------------------------------
+
+
+WIDE_INPUT = 80
+
+
+class _Wide(pl.LightningModule):
+    """A 64-wide linear layer on 80 features: its activations have rank min(N, 64) for N Gaussian inputs."""
+
+    def __init__(self, lr: float = 0.0) -> None:
+        super().__init__()
+        self.lr = lr
+        self.wide = nn.Linear(WIDE_INPUT, 64)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.wide(x)))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_max_samples_caps_the_inputs_per_epoch(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide()
+    x, y = _gaussian(96, WIDE_INPUT, seed=4)
+    monitor = ActivationRankMonitor(layers=["wide"], max_samples=50, num_classes=4, verbose=False)
+    trainer = _trainer(tmp_path, [monitor])
+    (results,) = trainer.validate(model, _loader(x, y, batch_size=16), verbose=False)
+
+    outputs, labels = _collect(model, ["wide"], _loader(x, y))
+    capped = _reference(outputs["wide"][:50], labels[:50], num_classes=4)
+    assert capped["numerical_rank"] == 50
+    assert _reference(outputs["wide"], labels, num_classes=4)["numerical_rank"] == 64
+    _assert_close({k.removeprefix("rank/wide/"): v for k, v in results.items() if k.startswith("rank/")}, capped)
+
+
+class _HookProbe(pl.Callback):
+    """Counts the forward hooks on the watched modules at every batch start."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.val: list[tuple[int, bool, int]] = []
+        self.train: list[int] = []
+
+    def _count(self, pl_module) -> int:
+        return sum(len(pl_module.get_submodule(name)._forward_hooks) for name in self.names)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.val.append((trainer.current_epoch, trainer.sanity_checking, self._count(pl_module)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.train.append(self._count(pl_module))
+
+
+def test_every_n_epochs_and_hooks_exist_only_while_an_epoch_is_monitored(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide(lr=0.01)
+    x, y = _gaussian(32, WIDE_INPUT, seed=5)
+    monitor = ActivationRankMonitor(
+        layers=["wide", "head"], metrics=["numerical_rank"], every_n_epochs=2, verbose=False
+    )
+    probe = _HookProbe(["wide", "head"])
+    trainer = _trainer(tmp_path, [monitor, probe], max_epochs=4, num_sanity_val_steps=1)
+    trainer.fit(model, _loader(x, y), _loader(x, y))
+
+    assert monitor.curves.epochs == [1, 3]
+    assert probe.val[0] == (0, True, 0)  # sanity check: not monitored
+    assert [(epoch, hooks) for epoch, sanity, hooks in probe.val[1:]] == [
+        (epoch, 2 if epoch % 2 else 0) for epoch in range(4) for _ in range(2)
+    ]
+    assert set(probe.train) == {0}
+    assert all(not module._forward_hooks for module in model.modules())
+    outputs, _ = _collect(model, ["wide"], _loader(x, y))
+    assert float(trainer.callback_metrics["rank/wide/numerical_rank"]) == 32
+    assert _reference(outputs["wide"])["numerical_rank"] == 32
+
+
+def test_training_stage_measures_training_batches_only(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide(lr=0.0)  # frozen weights: the training activations can be recomputed afterwards
+    x_train, y_train = _gaussian(40, WIDE_INPUT, seed=6)
+    x_val, y_val = _gaussian(48, WIDE_INPUT, seed=7)
+    monitor = ActivationRankMonitor(
+        layers=["wide"], stage="train", metrics=["numerical_rank", "participation_ratio"], verbose=False
+    )
+    trainer = _trainer(tmp_path, [monitor], num_sanity_val_steps=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(x_train, y_train, batch_size=8), _loader(x_val * 10, y_val, batch_size=8))
+    # Not even a "runs more than once" warning: validation forward passes never reach the hooks.
+    assert not [w for w in caught if "ActivationRankMonitor" in str(w.message)]
+
+    outputs, _ = _collect(model, ["wide"], _loader(x_train, y_train))
+    expected = _reference(outputs["wide"])
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("rank", "rank_train"))}
+    assert logged.keys() == {"rank_train/wide/numerical_rank", "rank_train/wide/participation_ratio"}
+    assert logged["rank_train/wide/numerical_rank"] == expected["numerical_rank"] == 40
+    assert logged["rank_train/wide/participation_ratio"] == pytest.approx(expected["participation_ratio"], rel=2e-6)
+    assert (tmp_path / FIGURE_DIR / "rank_train_curves.json").is_file()
+    assert all(not module._forward_hooks for module in model.modules())
+
+
+def test_sequence_first_token_layers_are_read_batch_first(tmp_path):
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)  # (T, B, D) layout
+
+    class SequenceFirst(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = layer
+
+        def forward(self, x):
+            return self.encoder(x.transpose(0, 1))
+
+        def validation_step(self, batch, batch_idx):
+            self(batch[0])
+
+    torch.manual_seed(0)
+    x = torch.randn(24, 5, 8)  # 24 sequences of 5 tokens
+    model = SequenceFirst()
+    monitor = ActivationRankMonitor(layers=["encoder"], max_samples=6, metrics=["participation_ratio"], verbose=False)
+    (results,) = _trainer(tmp_path, [monitor]).validate(model, _loader(x, torch.zeros(24), batch_size=4), verbose=False)
+    with torch.no_grad():
+        tokens = model.eval()(x).transpose(0, 1)[:6].reshape(-1, 8).double().numpy()  # the first six sequences
+    s2 = np.linalg.svd(tokens, compute_uv=False) ** 2
+    expected = s2.sum() ** 2 / (s2**2).sum()
+    assert results["rank/encoder/token/participation_ratio"] == pytest.approx(expected, rel=2e-6)
+
+
+class _DictBatches(_Wide):
+    def validation_step(self, batch, batch_idx):
+        self(batch["image"])
+
+
+class _DictDataset(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"image": self.x[i], "target": self.y[i]}
+
+
+@pytest.mark.parametrize(
+    ("options", "num_classes", "relabel"),
+    [({}, 4, lambda y: y), ({"label_fn": lambda batch: batch["target"] // 2}, 2, lambda y: y // 2)],
+    ids=["target_key", "label_fn"],
+)
+def test_labels_are_found_in_dict_batches(tmp_path, options, num_classes, relabel):
+    torch.manual_seed(0)
+    model = _DictBatches()
+    x, y = _gaussian(40, WIDE_INPUT, seed=8)
+    monitor = ActivationRankMonitor(
+        layers=["wide"], metrics=["tcv", "tcv_normalized"], num_classes=num_classes, verbose=False, **options
+    )
+    loader = torch.utils.data.DataLoader(_DictDataset(x, y), batch_size=16)
+    (results,) = _trainer(tmp_path, [monitor]).validate(model, loader, verbose=False)
+    outputs, labels = _collect(model, ["wide"], _loader(x, y))
+    expected = _reference(outputs["wide"], relabel(labels), num_classes=num_classes)
+    assert results["rank/wide/tcv"] == pytest.approx(expected["tcv"], rel=2e-6)
+    assert results["rank/wide/tcv_normalized"] == pytest.approx(expected["tcv_normalized"], rel=2e-6)

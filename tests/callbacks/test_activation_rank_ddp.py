@@ -1,0 +1,32 @@
+import math
+
+import pytest
+
+from tests.callbacks.activation_rank_ddp_helpers import WORLD_SIZE, validate
+
+
+def _logged(rows: list[dict[str, str]]) -> dict[str, float]:
+    (row,) = [row for row in rows if row.get("rank/act/numerical_rank")]
+    return {key: float(value) for key, value in row.items() if key.startswith("rank/")}
+
+
+@pytest.mark.slow
+def test_two_process_ddp_logs_the_values_of_one_process(tmp_path):
+    single_curves, single_rows = validate(tmp_path / "single", devices=1)
+    ddp_curves, ddp_rows = validate(tmp_path / "ddp", devices=WORLD_SIZE)
+
+    single, ddp = single_curves["history"]["0"], ddp_curves["history"]["0"]
+    # "side" runs on the second process only: it is left out rather than hanging the first one in a collective.
+    assert ddp_curves["layers"] == single_curves["layers"] == ["conv", "act"]
+    assert ddp.keys() == single.keys()
+    for layer in single:
+        assert ddp[layer].keys() == single[layer].keys()
+        assert "channel/tcv" in single[layer] or "tcv" in single[layer]
+        for metric, value in single[layer].items():
+            assert math.isfinite(value), (layer, metric)
+            assert ddp[layer][metric] == pytest.approx(value, rel=1e-9, abs=1e-12), (layer, metric)
+    # The logged scalars (float32 through LightningModule.log) agree as well.
+    single_logged, ddp_logged = _logged(single_rows), _logged(ddp_rows)
+    assert ddp_logged.keys() == single_logged.keys()
+    assert len(single_logged) == 2 * 10
+    assert ddp_logged == pytest.approx(single_logged, rel=1e-6)
