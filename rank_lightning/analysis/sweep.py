@@ -52,7 +52,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -444,7 +444,8 @@ def find_sweep_runs(out: str | Path) -> tuple[list[SweepRun], list[SweepRun]]:
     return chosen, skipped
 
 
-def _union(lists: Sequence[Sequence[str]] | Sequence[Mapping[str, str]]) -> list[str]:
+def _union(lists: Iterable[Iterable[str]]) -> list[str]:
+    """The items of all lists (or keys of all mappings), once each, in first-seen order."""
     merged: dict[str, None] = {}
     for items in lists:
         merged.update(dict.fromkeys(items))

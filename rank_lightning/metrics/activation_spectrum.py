@@ -265,6 +265,8 @@ class ActivationSpectrum(Metric):
             raise ValueError(f"max_samples must be at least 1 or None, got {max_samples}")
         if memory_budget_mb <= 0:
             raise ValueError(f"memory_budget_mb must be positive, got {memory_budget_mb}")
+        if rank_eps is not None and not rank_eps > 0:
+            raise ValueError(f"rank_eps must be positive or None, got {rank_eps!r}")
         if soft_rank_tau <= 0:
             raise ValueError(f"soft_rank_tau must be positive, got {soft_rank_tau}")
         ks = tuple(variance_ratio_ks)
@@ -551,7 +553,16 @@ class ActivationSpectrum(Metric):
 
         tcv = None
         sum_squares = self.gram.diagonal().sum() if path == "gram" else self.sum_squares
-        if classes and int(self.class_counts.sum()) > 0:
+        labelled = int(self.class_counts.sum()) if classes else 0
+        if labelled and labelled != n:
+            # The sums of squares cover every row, the class sums only the labelled ones: TCV would be wrong.
+            warnings.warn(
+                f"ActivationSpectrum: {n - labelled} of {n} rows came without labels; the total cluster variation "
+                "needs labels for every row and is not reported",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        elif labelled:
             tcv = tuple(
                 total_cluster_variation_from_moments(
                     sum_squares, self.class_sums, self.class_counts, normalized=normalized

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rank_lightning.nn import LRLayer
+
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("none", "cosine", "step", "multistep")
 
@@ -23,7 +25,8 @@ def split_decay_parameters(module: nn.Module, *, decay_norm_and_bias: bool = Fal
 
     A parameter is in ``no_decay`` when it belongs to a normalisation layer, is a bias, or is a
     0-/1-dimensional tensor (e.g. a class token scale), unless ``decay_norm_and_bias`` is set, in which
-    case every parameter is decayed.
+    case every parameter is decayed. The parameters of LR-Layers are never decayed: their weight is set by
+    the rank-k projection (Sanyal et al. Alg. 1), not learned as a network weight.
     """
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
@@ -33,6 +36,9 @@ def split_decay_parameters(module: nn.Module, *, decay_norm_and_bias: bool = Fal
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
+            if isinstance(mod, LRLayer):
+                no_decay.append(param)
+                continue
             exempt = isinstance(mod, _NORM_TYPES) or name.endswith("bias") or param.ndim <= 1
             (no_decay if exempt and not decay_norm_and_bias else decay).append(param)
     return decay, no_decay

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from sklearn.datasets import load_digits
@@ -24,15 +22,6 @@ def small_cnn(seed: int = 0) -> nn.Module:
         nn.Flatten(),
         nn.Linear(8 * 8 * 8, 10),
     )
-
-
-@pytest.fixture(autouse=True, scope="package")
-def _single_thread() -> Iterator[None]:
-    # These models are tiny: intra-op threads only add synchronisation, which on a busy machine costs 10x.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -19,15 +19,6 @@ from rank_lightning.callbacks.rank_pretraining import FeatureLayer, select_featu
 from rank_lightning.models import create_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Many tiny steps: with several busy processes on two cores, one thread avoids oversubscription stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class _Recorder(Logger):
     def __init__(self) -> None:
         super().__init__()

@@ -328,3 +328,18 @@ def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
         for name in DDP_CONFIGS:
             assert distributed[name]["num_samples"] == 480.0
             _assert_scalars_close(distributed[name], single[name], rtol=1e-9)
+
+
+def test_tcv_is_not_reported_when_some_rows_lack_labels():
+    torch.manual_seed(0)
+    metric = ActivationSpectrum(num_classes=2)
+    metric.update(torch.randn(8, 3), torch.tensor([0, 1] * 4))
+    metric.update(torch.randn(8, 3))
+    with pytest.warns(RuntimeWarning, match="without labels"):
+        result = metric.compute()
+    assert result.total_cluster_variation is None
+
+
+def test_rank_eps_must_be_positive():
+    with pytest.raises(ValueError, match="rank_eps must be positive"):
+        ActivationSpectrum(rank_eps=-1.0)

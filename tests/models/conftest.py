@@ -24,16 +24,6 @@ SMALL_KWARGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Run on one intra-op thread: these tensors are too small to gain from threads, and on a busy machine the
-    threads of a parallel region wait for each other (a ResNet-50 step measured 0.6 s on one thread, 6 s on two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def make_small() -> Callable[..., Backbone]:
     """``make_small(name, **overrides)``: the small configuration of a registered backbone."""

@@ -88,7 +88,7 @@ def test_lr_layer_inserted_before_the_head_with_measured_width(tmp_path):
         input_shape=(1, 4, 4),
         lr_layers=[{"before": "head", "rank": 2, "lambda_1": 0.5}],
     )
-    [(name, layer)] = lr_layers(model)
+    [(_, layer)] = lr_layers(model)
     assert isinstance(layer, LRLayer) and layer.num_features == 12 and layer.rank == 2
     x = torch.randn(5, 1, 4, 4)
     model.eval()

@@ -63,3 +63,12 @@ def test_cosine_schedule_reaches_zero():
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_lr_layer_parameters_are_never_decayed():
+    from rank_lightning.nn import LRLayer
+
+    net = nn.Sequential(LRLayer(4, rank=2), nn.Linear(4, 3))
+    decay, no_decay = split_decay_parameters(net, decay_norm_and_bias=True)
+    assert {id(p) for p in decay} == {id(net[1].weight), id(net[1].bias)}
+    assert {id(p) for p in no_decay} == {id(net[0].weight), id(net[0].bias)}

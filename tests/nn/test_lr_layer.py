@@ -198,17 +198,8 @@ def _train_digits(lr_layer: LRLayer | None, seed: int = 0) -> float:
     return float(variance_ratio(features, 5))
 
 
-@pytest.fixture
-def one_thread():
-    # Hundreds of tiny steps: with several busy processes on two cores, one thread avoids oversubscription stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_lr_layer_raises_the_variance_ratio_of_its_input(one_thread: None) -> None:
+def test_lr_layer_raises_the_variance_ratio_of_its_input() -> None:
     # k = 5 is below the number of classes, so the plain network keeps about 2.2% of its (uncentred) energy outside the
     # top 5 directions. With an LR-Layer of rank 5 the leakage 1 - VR_5 roughly halves (observed over seeds 0-3:
     # ratio 0.53-0.77). The norm constraint alone (lambda_1 = 0) raises the leakage to about 24%, so the reduction
