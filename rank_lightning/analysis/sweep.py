@@ -676,7 +676,7 @@ def aggregate(
         out: the sweep folder.
         x: grid key (or its column name) on the figure's x axis; default: the weight decay when swept, else the first
             key.
-        table_metrics: patterns of the table's metric columns.
+        table_metrics: patterns of the table's metric columns (the figure's are added).
         figure_metrics: patterns of the figure's metric panels.
         final_metrics: run-level metrics of table and figure.
         echo: receives a line per point without a finished run.
@@ -686,7 +686,7 @@ def aggregate(
 
     Raises:
         FileNotFoundError: no finished run in ``out``.
-        ValueError: an unknown ``x``.
+        ValueError: no run logged rank metrics, or an unknown ``x``.
     """
     runs, skipped = find_sweep_runs(out)
     for run in skipped:
@@ -694,6 +694,11 @@ def aggregate(
     if not runs:
         raise FileNotFoundError(f"no finished run in {str(out)!r}")
     columns, rows = sweep_table(runs, metrics=("*",), final_metrics=final_metrics)
+    if not rows:
+        raise ValueError(
+            f"the runs in {str(out)!r} logged no {' or '.join(f'{ns}/...' for ns in DEFAULT_NAMESPACES)} metrics: "
+            "the configs need WeightRankMonitor or ActivationRankMonitor, and the runs a monitored epoch"
+        )
     keys = _union([run.point.values for run in runs])
     names = short_names(keys, reserved=_TABLE_COLUMNS)
     if x is None:
@@ -702,7 +707,7 @@ def aggregate(
         columns, rows, Path(out) / "sweep.png", x=names.get(x, x), metrics=figure_metrics, final_metrics=final_metrics
     )
     metric_columns = _metric_columns(columns)
-    table_columns = [c for c in columns if c not in metric_columns or _matches(c, table_metrics)]
+    table_columns = [c for c in columns if c not in metric_columns or _matches(c, [*table_metrics, *figure_metrics])]
     csv_path, md_path = write_table(table_columns, rows, out)
     return csv_path, md_path, figure
 
@@ -737,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         default=list(DEFAULT_TABLE_METRICS),
         metavar="PATTERN",
-        help="<namespace>/<metric> patterns of the table's columns (default: %(default)s)",
+        help="<namespace>/<metric> patterns of the table's columns, besides the figure's (default: %(default)s)",
     )
     parser.add_argument(
         "--figure-metrics",

@@ -436,6 +436,20 @@ class ActivationRankMonitor(pl.Callback):
             self._batch_start(batch)
 
     @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        # Forward passes made by other callbacks between batches (attacks, Jacobians) are not validation data.
+        if self._active and self.stage == "val":
+            self._take = 0
+
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active and self.stage == "val":
             self._finish(trainer, pl_module)
@@ -451,6 +465,13 @@ class ActivationRankMonitor(pl.Callback):
     ) -> None:
         if self._active and self.stage == "train":
             self._batch_start(batch)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._active and self.stage == "train":
+            self._take = 0
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

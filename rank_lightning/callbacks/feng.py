@@ -695,10 +695,11 @@ class ClassificationDimension(pl.Callback):
         accuracy_axes.set_ylabel("accuracy of the model's head")
         accuracy_axes.legend(fontsize="small")
         accuracy_axes.grid(alpha=0.3)
-        eigenvalues = result.eigenvalues.clamp_min(0).tolist()
-        spectrum_axes.plot(range(1, len(eigenvalues) + 1), eigenvalues, marker=".")
+        # Rounding leaves the null directions at tiny or negative values, which a log axis cannot show.
+        positive = [(i + 1, v) for i, v in enumerate(result.eigenvalues.tolist()) if v > 0]
+        spectrum_axes.plot([i for i, _ in positive], [v for _, v in positive], marker=".")
         spectrum_axes.axvline(result.cls_dim, color="red", ls=":")
-        spectrum_axes.set_yscale("symlog", linthresh=max(1e-12, max(eigenvalues, default=1.0) * 1e-8))
+        spectrum_axes.set_yscale("log")
         spectrum_axes.set_xscale("log")
         spectrum_axes.set_xlabel("principal direction")
         spectrum_axes.set_ylabel("eigenvalue of the feature covariance")

@@ -3,6 +3,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,6 +256,12 @@ def test_write_figure_names_the_valid_x_columns(tmp_path):
         find_sweep_runs(tmp_path)
 
 
+def test_aggregate_explains_runs_without_rank_metrics(tmp_path):
+    _synthetic_run(tmp_path, {WEIGHT_DECAY_KEY: "0"}, "weight_decay=0", {"val/acc": [0.5]})
+    with pytest.raises(ValueError, match=re.escape("logged no rank/... or weight/... metrics")):
+        aggregate(tmp_path)
+
+
 # The W&B sweep files
 
 
@@ -313,11 +320,11 @@ def test_tiny_digits_sweep_runs_train_py_and_aggregates(tmp_path):
                     "callbacks": [
                         {
                             "class_path": "rank_lightning.callbacks.WeightRankMonitor",
-                            "init_args": {"tail_ranks": [10], "verbose": False},
+                            "init_args": {"every_n_epochs": 1, "tail_ranks": [10], "verbose": False},
                         },
                         {
                             "class_path": "rank_lightning.callbacks.ActivationRankMonitor",
-                            "init_args": {"metrics": ["numerical_rank", "tcv"], "verbose": False},
+                            "init_args": {"every_n_epochs": 1, "metrics": ["numerical_rank", "tcv"], "verbose": False},
                         },
                     ],
                 }

@@ -372,7 +372,7 @@ def test_cls_dim_rejects_bad_settings(kwargs, message):
 def test_feng_digits_config_fit_then_validate(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = str(ROOT / "configs" / "feng_digits.yaml")
-    main(["fit", "--config", config, "--trainer.max_epochs=1", "--trainer.enable_model_summary=false"])
+    main(["fit", "--config", config, "--trainer.max_epochs=5", "--trainer.enable_model_summary=false"])
     [run] = (tmp_path / "runs" / "feng_digits").iterdir()
     assert (run / FIGURE_DIR / "jacobian_rank.png").exists()
     assert (run / CLSDIM_DIR / "independence_deficit.md").exists()
