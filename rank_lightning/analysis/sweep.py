@@ -79,6 +79,7 @@ __all__ = [
     "main",
     "parse_grid",
     "run_sweep",
+    "short_names",
     "sweep_table",
     "train_command",
     "write_figure",

@@ -1,4 +1,4 @@
-"""Weight initialisation schemes applicable to any module: PyTorch's default, Gaussian, orthogonal, asymmetric."""
+"""Weight initialisation schemes applicable to any module: PyTorch's default, Gaussian, Kaiming, orthogonal, asymmetric."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-INIT_SCHEMES: tuple[str, ...] = ("default", "gaussian", "orthogonal", "asymmetric")
+INIT_SCHEMES: tuple[str, ...] = ("default", "gaussian", "kaiming", "orthogonal", "asymmetric")
 
 
 def init_weights(module: nn.Module, scheme: str) -> nn.Module:
@@ -22,6 +22,8 @@ def init_weights(module: nn.Module, scheme: str) -> nn.Module:
       ``U[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` for ``nn.Linear``; biases included.
     - ``"gaussian"``: weights ``N(0, 1/fan_in)``, the i.i.d. Gaussian setting of Feng et al. Theorem 5 and of
       Daneshmand et al. Def. 1 scaled to unit activation variance.
+    - ``"kaiming"``: weights ``N(0, 2/fan_in)`` (He et al.), which keeps the activation scale through ReLU layers,
+      so deep vanilla ReLU networks can still pass a signal.
     - ``"orthogonal"``: weights with orthonormal rows or columns (gain 1, so all singular values are 1); a convolution
       is treated as its ``out x (in * kh * kw)`` matrix, an attention input projection as three square blocks.
     - ``"asymmetric"``: weights ``U[0, 2/sqrt(fan_in)]``, the "breaking BN" initialisation of Daneshmand et al.
@@ -49,6 +51,8 @@ def init_weights(module: nn.Module, scheme: str) -> nn.Module:
         for weight, fan_in, blocks in _weight_matrices(module):
             if scheme == "gaussian":
                 nn.init.normal_(weight, mean=0.0, std=1.0 / math.sqrt(fan_in))
+            elif scheme == "kaiming":
+                nn.init.normal_(weight, mean=0.0, std=math.sqrt(2.0 / fan_in))
             elif scheme == "asymmetric":
                 nn.init.uniform_(weight, 0.0, 2.0 / math.sqrt(fan_in))
             else:

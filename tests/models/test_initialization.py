@@ -21,13 +21,19 @@ def _weights(scheme: str) -> np.ndarray:
 
 
 def test_schemes():
-    assert INIT_SCHEMES == ("default", "gaussian", "orthogonal", "asymmetric")
+    assert INIT_SCHEMES == ("default", "gaussian", "kaiming", "orthogonal", "asymmetric")
 
 
 def test_gaussian_is_normal_with_variance_one_over_fan_in():
     w = _weights("gaussian").ravel()
     assert stats.kstest(w, stats.norm(scale=1 / math.sqrt(FAN_IN)).cdf).pvalue > 1e-3
     assert stats.kstest(w, stats.norm(scale=1.2 / math.sqrt(FAN_IN)).cdf).pvalue < 1e-6
+
+
+def test_kaiming_is_normal_with_variance_two_over_fan_in():
+    w = _weights("kaiming").ravel()
+    assert stats.kstest(w, stats.norm(scale=math.sqrt(2 / FAN_IN)).cdf).pvalue > 1e-3
+    assert stats.kstest(w, stats.norm(scale=1 / math.sqrt(FAN_IN)).cdf).pvalue < 1e-6
 
 
 def test_asymmetric_is_uniform_between_zero_and_two_over_sqrt_fan_in():
@@ -108,5 +114,5 @@ def test_schemes_reach_every_weight_matrix_of_a_backbone(name, make_small):
 
 
 def test_unknown_scheme_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown init scheme 'he'; schemes are: default, gaussian, orthogonal, asym"):
+    with pytest.raises(ValueError, match=r"unknown init scheme 'he'; schemes are: default, gaussian, kaiming, orthogonal, asym"):
         init_weights(nn.Linear(2, 2), "he")
