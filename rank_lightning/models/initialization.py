@@ -1,4 +1,4 @@
-"""Weight initialisation schemes applicable to any module: PyTorch's default, Gaussian, Kaiming, orthogonal, asymmetric."""
+"""Weight initialisation schemes for any module: PyTorch's default, Gaussian, Kaiming, orthogonal, asymmetric."""
 
 from __future__ import annotations
 

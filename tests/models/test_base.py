@@ -102,7 +102,9 @@ def test_no_head(name, make_small):
 
 @pytest.mark.parametrize("name", list_models())
 def test_unknown_init_lists_schemes(name, make_small):
-    with pytest.raises(ValueError, match=r"unknown init scheme 'xavier'; schemes are: default, gaussian, kaiming, orthogonal"):
+    with pytest.raises(
+        ValueError, match=r"unknown init scheme 'xavier'; schemes are: default, gaussian, kaiming, orthogonal"
+    ):
         make_small(name, init="xavier")
 
 

@@ -114,5 +114,7 @@ def test_schemes_reach_every_weight_matrix_of_a_backbone(name, make_small):
 
 
 def test_unknown_scheme_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown init scheme 'he'; schemes are: default, gaussian, kaiming, orthogonal, asym"):
+    with pytest.raises(
+        ValueError, match=r"unknown init scheme 'he'; schemes are: default, gaussian, kaiming, orthogonal, asym"
+    ):
         init_weights(nn.Linear(2, 2), "he")
