@@ -1,0 +1,168 @@
+"""The base class shared by every datamodule, the name registry, and the seeded stratified split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_REGISTRY: dict[str, type[RankDataModule]] = {}
+_D = TypeVar("_D", bound="type[RankDataModule]")
+
+
+def register_datamodule(name: str) -> Callable[[_D], _D]:
+    """Class decorator adding a datamodule to the registry under ``name``."""
+
+    def wrap(cls: _D) -> _D:
+        if name in _REGISTRY:
+            raise ValueError(f"datamodule {name!r} is registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_datamodules() -> list[str]:
+    """Names accepted by :func:`create_datamodule`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def create_datamodule(name: str, **kwargs: Any) -> RankDataModule:
+    """Create the datamodule registered as ``name`` with the class's keyword arguments.
+
+    Example::
+
+        dm = create_datamodule("digits", batch_size=64, flatten=True)
+        dm.num_classes, dm.input_shape  # (10, (64,))
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown datamodule {name!r}; datamodules are: {', '.join(list_datamodules())}")
+    return _REGISTRY[name](**kwargs)
+
+
+def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) -> tuple[np.ndarray, ...]:
+    """Split sample indices class by class into a remainder and one hold-out part per fraction.
+
+    Within every class the indices are permuted with ``numpy.random.default_rng(seed)`` (classes visited in
+    increasing label order) and ``round(fraction * class_size)`` of them go to each hold-out part, so every part
+    keeps the class proportions of the whole set up to rounding.
+
+    Args:
+        labels: ``(N,)`` integer class labels.
+        fractions: fraction of every class in each hold-out part; each in ``[0, 1)``, summing to less than 1.
+        seed: seed of the permutation; the same labels, fractions and seed always give the same split.
+
+    Returns:
+        ``(rest, part_1, ..., part_k)``: sorted int64 index arrays, disjoint, covering ``range(N)``.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
+    if any(not 0.0 <= f < 1.0 for f in fractions) or sum(fractions) >= 1.0:
+        raise ValueError(f"fractions must each lie in [0, 1) and sum to less than 1, got {tuple(fractions)}")
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[] for _ in range(len(fractions) + 1)]
+    for cls in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == cls))
+        start = 0
+        for i, fraction in enumerate(fractions):
+            count = min(round(fraction * len(members)), len(members) - start)
+            parts[i + 1].append(members[start : start + count])
+            start += count
+        parts[0].append(members[start:])
+    return tuple(np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts)
+
+
+def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
+    """Raise ``ValueError`` unless ``0 <= val_fraction``, ``0 < test_fraction`` and their sum is below 1."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    if val_fraction + test_fraction >= 1.0:
+        raise ValueError(
+            f"val_fraction + test_fraction must be below 1 to leave training data, got {val_fraction} + {test_fraction}"
+        )
+
+
+class RankDataModule(pl.LightningDataModule):
+    """Base of every datamodule in :mod:`rank_lightning.data`: loader settings and the common interface.
+
+    Subclasses set, inside ``__init__`` (so a CLI can link them into the model before any file is read):
+
+    - ``num_classes``: number of class labels;
+    - ``input_shape``: shape of one input, ``(C, H, W)`` for images, ``(d,)`` for vectors;
+    - ``mean``, ``std``: per-channel normalisation applied to pixels in ``[0, 1]`` (``x = (p - mean) / std``),
+      which the attacks undo; identity ``(0.0,)``/``(1.0,)`` for inputs that are not pixels.
+
+    and fill ``train_set``, ``val_set`` and ``test_set`` in ``setup``. Batches are ``(x, y)``: ``x`` float32 of
+    shape ``(B, *input_shape)``, ``y`` int64 class labels.
+
+    Args:
+        batch_size: samples per batch, in every split.
+        num_workers: loader worker processes; 0 loads in the main process.
+        pin_memory: page-lock batches for faster host-to-GPU copies.
+        seed: seeds everything random in the data (splits, generated samples, the training shuffle order).
+        drop_last: drop the last incomplete training batch (BatchNorm fails on a batch of one sample).
+    """
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __init__(
+        self,
+        *,
+        batch_size: int = 128,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be non-negative, got {num_workers}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.drop_last = drop_last
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches; the order is drawn from a generator seeded with ``seed``."""
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader(self._split("train"), shuffle=True, drop_last=self.drop_last, generator=generator)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in a fixed order."""
+        return self._loader(self._split("val"), shuffle=False, drop_last=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches in a fixed order."""
+        return self._loader(self._split("test"), shuffle=False, drop_last=False)
+
+    def _split(self, name: str) -> Dataset:
+        dataset = getattr(self, f"{name}_set")
+        if dataset is None:
+            raise RuntimeError(f"the {name} split of {type(self).__name__} is not set up: call setup() first")
+        return dataset
+
+    def _loader(self, dataset: Dataset, **kwargs: Any) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )

@@ -1,0 +1,134 @@
+"""ImageNet-style folders of images, one subfolder per class, via ``torchvision.datasets.ImageFolder``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torchvision import datasets
+from torchvision.transforms import v2
+
+from rank_lightning.data.base import RankDataModule, register_datamodule
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@register_datamodule("image_folder")
+class ImageFolderDataModule(RankDataModule):
+    """RGB images laid out as ``<data_dir>/<split>/<class name>/<image file>``.
+
+    The training split is ``train_dir``, validation ``val_dir``; the test split is ``test_dir``, or the
+    validation folder when ``test_dir`` is None (as for ImageNet, whose public ``val`` set serves as test set).
+    Class indices follow the sorted class-folder names of the training folder; the other folders must hold the
+    same classes. Evaluation images are resized (shorter side ``resize_size``) and centre-cropped to
+    ``image_size``; training images likewise, or with ``augment=True`` randomly resized-cropped to
+    ``image_size`` and flipped horizontally. Normalisation defaults to the ImageNet constants.
+
+    ``num_classes`` must be known after ``__init__``: given, it is checked against the folders in ``setup``;
+    left None, it is the number of class folders in the training folder, counted in ``__init__``.
+
+    Args:
+        data_dir: root folder holding the split folders.
+        train_dir: training folder name, under ``data_dir``.
+        val_dir: validation folder name, under ``data_dir``.
+        test_dir: test folder name, under ``data_dir``; None uses the validation folder.
+        num_classes: number of classes; None counts the training class folders.
+        image_size: side of the square images served.
+        resize_size: shorter side after resizing, before the centre crop; None uses ``round(image_size / 0.875)``.
+        augment: random resized crop and horizontal flip of training images.
+        mean: per-channel mean of the normalisation.
+        std: per-channel standard deviation of the normalisation.
+        batch_size: samples per batch.
+        num_workers: loader worker processes.
+        pin_memory: page-lock batches.
+        seed: seeds the training shuffle order.
+        drop_last: drop the last incomplete training batch.
+
+    Example::
+
+        dm = ImageFolderDataModule(data_dir="data/imagenet", image_size=224, num_workers=8)
+        dm.setup("fit")
+    """
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | Path = "data/",
+        train_dir: str = "train",
+        val_dir: str = "val",
+        test_dir: str | None = None,
+        num_classes: int | None = None,
+        image_size: int = 224,
+        resize_size: int | None = None,
+        augment: bool = False,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        batch_size: int = 128,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, drop_last=drop_last
+        )
+        if len(mean) != 3 or len(std) != 3:
+            raise ValueError(f"mean and std need one value per RGB channel, got {tuple(mean)} and {tuple(std)}")
+        if image_size < 1:
+            raise ValueError(f"image_size must be positive, got {image_size}")
+        self.save_hyperparameters()
+        self.data_dir = Path(data_dir)
+        self.split_dirs = {"train": train_dir, "val": val_dir, "test": test_dir or val_dir}
+        self.image_size = image_size
+        self.resize_size = resize_size if resize_size is not None else round(image_size / 0.875)
+        self.augment = augment
+        self.input_shape = (3, image_size, image_size)
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        if num_classes is None:
+            num_classes = len(datasets.folder.find_classes(str(self._split_path("train")))[0])
+        self.num_classes = num_classes
+
+    def setup(self, stage: str | None = None) -> None:
+        """Index the image files of all splits (all stages at once; repeated calls reuse them)."""
+        if self.train_set is not None:
+            return
+        to_float = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(self.mean, self.std)]
+        evaluation = v2.Compose([v2.ToImage(), v2.Resize(self.resize_size), v2.CenterCrop(self.image_size), *to_float])
+        if self.augment:
+            training = v2.Compose(
+                [v2.ToImage(), v2.RandomResizedCrop(self.image_size), v2.RandomHorizontalFlip(), *to_float]
+            )
+        else:
+            training = evaluation
+        splits = {
+            split: datasets.ImageFolder(
+                str(self._split_path(split)), transform=training if split == "train" else evaluation
+            )
+            for split in ("train", "val", "test")
+        }
+        classes = splits["train"].classes
+        if len(classes) != self.num_classes:
+            raise ValueError(
+                f"num_classes={self.num_classes} but {self._split_path('train')} holds {len(classes)} class folders"
+            )
+        for split in ("val", "test"):
+            other = splits[split].classes
+            if other != classes:
+                raise ValueError(
+                    f"class folders of {self._split_path(split)} differ from the training folder: "
+                    f"only in {split}: {sorted(set(other) - set(classes))}, "
+                    f"only in train: {sorted(set(classes) - set(other))}"
+                )
+        self.train_set, self.val_set, self.test_set = splits["train"], splits["val"], splits["test"]
+
+    def _split_path(self, split: str) -> Path:
+        path = self.data_dir / self.split_dirs[split]
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"image folder {path} not found: the {split} split must be laid out as "
+                f"{path}/<class name>/<image file> (e.g. {path}/cat/0001.png), one subfolder per class"
+            )
+        return path

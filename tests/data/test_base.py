@@ -1,0 +1,156 @@
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from rank_lightning.data import (
+    DigitsDataModule,
+    GaussianNoiseDataModule,
+    RankDataModule,
+    create_datamodule,
+    list_datamodules,
+    stratified_split,
+)
+from rank_lightning.data.base import check_split_fractions
+
+EXPECTED_NAMES = [
+    "cifar10",
+    "cifar100",
+    "digits",
+    "fashion_mnist",
+    "gaussian_mixture",
+    "gaussian_noise",
+    "image_folder",
+    "mnist",
+]
+
+
+def test_registry_lists_every_datamodule():
+    assert list_datamodules() == EXPECTED_NAMES
+
+
+@pytest.mark.parametrize("name", ["digits", "gaussian_mixture", "gaussian_noise", "mnist", "cifar10", "cifar100"])
+def test_interface_is_known_after_init_without_files(name, tmp_path):
+    kwargs = {"data_dir": tmp_path} if name in ("mnist", "cifar10", "cifar100") else {}
+    dm = create_datamodule(name, **kwargs)
+    assert isinstance(dm, RankDataModule)
+    assert isinstance(dm, pl.LightningDataModule)
+    assert isinstance(dm.num_classes, int) and dm.num_classes > 1
+    assert all(isinstance(s, int) for s in dm.input_shape)
+    channels = dm.input_shape[0] if len(dm.input_shape) == 3 else 1
+    assert len(dm.mean) == len(dm.std) == channels
+    assert all(s > 0 for s in dm.std)
+
+
+def test_create_passes_kwargs():
+    dm = create_datamodule("digits", batch_size=7, flatten=True)
+    assert isinstance(dm, DigitsDataModule)
+    assert dm.batch_size == 7 and dm.input_shape == (64,)
+    assert dm.hparams["batch_size"] == 7
+
+
+def test_unknown_name_lists_choices():
+    with pytest.raises(ValueError, match=r"unknown datamodule 'imagenet'.*digits.*gaussian_mixture"):
+        create_datamodule("imagenet")
+
+
+def test_stratified_split_partitions_each_class_by_rounded_fractions():
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 5, 503)
+    rest, val, test = stratified_split(labels, (0.2, 0.15), seed=11)
+    everything = np.concatenate([rest, val, test])
+    assert np.array_equal(np.sort(everything), np.arange(labels.size))
+    for cls in range(5):
+        n_c = int((labels == cls).sum())
+        assert int((labels[val] == cls).sum()) == round(0.2 * n_c)
+        assert int((labels[test] == cls).sum()) == round(0.15 * n_c)
+    assert all(p.dtype == np.int64 for p in (rest, val, test))
+
+
+def test_stratified_split_is_deterministic_and_seeded():
+    labels = np.repeat(np.arange(4), 50)
+    first = stratified_split(labels, (0.3,), seed=0)
+    again = stratified_split(labels, (0.3,), seed=0)
+    other = stratified_split(labels, (0.3,), seed=1)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not np.array_equal(first[1], other[1])
+
+
+@pytest.mark.parametrize("fractions", [(1.0,), (-0.1,), (0.6, 0.5)])
+def test_stratified_split_rejects_bad_fractions(fractions):
+    with pytest.raises(ValueError, match="fractions"):
+        stratified_split(np.zeros(10, dtype=int), fractions, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("val", "test", "match"),
+    [(-0.1, 0.2, "val_fraction"), (0.2, 0.0, "test_fraction"), (0.2, 1.0, "test_fraction"), (0.5, 0.5, r"0.5 \+ 0.5")],
+)
+def test_check_split_fractions_names_the_bad_value(val, test, match):
+    with pytest.raises(ValueError, match=match):
+        check_split_fractions(val, test)
+
+
+def test_loaders_require_setup():
+    dm = GaussianNoiseDataModule()
+    with pytest.raises(RuntimeError, match="call setup"):
+        dm.train_dataloader()
+
+
+def test_bad_loader_settings_raise():
+    with pytest.raises(ValueError, match="batch_size"):
+        GaussianNoiseDataModule(batch_size=0)
+    with pytest.raises(ValueError, match="num_workers"):
+        GaussianNoiseDataModule(num_workers=-1)
+
+
+def _labels_in_order(loader):
+    return torch.cat([y for _, y in loader])
+
+
+def test_train_is_shuffled_by_seed_and_eval_loaders_are_not():
+    dm = GaussianNoiseDataModule(num_samples=400, batch_size=32, seed=5)
+    dm.setup("fit")
+    first = _labels_in_order(dm.train_dataloader())
+    again = _labels_in_order(dm.train_dataloader())
+    dataset_order = dm.train_set.tensors[1]
+    assert torch.equal(first, again)
+    assert not torch.equal(first, dataset_order)
+    assert torch.equal(torch.sort(first).values, torch.sort(dataset_order).values)
+    assert torch.equal(_labels_in_order(dm.val_dataloader()), dm.val_set.tensors[1])
+    assert torch.equal(_labels_in_order(dm.test_dataloader()), dm.test_set.tensors[1])
+
+
+def test_drop_last_only_affects_training():
+    dm = GaussianNoiseDataModule(num_samples=100, batch_size=16, drop_last=True, val_fraction=0.2, test_fraction=0.2)
+    dm.setup("fit")
+    assert all(len(y) == 16 for _, y in dm.train_dataloader())
+    assert sum(len(y) for _, y in dm.val_dataloader()) == len(dm.val_set)
+
+
+class _LinearProbe(pl.LightningModule):
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(in_features, num_classes)
+        self.seen_dtypes: set[torch.dtype] = set()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_dtypes.add(y.dtype)
+        return torch.nn.functional.cross_entropy(self.layer(x.flatten(1)), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen_dtypes.add(batch[1].dtype)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_trainer_runs_a_datamodule_end_to_end():
+    dm = DigitsDataModule(batch_size=64)
+    model = _LinearProbe(64, dm.num_classes)
+    trainer = pl.Trainer(
+        fast_dev_run=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(model, datamodule=dm)
+    assert model.seen_dtypes == {torch.int64}
