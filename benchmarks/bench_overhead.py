@@ -160,6 +160,8 @@ def _weightwatcher_comparison(repeats: int) -> None:
     import weightwatcher
 
     logging.getLogger("weightwatcher").setLevel(logging.ERROR)
+    # WeightWatcher's power-law fits take longer or shorter depending on the spectra: fix the initialisation.
+    torch.manual_seed(0)
     model = torchvision.models.resnet50()
     monitor = WeightRankMonitor(verbose=False)
     monitor.measure(model)
