@@ -3,16 +3,17 @@
 Command::
 
     python -m rank_lightning.analysis.report RUN_DIR [RUN_DIR ...] --out OUT_DIR
-        [--namespaces rank weight] [--final-metrics val/acc]
+        [--namespaces rank rank_train weight] [--final-metrics val/acc]
 
 ``RUN_DIR`` is a run directory (a ``CSVLogger`` version folder holding ``metrics.csv``) or any folder above runs
 (``lightning_logs/`` with its ``version_*`` folders, a sweep folder): every folder below it that holds a
 ``metrics.csv`` or a ``rank_curves/<namespace>_curves.json`` (written by the rank callbacks with any logger, W&B and
-TensorBoard included) is one run. Runs are labelled by their path relative to the folder above the argument.
+TensorBoard included) is one run. Runs are labelled by their path relative to the deepest folder all runs share.
 
-Logged keys ``<namespace>/<layer>/<metric>`` (``rank/...`` from ``ActivationRankMonitor``, ``weight/...`` from
-``WeightRankMonitor``) are read from ``metrics.csv`` (from the curves file when a run has no CSV); the layers' depth
-order comes from the curves file (CSV columns are sorted by name), else from a natural sort of the names.
+Logged keys ``<namespace>/<layer>/<metric>`` (``rank/...`` and ``rank_train/...`` from ``ActivationRankMonitor``,
+``weight/...`` from ``WeightRankMonitor``) are read from ``metrics.csv`` (from the curves file when a run has no
+CSV); the layers' depth order comes from the curves file (CSV columns are sorted by name), else from a natural sort
+of the names.
 
 Written to ``OUT_DIR``:
 
@@ -44,7 +45,7 @@ from rank_lightning.callbacks.curves import FIGURE_DIR
 
 __all__ = ["RunCurves", "find_runs", "load_run", "main", "summary_rows", "write_figures", "write_summary"]
 
-DEFAULT_NAMESPACES: tuple[str, ...] = ("rank", "weight")
+DEFAULT_NAMESPACES: tuple[str, ...] = ("rank", "rank_train", "weight")
 DEFAULT_FINAL_METRICS: tuple[str, ...] = ("val/acc",)
 _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9_.=-]+")
 
@@ -126,7 +127,7 @@ def find_runs(paths: Iterable[str | Path]) -> list[tuple[str, Path]]:
     return [(str(run.relative_to(shared)), run) for run in found]
 
 
-def _to_float(text: str) -> float | None:
+def _to_float(text: str | None) -> float | None:
     if text is None or text == "":
         return None
     try:
