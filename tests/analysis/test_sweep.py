@@ -258,7 +258,7 @@ def test_write_figure_names_the_valid_x_columns(tmp_path):
 
 def test_aggregate_explains_runs_without_rank_metrics(tmp_path):
     _synthetic_run(tmp_path, {WEIGHT_DECAY_KEY: "0"}, "weight_decay=0", {"val/acc": [0.5]})
-    with pytest.raises(ValueError, match=re.escape("logged no rank/... or weight/... metrics")):
+    with pytest.raises(ValueError, match=re.escape("logged no rank/... or rank_train/... or weight/... metrics")):
         aggregate(tmp_path)
 
 
