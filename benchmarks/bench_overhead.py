@@ -25,6 +25,12 @@ steadier of the two.
 
 from __future__ import annotations
 
+import os
+
+# Spinning OpenMP threads slow every small CPU op many-fold as soon as another process holds a core (as in train.py).
+# Must be set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import logging
 import statistics

@@ -297,6 +297,7 @@ def test_constructor_validates_settings(options, message):
         WeightRankMonitor(**options)
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path):
     monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], every_n_epochs=2, verbose=False)
     trainer = pl.Trainer(
