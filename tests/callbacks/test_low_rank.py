@@ -8,41 +8,12 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import LowDimensionalEvaluation, LowRankProjection
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Many tiny steps: with several busy processes on two cores, one thread avoids oversubscription stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class _Recorder(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
+from tests.callbacks.recording_logger import RecordingLogger
 
 
 class _Scripted(pl.LightningModule):
@@ -221,7 +192,7 @@ def _digits_loaders() -> tuple[DataLoader, DataLoader]:
 
 def test_low_dimensional_evaluation_logs_accuracy_per_dimension() -> None:
     torch.manual_seed(0)
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     callback = LowDimensionalEvaluation(dims=(1, 10, 500), every_n_epochs=2)
     trainer = _trainer([callback], max_epochs=4, logger=recorder)
     train, val = _digits_loaders()
@@ -232,7 +203,7 @@ def test_low_dimensional_evaluation_logs_accuracy_per_dimension() -> None:
     assert 0.1 < callback.results[1] < 0.6
     assert callback.results[10] > 0.85
     assert "lowdim/acc@10" in trainer.callback_metrics  # from the validation epochs
-    final = [metrics for _, metrics in recorder.logged if "lowdim/acc@1" in metrics and "epoch" not in metrics]
+    final = [metrics for _, metrics in recorder.calls if "lowdim/acc@1" in metrics and "epoch" not in metrics]
     assert final[-1] == {"lowdim/acc@1": callback.results[1], "lowdim/acc@10": callback.results[10]}
 
 

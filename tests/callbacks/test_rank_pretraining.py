@@ -10,33 +10,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import RankPretraining
 from rank_lightning.callbacks.rank_pretraining import FeatureLayer, select_feature_layer
 from rank_lightning.models import create_model
-
-
-class _Recorder(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: dict[str, float] = {}
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.update(metrics)
+from tests.callbacks.recording_logger import RecordingLogger
 
 
 class _Classifier(pl.LightningModule):
@@ -100,7 +80,7 @@ def test_pretraining_lifts_the_collapsed_rank_of_a_deep_relu_mlp() -> None:
     module = _Classifier(backbone)
     held_out = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
     untouched = copy.deepcopy(backbone)
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     callback = RankPretraining(num_batches=5, steps=15, lr=0.01)
     _fit(module, [callback], _gaussian_loader(), logger=recorder)
 
@@ -113,8 +93,8 @@ def test_pretraining_lifts_the_collapsed_rank_of_a_deep_relu_mlp() -> None:
     assert results["layer32"]["r_before"] == pytest.approx(
         np.mean([_r_of_features(untouched, x) for x, _ in _gaussian_loader()]), rel=1e-6
     )
-    assert recorder.logged["pretrain/layer32/r_before"] == results["layer32"]["r_before"]
-    assert recorder.logged["pretrain/layer1/r_after"] == results["layer1"]["r_after"]
+    assert recorder.latest["pretrain/layer32/r_before"] == results["layer32"]["r_before"]
+    assert recorder.latest["pretrain/layer1/r_after"] == results["layer1"]["r_after"]
 
 
 def test_pretraining_leaves_the_module_optimizer_alone_and_runs_once() -> None:
