@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,6 +34,7 @@ __all__ = [
     "participation_ratio",
     "singular_values",
     "soft_rank",
+    "spectra_from_grams",
     "spectrum",
     "spectrum_from_gram",
     "stable_rank",
@@ -167,18 +169,82 @@ def spectrum_from_gram(
         s = feature_sum.detach().to(device=g.device, dtype=torch.float64).reshape(-1)
         if s.shape[0] != g.shape[0]:
             raise ValueError(f"feature_sum has length {s.shape[0]}, expected {g.shape[0]}")
-        g = g - torch.outer(s, s) / num_samples
+        g = _center_feature_gram(g, s, num_samples)
     elif center:
         row_mean = g.mean(dim=1, keepdim=True)
         g = g - row_mean - row_mean.T + g.mean()
     if not torch.isfinite(g).all():
         _warn_non_finite("Gram matrix")
         return _nan_spectrum(num_samples, num_features, center, gram.device)
+    values = _gram_singular_values(g)[: min(num_samples, num_features)]
+    return Spectrum(values.contiguous(), num_samples, num_features, center)
+
+
+def spectra_from_grams(
+    grams: Tensor,
+    num_samples: Sequence[int],
+    *,
+    feature_sums: Tensor | None = None,
+    center: bool = False,
+) -> list[Spectrum]:
+    """Spectra of several matrices ``X_b`` with the same d from their feature Grams, in one batched eigendecomposition.
+
+    The same computation as :func:`spectrum_from_gram` (``side="feature"``) for each ``grams[b]``; one batched call
+    replaces a Python loop of small decompositions (the per-class Grams of a layer, Sanyal et al. Sec. 4.3).
+
+    Args:
+        grams: ``(B, d, d)`` float Grams ``X_b^T X_b``.
+        num_samples: the row count ``N_b`` of each ``X_b`` (at least 1).
+        feature_sums: ``(B, d)`` column sums ``X_b^T 1``; required with ``center=True``.
+        center: spectra of the centred matrices ``X_b - 1 mu_b^T`` (Grams ``X_b^T X_b - N_b mu_b mu_b^T``).
+
+    Returns:
+        One :class:`Spectrum` per Gram, of length ``min(N_b, d)``; an all-NaN spectrum, with a ``RuntimeWarning``,
+        for a Gram that is not finite.
+    """
+    if grams.ndim != 3 or grams.shape[1] != grams.shape[2]:
+        raise ValueError(f"grams must have shape (B, d, d), got {tuple(grams.shape)}")
+    counts = [int(n) for n in num_samples]
+    if len(counts) != grams.shape[0]:
+        raise ValueError(f"num_samples has {len(counts)} entries for {grams.shape[0]} Grams")
+    if any(n < 1 for n in counts):
+        raise ValueError(f"every num_samples must be at least 1, got {counts}")
+    num_features = grams.shape[1]
+    g = grams.detach().to(torch.float64)
+    if center:
+        if feature_sums is None:
+            raise ValueError("center=True needs feature_sums (X_b^T 1 for every Gram)")
+        sums = feature_sums.detach().to(device=g.device, dtype=torch.float64)
+        if tuple(sums.shape) != (grams.shape[0], num_features):
+            raise ValueError(f"feature_sums must have shape {(grams.shape[0], num_features)}, got {tuple(sums.shape)}")
+        n = torch.tensor(counts, dtype=torch.float64, device=g.device).view(-1, 1, 1)
+        g = _center_feature_gram(g, sums, n)
+    # A NaN or Inf anywhere makes its Gram's sum non-finite: one cheap reduction instead of a full-size mask.
+    finite = torch.isfinite(g.sum(dim=(1, 2))).tolist()
+    if not all(finite):
+        # Non-finite Grams are decomposed as zeros, so that one bad Gram does not stop the batched call.
+        g = torch.where(torch.tensor(finite, device=g.device).view(-1, 1, 1), g, torch.zeros_like(g))
+    values = _gram_singular_values(g)
+    spectra = []
+    for b, (n_b, ok) in enumerate(zip(counts, finite)):
+        if ok:
+            spectra.append(Spectrum(values[b, : min(n_b, num_features)].contiguous(), n_b, num_features, center))
+        else:
+            _warn_non_finite(f"Gram matrix {b}")
+            spectra.append(_nan_spectrum(n_b, num_features, center, g.device))
+    return spectra
+
+
+def _center_feature_gram(gram: Tensor, feature_sum: Tensor, num_samples: Tensor | int) -> Tensor:
+    """``X^T X - N mu mu^T = X^T X - s s^T / N`` for ``s = X^T 1``; broadcasts over leading batch dimensions."""
+    return gram - feature_sum.unsqueeze(-1) * feature_sum.unsqueeze(-2) / num_samples
+
+
+def _gram_singular_values(gram: Tensor) -> Tensor:
+    """Descending ``sqrt`` of the eigenvalues of (a batch of) symmetric PSD Grams."""
     # eigvalsh reads one triangle only, so rounding asymmetry needs no symmetrising copy of a possibly large Gram;
     # rounding can leave the smallest eigenvalues slightly negative.
-    eigenvalues = torch.linalg.eigvalsh(g)
-    values = eigenvalues.flip(0).clamp_min(0).sqrt()[: min(num_samples, num_features)]
-    return Spectrum(values.contiguous(), num_samples, num_features, center)
+    return torch.linalg.eigvalsh(gram).flip(-1).clamp_min(0).sqrt()
 
 
 def default_rank_tolerance(num_samples: int, num_features: int, *, size: Literal["min", "max"] = "min") -> float:

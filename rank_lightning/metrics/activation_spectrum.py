@@ -21,6 +21,7 @@ from rank_lightning.functional.spectral import (
     numerical_rank,
     participation_ratio,
     soft_rank,
+    spectra_from_grams,
     spectrum,
     spectrum_from_gram,
     stable_rank,
@@ -385,27 +386,49 @@ class ActivationSpectrum(Metric):
             activations: ``(B, d)``, ``(B, T, D)`` or ``(B, C, H, W)``; any floating dtype.
             labels: ``(B,)`` integer class labels in ``[0, num_classes)``; ignored when ``num_classes`` is ``None``.
         """
-        x = reduce_activations(activations.detach(), self.reduction)
+        activations = activations.detach()
         batch = activations.shape[0]
+        # One input's reduction gives d (and validates the reduction) without touching the batch.
+        num_features = reduce_activations(activations[:1], self.reduction).shape[1]
         if self._num_features is None:
-            self._configure(x.shape[1])
-        elif x.shape[1] != self._num_features:
+            self._configure(num_features)
+        elif num_features != self._num_features:
             raise ValueError(
-                f"activations reduce to {x.shape[1]} features with reduction={self.reduction!r}, but earlier batches "
-                f"had {self._num_features}"
+                f"activations reduce to {num_features} features with reduction={self.reduction!r}, but earlier "
+                f"batches had {self._num_features}"
             )
         y = None
         if self.num_classes is not None and labels is not None:
-            y = self._row_labels(labels, batch, x.shape[0]).to(x.device)
+            y = self._input_labels(labels, batch)
 
         # Before anything is accumulated the states follow the activations' device; afterwards the batch follows them.
         fresh = self._update_count <= 1
-        device = x.device if fresh else self.feature_sum.device
+        device = activations.device if fresh else self.feature_sum.device
         self._ensure_states(device, fresh)
-        x = x.to(device)
-        y = y.to(device) if y is not None else None
+        if batch == 0:
+            return
+        activations = activations.to(device)
+        path = self.path
+        grouped = y is not None and path == "gram" and self.uses_class_grams
+        if y is not None:
+            y = y.to(device)
+        if path == "gram" and self.reduction == "channel" and activations.ndim == 4:
+            height, width = activations.shape[2:]
+            if height * width >= 2 * activations.shape[1]:
+                self._update_channel_gram(activations, y)
+                return
+        if grouped:
+            # Inputs sorted by class make each class's rows one contiguous block: a slice per class Gram, no masks.
+            y, order = torch.sort(y, stable=True)
+            activations = activations.index_select(0, order)
+        x = reduce_activations(activations, self.reduction) if path == "sample_gram" else None
+        if x is None:
+            x64 = reduce_activations(activations, self.reduction, dtype=torch.float64)
+        else:
+            x64 = x.to(torch.float64)
+        rows_per_input = x64.shape[0] // batch
+        y_rows = y if y is None or rows_per_input == 1 else y.repeat_interleave(rows_per_input)
 
-        x64 = x.to(torch.float64)
         batch_sum = x64.sum(dim=0)
         # A NaN or Inf anywhere in the batch shows in its column sums (float64 sums of float32 values cannot
         # overflow). Testing them costs no extra pass and no device sync; the poisoned sums are never used, since
@@ -413,24 +436,57 @@ class ActivationSpectrum(Metric):
         self.num_nonfinite_batches += (~torch.isfinite(batch_sum).all()).long()
         self.num_samples += x64.shape[0]
         self.feature_sum += batch_sum
-        path = self.path
-        if path == "gram":
+        if grouped:
+            # The Gram of every row is the sum of the class Grams: compute() adds them up instead of paying twice.
+            start = 0
+            for c, count in enumerate((torch.bincount(y, minlength=self.num_classes) * rows_per_input).tolist()):
+                if count:
+                    block = x64[start : start + count]
+                    self.class_grams[c].addmm_(block.T, block)
+                    start += count
+        elif path == "gram":
             self.gram.addmm_(x64.T, x64)
         else:
             self.sum_squares += x64.square().sum()
             if path == "sketch":
                 self._update_sketch(x64)
             else:
-                self._update_sample(x, y)
-        if y is not None:
-            self.class_counts += torch.bincount(y, minlength=self.num_classes)
-            self.class_sums.index_add_(0, y, x64)
-            if self.uses_class_grams:
-                for c in torch.unique(y).tolist():
-                    rows = x64[y == c]
-                    self.class_grams[c].addmm_(rows.T, rows)
+                self._update_sample(x, y_rows)
+        if y_rows is not None:
+            self.class_counts += torch.bincount(y_rows, minlength=self.num_classes)
+            self.class_sums.index_add_(0, y_rows, x64)
 
-    def _row_labels(self, labels: Tensor, batch: int, num_rows: int) -> Tensor:
+    def _update_channel_gram(self, maps: Tensor, y: Tensor | None) -> None:
+        """Gram and sums of the ``channel`` reduction without reordering the maps into rows.
+
+        Input b contributes ``X_b X_b^T`` with ``X_b = maps[b]`` viewed as C x HW: the same ``X^T X`` as the rows of
+        :func:`~rank_lightning.functional.reduce_activations`, without its transposing copy (which costs more than the
+        Gram when the maps are large). Per-input Grams reach their class Gram by ``index_add_``.
+        """
+        batch, channels, height, width = maps.shape
+        flat = maps.reshape(batch, channels, height * width)
+        by_class = y is not None and self.uses_class_grams
+        # Float64 temporaries (maps and per-input Grams) of about 2^21 values at a time.
+        step = max(1, (1 << 21) // (channels * max(channels, height * width)))
+        batch_sum = torch.zeros(channels, dtype=torch.float64, device=maps.device)
+        for start in range(0, batch, step):
+            block = flat[start : start + step].to(torch.float64)
+            grams = torch.bmm(block, block.transpose(1, 2))
+            sums = block.sum(dim=2)
+            batch_sum += sums.sum(dim=0)
+            if y is not None:
+                self.class_sums.index_add_(0, y[start : start + step], sums)
+            if by_class:
+                self.class_grams.index_add_(0, y[start : start + step], grams)
+            else:
+                self.gram += grams.sum(dim=0)
+        self.num_nonfinite_batches += (~torch.isfinite(batch_sum).all()).long()
+        self.num_samples += batch * height * width
+        self.feature_sum += batch_sum
+        if y is not None:
+            self.class_counts += torch.bincount(y, minlength=self.num_classes) * (height * width)
+
+    def _input_labels(self, labels: Tensor, batch: int) -> Tensor:
         if labels.ndim != 1 or labels.shape[0] != batch:
             raise ValueError(f"labels must have shape ({batch},) to match the activations, got {tuple(labels.shape)}")
         if labels.dtype.is_floating_point or labels.dtype == torch.bool:
@@ -439,8 +495,7 @@ class ActivationSpectrum(Metric):
             raise ValueError(
                 f"labels must lie in [0, {self.num_classes}), got values in [{int(labels.min())}, {int(labels.max())}]"
             )
-        # "channel" and "token" turn every input into num_rows // batch rows, ordered input by input.
-        return labels.long().repeat_interleave(num_rows // batch)
+        return labels.long()
 
     def _update_sketch(self, x64: Tensor) -> None:
         rng = self._rng()
@@ -527,10 +582,10 @@ class ActivationSpectrum(Metric):
             )
 
         classwise, classwise_source = None, None
-        if path == "gram":
+        gram = self._gram() if path == "gram" else None
+        if gram is not None:
             spectra = {
-                c: spectrum_from_gram(self.gram, n, feature_sum=self.feature_sum, center=c, num_features=d)
-                for c in variants
+                c: spectrum_from_gram(gram, n, feature_sum=self.feature_sum, center=c, num_features=d) for c in variants
             }
             n_spec = n
             if self.uses_class_grams:
@@ -552,7 +607,7 @@ class ActivationSpectrum(Metric):
                 classwise, classwise_source = self._classwise_from_rows(rows, labels), "sample"
 
         tcv = None
-        sum_squares = self.gram.diagonal().sum() if path == "gram" else self.sum_squares
+        sum_squares = gram.diagonal().sum() if gram is not None else self.sum_squares
         labelled = int(self.class_counts.sum()) if classes else 0
         if labelled and labelled != n:
             # The sums of squares cover every row, the class sums only the labelled ones: TCV would be wrong.
@@ -590,14 +645,23 @@ class ActivationSpectrum(Metric):
         values = torch.cat([values, values.new_zeros(length - values.shape[0])])
         return Spectrum(values, n, y.shape[1], center)
 
+    def _gram(self) -> Tensor:
+        """``X^T X`` over every streamed row: rows with labels went into the class Grams, the others into ``gram``."""
+        return self.gram + self.class_grams.sum(dim=0) if self.uses_class_grams else self.gram
+
     def _classwise_from_grams(self) -> Tensor:
         out = torch.full((self.num_classes,), math.nan, dtype=torch.float64, device=self.class_grams.device)
-        for c in range(self.num_classes):
-            count = int(self.class_counts[c])
-            if count:
-                spec = spectrum_from_gram(
-                    self.class_grams[c], count, feature_sum=self.class_sums[c], center=self.classwise_center
-                )
+        counts = self.class_counts.tolist()
+        present = [c for c, count in enumerate(counts) if count]
+        if present:
+            grams, sums = self.class_grams, self.class_sums
+            if len(present) < len(counts):
+                index = torch.tensor(present, device=grams.device)
+                grams, sums = grams.index_select(0, index), sums.index_select(0, index)
+            spectra = spectra_from_grams(
+                grams, [counts[c] for c in present], feature_sums=sums, center=self.classwise_center
+            )
+            for c, spec in zip(present, spectra):
                 out[c] = variance_ratio(spec, self.classwise_k)
         return out
 

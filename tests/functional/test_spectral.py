@@ -335,3 +335,39 @@ def test_spectrum_is_frozen() -> None:
     spec = Spectrum(torch.ones(2, dtype=torch.float64), 3, 2)
     with pytest.raises(AttributeError):
         spec.num_samples = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("center", [False, True])
+def test_spectra_from_grams_match_one_by_one(center: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    blocks = [torch.randn(n, 5, generator=g, dtype=torch.float64) + 1.0 for n in (3, 9, 1)]
+    grams = torch.stack([b.T @ b for b in blocks])
+    sums = torch.stack([b.sum(0) for b in blocks])
+    spectra = F.spectra_from_grams(grams, [b.shape[0] for b in blocks], feature_sums=sums, center=center)
+    for block, spec in zip(blocks, spectra):
+        expected = _np_sv(block, center=center)
+        assert spec.num_samples == block.shape[0] and spec.num_features == 5 and spec.centered == center
+        assert spec.singular_values.shape[0] == min(block.shape)
+        # A Gram resolves singular values only down to ~sqrt(float64 eps) * s_1 (the centred 3-row block has rank 2).
+        np.testing.assert_allclose(spec.singular_values.numpy(), expected, rtol=1e-8, atol=1e-6)
+
+
+def test_spectra_from_grams_isolates_a_non_finite_gram() -> None:
+    grams = torch.eye(3, dtype=torch.float64).repeat(2, 1, 1)
+    grams[1, 0, 0] = math.nan
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        good, bad = F.spectra_from_grams(grams, [4, 4])
+    np.testing.assert_allclose(good.singular_values.numpy(), [1.0, 1.0, 1.0])
+    assert not bad.is_finite
+
+
+def test_spectra_from_grams_errors() -> None:
+    grams = torch.eye(3).repeat(2, 1, 1)
+    with pytest.raises(ValueError, match=r"\(B, d, d\)"):
+        F.spectra_from_grams(torch.eye(3), [1])
+    with pytest.raises(ValueError, match="2 Grams"):
+        F.spectra_from_grams(grams, [1])
+    with pytest.raises(ValueError, match="at least 1"):
+        F.spectra_from_grams(grams, [1, 0])
+    with pytest.raises(ValueError, match="feature_sums"):
+        F.spectra_from_grams(grams, [1, 1], center=True)

@@ -343,3 +343,62 @@ def test_tcv_is_not_reported_when_some_rows_lack_labels():
 def test_rank_eps_must_be_positive():
     with pytest.raises(ValueError, match="rank_eps must be positive"):
         ActivationSpectrum(rank_eps=-1.0)
+
+
+def test_labelled_and_unlabelled_batches_share_one_exact_gram() -> None:
+    # Labelled rows feed the class Grams only; the spectrum must still cover every row, labelled or not.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 6, generator=g) + 2.0
+    y = torch.randint(0, 3, (40,), generator=g)
+    metric = ActivationSpectrum(num_classes=3, center="both")
+    metric.update(x[:15], y[:15])
+    metric.update(x[15:25])
+    metric.update(x[25:], y[25:])
+    with pytest.warns(RuntimeWarning, match="without labels"):
+        result = metric.compute()
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values.numpy(), _np_sv(x), rtol=1e-10)
+    np.testing.assert_allclose(result.centered.spectrum.singular_values.numpy(), _np_sv(x, center=True), rtol=1e-9)
+    labelled = torch.cat([x[:15], x[25:]])
+    labels = torch.cat([y[:15], y[25:]])
+    for c in range(3):
+        s = _np_sv(labelled[labels == c])
+        assert float(result.classwise_variance_ratio[c]) == pytest.approx(s[0] ** 2 / (s**2).sum(), rel=1e-10)
+
+
+# (4, 2, 3): 6 positions < 2 x 4 channels, rows reordered; (3, 4, 4): 16 positions, per-input Grams without reordering.
+@pytest.mark.parametrize("shape", [(4, 2, 3), (3, 4, 4)])
+@pytest.mark.parametrize("classwise_center", [False, True])
+def test_channel_reduction_matches_rows_on_both_accumulation_routes(shape: tuple, classwise_center: bool) -> None:
+    g = torch.Generator().manual_seed(6)
+    channels = shape[0]
+    maps = torch.randn(10, *shape, generator=g).abs()
+    labels = torch.tensor([2, 0, 2, 1, 0, 2, 1, 1, 0, 2])
+    metric = ActivationSpectrum(num_classes=4, reduction="channel", classwise_center=classwise_center, center="both")
+    metric.update(maps[:7], labels[:7])
+    metric.update(maps[7:], labels[7:])
+    result = metric.compute()
+    rows = maps.permute(0, 2, 3, 1).reshape(-1, channels).double()
+    row_labels = labels.repeat_interleave(shape[1] * shape[2])
+    assert result.num_samples == rows.shape[0] and result.num_features == channels
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values.numpy(), _np_sv(rows), rtol=1e-10)
+    np.testing.assert_allclose(result.centered.spectrum.singular_values.numpy(), _np_sv(rows, True), rtol=1e-9)
+    assert float(result.total_cluster_variation) == pytest.approx(
+        float(F.total_cluster_variation(rows, row_labels)), rel=1e-10
+    )
+    for c in range(3):
+        s = _np_sv(rows[row_labels == c], center=classwise_center)
+        assert float(result.classwise_variance_ratio[c]) == pytest.approx(s[0] ** 2 / (s**2).sum(), rel=1e-10)
+    assert math.isnan(float(result.classwise_variance_ratio[3]))  # no sample of class 3
+
+    unlabelled = ActivationSpectrum(reduction="channel")
+    unlabelled.update(maps)
+    np.testing.assert_allclose(
+        unlabelled.compute().uncentered.spectrum.singular_values.numpy(), _np_sv(rows), rtol=1e-10
+    )
+
+    poisoned = maps.clone()
+    poisoned[3, 0, 0, 0] = math.nan
+    broken = ActivationSpectrum(num_classes=4, reduction="channel")
+    broken.update(poisoned, labels)
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        assert math.isnan(float(broken.compute().uncentered.numerical_rank))
