@@ -5,6 +5,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from rank_lightning.callbacks.curves import wait_for_figures
+
 
 @pytest.fixture(autouse=True, scope="session")
 def single_thread() -> Iterator[None]:
@@ -18,3 +20,10 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def finish_background_figures() -> Iterator[None]:
+    """Let figures drawn in the background after a fit finish before the test's temporary directory goes away."""
+    yield
+    assert wait_for_figures(timeout=120), "figures still being drawn 120 s after the test"

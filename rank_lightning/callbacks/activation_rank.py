@@ -154,6 +154,8 @@ class ActivationRankMonitor(pl.Callback):
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
             :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
         figures_every_epoch: rewrite the PNG figures after every monitored epoch.
+        background_figures: draw the figures on a background thread, so that ``fit`` does not wait for them
+            (:func:`~rank_lightning.callbacks.curves.wait_for_figures` waits); ``False`` draws them in ``on_fit_end``.
         verbose: print the monitored layers at setup (rank zero).
 
     Raises:
@@ -210,6 +212,7 @@ class ActivationRankMonitor(pl.Callback):
         log_per_class: bool = False,
         max_gram_features: int = 4096,
         figures_every_epoch: bool = False,
+        background_figures: bool = True,
         verbose: bool = True,
     ) -> None:
         super().__init__()
@@ -261,7 +264,11 @@ class ActivationRankMonitor(pl.Callback):
         self.log_per_class = log_per_class
         self.max_gram_features = max_gram_features
         self.verbose = verbose
-        self.curves = LayerCurves("rank" if stage == "val" else "rank_train", figures_every_epoch=figures_every_epoch)
+        self.curves = LayerCurves(
+            "rank" if stage == "val" else "rank_train",
+            figures_every_epoch=figures_every_epoch,
+            background_figures=background_figures,
+        )
         # Filled at setup / per monitored epoch.
         self._layers: dict[str, str] = {}
         self._num_classes: int | None = None

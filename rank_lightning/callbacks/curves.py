@@ -19,6 +19,12 @@ follows with those numbers, identically for every callback:
    letters, digits and ``_.=-`` become ``_``), with two panels: the metric against epoch, one line per layer, and
    the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs).
 
+Drawing a figure takes matplotlib 0.1-0.3 s, a few seconds for all metrics of a network: by default
+(``background_figures=True``) the figures are drawn from a copy of the history on a background thread, so that neither
+the training loop nor the return of ``Trainer.fit`` waits for them. The thread is not a daemon: the interpreter
+finishes it before exiting. :func:`wait_for_figures` blocks until every figure being drawn is written (for code that
+reads the PNG files right after ``fit``).
+
 The run directory (:func:`run_directory`) is the folder that holds Lightning's ``checkpoints/``: the first logger's
 ``log_dir`` (CSV, TensorBoard), ``<save_dir>/<project>/<run id>`` for W&B, ``trainer.default_root_dir`` without a
 logger; it is resolved without collectives, so rank zero alone may ask.
@@ -52,6 +58,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,12 +70,34 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["FIGURE_DIR", "LayerCurves", "run_directory", "wandb_loggers"]
+__all__ = ["FIGURE_DIR", "LayerCurves", "run_directory", "wait_for_figures", "wandb_loggers"]
 
 FIGURE_DIR = "rank_curves"
 """Name of the folder inside the run directory that receives figures and curve files."""
 
 _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9_.=-]+")
+# matplotlib is not thread-safe: figures of all instances are drawn one at a time.
+_DRAW_LOCK = threading.Lock()
+_THREADS_LOCK = threading.Lock()
+_FIGURE_THREADS: set[threading.Thread] = set()
+
+
+def wait_for_figures(timeout: float | None = None) -> bool:
+    """Block until every figure being drawn in the background has been written.
+
+    Args:
+        timeout: give up after this many seconds in all; ``None`` waits as long as it takes.
+
+    Returns:
+        Whether no drawing is left running.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _THREADS_LOCK:
+        threads = list(_FIGURE_THREADS)
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    with _THREADS_LOCK:
+        return not any(thread.is_alive() for thread in _FIGURE_THREADS)
 
 
 def run_directory(trainer: Any) -> Path:
@@ -133,6 +164,8 @@ class LayerCurves:
         namespace: first part of every key, e.g. ``"rank"`` for activations or ``"weight"`` for weights.
         figures_every_epoch: also rewrite the PNG figures after every recorded epoch (by default only when
             :meth:`write_figures` is called, normally at the end of fit).
+        background_figures: draw the figures on a background thread (see the module docstring); ``False`` draws
+            them before :meth:`write_figures` returns.
         wandb_charts: log the line-series charts to W&B when a ``WandbLogger`` is attached.
         max_depth_curves: at most this many epochs (evenly spaced, first and last included) are drawn in the
             metric-vs-depth figures and charts.
@@ -146,6 +179,7 @@ class LayerCurves:
         namespace: str,
         *,
         figures_every_epoch: bool = False,
+        background_figures: bool = True,
         wandb_charts: bool = True,
         max_depth_curves: int = 8,
     ) -> None:
@@ -154,12 +188,14 @@ class LayerCurves:
             raise ValueError(f"max_depth_curves must be an integer >= 2, got {max_depth_curves!r}")
         self.namespace = namespace
         self.figures_every_epoch = figures_every_epoch
+        self.background_figures = background_figures
         self.wandb_charts = wandb_charts
         self.max_depth_curves = max_depth_curves
         self._history: dict[int, dict[str, dict[str, float]]] = {}
         self._layers: list[str] = []
         self._metrics: list[str] = []
         self._wandb_layer_table_logged = False
+        self._figure_thread: threading.Thread | None = None
 
     @property
     def layers(self) -> list[str]:
@@ -247,22 +283,59 @@ class LayerCurves:
     def write_figures(self, trainer: Any) -> list[Path]:
         """Draw, on rank zero, one PNG per metric: metric vs epoch (line per layer) beside metric vs depth.
 
+        With ``background_figures`` the files are drawn from a copy of the current history on a background thread and
+        may not exist yet when this returns (:func:`wait_for_figures`); a drawing still running from an earlier call
+        is finished first, so files are never written out of order.
+
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
 
         Returns:
-            Paths of the written files (empty on other ranks or before anything was recorded).
+            Paths of the files (empty on other ranks or before anything was recorded).
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        directory = self.figure_dir(trainer)
+        # Absolute: the working directory may change before a background drawing is done.
+        directory = self.figure_dir(trainer).absolute()
         directory.mkdir(parents=True, exist_ok=True)
-        written = []
-        for metric in self._metrics:
-            path = directory / (_UNSAFE_FILENAME.sub("_", f"{self.namespace}_{metric}") + ".png")
-            self._draw(metric).savefig(path, dpi=100)
-            written.append(path)
-        return written
+        paths = {
+            metric: directory / (_UNSAFE_FILENAME.sub("_", f"{self.namespace}_{metric}") + ".png")
+            for metric in self._metrics
+        }
+        if not self.background_figures:
+            self._draw_all(paths)
+            return list(paths.values())
+        if self._figure_thread is not None:
+            self._figure_thread.join()
+        snapshot = LayerCurves(self.namespace, max_depth_curves=self.max_depth_curves)
+        snapshot.load_state_dict(self.state_dict())
+        thread = threading.Thread(
+            target=snapshot._draw_all_or_warn, args=(paths,), name=f"rank-curves-{self.namespace}", daemon=False
+        )
+        with _THREADS_LOCK:
+            _FIGURE_THREADS.add(thread)
+        self._figure_thread = thread
+        thread.start()
+        return list(paths.values())
+
+    def _draw_all(self, paths: Mapping[str, Path]) -> None:
+        for metric, path in paths.items():
+            with _DRAW_LOCK:
+                self._draw(metric).savefig(path, dpi=100)
+
+    def _draw_all_or_warn(self, paths: Mapping[str, Path]) -> None:
+        try:
+            self._draw_all(paths)
+        except Exception as error:  # a figure must never take the run down; the curve file keeps the data
+            warnings.warn(
+                f"LayerCurves: drawing the {self.namespace!r} figures failed ({error!r}); the curves are in "
+                f"{self.namespace}_curves.json and python -m rank_lightning.analysis.report can draw them",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        finally:
+            with _THREADS_LOCK:
+                _FIGURE_THREADS.discard(threading.current_thread())
 
     def state_dict(self) -> dict[str, Any]:
         """Namespace, layer order and history, for checkpoints."""

@@ -124,6 +124,8 @@ class JacobianRankMonitor(pl.Callback):
         chunk_size: patch directions pushed through the model at once; ``None`` for all ``K`` (bounds memory only).
         log_per_input: also log the rank at each input.
         figures_every_epoch: redraw the figures after every measurement.
+        background_figures: draw the figures on a background thread, so that ``fit`` does not wait for them
+            (:func:`~rank_lightning.callbacks.curves.wait_for_figures` waits); ``False`` draws them in ``on_fit_end``.
         verbose: print the monitored blocks and the patch at setup (rank zero).
 
     Logged metrics:
@@ -160,6 +162,7 @@ class JacobianRankMonitor(pl.Callback):
         chunk_size: int | None = None,
         log_per_input: bool = False,
         figures_every_epoch: bool = False,
+        background_figures: bool = True,
         verbose: bool = True,
     ) -> None:
         super().__init__()
@@ -189,7 +192,9 @@ class JacobianRankMonitor(pl.Callback):
         self.chunk_size = chunk_size
         self.log_per_input = log_per_input
         self.verbose = verbose
-        self.curves = LayerCurves("jacobian", figures_every_epoch=figures_every_epoch)
+        self.curves = LayerCurves(
+            "jacobian", figures_every_epoch=figures_every_epoch, background_figures=background_figures
+        )
         self._layers: dict[str, str] = {}
         self._inputs: Tensor | None = None
 

@@ -108,6 +108,8 @@ class WeightRankMonitor(pl.Callback):
             ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (one array per layer) and, with a
             ``WandbLogger``, one histogram per layer.
         figures_every_epoch: rewrite the PNG figures after every monitored epoch, not only at the end of fit.
+        background_figures: draw the figures on a background thread, so that ``fit`` does not wait for them
+            (:func:`~rank_lightning.callbacks.curves.wait_for_figures` waits); ``False`` draws them in ``on_fit_end``.
         verbose: print the monitored layers (rank zero) at setup.
 
     Raises:
@@ -152,6 +154,7 @@ class WeightRankMonitor(pl.Callback):
         decomposition: Literal["svd", "gram"] = "svd",
         save_singular_values: bool = False,
         figures_every_epoch: bool = False,
+        background_figures: bool = True,
         verbose: bool = True,
     ) -> None:
         super().__init__()
@@ -186,7 +189,9 @@ class WeightRankMonitor(pl.Callback):
         self.decomposition = decomposition
         self.save_singular_values = save_singular_values
         self.verbose = verbose
-        self.curves = LayerCurves("weight", figures_every_epoch=figures_every_epoch)
+        self.curves = LayerCurves(
+            "weight", figures_every_epoch=figures_every_epoch, background_figures=background_figures
+        )
         self._matrices: list[_WeightMatrix] = []
         self._resolved_for: int | None = None
         self._last_monitored_epoch: int | None = None

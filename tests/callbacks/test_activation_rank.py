@@ -14,7 +14,7 @@ from torch import nn
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.activation_rank import default_layers
-from rank_lightning.callbacks.curves import FIGURE_DIR
+from rank_lightning.callbacks.curves import FIGURE_DIR, wait_for_figures
 from rank_lightning.data.digits import DigitsDataModule
 from rank_lightning.functional import (
     classwise_variance_ratio,
@@ -254,6 +254,7 @@ def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, capsys,
         f"weight/net.{i}/stable_rank" for i in (0, 2, 4)
     }
     directory = tmp_path / FIGURE_DIR
+    wait_for_figures()
     for figure in ("rank_numerical_rank.png", "rank_participation_ratio.png", "weight_stable_rank.png"):
         assert (directory / figure).read_bytes()[:8] == PNG_MAGIC
     curves = json.loads((directory / "rank_curves.json").read_text())
@@ -421,6 +422,7 @@ def test_offline_wandb_run_holds_the_rank_keys_and_charts(tmp_path, monkeypatch)
     assert json.loads(history["rank_curves/layers/_type"][0]) == "table-file"
     directory = tmp_path / "rank" / run_id / FIGURE_DIR
     assert json.loads((directory / "rank_curves.json").read_text())["layers"] == ["conv", "hidden"]
+    wait_for_figures()
     assert (directory / "rank_channel_numerical_rank.png").read_bytes()[:8] == PNG_MAGIC
 
 

@@ -1,6 +1,7 @@
 import csv
 import json
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from torch import nn
 
-from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, run_directory, wandb_loggers
+from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, run_directory, wait_for_figures, wandb_loggers
 
 
 class _Net(pl.LightningModule):
@@ -131,6 +132,7 @@ def test_logs_records_and_draws_during_fit_with_csv_logger(tmp_path):
     content = json.loads((directory / "test_curves.json").read_text())
     assert content["layers"] == ["z_first", "a_second"]
     assert content["history"]["1"]["a_second"]["m"] == 21.0
+    wait_for_figures()
     assert {p.name for p in directory.glob("*.png")} == {"test_m.png", "test_odd_name.png"}
     assert all(p.stat().st_size > 1000 for p in directory.glob("*.png"))
 
@@ -155,8 +157,55 @@ def test_figures_go_to_the_run_directory(tmp_path, with_tensorboard):
     logger = TensorBoardLogger(tmp_path, name="tb") if with_tensorboard else False
     _trainer(tmp_path, callback, logger=logger, max_epochs=1).fit(_Net(), _loader(), _loader())
     directory = (tmp_path / "tb" / "version_0" if with_tensorboard else tmp_path) / FIGURE_DIR
+    wait_for_figures()
     assert (directory / "test_m.png").is_file()
     assert json.loads((directory / "test_curves.json").read_text())["history"]["0"]["z_first"]["m"] == 10.0
+
+
+def _recorded_curves(background: bool) -> LayerCurves:
+    curves = LayerCurves("test", background_figures=background)
+    for epoch in range(3):
+        curves.record(epoch, {"first": {"m": float(epoch)}, "second": {"m": 2.0 * epoch}})
+    return curves
+
+
+def _rank_zero(tmp_path: Path) -> SimpleNamespace:
+    return SimpleNamespace(is_global_zero=True, loggers=[], default_root_dir=str(tmp_path))
+
+
+def test_background_figures_draw_a_snapshot_and_inline_figures_are_done_on_return(tmp_path, monkeypatch):
+    inline = _recorded_curves(background=False)
+    [path] = inline.write_figures(_rank_zero(tmp_path / "inline"))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    drawn: list[list[int]] = []
+    original = LayerCurves._draw
+
+    def slow_draw(self, metric):
+        time.sleep(0.3)
+        drawn.append(self.epochs)
+        return original(self, metric)
+
+    monkeypatch.setattr(LayerCurves, "_draw", slow_draw)
+    curves = _recorded_curves(background=True)
+    [path] = curves.write_figures(_rank_zero(tmp_path / "background"))
+    # The training loop goes on (and records more) while the figure is drawn from the copy taken at the call.
+    curves.record(3, {"first": {"m": 3.0}, "second": {"m": 6.0}})
+    assert not path.exists()
+    assert wait_for_figures(timeout=60)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == [[0, 1, 2]]
+
+
+def test_a_failing_background_figure_warns_and_never_raises(tmp_path, monkeypatch):
+    def broken_draw(self, metric):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(LayerCurves, "_draw", broken_draw)
+    curves = _recorded_curves(background=True)
+    with pytest.warns(RuntimeWarning, match=r"drawing the 'test' figures failed.*no fonts.*test_curves.json"):
+        curves.write_figures(_rank_zero(tmp_path))
+        assert wait_for_figures(timeout=60)
 
 
 def test_run_directory_follows_the_first_logger(tmp_path):

@@ -11,7 +11,7 @@ from pytorch_lightning.loggers import CSVLogger, Logger
 from torch import nn
 
 from rank_lightning.callbacks import ClassificationDimension, JacobianRankMonitor
-from rank_lightning.callbacks.curves import FIGURE_DIR
+from rank_lightning.callbacks.curves import FIGURE_DIR, wait_for_figures
 from rank_lightning.callbacks.feng import CLSDIM_DIR
 from rank_lightning.cli import main
 from rank_lightning.functional import classification_dimension, independence_deficit, partial_jacobian_ranks
@@ -158,6 +158,7 @@ def test_logged_jacobian_ranks_equal_reference_and_inputs_are_fixed(tmp_path):
         assert _numpy_rank(model, path, val.tensors[0][0], patch) == history[1][name]["rank_input_0"]
 
     for metric in ("rank", "rank_max"):
+        wait_for_figures()
         figure = tmp_path / FIGURE_DIR / f"jacobian_{metric}.png"
         assert figure.read_bytes()[:8] == PNG_MAGIC
     assert (tmp_path / FIGURE_DIR / "jacobian_curves.json").exists()
@@ -175,6 +176,7 @@ def test_jacobian_under_validate_matches_reference(tmp_path, inference_mode):
         logged = float(monitor.curves.history[0][name]["rank"])
         assert logged == pytest.approx(float(ranks.double().mean()))
     assert monitor.curves.history[0]["conv1"]["rank"] == 12
+    wait_for_figures()
     assert (tmp_path / FIGURE_DIR / "jacobian_rank.png").exists()
 
 
@@ -374,6 +376,7 @@ def test_feng_digits_config_fit_then_validate(tmp_path, monkeypatch):
     config = str(ROOT / "configs" / "feng_digits.yaml")
     main(["fit", "--config", config, "--trainer.max_epochs=5", "--trainer.enable_model_summary=false"])
     [run] = (tmp_path / "runs" / "feng_digits").iterdir()
+    wait_for_figures()
     assert (run / FIGURE_DIR / "jacobian_rank.png").exists()
     assert (run / CLSDIM_DIR / "independence_deficit.md").exists()
     cli = main(["validate", "--config", config, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])

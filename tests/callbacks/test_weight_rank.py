@@ -13,7 +13,7 @@ from pytorch_lightning.loggers import CSVLogger, WandbLogger
 from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
-from rank_lightning.callbacks.curves import FIGURE_DIR
+from rank_lightning.callbacks.curves import FIGURE_DIR, wait_for_figures
 
 TAIL_RANKS = (1, 2, 5)
 
@@ -128,6 +128,7 @@ def test_logged_values_equal_numpy_svd_of_the_trained_weights(tmp_path):
 
     directory = Path(logger.log_dir) / FIGURE_DIR
     assert json.loads((directory / "weight_curves.json").read_text())["layers"] == list(matrices)
+    wait_for_figures()
     assert (directory / "weight_tail_error_k5.png").is_file()
     spectra = np.load(directory / "weight_singular_values" / "epoch_0000.npz")
     for name, w in matrices.items():
@@ -149,6 +150,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path):
     for name, w in _expected_matrices(model).items():
         for metric, value in _reference(w).items():
             assert float(trainer.callback_metrics[f"weight/{name}/{metric}"]) == pytest.approx(value, rel=1e-6)
+    wait_for_figures()
     assert (tmp_path / FIGURE_DIR / "weight_stable_rank.png").is_file()
 
 
@@ -374,4 +376,5 @@ def test_offline_wandb_run_holds_the_weight_keys_and_charts(tmp_path, monkeypatc
     for metric in ("numerical_rank", "tail_error_k5"):
         for chart in ("vs_epoch", "vs_depth"):
             assert json.loads(history[f"weight_curves/{metric}_{chart}_table/_type"]) == "table-file"
+    wait_for_figures()
     assert (tmp_path / "rank" / run_id / FIGURE_DIR / "weight_spectral_norm.png").is_file()
