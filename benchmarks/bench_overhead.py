@@ -8,9 +8,10 @@
    machine load hits both alike; the medians over repeats are compared. Target: monitored / plain <= 1.10. The PNG
    figures are drawn on a background thread once fit has returned (the callbacks' default); the benchmark waits for
    them outside the timed fit and reports that time, and the ratio counting it, separately.
-2. ``WeightRankMonitor.measure``, with each of its decompositions (``svd``, ``gram``), on torchvision's ResNet-50
-   (seeded random weights: nothing is downloaded) against ``WeightWatcher(model).analyze()`` with its defaults;
-   medians of several runs. Target: at least 2x faster. WeightWatcher's BLAS spins badly when the machine is
+2. ``WeightRankMonitor.measure``, with each of its decompositions (``auto``, the default, ``svd``, ``gram``), on
+   torchvision's ResNet-50 (seeded random weights: nothing is downloaded) against ``WeightWatcher(model).analyze()``
+   with its defaults, both on the same number of threads (``--threads``, else torch's default); medians of several
+   runs. Target: at least 2x faster. WeightWatcher's BLAS spins badly when the machine is
    oversubscribed (the same analysis took 3 s on a quiet and up to 190 s on a busy 2-core machine), so compare
    numbers taken on a quiet machine.
 
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
+from threadpoolctl import threadpool_limits
 from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
@@ -168,7 +170,8 @@ def _weightwatcher_comparison(repeats: int) -> None:
         ours[decomposition] = [_timed(lambda m=monitor: m.measure(model)) for _ in range(max(repeats, 3))]
 
     def analyze() -> object:
-        with warnings.catch_warnings():
+        # Same number of BLAS threads as torch uses for ours: otherwise NumPy's BLAS takes every core.
+        with warnings.catch_warnings(), threadpool_limits(limits=torch.get_num_threads()):
             warnings.simplefilter("ignore")
             return weightwatcher.WeightWatcher(model=model).analyze()
 

@@ -19,7 +19,7 @@ from rank_lightning.functional import (
     effective_rank,
     numerical_rank,
     singular_values,
-    spectrum_from_gram,
+    spectra_from_grams,
     stable_rank,
     tail_error,
     weight_as_matrix,
@@ -28,7 +28,10 @@ from rank_lightning.functional import (
 __all__ = ["DECOMPOSITIONS", "WEIGHT_METRICS", "WeightRankMonitor"]
 
 WEIGHT_METRICS: tuple[str, ...] = ("numerical_rank", "stable_rank", "effective_rank", "spectral_norm", "tail_error")
-DECOMPOSITIONS: tuple[str, ...] = ("svd", "gram")
+DECOMPOSITIONS: tuple[str, ...] = ("auto", "svd", "gram")
+# With s_min >= 1e-3 s_1 (condition number <= 1e3) the Gram route's relative error eps64 * (s_1 / s_i)^2 / 2 stays
+# below 1e-10 for every singular value.
+_AUTO_CONDITION = 1e-3
 _TOLERANCE_SIZES = ("min", "max")
 _MONITORED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 
@@ -39,6 +42,12 @@ class _WeightMatrix:
 
     name: str
     read: Callable[[], Tensor]
+
+
+def _svdvals(batch: Tensor, wide: bool) -> list[Tensor]:
+    # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its transpose (conv
+    # kernels are wide: out < in * kh * kw).
+    return list(torch.linalg.svdvals(batch.mT if wide else batch))
 
 
 def _attention_matrices(name: str, attention: nn.MultiheadAttention) -> list[_WeightMatrix]:
@@ -75,9 +84,9 @@ class WeightRankMonitor(pl.Callback):
     * Attention: the query, key and value blocks of the input projection (``<name>.q_proj``, ``<name>.k_proj``,
       ``<name>.v_proj``, each ``(embed_dim, in)``) and the output projection ``<name>.out_proj``.
 
-    Spectra are computed in float64 with one batched ``torch.linalg.svdvals`` per distinct matrix shape (or from Gram
-    matrices, see ``decomposition``); the metrics come from :mod:`rank_lightning.functional`. Values are computed
-    identically on every rank and logged on every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
+    Spectra are computed in float64 with one batched decomposition per distinct matrix shape (see
+    ``decomposition``); the metrics come from :mod:`rank_lightning.functional`. Values are computed identically on
+    every rank and logged on every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
 
     Timing: during ``fit``, after validation in every ``every_n_epochs``-th epoch (``(epoch + 1) % every_n_epochs ==
     0``), or at the end of that training epoch when no validation ran. Sanity checks, ``validate`` and ``test`` are
@@ -101,9 +110,15 @@ class WeightRankMonitor(pl.Callback):
             WeightWatcher).
         decomposition: how spectra are computed, in float64 either way. ``"svd"``: ``torch.linalg.svdvals``,
             exact to rounding. ``"gram"``: eigenvalues of the smaller Gram matrix, ``W W^T`` or ``W^T W``
-            (:func:`~rank_lightning.functional.spectrum_from_gram`), about 1.8x faster on a CPU; squaring the matrix
-            costs the relative accuracy of singular values below about ``1e-7 * s_1``, far below the default
-            numerical-rank tolerance ``finfo(float32).eps * K`` but not below a tiny ``rank_tolerance``.
+            (:func:`~rank_lightning.functional.spectra_from_grams`), 1.5-1.8x faster on a CPU. Squaring the matrix
+            leaves an absolute error of at most about ``sqrt(eps_float64) * s_1 = 1.5e-8 * s_1`` on any singular
+            value (relative error about ``eps_float64 * (s_1 / s_i)^2``): values above ``1e-4 * s_1`` keep 8 digits,
+            values below ``1e-7 * s_1`` lose their relative accuracy. That is far below the default numerical-rank
+            tolerance ``finfo(float32).eps * K * s_1``, but not below a tiny ``rank_tolerance``, and tail errors
+            under about ``1e-6`` lose digits. ``"auto"`` (default): for weights stored in float32 or narrower the
+            Gram route, with an exact SVD for every matrix whose ``s_min < 1e-3 * s_1`` (where the Gram route's
+            relative error would exceed ``1e-10``), so that every singular value is accurate to about ``1e-10``
+            relative; ``"svd"`` for float64 weights.
         save_singular_values: also keep every monitored spectrum: one ``.npz`` per monitored epoch in
             ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (one array per layer) and, with a
             ``WandbLogger``, one histogram per layer.
@@ -151,7 +166,7 @@ class WeightRankMonitor(pl.Callback):
         every_n_epochs: int = 1,
         rank_tolerance: float | None = None,
         tolerance_size: Literal["min", "max"] = "min",
-        decomposition: Literal["svd", "gram"] = "svd",
+        decomposition: Literal["auto", "svd", "gram"] = "auto",
         save_singular_values: bool = False,
         figures_every_epoch: bool = False,
         background_figures: bool = True,
@@ -270,23 +285,29 @@ class WeightRankMonitor(pl.Callback):
                 groups.setdefault((tuple(weight.shape), device), []).append((matrix.name, weight))
             result: dict[str, Spectrum] = {}
             for (shape, device), members in groups.items():
+                exact = self.decomposition == "svd" or (
+                    self.decomposition == "auto" and any(w.dtype == torch.float64 for _, w in members)
+                )
                 batch = torch.stack([w.to(device=device, dtype=torch.float64) for _, w in members])
                 finite = torch.isfinite(batch).flatten(1).all(dim=1)
                 # LAPACK fails on non-finite input; decompose zeros there and mark the result NaN.
                 batch = torch.where(finite[:, None, None], batch, 0.0)
                 rows, cols = shape
                 wide = rows < cols
-                if self.decomposition == "svd":
-                    # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its
-                    # transpose (conv kernels are wide: out < in * kh * kw).
-                    values = list(torch.linalg.svdvals(batch.mT if wide else batch).cpu())
+                if exact:
+                    values = _svdvals(batch, wide)
                 else:
+                    # W W^T is the feature Gram of W^T: the smaller Gram gives the same singular values.
                     grams = batch @ batch.mT if wide else batch.mT @ batch
-                    side = "sample" if wide else "feature"
-                    values = [
-                        spectrum_from_gram(gram, rows, side=side, num_features=cols).singular_values.cpu()
-                        for gram in grams
-                    ]
+                    values = [spec.singular_values for spec in spectra_from_grams(grams, [max(shape)] * len(members))]
+                    if self.decomposition == "auto":
+                        # Where s_min < 1e-3 s_1 the Gram route is no longer accurate to 1e-10 relative: exact SVD.
+                        ill = [i for i, v in enumerate(values) if v[-1] < _AUTO_CONDITION * v[0]]
+                        if ill:
+                            redone = _svdvals(batch.index_select(0, torch.tensor(ill, device=batch.device)), wide)
+                            for i, v in zip(ill, redone):
+                                values[i] = v
+                    values = [v.cpu() for v in values]
                 for (name, _), row, ok in zip(members, values, finite.tolist()):
                     result[name] = Spectrum(row if ok else torch.full_like(row, torch.nan), rows, cols)
         return {name: result[name] for name in self.monitored}

@@ -172,7 +172,8 @@ class ActivationSpectrum(Metric):
     the sample count, ``sum ||x||^2``, the feature sum ``X^T 1``, and, on the default path, the Gram ``X^T X``. Sums
     add across batches and DDP ranks, so the result is exact for any N at O(d^2) memory and DDP sync is one all-reduce.
     With ``num_classes``, per-class counts and sums give the total cluster variation exactly, and per-class Grams
-    (C x d x d) give the class-wise variance ratio when they fit in ``memory_budget_mb``.
+    (C x d x d) give the class-wise variance ratio when they fit in ``memory_budget_mb``; labelled rows then go into
+    their class Gram only, and :meth:`compute` adds the class Grams up, so the O(N d^2) work is not done twice.
 
     When ``d > max_gram_features`` (or the d x d Gram exceeds the budget) the metric falls back to:
 

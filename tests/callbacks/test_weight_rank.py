@@ -164,6 +164,27 @@ def test_gram_decomposition_gives_the_same_metrics_as_svd():
         assert fast[name] == pytest.approx(metrics, rel=1e-9, abs=1e-7), name
 
 
+def test_auto_decomposition_squares_well_conditioned_float32_weights_only():
+    torch.manual_seed(0)
+    model = _Model()
+    by_gram = WeightRankMonitor(decomposition="gram").spectra(model)
+    by_svd = WeightRankMonitor(decomposition="svd").spectra(model)
+    routes = {}
+    for name, spectrum in WeightRankMonitor().spectra(model).items():
+        s = by_svd[name].singular_values
+        routes[name] = "svd" if s[-1] < 1e-3 * s[0] else "gram"
+        expected = by_svd[name] if routes[name] == "svd" else by_gram[name]
+        assert torch.equal(spectrum.singular_values, expected.singular_values), name
+        # Either way every singular value matches the SVD to 1e-10 relative (or 1e-12 of s_1 for a zero one).
+        np.testing.assert_allclose(spectrum.singular_values, s, rtol=1e-10, atol=1e-12 * float(s[0]))
+    assert routes["low_rank"] == "svd" and "gram" in routes.values()
+
+    model = model.double()
+    by_svd = WeightRankMonitor(decomposition="svd").spectra(model)
+    for name, spectrum in WeightRankMonitor().spectra(model).items():
+        assert torch.equal(spectrum.singular_values, by_svd[name].singular_values), name
+
+
 def test_measure_uses_the_configured_tolerance_and_metrics():
     torch.manual_seed(0)
     model = _Model()
@@ -288,7 +309,7 @@ def test_unknown_layer_fails_at_setup_before_training(tmp_path):
         ({"tail_ranks": [0]}, "tail_ranks must be positive integers"),
         ({"tail_ranks": []}, "needs at least one k"),
         ({"rank_tolerance": -1.0}, "rank_tolerance must be positive"),
-        ({"decomposition": "qr"}, r"unknown decomposition 'qr'; valid choices are \('svd', 'gram'\)"),
+        ({"decomposition": "qr"}, r"unknown decomposition 'qr'; valid choices are \('auto', 'svd', 'gram'\)"),
         ({"layers": []}, "layers must be None or a non-empty list"),
         ({"layer_types": ["torch.nn.Nope"]}, "layer type 'torch.nn.Nope' cannot be imported"),
         ({"layer_types": [int]}, "layer_types entries must be nn.Module classes"),
