@@ -19,6 +19,7 @@ Run::
 
     python benchmarks/bench_overhead.py           # full: 3 repeats, 2,000 validation samples
     python benchmarks/bench_overhead.py --quick   # one repeat, smaller sets, a few minutes on a laptop CPU
+    python benchmarks/bench_overhead.py --parts resnet18 --repeats 5 --threads 1
 
 Both wall time and process CPU time are reported: on a machine shared with other jobs the CPU-time ratio is the
 steadier of the two.
@@ -191,6 +192,9 @@ def _weightwatcher_comparison(repeats: int) -> None:
         )
 
 
+PARTS = ("mlp", "resnet18", "weightwatcher")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one repeat and smaller data sets")
@@ -201,6 +205,13 @@ def main() -> None:
         default=None,
         help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine",
     )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which measurements to run (default: all)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -208,9 +219,12 @@ def main() -> None:
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="pytorch_lightning")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for case in (_digits_case(args.quick), _resnet_case(args.quick)):
-        _overhead(case, repeats)
-    _weightwatcher_comparison(repeats)
+    if "mlp" in args.parts:
+        _overhead(_digits_case(args.quick), repeats)
+    if "resnet18" in args.parts:
+        _overhead(_resnet_case(args.quick), repeats)
+    if "weightwatcher" in args.parts:
+        _weightwatcher_comparison(repeats)
 
 
 if __name__ == "__main__":
