@@ -188,7 +188,8 @@ class ActivationRankMonitor(pl.Callback):
         Class metrics need labels and ``num_classes``. Values pass through ``LightningModule.log``, which stores
         them in float32; the curve file keeps float64. With a ``WandbLogger``, also the charts
         ``rank_curves/<r><metric>_vs_epoch`` and ``rank_curves/<r><metric>_vs_depth`` and the table
-        ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``).
+        ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``); the charts hold the whole history
+        and are sent after the first monitored epoch, every fifth one and at the end of fit.
     """
 
     def __init__(
@@ -493,7 +494,7 @@ class ActivationRankMonitor(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.curves.write_figures(trainer)
+        self.curves.finish(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -11,13 +11,17 @@ follows with those numbers, identically for every callback:
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
-   ``max_depth_curves`` epochs), plus once the table ``"{namespace}_curves/layers"`` mapping depth index to layer;
+   ``max_depth_curves`` epochs), plus once the table ``"{namespace}_curves/layers"`` mapping depth index to layer.
+   Each chart carries the whole history, so they are sent after the first recorded epoch, after every
+   ``wandb_charts_every_n_epochs``-th, and by :meth:`LayerCurves.finish` at the end of fit (not after every epoch,
+   which would upload a quadratically growing amount); the scalars themselves go to W&B every epoch;
 4. writes, on rank zero, into ``<run dir>/rank_curves/``: ``{namespace}_curves.json`` (layers in depth order and the
    whole history, rewritten at every epoch so that runs without a CSV logger can be reported on) and, when
-   :meth:`LayerCurves.write_figures` is called (the owning callback does so in ``on_fit_end``; every epoch with
-   ``figures_every_epoch=True``), one PNG figure per metric, ``{namespace}_{metric}.png`` (characters other than
-   letters, digits and ``_.=-`` become ``_``), with two panels: the metric against epoch, one line per layer, and
-   the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs).
+   :meth:`LayerCurves.write_figures` is called (by :meth:`LayerCurves.finish`, which the owning callback calls in
+   ``on_fit_end``; every epoch with ``figures_every_epoch=True``), one PNG figure per metric,
+   ``{namespace}_{metric}.png`` (characters other than letters, digits and ``_.=-`` become ``_``), with two panels:
+   the metric against epoch, one line per layer, and the metric against depth, one line per epoch (at most
+   ``max_depth_curves`` epochs).
 
 Drawing a figure takes matplotlib 0.1-0.3 s, a few seconds for all metrics of a network: by default
 (``background_figures=True``) the figures are drawn from a copy of the history on a background thread, so that neither
@@ -40,7 +44,7 @@ Usage inside a callback::
             self.curves.record_and_log(trainer, pl_module, values)
 
         def on_fit_end(self, trainer, pl_module) -> None:
-            self.curves.write_figures(trainer)
+            self.curves.finish(trainer)  # last W&B charts and the figures
 
         def state_dict(self) -> dict:
             return {"curves": self.curves.state_dict()}
@@ -167,6 +171,8 @@ class LayerCurves:
         background_figures: draw the figures on a background thread (see the module docstring); ``False`` draws
             them before :meth:`write_figures` returns.
         wandb_charts: log the line-series charts to W&B when a ``WandbLogger`` is attached.
+        wandb_charts_every_n_epochs: send the charts after every this many recorded epochs (and after the first, and
+            at :meth:`finish`).
         max_depth_curves: at most this many epochs (evenly spaced, first and last included) are drawn in the
             metric-vs-depth figures and charts.
 
@@ -181,20 +187,31 @@ class LayerCurves:
         figures_every_epoch: bool = False,
         background_figures: bool = True,
         wandb_charts: bool = True,
+        wandb_charts_every_n_epochs: int = 5,
         max_depth_curves: int = 8,
     ) -> None:
         _check_name("namespace", namespace)
+        if (
+            isinstance(wandb_charts_every_n_epochs, bool)
+            or not isinstance(wandb_charts_every_n_epochs, int)
+            or wandb_charts_every_n_epochs < 1
+        ):
+            raise ValueError(
+                f"wandb_charts_every_n_epochs must be a positive integer, got {wandb_charts_every_n_epochs!r}"
+            )
         if isinstance(max_depth_curves, bool) or not isinstance(max_depth_curves, int) or max_depth_curves < 2:
             raise ValueError(f"max_depth_curves must be an integer >= 2, got {max_depth_curves!r}")
         self.namespace = namespace
         self.figures_every_epoch = figures_every_epoch
         self.background_figures = background_figures
         self.wandb_charts = wandb_charts
+        self.wandb_charts_every_n_epochs = wandb_charts_every_n_epochs
         self.max_depth_curves = max_depth_curves
         self._history: dict[int, dict[str, dict[str, float]]] = {}
         self._layers: list[str] = []
         self._metrics: list[str] = []
         self._wandb_layer_table_logged = False
+        self._charted_epochs: list[int] | None = None
         self._figure_thread: threading.Thread | None = None
 
     @property
@@ -271,10 +288,19 @@ class LayerCurves:
         if not trainer.is_global_zero:
             return
         self._write_curve_file(trainer)
-        if self.wandb_charts:
+        recorded = len(self._history)
+        if self.wandb_charts and (recorded == 1 or recorded % self.wandb_charts_every_n_epochs == 0):
             self._log_wandb_charts(trainer)
         if self.figures_every_epoch:
             self.write_figures(trainer)
+
+    def finish(self, trainer: Any) -> None:
+        """End of fit: send the W&B charts if they miss recorded epochs, and write the figures (rank zero only)."""
+        if not trainer.is_global_zero:
+            return
+        if self.wandb_charts and self._history and self._charted_epochs != self.epochs:
+            self._log_wandb_charts(trainer)
+        self.write_figures(trainer)
 
     def figure_dir(self, trainer: Any) -> Path:
         """``<run dir>/rank_curves``, where figures and curve files go."""
@@ -377,6 +403,8 @@ class LayerCurves:
         if not loggers:
             return
         import wandb
+
+        self._charted_epochs = self.epochs
 
         epochs = self.epochs
         depth_epochs = self._depth_epochs()

@@ -352,11 +352,11 @@ class JacobianRankMonitor(pl.Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if getattr(trainer.state, "fn", None) == "validate":
-            self.curves.write_figures(trainer)
+            self.curves.finish(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.curves.write_figures(trainer)
+        self.curves.finish(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -153,7 +153,8 @@ class WeightRankMonitor(pl.Callback):
 
         With a ``WandbLogger``, also the charts ``weight_curves/<metric>_vs_epoch``,
         ``weight_curves/<metric>_vs_depth``, the table ``weight_curves/layers`` and, with
-        ``save_singular_values=True``, the histograms ``weight_spectra/<layer>``.
+        ``save_singular_values=True``, the histograms ``weight_spectra/<layer>``; the charts hold the whole history
+        and are sent after the first monitored epoch, every fifth one and at the end of fit.
     """
 
     def __init__(
@@ -369,7 +370,7 @@ class WeightRankMonitor(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.curves.write_figures(trainer)
+        self.curves.finish(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

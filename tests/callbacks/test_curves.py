@@ -208,6 +208,36 @@ def test_a_failing_background_figure_warns_and_never_raises(tmp_path, monkeypatc
         assert wait_for_figures(timeout=60)
 
 
+def test_wandb_charts_are_sent_every_n_epochs_and_once_more_at_the_end(tmp_path):
+    class WandbLogger:
+        """Records when charts are sent; wandb_loggers() recognises loggers by this class name."""
+
+        def __init__(self, log_dir: Path) -> None:
+            self.log_dir = str(log_dir)
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            assert "test_curves/m_vs_epoch" in metrics and "test_curves/m_vs_depth" in metrics
+            self.steps.append(step)
+
+    curves = LayerCurves("test", wandb_charts_every_n_epochs=3, background_figures=False)
+    logger = WandbLogger(tmp_path)
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[logger], sanity_checking=False, current_epoch=0)
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    for epoch in range(7):
+        trainer.current_epoch = trainer.global_step = epoch
+        curves.record_and_log(trainer, module, {"first": {"m": float(epoch)}})
+    # After the 1st, 3rd and 6th recorded epochs: each chart holds the whole history, so not after every epoch.
+    assert logger.steps == [0, 2, 5]
+    curves.finish(trainer)
+    assert logger.steps == [0, 2, 5, 6]
+    curves.finish(trainer)  # nothing new to send
+    assert logger.steps == [0, 2, 5, 6]
+    assert (tmp_path / FIGURE_DIR / "test_m.png").is_file()
+    with pytest.raises(ValueError, match="wandb_charts_every_n_epochs must be a positive integer, got 0"):
+        LayerCurves("test", wandb_charts_every_n_epochs=0)
+
+
 def test_run_directory_follows_the_first_logger(tmp_path):
     csv_logger = CSVLogger(tmp_path, name="csv", version=3)
     tensorboard = TensorBoardLogger(tmp_path, name="tb", version="v")
