@@ -5,8 +5,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from rank_lightning.callbacks.curves import wait_for_figures
-
 
 @pytest.fixture(autouse=True, scope="session")
 def single_thread() -> Iterator[None]:
@@ -22,8 +20,16 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def finish_background_figures() -> Iterator[None]:
-    """Let figures drawn in the background after a fit finish before the test's temporary directory goes away."""
-    yield
-    assert wait_for_figures(timeout=120), "figures still being drawn 120 s after the test"
+@pytest.fixture
+def callback_messages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The messages the package's callbacks send through Lightning's ``rank_zero_info``, in order.
+
+    Lightning's logger does not propagate to the root logger (so ``caplog`` does not see it) and its stream handler
+    keeps the ``stderr`` of import time (so ``capsys`` does not either); the callbacks' one message function is
+    recorded instead.
+    """
+    messages: list[str] = []
+    monkeypatch.setattr(
+        "rank_lightning.callbacks.base.rank_zero_info", lambda message, *a, **k: messages.append(message)
+    )
+    return messages

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import re
@@ -36,18 +35,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from matplotlib import colormaps
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
-
-from rank_lightning.callbacks.curves import FIGURE_DIR
+from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
+from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure, save_figure
 
 __all__ = ["RunCurves", "find_runs", "load_run", "main", "summary_rows", "write_figures", "write_summary"]
 
 DEFAULT_NAMESPACES: tuple[str, ...] = ("rank", "rank_train", "weight")
 DEFAULT_FINAL_METRICS: tuple[str, ...] = ("val/acc",)
-_UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9_.=-]+")
 
 
 @dataclass
@@ -159,7 +153,7 @@ def _read_metrics_csv(run: RunCurves, path: Path, namespaces: Sequence[str], fin
 
 
 def _read_curve_file(run: RunCurves, path: Path, fill: bool) -> None:
-    content = json.loads(path.read_text())
+    content = read_curve_file(path)
     namespace = content["namespace"]
     run.layers[namespace] = list(content["layers"])
     run.metric_order[namespace] = list(content["metrics"])
@@ -168,7 +162,7 @@ def _read_curve_file(run: RunCurves, path: Path, fill: bool) -> None:
     for epoch, layers in content["history"].items():
         for layer, metrics in layers.items():
             for metric, value in metrics.items():
-                run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})[int(epoch)] = value
+                run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})[epoch] = value
 
 
 def load_run(
@@ -265,53 +259,8 @@ def write_summary(runs: Sequence[RunCurves], out_dir: str | Path) -> tuple[Path,
     return csv_path, md_path
 
 
-def _run_colors(count: int) -> list[tuple[float, float, float, float]]:
-    palette = colormaps["tab10" if count <= 10 else "viridis"]
-    return [palette(i if count <= 10 else i / max(count - 1, 1)) for i in range(count)]
-
-
-def _figure_vs_epoch(runs: Sequence[RunCurves], namespace: str, metric: str, layers: list[str]) -> Figure:
-    columns = min(4, len(layers))
-    rows = math.ceil(len(layers) / columns)
-    figure = Figure(figsize=(3.6 * columns, 2.6 * rows + 0.6), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False, sharex=True)
-    colors = _run_colors(len(runs))
-    for index, layer in enumerate(layers):
-        ax = axes[index // columns][index % columns]
-        for run, color in zip(runs, colors):
-            curve = run.curves.get(namespace, {}).get(layer, {}).get(metric, {})
-            if curve:
-                epochs = sorted(curve)
-                ax.plot(epochs, [curve[e] for e in epochs], marker=".", color=color, label=run.label)
-        ax.set_title(layer, fontsize="small")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.ticklabel_format(axis="y", useOffset=False)
-        ax.grid(alpha=0.3)
-    for index in range(len(layers), rows * columns):
-        axes[index // columns][index % columns].set_axis_off()
-    figure.supxlabel("epoch")
-    figure.suptitle(f"{namespace}: {metric} per layer")
-    if len(runs) > 1:
-        handles = [Line2D([], [], color=color, marker=".") for color in colors]
-        figure.legend(handles, [run.label for run in runs], loc="outside right upper", fontsize="small")
-    return figure
-
-
-def _figure_vs_depth(runs: Sequence[RunCurves], namespace: str, metric: str, layers: list[str]) -> Figure:
-    figure = Figure(figsize=(max(7.0, 0.3 * len(layers)), 4.5), layout="constrained")
-    ax = figure.subplots()
-    for run, color in zip(runs, _run_colors(len(runs))):
-        last = run.last_epoch(namespace)
-        values = [run.curves.get(namespace, {}).get(layer, {}).get(metric, {}).get(last, math.nan) for layer in layers]
-        ax.plot(range(len(layers)), values, marker=".", color=color, label=f"{run.label} (epoch {last})")
-    ax.set_xticks(range(len(layers)))
-    ax.set_xticklabels(layers, rotation=90, fontsize="x-small")
-    ax.set_xlabel("layer (by depth)")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{namespace}: {metric} vs depth at the last epoch")
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    return figure
+def _metric_curves(run: RunCurves, namespace: str, metric: str) -> dict[str, dict[int, float]]:
+    return {layer: metrics.get(metric, {}) for layer, metrics in run.curves.get(namespace, {}).items()}
 
 
 def write_figures(runs: Sequence[RunCurves], out_dir: str | Path) -> list[Path]:
@@ -326,11 +275,13 @@ def write_figures(runs: Sequence[RunCurves], out_dir: str | Path) -> list[Path]:
     for namespace in _union(run.layers for run in runs):
         layers = _union(run.layers.get(namespace, []) for run in runs)
         for metric in _union(run.metrics(namespace) for run in runs):
-            stem = _UNSAFE_FILENAME.sub("_", f"{namespace}_{metric}")
-            for suffix, draw in (("vs_epoch", _figure_vs_epoch), ("vs_depth", _figure_vs_depth)):
-                path = out_dir / f"{stem}_{suffix}.png"
-                draw(runs, namespace, metric, layers).savefig(path, dpi=110)
-                written.append(path)
+            stem = figure_filename(namespace, metric)
+            curves = {run.label: _metric_curves(run, namespace, metric) for run in runs}
+            last = {run.label: (run.last_epoch(namespace), curves[run.label]) for run in runs}
+            by_epoch = runs_vs_epoch_figure(namespace, metric, layers, curves)
+            written.append(save_figure(by_epoch, out_dir / f"{stem}_vs_epoch.png", dpi=110))
+            by_depth = runs_vs_depth_figure(namespace, metric, layers, last)
+            written.append(save_figure(by_depth, out_dir / f"{stem}_vs_depth.png", dpi=110))
     return written
 
 

@@ -94,7 +94,7 @@ def theorem5_ranks(
     num_samples: int | None = None,
     seeds: Sequence[int] = (0, 1, 2),
     dtype: torch.dtype = torch.float64,
-    eps: float | None = None,
+    rank_tolerance: float | None = None,
 ) -> tuple[list[LayerRanks], Tensor]:
     """Jacobian and feature ranks of a deep linear Gaussian MLP, layer by layer, beside Feng et al. Theorem 5.
 
@@ -104,8 +104,8 @@ def theorem5_ranks(
         num_samples: N Gaussian inputs for the features; ``None`` takes ``2 n``.
         seeds: one network and input set per seed; ranks are averaged over them.
         dtype: precision of the forward passes.
-        eps: rank tolerance; ``None`` takes ``finfo(float32).eps * n``. The ``_eps64`` results always use
-            ``finfo(float64).eps * n``.
+        rank_tolerance: rank tolerance ``eps``; ``None`` takes ``finfo(float32).eps * n``. The ``_eps64`` results
+            always use ``finfo(float64).eps * n``.
 
     Returns:
         The per-layer ranks, and the measured rates ``(1 / L) log(s_k / s_1)`` of ``J_L`` averaged over seeds
@@ -114,8 +114,7 @@ def theorem5_ranks(
     if width < 1 or depth < 1 or not seeds:
         raise ValueError(f"width and depth must be positive and seeds non-empty, got {width}, {depth}, {seeds}")
     num_samples = 2 * width if num_samples is None else num_samples
-    if eps is None:
-        eps = default_rank_tolerance(width, width)
+    eps = default_rank_tolerance(width, width) if rank_tolerance is None else rank_tolerance
     eps64 = float(torch.finfo(torch.float64).eps) * width
     jacobian = torch.zeros(len(seeds), depth)
     jacobian_eps64 = torch.zeros(len(seeds), depth)
@@ -130,9 +129,9 @@ def theorem5_ranks(
             for index, layer in enumerate(model):
                 h, j = layer(h), layer(j)
                 jacobian_spectrum = spectrum(j)
-                jacobian[row, index] = float(numerical_rank(jacobian_spectrum, eps=eps))
-                jacobian_eps64[row, index] = float(numerical_rank(jacobian_spectrum, eps=eps64))
-                features[row, index] = float(numerical_rank(h, eps=eps))
+                jacobian[row, index] = float(numerical_rank(jacobian_spectrum, rank_tolerance=eps))
+                jacobian_eps64[row, index] = float(numerical_rank(jacobian_spectrum, rank_tolerance=eps64))
+                features[row, index] = float(numerical_rank(h, rank_tolerance=eps))
         s = jacobian_spectrum.singular_values
         rates += (s / s[0]).log() / depth / len(seeds)
     rows = [
@@ -140,9 +139,9 @@ def theorem5_ranks(
             layer=index + 1,
             jacobian_rank=float(jacobian[:, index].mean()),
             feature_rank=float(features[:, index].mean()),
-            predicted_rank=gaussian_product_numerical_rank(width, index + 1, eps=eps),
+            predicted_rank=gaussian_product_numerical_rank(width, index + 1, rank_tolerance=eps),
             jacobian_rank_eps64=float(jacobian_eps64[:, index].mean()),
-            predicted_rank_eps64=gaussian_product_numerical_rank(width, index + 1, eps=eps64),
+            predicted_rank_eps64=gaussian_product_numerical_rank(width, index + 1, rank_tolerance=eps64),
         )
         for index in range(depth)
     ]

@@ -13,15 +13,14 @@ since gradients are taken with respect to the inputs only.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rank_lightning.attacks.pixels import ChannelStats, channel_stats
+from rank_lightning.layers import eval_mode
 
 ATTACKS = ("fgsm", "iter_fgsm", "iter_ll_fgsm")
 
@@ -199,19 +198,6 @@ def _check_gradients_possible(inputs: torch.Tensor) -> None:
         )
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    # Flags are restored one by one: a model may mix modes (e.g. a frozen BatchNorm in eval inside a training
-    # model), which model.train(previous) would flatten.
-    flags = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in flags:
-            module.training = training
-
-
 def _sign_gradient_attack(
     model: nn.Module,
     inputs: torch.Tensor,
@@ -252,7 +238,7 @@ def _sign_gradient_attack(
     direction = -1.0 if least_likely else 1.0
 
     adversarial = clean.clone()
-    with torch.enable_grad(), _eval_mode(model):
+    with torch.enable_grad(), eval_mode(model):
         if least_likely:
             with torch.no_grad():
                 targets = model(inputs).argmin(dim=1)

@@ -1,11 +1,27 @@
-"""rank_lightning.callbacks"""
+"""rank_lightning.callbacks: Lightning glue that picks layers, feeds ``metrics/`` and logs; one callback per file."""
 
-from rank_lightning.callbacks.activation_rank import ActivationRankMonitor as ActivationRankMonitor
-from rank_lightning.callbacks.adversarial import AdversarialValidation as AdversarialValidation
-from rank_lightning.callbacks.curves import LayerCurves as LayerCurves
-from rank_lightning.callbacks.feng import ClassificationDimension as ClassificationDimension
-from rank_lightning.callbacks.feng import JacobianRankMonitor as JacobianRankMonitor
-from rank_lightning.callbacks.low_rank import LowDimensionalEvaluation as LowDimensionalEvaluation
-from rank_lightning.callbacks.low_rank import LowRankProjection as LowRankProjection
-from rank_lightning.callbacks.rank_pretraining import RankPretraining as RankPretraining
-from rank_lightning.callbacks.weight_rank import WeightRankMonitor as WeightRankMonitor
+from rank_lightning.callbacks.activation_rank import ActivationRankMonitor
+from rank_lightning.callbacks.adversarial_validation import AdversarialValidation
+from rank_lightning.callbacks.base import Cadence, CurveMonitor, RankCallback
+from rank_lightning.callbacks.classification_dimension import ClassificationDimension
+from rank_lightning.callbacks.curves import LayerCurves
+from rank_lightning.callbacks.jacobian_rank import JacobianRankMonitor
+from rank_lightning.callbacks.low_dimensional_evaluation import LowDimensionalEvaluation
+from rank_lightning.callbacks.low_rank_projection import LowRankProjection
+from rank_lightning.callbacks.rank_pretraining import RankPretraining
+from rank_lightning.callbacks.weight_rank import WeightRankMonitor
+
+__all__ = [
+    "ActivationRankMonitor",
+    "AdversarialValidation",
+    "Cadence",
+    "ClassificationDimension",
+    "CurveMonitor",
+    "JacobianRankMonitor",
+    "LayerCurves",
+    "LowDimensionalEvaluation",
+    "LowRankProjection",
+    "RankCallback",
+    "RankPretraining",
+    "WeightRankMonitor",
+]

@@ -16,18 +16,15 @@ follows with those numbers, identically for every callback:
    ``wandb_charts_every_n_epochs``-th, and by :meth:`LayerCurves.finish` at the end of fit (not after every epoch,
    which would upload a quadratically growing amount); the scalars themselves go to W&B every epoch;
 4. writes, on rank zero, into ``<run dir>/rank_curves/``: ``{namespace}_curves.json`` (layers in depth order and the
-   whole history, rewritten at every epoch so that runs without a CSV logger can be reported on) and, when
-   :meth:`LayerCurves.write_figures` is called (by :meth:`LayerCurves.finish`, which the owning callback calls in
-   ``on_fit_end``; every epoch with ``figures_every_epoch=True``), one PNG figure per metric,
-   ``{namespace}_{metric}.png`` (characters other than letters, digits and ``_.=-`` become ``_``), with two panels:
-   the metric against epoch, one line per layer, and the metric against depth, one line per epoch (at most
-   ``max_depth_curves`` epochs).
+   whole history, rewritten at every recorded epoch so that runs without a CSV logger can be reported on; read back
+   by :func:`read_curve_file`) and, when :meth:`LayerCurves.write_figures` is called (by :meth:`LayerCurves.finish`,
+   which the owning callback calls in ``on_fit_end``; also after every ``figures_every_n_epochs``-th recorded epoch
+   when set), one PNG figure per metric, ``{namespace}_{metric}.png`` (characters other than letters, digits and
+   ``_.=-`` become ``_``; :func:`~rank_lightning.plotting.layer_curves_figure`): the metric against epoch, one line
+   per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs).
 
-Drawing a figure takes matplotlib 0.1-0.3 s, a few seconds for all metrics of a network: by default
-(``background_figures=True``) the figures are drawn from a copy of the history on a background thread, so that neither
-the training loop nor the return of ``Trainer.fit`` waits for them. The thread is not a daemon: the interpreter
-finishes it before exiting. :func:`wait_for_figures` blocks until every figure being drawn is written (for code that
-reads the PNG files right after ``fit``).
+Figures are drawn synchronously, once at the end of fit by default: a figure takes matplotlib 0.1-0.3 s, and nothing
+is left running after ``fit`` returns.
 
 The run directory (:func:`run_directory`) is the folder that holds Lightning's ``checkpoints/``: the first logger's
 ``log_dir`` (CSV, TensorBoard), ``<save_dir>/<project>/<run id>`` for W&B, ``trainer.default_root_dir`` without a
@@ -61,47 +58,20 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import threading
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from matplotlib import colormaps
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
-__all__ = ["FIGURE_DIR", "LayerCurves", "run_directory", "wait_for_figures", "wandb_loggers"]
+from rank_lightning.plotting import evenly_spaced, figure_filename, layer_curves_figure, save_figure
+from rank_lightning.validation import check_positive_int
+
+__all__ = ["FIGURE_DIR", "LayerCurves", "read_curve_file", "run_directory", "wandb_loggers", "write_curve_file"]
 
 FIGURE_DIR = "rank_curves"
 """Name of the folder inside the run directory that receives figures and curve files."""
-
-_UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9_.=-]+")
-# matplotlib is not thread-safe: figures of all instances are drawn one at a time.
-_DRAW_LOCK = threading.Lock()
-_THREADS_LOCK = threading.Lock()
-_FIGURE_THREADS: set[threading.Thread] = set()
-
-
-def wait_for_figures(timeout: float | None = None) -> bool:
-    """Block until every figure being drawn in the background has been written.
-
-    Args:
-        timeout: give up after this many seconds in all; ``None`` waits as long as it takes.
-
-    Returns:
-        Whether no drawing is left running.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with _THREADS_LOCK:
-        threads = list(_FIGURE_THREADS)
-    for thread in threads:
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    with _THREADS_LOCK:
-        return not any(thread.is_alive() for thread in _FIGURE_THREADS)
 
 
 def run_directory(trainer: Any) -> Path:
@@ -154,11 +124,26 @@ def _check_name(kind: str, name: str) -> None:
         raise ValueError(f"{kind} must be a non-empty string without '/', got {name!r}")
 
 
-def _evenly_spaced(items: list[int], count: int) -> list[int]:
-    if len(items) <= count:
-        return items
-    picks = {round(i * (len(items) - 1) / (count - 1)) for i in range(count)}
-    return [items[i] for i in sorted(picks)]
+def write_curve_file(path: Path, namespace: str, layers: list[str], metrics: list[str], history: Mapping) -> None:
+    """Write curves as JSON: ``{"namespace", "layers", "metrics", "history": {epoch: {layer: {metric: value}}}}``.
+
+    NaN and Inf are written as JSON's ``NaN`` / ``Infinity`` literals, which :func:`read_curve_file` reads back.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    content = {"namespace": namespace, "layers": layers, "metrics": metrics}
+    content["history"] = {str(epoch): history[epoch] for epoch in sorted(history)}
+    path.write_text(json.dumps(content))
+
+
+def read_curve_file(path: str | Path) -> dict[str, Any]:
+    """Read what :func:`write_curve_file` wrote; epochs come back as ``int``.
+
+    Returns:
+        ``{"namespace": str, "layers": [...], "metrics": [...], "history": {epoch: {layer: {metric: value}}}}``.
+    """
+    content = json.loads(Path(path).read_text())
+    content["history"] = {int(epoch): layers for epoch, layers in content["history"].items()}
+    return content
 
 
 class LayerCurves:
@@ -166,10 +151,8 @@ class LayerCurves:
 
     Args:
         namespace: first part of every key, e.g. ``"rank"`` for activations or ``"weight"`` for weights.
-        figures_every_epoch: also rewrite the PNG figures after every recorded epoch (by default only when
-            :meth:`write_figures` is called, normally at the end of fit).
-        background_figures: draw the figures on a background thread (see the module docstring); ``False`` draws
-            them before :meth:`write_figures` returns.
+        figures_every_n_epochs: also redraw the PNG figures after every this many recorded epochs; ``None`` draws
+            them only when :meth:`write_figures` is called (by :meth:`finish`, at the end of fit).
         wandb_charts: log the line-series charts to W&B when a ``WandbLogger`` is attached.
         wandb_charts_every_n_epochs: send the charts after every this many recorded epochs (and after the first, and
             at :meth:`finish`).
@@ -177,33 +160,26 @@ class LayerCurves:
             metric-vs-depth figures and charts.
 
     Raises:
-        ValueError: a namespace containing ``"/"`` or a ``max_depth_curves`` below 2.
+        ValueError: a namespace containing ``"/"``, a ``max_depth_curves`` below 2, or a cadence that is not a
+            positive integer.
     """
 
     def __init__(
         self,
         namespace: str,
         *,
-        figures_every_epoch: bool = False,
-        background_figures: bool = True,
+        figures_every_n_epochs: int | None = None,
         wandb_charts: bool = True,
         wandb_charts_every_n_epochs: int = 5,
         max_depth_curves: int = 8,
     ) -> None:
         _check_name("namespace", namespace)
-        if (
-            isinstance(wandb_charts_every_n_epochs, bool)
-            or not isinstance(wandb_charts_every_n_epochs, int)
-            or wandb_charts_every_n_epochs < 1
-        ):
-            raise ValueError(
-                f"wandb_charts_every_n_epochs must be a positive integer, got {wandb_charts_every_n_epochs!r}"
-            )
+        check_positive_int("figures_every_n_epochs", figures_every_n_epochs, allow_none=True)
+        check_positive_int("wandb_charts_every_n_epochs", wandb_charts_every_n_epochs)
         if isinstance(max_depth_curves, bool) or not isinstance(max_depth_curves, int) or max_depth_curves < 2:
             raise ValueError(f"max_depth_curves must be an integer >= 2, got {max_depth_curves!r}")
         self.namespace = namespace
-        self.figures_every_epoch = figures_every_epoch
-        self.background_figures = background_figures
+        self.figures_every_n_epochs = figures_every_n_epochs
         self.wandb_charts = wandb_charts
         self.wandb_charts_every_n_epochs = wandb_charts_every_n_epochs
         self.max_depth_curves = max_depth_curves
@@ -212,7 +188,6 @@ class LayerCurves:
         self._metrics: list[str] = []
         self._wandb_layer_table_logged = False
         self._charted_epochs: list[int] | None = None
-        self._figure_thread: threading.Thread | None = None
 
     @property
     def layers(self) -> list[str]:
@@ -291,7 +266,7 @@ class LayerCurves:
         recorded = len(self._history)
         if self.wandb_charts and (recorded == 1 or recorded % self.wandb_charts_every_n_epochs == 0):
             self._log_wandb_charts(trainer)
-        if self.figures_every_epoch:
+        if self.figures_every_n_epochs is not None and recorded % self.figures_every_n_epochs == 0:
             self.write_figures(trainer)
 
     def finish(self, trainer: Any) -> None:
@@ -309,10 +284,6 @@ class LayerCurves:
     def write_figures(self, trainer: Any) -> list[Path]:
         """Draw, on rank zero, one PNG per metric: metric vs epoch (line per layer) beside metric vs depth.
 
-        With ``background_figures`` the files are drawn from a copy of the current history on a background thread and
-        may not exist yet when this returns (:func:`wait_for_figures`); a drawing still running from an earlier call
-        is finished first, so files are never written out of order.
-
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
 
@@ -321,47 +292,22 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        # Absolute: the working directory may change before a background drawing is done.
-        directory = self.figure_dir(trainer).absolute()
-        directory.mkdir(parents=True, exist_ok=True)
-        paths = {
-            metric: directory / (_UNSAFE_FILENAME.sub("_", f"{self.namespace}_{metric}") + ".png")
-            for metric in self._metrics
-        }
-        if not self.background_figures:
-            self._draw_all(paths)
-            return list(paths.values())
-        if self._figure_thread is not None:
-            self._figure_thread.join()
-        snapshot = LayerCurves(self.namespace, max_depth_curves=self.max_depth_curves)
-        snapshot.load_state_dict(self.state_dict())
-        thread = threading.Thread(
-            target=snapshot._draw_all_or_warn, args=(paths,), name=f"rank-curves-{self.namespace}", daemon=False
-        )
-        with _THREADS_LOCK:
-            _FIGURE_THREADS.add(thread)
-        self._figure_thread = thread
-        thread.start()
-        return list(paths.values())
-
-    def _draw_all(self, paths: Mapping[str, Path]) -> None:
-        for metric, path in paths.items():
-            with _DRAW_LOCK:
-                self._draw(metric).savefig(path, dpi=100)
-
-    def _draw_all_or_warn(self, paths: Mapping[str, Path]) -> None:
-        try:
-            self._draw_all(paths)
-        except Exception as error:  # a figure must never take the run down; the curve file keeps the data
-            warnings.warn(
-                f"LayerCurves: drawing the {self.namespace!r} figures failed ({error!r}); the curves are in "
-                f"{self.namespace}_curves.json and python -m rank_lightning.analysis.report can draw them",
-                RuntimeWarning,
-                stacklevel=1,
-            )
-        finally:
-            with _THREADS_LOCK:
-                _FIGURE_THREADS.discard(threading.current_thread())
+        directory = self.figure_dir(trainer)
+        paths = []
+        for metric in self._metrics:
+            try:
+                figure = layer_curves_figure(
+                    self.namespace, metric, self._layers, self._history, max_depth_curves=self.max_depth_curves
+                )
+                paths.append(save_figure(figure, directory / f"{figure_filename(self.namespace, metric)}.png"))
+            except Exception as error:  # a figure must never take the run down; the curve file keeps the data
+                warnings.warn(
+                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({error!r}); the curves are in "
+                    f"{self.namespace}_curves.json and python -m rank_lightning.analysis.report can draw them",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return paths
 
     def state_dict(self) -> dict[str, Any]:
         """Namespace, layer order and history, for checkpoints."""
@@ -385,18 +331,14 @@ class LayerCurves:
         self._metrics = list(state_dict["metrics"])
 
     def _write_curve_file(self, trainer: Any) -> None:
-        directory = self.figure_dir(trainer)
-        directory.mkdir(parents=True, exist_ok=True)
-        content = {"namespace": self.namespace, "layers": self._layers, "metrics": self._metrics}
-        content["history"] = {str(epoch): self._history[epoch] for epoch in self.epochs}
-        # json writes NaN and Infinity literals, which Python's json reads back.
-        (directory / f"{self.namespace}_curves.json").write_text(json.dumps(content))
+        path = self.figure_dir(trainer) / f"{self.namespace}_curves.json"
+        write_curve_file(path, self.namespace, self._layers, self._metrics, self._history)
 
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)
 
     def _depth_epochs(self) -> list[int]:
-        return _evenly_spaced(self.epochs, self.max_depth_curves)
+        return evenly_spaced(self.epochs, self.max_depth_curves)
 
     def _log_wandb_charts(self, trainer: Any) -> None:
         loggers = wandb_loggers(trainer)
@@ -431,44 +373,3 @@ class LayerCurves:
             self._wandb_layer_table_logged = True
         for logger in loggers:
             logger.log_metrics(payload, step=trainer.global_step)
-
-    def _draw(self, metric: str) -> Figure:
-        depth_width = max(7.0, 0.3 * len(self._layers))
-        height = 4.8
-        figure = Figure(figsize=(7 + depth_width, height))
-        # Fixed margins instead of a layout engine, which measures every text twice and doubles the drawing time;
-        # the bottom margin leaves room for the rotated layer names (about 0.045 inch per character).
-        longest = max((len(layer) for layer in self._layers), default=0)
-        bottom = min(0.6, (0.5 + 0.045 * longest) / height)
-        figure.subplots_adjust(left=0.06, right=0.98, top=0.88, bottom=bottom, wspace=0.18)
-        by_epoch, by_depth = figure.subplots(1, 2, width_ratios=[7, depth_width])
-        figure.suptitle(f"{self.namespace}: {metric}")
-
-        colors = colormaps["viridis"]
-        count = max(len(self._layers) - 1, 1)
-        for depth, layer in enumerate(self._layers):
-            epochs, values = self.curve(layer, metric)
-            if epochs:
-                by_epoch.plot(epochs, values, marker=".", color=colors(depth / count), label=layer)
-        by_epoch.set_xlabel("epoch")
-        by_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
-        by_epoch.set_ylabel(metric)
-        by_epoch.set_title("per layer (dark = shallow, yellow = deep)", fontsize="medium")
-        if len(self._layers) <= 16:
-            by_epoch.legend(fontsize="x-small", ncol=2)
-        by_epoch.grid(alpha=0.3)
-
-        depth_epochs = self._depth_epochs()
-        blues = colormaps["Blues"]
-        count = max(len(depth_epochs) - 1, 1)
-        depth = list(range(len(self._layers)))
-        for i, epoch in enumerate(depth_epochs):
-            values = [self._value(epoch, layer, metric) for layer in self._layers]
-            by_depth.plot(depth, values, marker=".", color=blues(0.3 + 0.7 * i / count), label=f"epoch {epoch}")
-        by_depth.set_xticks(depth)
-        by_depth.set_xticklabels(self._layers, rotation=90, fontsize="x-small")
-        by_depth.set_xlabel("layer (by depth)")
-        by_depth.set_title("vs depth (darker = later epoch)", fontsize="medium")
-        by_depth.legend(fontsize="x-small")
-        by_depth.grid(alpha=0.3)
-        return figure

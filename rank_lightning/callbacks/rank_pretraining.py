@@ -1,121 +1,25 @@
-"""Rank-increasing pre-training (Daneshmand et al. Sec. 4, App. G, Alg. 1) and the feature-layer selection it shares
-with the other callbacks that read one layer's features."""
+"""Rank-increasing pre-training (Daneshmand et al. Sec. 4, App. G, Alg. 1)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_info
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
+from rank_lightning.callbacks.base import RankCallback
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.functional.spectral import participation_ratio
+from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer, module_blocks, train_mode
+from rank_lightning.validation import check_choice, check_positive, check_positive_int
 
-__all__ = ["FeatureLayer", "RankPretraining", "capture_features", "model_blocks", "select_feature_layer"]
-
-
-@dataclass(frozen=True)
-class FeatureLayer:
-    """A layer whose features a callback reads.
-
-    Attributes:
-        name: name used in logged keys (a block name, a submodule path, or ``<path>_input``); never contains ``"/"``.
-        path: dotted submodule path, as in ``named_modules()``.
-        capture: ``"output"`` reads what the submodule returns, ``"input"`` what it receives.
-    """
-
-    name: str
-    path: str
-    capture: Literal["output", "input"] = "output"
+__all__ = ["RankPretraining"]
 
 
-def model_blocks(module: nn.Module) -> dict[str, str] | None:
-    """The module's ``blocks()`` map (``short name -> submodule path``), or ``None`` if it has none."""
-    blocks = getattr(module, "blocks", None)
-    if not callable(blocks):
-        return None
-    try:
-        return dict(blocks())
-    except NotImplementedError:
-        return None
-
-
-def select_feature_layer(module: nn.Module, layer: str | None = None) -> FeatureLayer:
-    """Resolve a layer name to the submodule whose features are read.
-
-    ``layer`` may be a block name of ``module.blocks()`` or a dotted submodule path (its output is read). By default
-    the last block is taken (the features feeding the head, see ``docs/architecture.md``); a module without
-    ``blocks()`` gets the input of its last ``nn.Linear``, i.e. the last hidden representation.
-
-    Args:
-        module: the LightningModule or network.
-        layer: block name, submodule path, or ``None`` for the default.
-
-    Returns:
-        The selected :class:`FeatureLayer`.
-
-    Raises:
-        ValueError: if ``layer`` names neither a block nor a submodule, or no default layer exists.
-    """
-    blocks = model_blocks(module) or {}
-    paths = [name for name, _ in module.named_modules() if name]
-    if layer is None:
-        if blocks:
-            name, path = list(blocks.items())[-1]
-            return FeatureLayer(name, path)
-        linears = [name for name, child in module.named_modules() if name and isinstance(child, nn.Linear)]
-        if not linears:
-            raise ValueError(
-                f"{type(module).__name__} has no blocks() and no nn.Linear layer; name the layer explicitly, "
-                f"submodules are: {', '.join(paths)}"
-            )
-        return FeatureLayer(f"{linears[-1]}_input", linears[-1], "input")
-    if layer in blocks:
-        return FeatureLayer(layer, blocks[layer])
-    if layer in paths:
-        return FeatureLayer(layer, layer)
-    raise ValueError(f"unknown layer {layer!r}; blocks are: {', '.join(blocks)}; submodules are: {', '.join(paths)}")
-
-
-@contextmanager
-def capture_features(module: nn.Module, layers: Sequence[FeatureLayer]) -> Iterator[dict[str, Tensor]]:
-    """Hook ``layers`` of ``module`` for the duration of the block; yields ``{layer name: latest features}``.
-
-    The captured tensors are not detached, so gradients can flow from them into the network.
-    """
-    captured: dict[str, Tensor] = {}
-
-    def store(name: str, value: Any) -> None:
-        if not isinstance(value, Tensor):
-            raise TypeError(f"layer {name!r} produced a {type(value).__name__}, expected a tensor")
-        captured[name] = value
-
-    handles = []
-    for layer in layers:
-        submodule = module.get_submodule(layer.path)
-        if layer.capture == "output":
-            hook = submodule.register_forward_hook(lambda _m, _args, out, name=layer.name: store(name, out))
-        else:
-            hook = submodule.register_forward_pre_hook(lambda _m, args, name=layer.name: store(name, args[0]))
-        handles.append(hook)
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _inputs(batch: Any) -> Any:
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
-class RankPretraining(pl.Callback):
+class RankPretraining(RankCallback):
     """Gradient ascent on the rank lower bound ``r(H)`` of one layer before training (Daneshmand et al. App. G).
 
     Daneshmand et al. Alg. 1: for each of ``num_batches`` minibatches ``X_k`` of the training data, take ``steps``
@@ -123,7 +27,8 @@ class RankPretraining(pl.Callback):
     :func:`~rank_lightning.functional.participation_ratio`) with respect to all parameters, then train normally. It
     runs once, in ``on_train_start`` (the training dataloader exists from then on), with its own SGD optimizer, so
     the module's optimizer and its state are left alone. The module is in training mode during the ascent. Under DDP
-    the ascent gradients are averaged over ranks so that every rank keeps the same weights.
+    the ascent gradients are averaged over ranks so that every rank keeps the same weights. Afterwards every
+    submodule has its own train/eval flag back (a frozen BatchNorm stays frozen).
 
     Deviation from the paper, on by default: each step moves along the gradient divided by its global norm
     (``normalize_gradient``). Through a deep vanilla network the gradient of ``r(H)`` spans orders of magnitude from
@@ -134,11 +39,13 @@ class RankPretraining(pl.Callback):
     (``r = 1`` to machine precision); there the gradient of ``r(H)`` vanishes (about 1e-14) and no ascent helps.
 
     ``r(H)`` of every block is measured before and after, averaged over the same minibatches, without changing the
-    weights or buffers (batch-norm running statistics are restored after measuring), and printed as a table.
+    weights or buffers (batch-norm running statistics are restored after measuring), and reported as a table.
 
     Args:
-        layer: block name or submodule path whose output ``H`` is pre-trained; default: the last block of
-            ``pl_module.blocks()`` (the last hidden layer), else the input of the last ``nn.Linear``.
+        layer: the layer whose output ``H`` is pre-trained, in the syntax every callback accepts
+            (:func:`~rank_lightning.layers.select_layers`: a block name, a module path or a glob pattern), matching
+            exactly one module; default: the last block of ``pl_module.blocks()`` (the last hidden layer), else the
+            input of the last ``nn.Linear``.
         num_batches: M, the number of minibatches (taken in order from the training dataloader, restarting it if it
             has fewer batches).
         steps: T, gradient-ascent steps per minibatch (Daneshmand et al. Fig. 6: 25 or 75 iterations in total).
@@ -147,6 +54,9 @@ class RankPretraining(pl.Callback):
         normalize_gradient: divide the gradient by its global l2 norm over all parameters before each step.
         reduction: how conv or token features become an (N, d) matrix (see
             :func:`~rank_lightning.functional.reduce_activations`).
+        input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
+            ``batch[0]``, the usual keys of a dict batch, or the batch itself when it is a tensor.
+        verbose: report the table of ``r(H)`` before and after (rank zero, at INFO level).
 
     Logged metrics:
         ``pretrain/<block>/r_before`` and ``pretrain/<block>/r_after``: mean ``r(H)`` of each block (and of the
@@ -168,23 +78,23 @@ class RankPretraining(pl.Callback):
         momentum: float = 0.9,
         normalize_gradient: bool = True,
         reduction: str = "flatten",
+        input_key: int | str | None = None,
+        verbose: bool = True,
     ) -> None:
-        for name, value in (("num_batches", num_batches), ("steps", steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr!r}")
+        super().__init__(verbose=verbose)
+        check_positive_int("num_batches", num_batches)
+        check_positive_int("steps", steps)
+        check_positive("lr", lr)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"unknown reduction {reduction!r}; valid choices are {REDUCTIONS}")
         self.layer = layer
         self.num_batches = num_batches
         self.steps = steps
         self.lr = lr
         self.momentum = momentum
         self.normalize_gradient = normalize_gradient
-        self.reduction = reduction
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.reader = BatchReader(input_key)
         self.done = False
         self.results: dict[str, dict[str, float]] = {}
 
@@ -192,14 +102,14 @@ class RankPretraining(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Fail before any data is loaded if the layer does not exist.
         if stage == "fit":
-            select_feature_layer(pl_module, self.layer)
+            feature_layer(pl_module, self.layer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.done:
             return
-        target = select_feature_layer(pl_module, self.layer)
-        monitored = [FeatureLayer(name, path) for name, path in (model_blocks(pl_module) or {}).items()]
+        target = feature_layer(pl_module, self.layer)
+        monitored = [FeatureLayer(name, path) for name, path in (module_blocks(pl_module) or {}).items()]
         if target.name not in {layer.name for layer in monitored}:
             monitored.append(target)
         batches = self._batches(trainer)
@@ -216,7 +126,7 @@ class RankPretraining(pl.Callback):
         rows = [f"{name:<32} {v['r_before']:>10.3f} {v['r_after']:>10.3f}" for name, v in self.results.items()]
         title = f"rank-increasing pre-training of {target.name!r}: r(H) per block"
         header = f"{'block':<32} {'before':>10} {'after':>10}"
-        rank_zero_info("\n".join([title, header, *rows]))
+        self.info("\n".join([title, header, *rows]))
 
     def _batches(self, trainer: pl.Trainer) -> list[Any]:
         loader = trainer.train_dataloader
@@ -235,51 +145,50 @@ class RankPretraining(pl.Callback):
 
     def _features(self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batch: Any) -> dict[str, Tensor]:
         with capture_features(pl_module, layers) as captured:
-            pl_module(_inputs(batch))
+            pl_module(self.reader.inputs(batch))
         return {name: reduce_activations(value, self.reduction) for name, value in captured.items()}
 
     def _measure(
         self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batches: Sequence[Any]
     ) -> dict[str, float]:
-        was_training = pl_module.training
+        """Mean ``r(H)`` of each layer over ``batches``, in training mode, leaving weights and buffers unchanged."""
         buffers = {name: buffer.clone() for name, buffer in pl_module.named_buffers()}
-        pl_module.train()
         totals = dict.fromkeys((layer.name for layer in layers), 0.0)
-        with torch.no_grad():
+        with torch.no_grad(), train_mode(pl_module):
             for batch in batches:
                 for name, features in self._features(pl_module, layers, batch).items():
                     totals[name] += float(participation_ratio(features))
-        with torch.no_grad():
             for name, buffer in pl_module.named_buffers():
                 buffer.copy_(buffers[name])
-        pl_module.train(was_training)
         return {name: total / len(batches) for name, total in totals.items()}
 
     def _ascend(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, target: FeatureLayer, batches: Sequence[Any]
     ) -> None:
-        was_training = pl_module.training
-        pl_module.train()
+        """Daneshmand et al. Alg. 1: ``steps`` ascent steps on ``r(H_target)`` for each batch, in training mode."""
         parameters = [p for p in pl_module.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=self.momentum)
-        with torch.enable_grad():
+        with torch.enable_grad(), train_mode(pl_module):
             for batch in batches:
                 for _ in range(self.steps):
                     optimizer.zero_grad(set_to_none=True)
                     features = self._features(pl_module, [target], batch)[target.name]
                     (-participation_ratio(features)).backward()
-                    grads = [p for p in parameters if p.grad is not None]
-                    if trainer.world_size > 1:
-                        for p in grads:
-                            p.grad = trainer.strategy.reduce(p.grad, reduce_op="mean")
-                    if self.normalize_gradient:
-                        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads]))
-                        if norm > 0:
-                            for p in grads:
-                                p.grad.div_(norm)
+                    self._prepare_gradients(trainer, parameters)
                     optimizer.step()
         pl_module.zero_grad(set_to_none=True)
-        pl_module.train(was_training)
+
+    def _prepare_gradients(self, trainer: pl.Trainer, parameters: Sequence[Tensor]) -> None:
+        """Average the gradients over DDP ranks and, with ``normalize_gradient``, divide them by their global norm."""
+        grads = [p for p in parameters if p.grad is not None]
+        if trainer.world_size > 1:
+            for p in grads:
+                p.grad = trainer.strategy.reduce(p.grad, reduce_op="mean")
+        if self.normalize_gradient:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads]))
+            if norm > 0:
+                for p in grads:
+                    p.grad.div_(norm)
 
     @override
     def state_dict(self) -> dict[str, Any]:

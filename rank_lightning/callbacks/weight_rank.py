@@ -4,34 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import pytorch_lightning as pl
-import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.curves import LayerCurves, wandb_loggers
-from rank_lightning.callbacks.layers import check_layer_types, match_layer_names, match_layer_types, module_blocks
-from rank_lightning.functional import (
-    Spectrum,
-    effective_rank,
-    numerical_rank,
-    singular_values,
-    spectra_from_grams,
-    stable_rank,
-    tail_error,
-    weight_as_matrix,
+from rank_lightning.callbacks.base import CurveMonitor
+from rank_lightning.callbacks.curves import wandb_loggers
+from rank_lightning.functional.reductions import weight_as_matrix
+from rank_lightning.functional.spectral import Spectrum, summarize
+from rank_lightning.functional.weights import DECOMPOSITIONS, weight_spectra
+from rank_lightning.layers import check_layer_types, select_layers
+from rank_lightning.validation import (
+    check_choice,
+    check_choices,
+    check_names,
+    check_positive,
+    check_positive_ints,
 )
 
 __all__ = ["DECOMPOSITIONS", "WEIGHT_METRICS", "WeightRankMonitor"]
 
 WEIGHT_METRICS: tuple[str, ...] = ("numerical_rank", "stable_rank", "effective_rank", "spectral_norm", "tail_error")
-DECOMPOSITIONS: tuple[str, ...] = ("auto", "svd", "gram")
-# With s_min >= 1e-3 s_1 (condition number <= 1e3) the Gram route's relative error eps64 * (s_1 / s_i)^2 / 2 stays
-# below 1e-10 for every singular value.
-_AUTO_CONDITION = 1e-3
+"""Metric families the monitor can log (names of :func:`~rank_lightning.functional.spectral.summarize`)."""
 _TOLERANCE_SIZES = ("min", "max")
 _MONITORED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 
@@ -42,12 +39,6 @@ class _WeightMatrix:
 
     name: str
     read: Callable[[], Tensor]
-
-
-def _svdvals(batch: Tensor, wide: bool) -> list[Tensor]:
-    # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its transpose (conv
-    # kernels are wide: out < in * kh * kw).
-    return list(torch.linalg.svdvals(batch.mT if wide else batch))
 
 
 def _attention_matrices(name: str, attention: nn.MultiheadAttention) -> list[_WeightMatrix]:
@@ -71,7 +62,7 @@ def _matrices_of(name: str, module: nn.Module) -> list[_WeightMatrix]:
     return [_WeightMatrix(name, lambda: module.weight)]
 
 
-class WeightRankMonitor(pl.Callback):
+class WeightRankMonitor(CurveMonitor):
     """Log the numerical, stable and effective rank, spectral norm and tail errors of every layer's weight matrix.
 
     Works with any LightningModule (nothing to inherit) and with both ``pytorch_lightning`` and
@@ -84,21 +75,22 @@ class WeightRankMonitor(pl.Callback):
     * Attention: the query, key and value blocks of the input projection (``<name>.q_proj``, ``<name>.k_proj``,
       ``<name>.v_proj``, each ``(embed_dim, in)``) and the output projection ``<name>.out_proj``.
 
-    Spectra are computed in float64 with one batched decomposition per distinct matrix shape (see
-    ``decomposition``); the metrics come from :mod:`rank_lightning.functional`. Values are computed identically on
-    every rank and logged on every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
+    Spectra are computed in float64 with one batched decomposition per distinct matrix shape
+    (:func:`~rank_lightning.functional.weights.weight_spectra`, see ``decomposition``); the metrics come from
+    :func:`~rank_lightning.functional.spectral.summarize`. Values are computed identically on every rank and logged on
+    every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
 
     Timing: during ``fit``, after validation in every ``every_n_epochs``-th epoch (``(epoch + 1) % every_n_epochs ==
     0``), or at the end of that training epoch when no validation ran. Sanity checks, ``validate`` and ``test`` are
     not monitored. At the end of fit the figures of
-    :class:`~rank_lightning.callbacks.curves.LayerCurves` are written to ``<run dir>/rank_curves/``.
+    :class:`~rank_lightning.callbacks.curves.LayerCurves` are drawn into ``<run dir>/rank_curves/``.
 
     Args:
-        layers: the layers to monitor (syntax of :mod:`rank_lightning.callbacks.layers`): exact names as in
-            ``pl_module.named_modules()``, where a container such as ``"backbone.layer1"`` selects every monitorable
-            layer inside it; block names of ``pl_module.blocks()`` (the package's modules: ``"layer4"``), likewise
-            expanded; glob patterns matched with ``fnmatch`` (``"backbone.layer4.*"``). ``None``: every monitorable
-            layer.
+        layers: the layers to monitor, in the syntax of :func:`~rank_lightning.layers.select_layers`: block names of
+            ``pl_module.blocks()`` (the package's modules: ``"layer4"``), exact names as in
+            ``pl_module.named_modules()``, glob patterns matched with ``fnmatch`` (``"backbone.layer4.*"``). A block
+            or container (``"backbone.layer1"``) selects every monitorable layer inside it. ``None``: every
+            monitorable layer.
         layer_types: keep only layers of these types: classes (``nn.Conv2d``), class names (``"Conv2d"``, matched
             against the class and its bases) or dotted import paths (``"torch.nn.Linear"``). ``None``: all types.
         metrics: metrics to log, among ``WEIGHT_METRICS``.
@@ -108,24 +100,20 @@ class WeightRankMonitor(pl.Callback):
             (Feng et al. eq. 4).
         tolerance_size: ``K`` of the default tolerance: ``"min"`` (``min(out, in)``, Feng) or ``"max"`` (NumPy,
             WeightWatcher).
-        decomposition: how spectra are computed, in float64 either way. ``"svd"``: ``torch.linalg.svdvals``,
-            exact to rounding. ``"gram"``: eigenvalues of the smaller Gram matrix, ``W W^T`` or ``W^T W``
-            (:func:`~rank_lightning.functional.spectra_from_grams`), 1.5-1.8x faster on a CPU. Squaring the matrix
-            leaves an absolute error of at most about ``sqrt(eps_float64) * s_1 = 1.5e-8 * s_1`` on any singular
-            value (relative error about ``eps_float64 * (s_1 / s_i)^2``): values above ``1e-4 * s_1`` keep 8 digits,
-            values below ``1e-7 * s_1`` lose their relative accuracy. That is far below the default numerical-rank
-            tolerance ``finfo(float32).eps * K * s_1``, but not below a tiny ``rank_tolerance``, and tail errors
-            under about ``1e-6`` lose digits. ``"auto"`` (default): for weights stored in float32 or narrower the
-            Gram route, with an exact SVD for every matrix whose ``s_min < 1e-3 * s_1`` (where the Gram route's
-            relative error would exceed ``1e-10``), so that every singular value is accurate to about ``1e-10``
-            relative; ``"svd"`` for float64 weights.
+        decomposition: how spectra are computed, in float64 either way (error bounds in
+            :func:`~rank_lightning.functional.weights.weight_spectra`). ``"svd"``: ``torch.linalg.svdvals``, exact to
+            rounding (within a few ``eps_float64 * s_1``). ``"gram"``: eigenvalues of the smaller Gram matrix,
+            ``W W^T`` or ``W^T W``, 1.5-1.8x faster on a CPU; absolute error up to about ``1.5e-8 * s_1`` on any
+            singular value, far below the default numerical-rank tolerance but not below a tiny ``rank_tolerance``,
+            and tail errors under about ``1e-6`` lose digits. ``"auto"`` (default): for weights stored in float32 or
+            narrower the Gram route, with an exact SVD for every matrix whose ``s_min < 1e-3 * s_1``, so that every
+            singular value is accurate to about ``1e-10`` relative; ``"svd"`` for float64 weights.
         save_singular_values: also keep every monitored spectrum: one ``.npz`` per monitored epoch in
             ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (one array per layer) and, with a
             ``WandbLogger``, one histogram per layer.
-        figures_every_epoch: rewrite the PNG figures after every monitored epoch, not only at the end of fit.
-        background_figures: draw the figures on a background thread, so that ``fit`` does not wait for them
-            (:func:`~rank_lightning.callbacks.curves.wait_for_figures` waits); ``False`` draws them in ``on_fit_end``.
-        verbose: print the monitored layers (rank zero) at setup.
+        figures_every_n_epochs: also draw the PNG figures after every this many monitored epochs; ``None`` draws
+            them at the end of fit only.
+        verbose: report the monitored matrices (rank zero) at setup.
 
     Raises:
         ValueError: at construction for an invalid setting, at setup for a layer or layer type that does not match
@@ -142,7 +130,8 @@ class WeightRankMonitor(pl.Callback):
 
     Logged metrics:
         For every monitored matrix ``<layer>`` (module name, or ``<attention>.q_proj`` / ``.k_proj`` / ``.v_proj``
-        / ``.out_proj``) and the selected metrics:
+        / ``.out_proj``) and the selected metrics (key names from
+        :meth:`~rank_lightning.functional.spectral.SpectralSummary.as_dict`):
 
         * ``weight/<layer>/numerical_rank``: ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4).
         * ``weight/<layer>/stable_rank``: ``sum_i s_i^2 / s_1^2``.
@@ -169,45 +158,28 @@ class WeightRankMonitor(pl.Callback):
         tolerance_size: Literal["min", "max"] = "min",
         decomposition: Literal["auto", "svd", "gram"] = "auto",
         save_singular_values: bool = False,
-        figures_every_epoch: bool = False,
-        background_figures: bool = True,
+        figures_every_n_epochs: int | None = None,
         verbose: bool = True,
     ) -> None:
-        super().__init__()
-        if layers is not None:
-            layers = [layers] if isinstance(layers, str) else list(layers)
-            if not layers or not all(isinstance(name, str) and name for name in layers):
-                raise ValueError(f"layers must be None or a non-empty list of non-empty strings, got {layers!r}")
-        self.layers = layers
+        super().__init__(
+            "weight",
+            every_n_epochs=every_n_epochs,
+            on_validate=False,
+            figures_every_n_epochs=figures_every_n_epochs,
+            verbose=verbose,
+        )
+        self.layers = check_names("layers", layers)
         self.layer_types = None if layer_types is None else check_layer_types(layer_types)
-        metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-        unknown = [m for m in metrics if m not in WEIGHT_METRICS]
-        if unknown or not metrics:
-            raise ValueError(f"unknown metrics {unknown or metrics!r}; valid choices are {WEIGHT_METRICS}")
-        self.metrics = tuple(metrics)
-        tail_ranks = tuple(tail_ranks)
-        if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in tail_ranks):
-            raise ValueError(f"tail_ranks must be positive integers, got {tail_ranks!r}")
+        self.metrics = check_choices("metrics", metrics, WEIGHT_METRICS)
+        tail_ranks = check_positive_ints("tail_ranks", tail_ranks, allow_empty=True)
         if "tail_error" in self.metrics and not tail_ranks:
             raise ValueError("metric 'tail_error' needs at least one k in tail_ranks")
         self.tail_ranks = tuple(sorted(set(tail_ranks)))
-        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs must be a positive integer, got {every_n_epochs!r}")
-        self.every_n_epochs = every_n_epochs
-        if rank_tolerance is not None and not rank_tolerance > 0:
-            raise ValueError(f"rank_tolerance must be positive or None, got {rank_tolerance!r}")
+        check_positive("rank_tolerance", rank_tolerance, allow_none=True)
         self.rank_tolerance = rank_tolerance
-        if tolerance_size not in _TOLERANCE_SIZES:
-            raise ValueError(f"unknown tolerance_size {tolerance_size!r}; valid choices are {_TOLERANCE_SIZES}")
-        self.tolerance_size = tolerance_size
-        if decomposition not in DECOMPOSITIONS:
-            raise ValueError(f"unknown decomposition {decomposition!r}; valid choices are {DECOMPOSITIONS}")
-        self.decomposition = decomposition
+        self.tolerance_size = check_choice("tolerance_size", tolerance_size, _TOLERANCE_SIZES)
+        self.decomposition = check_choice("decomposition", decomposition, DECOMPOSITIONS)
         self.save_singular_values = save_singular_values
-        self.verbose = verbose
-        self.curves = LayerCurves(
-            "weight", figures_every_epoch=figures_every_epoch, background_figures=background_figures
-        )
         self._matrices: list[_WeightMatrix] = []
         self._resolved_for: int | None = None
         self._last_monitored_epoch: int | None = None
@@ -215,12 +187,11 @@ class WeightRankMonitor(pl.Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(layers=self.layers, layer_types=self._type_names())
-
-    def _type_names(self) -> list[str] | None:
-        if self.layer_types is None:
-            return None
-        return [t if isinstance(t, str) else t.__name__ for t in self.layer_types]
+        layers = None if self.layers is None else list(self.layers)
+        types = (
+            None if self.layer_types is None else [t if isinstance(t, str) else t.__name__ for t in self.layer_types]
+        )
+        return self._generate_state_key(layers=layers, layer_types=types)
 
     @property
     def monitored(self) -> list[str]:
@@ -233,40 +204,28 @@ class WeightRankMonitor(pl.Callback):
         Raises:
             ValueError: a name, pattern or type that matches no monitorable layer; the message lists the valid ones.
         """
-        modules = dict(module.named_modules())
-        candidates = {name: m for name, m in modules.items() if name and isinstance(m, _MONITORED_TYPES)}
+        candidates = {name: m for name, m in module.named_modules() if name and isinstance(m, _MONITORED_TYPES)}
         if not candidates:
             raise ValueError(f"{type(module).__name__} has no Linear, Conv or MultiheadAttention layer to monitor")
-        chosen = list(candidates)
-        if self.layers is not None:
-            chosen = match_layer_names(module, self.layers, candidates, blocks=module_blocks(module))
-            chosen = self._expand(chosen, candidates)
-        if self.layer_types is not None:
-            chosen = match_layer_types(chosen, modules, self.layer_types)
+        chosen = select_layers(
+            module,
+            self.layers,
+            self.layer_types,
+            candidates=candidates,
+            default=lambda _: {name: name for name in candidates},
+            leaves=True,
+        )
         matrices: dict[str, _WeightMatrix] = {}
-        for name in chosen:
-            for matrix in _matrices_of(name, candidates[name]):
+        for path in chosen.values():
+            for matrix in _matrices_of(path, candidates[path]):
                 # An attention's out_proj is also a Linear of its own; keep it once.
                 matrices.setdefault(matrix.name, matrix)
         self._matrices = list(matrices.values())
         self._resolved_for = id(module)
         return self.monitored
 
-    def _expand(self, names: list[str], candidates: dict[str, nn.Module]) -> list[str]:
-        # A block name resolves to its container path; its weights are the monitorable layers inside it.
-        selected: set[str] = set()
-        for name in names:
-            inside = [name] if name in candidates else [c for c in candidates if c.startswith(name + ".")]
-            if not inside:
-                raise ValueError(
-                    f"layer {name!r} holds no Linear, Conv or MultiheadAttention layer; layers are: "
-                    f"{', '.join(candidates)}"
-                )
-            selected.update(inside)
-        return [name for name in candidates if name in selected]
-
     def spectra(self, module: nn.Module) -> dict[str, Spectrum]:
-        """Float64 spectra of the monitored matrices of ``module``, one batched SVD per distinct shape.
+        """Float64 spectra of the monitored matrices of ``module``, one batched decomposition per distinct shape.
 
         Args:
             module: the model; layers are resolved against it first if they were not yet.
@@ -277,41 +236,8 @@ class WeightRankMonitor(pl.Callback):
         """
         if self._resolved_for != id(module):
             self.select(module)
-        groups: dict[tuple[tuple[int, ...], torch.device], list[tuple[str, Tensor]]] = {}
-        with torch.no_grad():
-            for matrix in self._matrices:
-                weight = weight_as_matrix(matrix.read().detach())
-                # MPS has no float64; every other device decomposes where the weights live.
-                device = torch.device("cpu") if weight.device.type == "mps" else weight.device
-                groups.setdefault((tuple(weight.shape), device), []).append((matrix.name, weight))
-            result: dict[str, Spectrum] = {}
-            for (shape, device), members in groups.items():
-                exact = self.decomposition == "svd" or (
-                    self.decomposition == "auto" and any(w.dtype == torch.float64 for _, w in members)
-                )
-                batch = torch.stack([w.to(device=device, dtype=torch.float64) for _, w in members])
-                finite = torch.isfinite(batch).flatten(1).all(dim=1)
-                # LAPACK fails on non-finite input; decompose zeros there and mark the result NaN.
-                batch = torch.where(finite[:, None, None], batch, 0.0)
-                rows, cols = shape
-                wide = rows < cols
-                if exact:
-                    values = _svdvals(batch, wide)
-                else:
-                    # W W^T is the feature Gram of W^T: the smaller Gram gives the same singular values.
-                    grams = batch @ batch.mT if wide else batch.mT @ batch
-                    values = [spec.singular_values for spec in spectra_from_grams(grams, [max(shape)] * len(members))]
-                    if self.decomposition == "auto":
-                        # Where s_min < 1e-3 s_1 the Gram route is no longer accurate to 1e-10 relative: exact SVD.
-                        ill = [i for i, v in enumerate(values) if v[-1] < _AUTO_CONDITION * v[0]]
-                        if ill:
-                            redone = _svdvals(batch.index_select(0, torch.tensor(ill, device=batch.device)), wide)
-                            for i, v in zip(ill, redone):
-                                values[i] = v
-                    values = [v.cpu() for v in values]
-                for (name, _), row, ok in zip(members, values, finite.tolist()):
-                    result[name] = Spectrum(row if ok else torch.full_like(row, torch.nan), rows, cols)
-        return {name: result[name] for name in self.monitored}
+        weights = [weight_as_matrix(matrix.read().detach()) for matrix in self._matrices]
+        return dict(zip(self.monitored, weight_spectra(weights, decomposition=self.decomposition)))
 
     def measure(self, module: nn.Module) -> dict[str, dict[str, float]]:
         """Compute the configured metrics of every monitored matrix of ``module``.
@@ -322,33 +248,30 @@ class WeightRankMonitor(pl.Callback):
         return {name: self._metrics_of(spec) for name, spec in self.spectra(module).items()}
 
     def _metrics_of(self, spec: Spectrum) -> dict[str, float]:
-        values: dict[str, float] = {}
-        for metric in self.metrics:
-            if metric == "numerical_rank":
-                values[metric] = float(numerical_rank(spec, eps=self.rank_tolerance, size=self.tolerance_size))
-            elif metric == "stable_rank":
-                values[metric] = float(stable_rank(spec))
-            elif metric == "effective_rank":
-                values[metric] = float(effective_rank(spec))
-            elif metric == "spectral_norm":
-                values[metric] = float(singular_values(spec)[0])
-            else:
-                for k in self.tail_ranks:
-                    values[f"tail_error_k{k}"] = float(tail_error(spec, k))
-        return values
+        summary = summarize(
+            spec,
+            rank_tolerance=self.rank_tolerance,
+            tolerance_size=self.tolerance_size,
+            variance_ratio_ks=(),
+            tail_ranks=self.tail_ranks if "tail_error" in self.metrics else (),
+        )
+        return summary.as_dict(self.metrics)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.select(pl_module)
-        if self.verbose and trainer.is_global_zero:
-            print(f"WeightRankMonitor: monitoring {len(names)} weight matrices: {', '.join(names)}")
+        self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
 
-    def _due(self, trainer: pl.Trainer) -> bool:
-        return (
-            not trainer.sanity_checking
-            and getattr(trainer.state, "fn", None) == "fit"
-            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
-        )
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.due(trainer):
+            self._monitor(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation runs before the training epoch ends; monitor here only when it did not run this epoch.
+        if self.due(trainer) and self._last_monitored_epoch != trainer.current_epoch:
+            self._monitor(trainer, pl_module)
 
     def _monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         spectra = self.spectra(pl_module)
@@ -356,29 +279,6 @@ class WeightRankMonitor(pl.Callback):
         self._last_monitored_epoch = trainer.current_epoch
         if self.save_singular_values and trainer.is_global_zero:
             self._save_singular_values(trainer, spectra)
-
-    @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._due(trainer):
-            self._monitor(trainer, pl_module)
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Validation runs before the training epoch ends; monitor here only when it did not run this epoch.
-        if self._due(trainer) and self._last_monitored_epoch != trainer.current_epoch:
-            self._monitor(trainer, pl_module)
-
-    @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.curves.finish(trainer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"curves": self.curves.state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.curves.load_state_dict(state_dict["curves"])
 
     def _save_singular_values(self, trainer: pl.Trainer, spectra: dict[str, Spectrum]) -> None:
         arrays = {name: spec.singular_values.numpy() for name, spec in spectra.items()}

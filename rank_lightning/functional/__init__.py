@@ -19,6 +19,8 @@ from rank_lightning.functional.jacobian import (
 from rank_lightning.functional.nystrom import exact_projection, nystrom_projection, rank_projection
 from rank_lightning.functional.reductions import reduce_activations, weight_as_matrix
 from rank_lightning.functional.spectral import (
+    SPECTRAL_METRICS,
+    SpectralSummary,
     Spectrum,
     classwise_variance_ratio,
     default_rank_tolerance,
@@ -28,28 +30,43 @@ from rank_lightning.functional.spectral import (
     singular_values,
     soft_rank,
     spectra_from_grams,
+    spectral_metric_keys,
     spectrum,
     spectrum_from_gram,
     stable_rank,
+    summarize,
     tail_error,
     total_cluster_variation,
     total_cluster_variation_from_moments,
     variance_ratio,
+)
+from rank_lightning.functional.streaming import (
+    channel_gram_moments,
+    count_sketch,
+    merge_subsamples,
+    row_moments,
+    subsample_update,
 )
 from rank_lightning.functional.theory import (
     gaussian_product_log_singular_ratio,
     gaussian_product_numerical_rank,
     gaussian_product_singular_ratio,
 )
+from rank_lightning.functional.weights import DECOMPOSITIONS, weight_spectra
 
 __all__ = [
+    "DECOMPOSITIONS",
+    "SPECTRAL_METRICS",
     "ClassificationDimension",
     "PartialJacobianRank",
     "Patch",
+    "SpectralSummary",
     "Spectrum",
     "capture_block_outputs",
+    "channel_gram_moments",
     "classification_dimension",
     "classwise_variance_ratio",
+    "count_sketch",
     "default_patch_size",
     "default_rank_tolerance",
     "effective_rank",
@@ -60,6 +77,7 @@ __all__ = [
     "independence_deficit",
     "independence_deficit_markdown",
     "low_dimensional_accuracy",
+    "merge_subsamples",
     "numerical_rank",
     "nystrom_projection",
     "partial_jacobian",
@@ -68,15 +86,20 @@ __all__ = [
     "participation_ratio",
     "rank_projection",
     "reduce_activations",
+    "row_moments",
     "singular_values",
     "soft_rank",
     "spectra_from_grams",
+    "spectral_metric_keys",
     "spectrum",
     "spectrum_from_gram",
     "stable_rank",
+    "subsample_update",
+    "summarize",
     "tail_error",
     "total_cluster_variation",
     "total_cluster_variation_from_moments",
     "variance_ratio",
     "weight_as_matrix",
+    "weight_spectra",
 ]

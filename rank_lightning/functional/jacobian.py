@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rank_lightning.functional.spectral import numerical_rank
+from rank_lightning.layers import eval_mode as switch_to_eval
 
 __all__ = [
     "PartialJacobianRank",
@@ -239,8 +240,8 @@ def partial_jacobian_rank(
     inputs: Tensor,
     patch: Patch | Tensor | None = None,
     *,
-    eps: float | None = None,
-    size: Literal["min", "max"] = "min",
+    rank_tolerance: float | None = None,
+    tolerance_size: Literal["min", "max"] = "min",
     chunk_size: int | None = None,
 ) -> PartialJacobianRank | dict[str, PartialJacobianRank]:
     """Numerical rank of the partial Jacobian ``d fn(x) / d x_P`` at each of a few inputs (Feng et al. eq. 5).
@@ -249,9 +250,9 @@ def partial_jacobian_rank(
         fn: maps a batch of one input to a tensor or a dict of tensors (see :func:`partial_jacobian`).
         inputs: ``(B, ...)`` a few inputs; one Jacobian per row.
         patch: the patch ``P`` (see :func:`partial_jacobian`).
-        eps: relative tolerance of :func:`~rank_lightning.functional.spectral.numerical_rank`; ``None`` takes the
-            default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``size="max"``).
-        size: ``"min"`` (Feng et al.: the number of singular values) or ``"max"`` dimension of ``J_P``.
+        rank_tolerance: relative tolerance of :func:`~rank_lightning.functional.spectral.numerical_rank`; ``None``
+            takes the default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``tolerance_size="max"``).
+        tolerance_size: ``"min"`` (Feng et al.: the number of singular values) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
 
     Returns:
@@ -267,7 +268,9 @@ def partial_jacobian_rank(
             jacobian = partial_jacobian(fn, x, patch, chunk_size=chunk_size)
         named = jacobian if isinstance(jacobian, dict) else {None: jacobian}
         for name, matrix in named.items():
-            per_input.setdefault(name, []).append(numerical_rank(matrix, eps=eps, size=size))
+            per_input.setdefault(name, []).append(
+                numerical_rank(matrix, rank_tolerance=rank_tolerance, tolerance_size=tolerance_size)
+            )
             shapes[name] = tuple(matrix.shape)
     results = {
         name: PartialJacobianRank(torch.stack(ranks), num_outputs=shapes[name][0], num_directions=shapes[name][1])
@@ -364,27 +367,16 @@ def capture_block_outputs(
     return fn
 
 
-@contextmanager
-def _eval_mode(model: nn.Module, switch: bool) -> Iterator[None]:
-    """Run in eval mode and restore every submodule's own training flag, or check that no BatchNorm trains."""
-    if not switch:
-        training_bn = [
-            name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-        ]
-        if training_bn:
-            raise ValueError(
-                f"BatchNorm layers {training_bn} are in training mode: their output depends on the whole batch and "
-                "vmap cannot update running statistics; call model.eval() or pass eval_mode=True"
-            )
-        yield
-        return
-    flags = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, flag in flags.items():
-            module.training = flag
+def _check_no_training_batchnorm(model: nn.Module) -> None:
+    """Raise when a BatchNorm of ``model`` is in training mode (its output would depend on the whole batch)."""
+    training_bn = [
+        name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+    if training_bn:
+        raise ValueError(
+            f"BatchNorm layers {training_bn} are in training mode: their output depends on the whole batch and "
+            "vmap cannot update running statistics; call model.eval() or pass eval_mode=True"
+        )
 
 
 def partial_jacobian_ranks(
@@ -393,8 +385,8 @@ def partial_jacobian_ranks(
     layers: Mapping[str, str | nn.Module] | Sequence[str] | None = None,
     patch: Patch | Tensor | None = None,
     *,
-    eps: float | None = None,
-    size: Literal["min", "max"] = "min",
+    rank_tolerance: float | None = None,
+    tolerance_size: Literal["min", "max"] = "min",
     chunk_size: int | None = None,
     eval_mode: bool = True,
 ) -> dict[str, PartialJacobianRank]:
@@ -414,8 +406,9 @@ def partial_jacobian_ranks(
         inputs: ``(B, C, H, W)`` (or ``(B, ...)``) a few inputs.
         layers: blocks to measure (see :func:`capture_block_outputs`); ``None`` takes ``model.blocks()``.
         patch: the patch ``P`` (see :func:`partial_jacobian`); default: central, :func:`default_patch_size`.
-        eps: relative tolerance of the numerical rank; ``None`` takes ``finfo(float32).eps * min(num_outputs, K)``.
-        size: ``K`` of the default tolerance: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P``.
+        rank_tolerance: relative tolerance of the numerical rank; ``None`` takes
+            ``finfo(float32).eps * min(num_outputs, K)``.
+        tolerance_size: ``K`` of the default tolerance: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
         eval_mode: switch the model to eval mode temporarily (True) or require it (False).
 
@@ -423,6 +416,10 @@ def partial_jacobian_ranks(
         ``{block name: PartialJacobianRank}`` ordered like ``layers``.
     """
     fn = capture_block_outputs(model, layers)
-    with _eval_mode(model, eval_mode):
-        result = partial_jacobian_rank(fn, inputs, patch, eps=eps, size=size, chunk_size=chunk_size)
+    if not eval_mode:
+        _check_no_training_batchnorm(model)
+    with switch_to_eval(model) if eval_mode else nullcontext():
+        result = partial_jacobian_rank(
+            fn, inputs, patch, rank_tolerance=rank_tolerance, tolerance_size=tolerance_size, chunk_size=chunk_size
+        )
     return cast(dict[str, PartialJacobianRank], result)

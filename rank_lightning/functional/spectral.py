@@ -10,6 +10,11 @@ Conventions for inputs without a meaningful answer:
   from it is NaN. Nothing raises, so a monitor never stops training.
 * All-zero input: every rank-like metric (numerical, soft, participation ratio, stable, effective) is 0; ratios that are
   0/0 (variance ratio, tail error, normalised total cluster variation) are NaN.
+
+:func:`summarize` computes every metric of one spectrum at once into a :class:`SpectralSummary`, whose
+:meth:`SpectralSummary.as_dict` is the one place where metric families become logged key names
+(``variance_ratio_<k>``, ``tail_error_k<k>``): the activation monitor, the weight monitor and the run report all go
+through it.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from rank_lightning.functional.reductions import weight_as_matrix
+from rank_lightning.validation import check_choice, check_positive, check_positive_ints
 
 __all__ = [
+    "SPECTRAL_METRICS",
+    "SpectralSummary",
     "Spectrum",
     "classwise_variance_ratio",
     "default_rank_tolerance",
@@ -35,9 +43,11 @@ __all__ = [
     "singular_values",
     "soft_rank",
     "spectra_from_grams",
+    "spectral_metric_keys",
     "spectrum",
     "spectrum_from_gram",
     "stable_rank",
+    "summarize",
     "tail_error",
     "total_cluster_variation",
     "total_cluster_variation_from_moments",
@@ -247,24 +257,25 @@ def _gram_singular_values(gram: Tensor) -> Tensor:
     return torch.linalg.eigvalsh(gram).flip(-1).clamp_min(0).sqrt()
 
 
-def default_rank_tolerance(num_samples: int, num_features: int, *, size: Literal["min", "max"] = "min") -> float:
+def default_rank_tolerance(
+    num_samples: int, num_features: int, *, tolerance_size: Literal["min", "max"] = "min"
+) -> float:
     """Relative tolerance of the numerical rank: ``finfo(float32).eps * K`` (Feng et al. eq. 4, Sec. 4.3).
 
     Feng et al. take ``K = min(N, d)``, the number of singular values (the default); NumPy's ``matrix_rank`` and
-    WeightWatcher take ``K = max(N, d)`` (``size="max"``). The float32 epsilon is used whatever dtype the data had, so
-    the rank does not depend on the precision the decomposition ran in.
+    WeightWatcher take ``K = max(N, d)`` (``tolerance_size="max"``). The float32 epsilon is used whatever dtype the
+    data had, so the rank does not depend on the precision the decomposition ran in.
 
     Args:
         num_samples: N.
         num_features: d.
-        size: ``"min"`` or ``"max"``, which dimension is ``K``.
+        tolerance_size: ``"min"`` or ``"max"``, which dimension is ``K``.
 
     Returns:
         The tolerance ``eps``; a singular value counts when ``s_i >= eps * s_1``.
     """
-    if size not in _SIZE_CHOICES:
-        raise ValueError(f"unknown size {size!r}; valid choices are {_SIZE_CHOICES}")
-    k = min(num_samples, num_features) if size == "min" else max(num_samples, num_features)
+    check_choice("tolerance_size", tolerance_size, _SIZE_CHOICES)
+    k = min(num_samples, num_features) if tolerance_size == "min" else max(num_samples, num_features)
     return float(torch.finfo(torch.float32).eps) * k
 
 
@@ -300,16 +311,17 @@ def singular_values(x: Tensor | Spectrum, *, center: bool | None = None) -> Tens
 def numerical_rank(
     x: Tensor | Spectrum,
     *,
-    eps: float | None = None,
-    size: Literal["min", "max"] = "min",
+    rank_tolerance: float | None = None,
+    tolerance_size: Literal["min", "max"] = "min",
     center: bool | None = None,
 ) -> Tensor:
-    """Numerical rank ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4).
+    """Numerical rank ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4), ``eps`` being the rank tolerance.
 
     Args:
         x: (N, d) matrix or precomputed spectrum.
-        eps: relative tolerance; ``None`` uses :func:`default_rank_tolerance` with ``size``.
-        size: ``K`` of the default tolerance, ``min(N, d)`` (Feng) or ``max(N, d)`` (NumPy).
+        rank_tolerance: relative tolerance ``eps``; ``None`` uses :func:`default_rank_tolerance` with
+            ``tolerance_size``.
+        tolerance_size: ``K`` of the default tolerance, ``min(N, d)`` (Feng) or ``max(N, d)`` (NumPy).
         center: subtract column means first (only for a matrix; ``None`` means no).
 
     Returns:
@@ -320,10 +332,12 @@ def numerical_rank(
     s = spec.singular_values
     if not spec.is_finite:
         return _nan_scalar(s.device)
-    if eps is None:
-        eps = default_rank_tolerance(spec.num_samples, spec.num_features, size=size)
-    elif size not in _SIZE_CHOICES:
-        raise ValueError(f"unknown size {size!r}; valid choices are {_SIZE_CHOICES}")
+    check_choice("tolerance_size", tolerance_size, _SIZE_CHOICES)
+    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
+    if rank_tolerance is None:
+        eps = default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=tolerance_size)
+    else:
+        eps = rank_tolerance
     # "> 0" keeps the rank of the zero matrix at 0 (with s_1 = 0 every s_i >= eps * s_1).
     return ((s >= eps * s[0]) & (s > 0)).sum()
 
@@ -589,3 +603,126 @@ def tail_error(w: Tensor | Spectrum, k: int | None = None) -> Tensor:
     if k is None:
         return (torch.cat([tails[1:], tails.new_zeros(1)]) / total).sqrt()
     return (tails[k] / total).sqrt() if k < tails.shape[0] else (tails.new_zeros(()) / total).sqrt()
+
+
+# -- every metric of one spectrum, and their logged names -----------------------------------------------------------
+
+SPECTRAL_METRICS: tuple[str, ...] = (
+    "numerical_rank",
+    "soft_rank",
+    "participation_ratio",
+    "stable_rank",
+    "effective_rank",
+    "variance_ratio",
+    "spectral_norm",
+    "tail_error",
+)
+"""Metric families of :class:`SpectralSummary`; ``variance_ratio`` and ``tail_error`` expand to one key per ``k``."""
+
+
+def spectral_metric_keys(
+    metrics: Sequence[str], *, variance_ratio_ks: Sequence[int] = (), tail_ranks: Sequence[int] = ()
+) -> list[str]:
+    """The logged key names of the metric families ``metrics``, in that order.
+
+    ``variance_ratio`` expands to ``variance_ratio_<k>`` for every ``k`` in ``variance_ratio_ks``, ``tail_error`` to
+    ``tail_error_k<k>`` for every ``k`` in ``tail_ranks``; the other families are their own key.
+    """
+    keys: list[str] = []
+    for metric in metrics:
+        if metric == "variance_ratio":
+            keys.extend(f"variance_ratio_{k}" for k in variance_ratio_ks)
+        elif metric == "tail_error":
+            keys.extend(f"tail_error_k{k}" for k in tail_ranks)
+        else:
+            keys.append(metric)
+    return keys
+
+
+@dataclass
+class SpectralSummary:
+    """Every scalar spectral metric of one spectrum (one decomposition).
+
+    Attributes:
+        spectrum: the singular values and the shape they came from.
+        numerical_rank: ``#{s_i >= eps * s_1}`` (Feng et al. eq. 4).
+        soft_rank: ``#{s_i^2 / N >= tau}`` (Daneshmand et al. eq. 3).
+        participation_ratio: ``r(H) = (sum s^2)^2 / sum s^4`` (Daneshmand et al. eq. 4).
+        stable_rank: ``sum s^2 / s_1^2``.
+        effective_rank: ``exp(H(s / sum s))`` (Roy & Vetterli).
+        spectral_norm: ``s_1``.
+        variance_ratio: ``{k: VR_k}`` at the configured ``k`` (Sanyal et al. eq. 7).
+        variance_ratio_curve: ``[VR_1, ..., VR_K]``.
+        tail_error: ``{k: sqrt(sum_{i>k} s_i^2 / sum_i s_i^2)}`` at the configured ``k`` (Zangrando et al. eq. 22).
+    """
+
+    spectrum: Spectrum
+    numerical_rank: Tensor
+    soft_rank: Tensor
+    participation_ratio: Tensor
+    stable_rank: Tensor
+    effective_rank: Tensor
+    spectral_norm: Tensor
+    variance_ratio: dict[int, Tensor] = field(default_factory=dict)
+    variance_ratio_curve: Tensor | None = None
+    tail_error: dict[int, Tensor] = field(default_factory=dict)
+
+    def as_dict(self, metrics: Sequence[str] | None = None, prefix: str = "") -> dict[str, float]:
+        """Scalars as Python floats, keyed as :func:`spectral_metric_keys` names them.
+
+        Args:
+            metrics: metric families to include, in this order; ``None`` for every family but ``spectral_norm`` and
+                ``tail_error`` (the activation metrics).
+            prefix: prepended to every key (``"centered_"``).
+        """
+        metrics = SPECTRAL_METRICS[:6] if metrics is None else metrics
+        out: dict[str, float] = {}
+        for metric in metrics:
+            if metric == "variance_ratio":
+                out.update({f"{prefix}variance_ratio_{k}": float(v) for k, v in self.variance_ratio.items()})
+            elif metric == "tail_error":
+                out.update({f"{prefix}tail_error_k{k}": float(v) for k, v in self.tail_error.items()})
+            else:
+                name = check_choice("metric", metric, SPECTRAL_METRICS)
+                out[f"{prefix}{name}"] = float(getattr(self, name))
+        return out
+
+
+def summarize(
+    spec: Spectrum,
+    *,
+    rank_tolerance: float | None = None,
+    tolerance_size: Literal["min", "max"] = "min",
+    soft_rank_tau: float = 0.5,
+    variance_ratio_ks: Sequence[int] = (1, 10),
+    tail_ranks: Sequence[int] = (),
+) -> SpectralSummary:
+    """Every metric of :data:`SPECTRAL_METRICS` of one spectrum.
+
+    Args:
+        spec: the spectrum (a NaN spectrum gives NaN metrics).
+        rank_tolerance: relative tolerance ``eps`` of the numerical rank; ``None`` for
+            :func:`~rank_lightning.functional.default_rank_tolerance` (``finfo(float32).eps * K``, Feng et al. eq. 4).
+        tolerance_size: ``K`` of the default tolerance: ``"min"`` (Feng) or ``"max"`` (NumPy, WeightWatcher) of the
+            matrix's two sizes.
+        soft_rank_tau: threshold of the soft rank.
+        variance_ratio_ks: the ``k`` of the ``VR_k`` scalars.
+        tail_ranks: the ``k`` of the tail errors.
+    """
+    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
+    check_choice("tolerance_size", tolerance_size, ("min", "max"))
+    check_positive("soft_rank_tau", soft_rank_tau)
+    check_positive_ints("variance_ratio_ks", variance_ratio_ks, allow_empty=True)
+    check_positive_ints("tail_ranks", tail_ranks, allow_empty=True)
+    return SpectralSummary(
+        spectrum=spec,
+        numerical_rank=numerical_rank(spec, rank_tolerance=rank_tolerance, tolerance_size=tolerance_size),
+        soft_rank=soft_rank(spec, tau=soft_rank_tau),
+        participation_ratio=participation_ratio(spec),
+        stable_rank=stable_rank(spec),
+        effective_rank=effective_rank(spec),
+        spectral_norm=singular_values(spec)[0],
+        variance_ratio={k: variance_ratio(spec, k) for k in variance_ratio_ks},
+        variance_ratio_curve=variance_ratio(spec),
+        tail_error={k: tail_error(spec, k) for k in tail_ranks},
+    )

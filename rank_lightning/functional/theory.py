@@ -18,6 +18,7 @@ from scipy.special import digamma
 from torch import Tensor
 
 from rank_lightning.functional.spectral import default_rank_tolerance
+from rank_lightning.validation import check_positive
 
 __all__ = [
     "gaussian_product_log_singular_ratio",
@@ -73,7 +74,7 @@ def gaussian_product_singular_ratio(n: int, k: int | Tensor | np.ndarray | None 
     return gaussian_product_log_singular_ratio(n, k, depth).exp()
 
 
-def gaussian_product_numerical_rank(n: int, depth: float, *, eps: float | None = None) -> int:
+def gaussian_product_numerical_rank(n: int, depth: float, *, rank_tolerance: float | None = None) -> int:
     """Predicted numerical rank of a product of ``depth`` Gaussian ``n x n`` matrices (Feng et al. Theorem 5).
 
     The number of ``k`` whose predicted ratio ``s_k / s_1`` reaches the tolerance, ``#{k : s_k / s_1 >= eps}``
@@ -82,13 +83,12 @@ def gaussian_product_numerical_rank(n: int, depth: float, *, eps: float | None =
     Args:
         n: width of the square matrices.
         depth: number of factors ``L``.
-        eps: relative tolerance; ``None`` takes the default of the numerical rank, ``finfo(float32).eps * n``.
+        rank_tolerance: relative tolerance ``eps``; ``None`` takes the default of the numerical rank,
+            ``finfo(float32).eps * n``.
 
     Returns:
         The predicted rank, between 1 and ``n``.
     """
-    if eps is None:
-        eps = default_rank_tolerance(n, n)
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
+    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
+    eps = default_rank_tolerance(n, n) if rank_tolerance is None else rank_tolerance
     return int((gaussian_product_log_singular_ratio(n, None, depth) >= np.log(eps)).sum())

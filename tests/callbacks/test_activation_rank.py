@@ -13,8 +13,7 @@ from pytorch_lightning.loggers import CSVLogger, WandbLogger
 from torch import nn
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
-from rank_lightning.callbacks.activation_rank import default_layers
-from rank_lightning.callbacks.curves import FIGURE_DIR, wait_for_figures
+from rank_lightning.callbacks.curves import FIGURE_DIR
 from rank_lightning.data.digits import DigitsDataModule
 from rank_lightning.functional import (
     classwise_variance_ratio,
@@ -27,6 +26,7 @@ from rank_lightning.functional import (
     total_cluster_variation,
     variance_ratio,
 )
+from rank_lightning.layers import default_layers
 from tests.callbacks.wandb_helpers import offline_run_history
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -229,7 +229,7 @@ def _lightning_plain_model():
 
 
 @pytest.mark.parametrize("flavour", ["pytorch_lightning", "lightning.pytorch"])
-def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, capsys, flavour):
+def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, callback_messages, flavour):
     torch.manual_seed(0)
     model, trainer_cls = (_PlainModel(), pl.Trainer) if flavour == "pytorch_lightning" else _lightning_plain_model()
     x, y = _gaussian(48, 8, seed=1, classes=3)
@@ -238,7 +238,7 @@ def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, capsys,
     trainer = _trainer(tmp_path, [monitor, weights], trainer_cls=trainer_cls, max_epochs=2)
     trainer.fit(model, _loader(x, y), _loader(x, y))
 
-    printed = capsys.readouterr().out
+    printed = "\n".join(callback_messages)
     assert "ActivationRankMonitor: monitoring 2 layers (default choice" in printed
     assert "no class metrics (num_classes unknown): net.1, net.3" in printed
     assert "WeightRankMonitor: monitoring 3 weight matrices: net.0, net.2, net.4" in printed
@@ -254,7 +254,6 @@ def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, capsys,
         f"weight/net.{i}/stable_rank" for i in (0, 2, 4)
     }
     directory = tmp_path / FIGURE_DIR
-    wait_for_figures()
     for figure in ("rank_numerical_rank.png", "rank_participation_ratio.png", "weight_stable_rank.png"):
         assert (directory / figure).read_bytes()[:8] == PNG_MAGIC
     curves = json.loads((directory / "rank_curves.json").read_text())
@@ -422,7 +421,6 @@ def test_offline_wandb_run_holds_the_rank_keys_and_charts(tmp_path, monkeypatch)
     assert json.loads(history["rank_curves/layers/_type"][0]) == "table-file"
     directory = tmp_path / "rank" / run_id / FIGURE_DIR
     assert json.loads((directory / "rank_curves.json").read_text())["layers"] == ["conv", "hidden"]
-    wait_for_figures()
     assert (directory / "rank_channel_numerical_rank.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -464,16 +462,16 @@ def test_block_names_of_package_modules_are_accepted_and_logged_by_short_name():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"stage": "test"}, r"unknown stage 'test'; stages are: val, train"),
-        ({"conv_reduction": "token"}, r"unknown conv_reduction 'token'; valid choices are \('flatten', 'channel'"),
-        ({"token_reduction": "channel"}, r"unknown token_reduction 'channel'; valid choices are \('flatten', 'token'"),
-        ({"metrics": ["rank"]}, r"unknown metrics \['rank'\]; valid choices are \('numerical_rank'"),
+        ({"stage": "test"}, r"unknown stage 'test'; valid choices are: val, train"),
+        ({"conv_reduction": "token"}, r"unknown conv_reduction 'token'; valid choices are: flatten, channel"),
+        ({"token_reduction": "channel"}, r"unknown token_reduction 'channel'; valid choices are: flatten, token"),
+        ({"metrics": ["rank"]}, r"unknown metrics \['rank'\]; valid choices are: numerical_rank"),
         ({"every_n_epochs": 0}, "every_n_epochs must be a positive integer, got 0"),
         ({"max_samples": 0}, "max_samples must be a positive integer or None, got 0"),
         ({"layers": []}, "layers must be None or a non-empty list"),
-        ({"soft_rank_tau": 0.0}, "soft_rank_tau must be positive, got 0.0"),
+        ({"soft_rank_tau": 0.0}, r"soft_rank_tau must be a positive number, got 0\.0"),
         ({"variance_ratio_ks": [0]}, r"variance_ratio_ks must be positive integers, got \(0,\)"),
-        ({"rank_eps": -1e-3}, "rank_eps must be positive or None, got -0.001"),
+        ({"rank_tolerance": -1e-3}, "rank_tolerance must be a positive number or None, got -0.001"),
         ({"layer_types": ["torch.nn.Nope"]}, "layer type 'torch.nn.Nope' cannot be imported"),
     ],
 )

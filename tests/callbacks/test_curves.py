@@ -1,7 +1,7 @@
 import csv
 import json
 import math
-import time
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +11,15 @@ import torch
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from torch import nn
 
-from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, run_directory, wait_for_figures, wandb_loggers
+from rank_lightning.callbacks import curves as curves_module
+from rank_lightning.callbacks.curves import (
+    FIGURE_DIR,
+    LayerCurves,
+    read_curve_file,
+    run_directory,
+    wandb_loggers,
+    write_curve_file,
+)
 
 
 class _Net(pl.LightningModule):
@@ -132,7 +140,6 @@ def test_logs_records_and_draws_during_fit_with_csv_logger(tmp_path):
     content = json.loads((directory / "test_curves.json").read_text())
     assert content["layers"] == ["z_first", "a_second"]
     assert content["history"]["1"]["a_second"]["m"] == 21.0
-    wait_for_figures()
     assert {p.name for p in directory.glob("*.png")} == {"test_m.png", "test_odd_name.png"}
     assert all(p.stat().st_size > 1000 for p in directory.glob("*.png"))
 
@@ -153,17 +160,16 @@ def test_resumed_run_continues_its_curves(tmp_path):
 @pytest.mark.parametrize("with_tensorboard", [False, True], ids=["no_logger", "tensorboard"])
 def test_figures_go_to_the_run_directory(tmp_path, with_tensorboard):
     callback = _EpochCurves()
-    callback.curves.figures_every_epoch = True
+    callback.curves.figures_every_n_epochs = 1
     logger = TensorBoardLogger(tmp_path, name="tb") if with_tensorboard else False
     _trainer(tmp_path, callback, logger=logger, max_epochs=1).fit(_Net(), _loader(), _loader())
     directory = (tmp_path / "tb" / "version_0" if with_tensorboard else tmp_path) / FIGURE_DIR
-    wait_for_figures()
     assert (directory / "test_m.png").is_file()
     assert json.loads((directory / "test_curves.json").read_text())["history"]["0"]["z_first"]["m"] == 10.0
 
 
-def _recorded_curves(background: bool) -> LayerCurves:
-    curves = LayerCurves("test", background_figures=background)
+def _recorded_curves(**options) -> LayerCurves:
+    curves = LayerCurves("test", **options)
     for epoch in range(3):
         curves.record(epoch, {"first": {"m": float(epoch)}, "second": {"m": 2.0 * epoch}})
     return curves
@@ -173,39 +179,56 @@ def _rank_zero(tmp_path: Path) -> SimpleNamespace:
     return SimpleNamespace(is_global_zero=True, loggers=[], default_root_dir=str(tmp_path))
 
 
-def test_background_figures_draw_a_snapshot_and_inline_figures_are_done_on_return(tmp_path, monkeypatch):
-    inline = _recorded_curves(background=False)
-    [path] = inline.write_figures(_rank_zero(tmp_path / "inline"))
+def test_figures_are_written_before_write_figures_returns_and_nothing_is_left_running(tmp_path):
+    threads = threading.active_count()
+    [path] = _recorded_curves().write_figures(_rank_zero(tmp_path))
+    assert path == tmp_path / FIGURE_DIR / "test_m.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert threading.active_count() == threads
 
+
+def test_figures_follow_their_cadence(tmp_path, monkeypatch):
     drawn: list[list[int]] = []
-    original = LayerCurves._draw
+    original = curves_module.layer_curves_figure
 
-    def slow_draw(self, metric):
-        time.sleep(0.3)
-        drawn.append(self.epochs)
-        return original(self, metric)
+    def counting(namespace, metric, layers, history, **kwargs):
+        drawn.append(sorted(history))
+        return original(namespace, metric, layers, history, **kwargs)
 
-    monkeypatch.setattr(LayerCurves, "_draw", slow_draw)
-    curves = _recorded_curves(background=True)
-    [path] = curves.write_figures(_rank_zero(tmp_path / "background"))
-    # The training loop goes on (and records more) while the figure is drawn from the copy taken at the call.
-    curves.record(3, {"first": {"m": 3.0}, "second": {"m": 6.0}})
-    assert not path.exists()
-    assert wait_for_figures(timeout=60)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert drawn == [[0, 1, 2]]
+    monkeypatch.setattr(curves_module, "layer_curves_figure", counting)
+    curves = LayerCurves("test", figures_every_n_epochs=2, wandb_charts=False)
+    trainer = SimpleNamespace(
+        is_global_zero=True, loggers=[], default_root_dir=str(tmp_path), sanity_checking=False, current_epoch=0
+    )
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    for epoch in range(5):
+        trainer.current_epoch = epoch
+        curves.record_and_log(trainer, module, {"first": {"m": float(epoch)}})
+    assert drawn == [[0, 1], [0, 1, 2, 3]]
+    curves.finish(trainer)
+    assert drawn[-1] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="figures_every_n_epochs must be a positive integer or None, got 0"):
+        LayerCurves("test", figures_every_n_epochs=0)
 
 
-def test_a_failing_background_figure_warns_and_never_raises(tmp_path, monkeypatch):
-    def broken_draw(self, metric):
+def test_a_failing_figure_warns_and_never_raises(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
         raise RuntimeError("no fonts")
 
-    monkeypatch.setattr(LayerCurves, "_draw", broken_draw)
-    curves = _recorded_curves(background=True)
-    with pytest.warns(RuntimeWarning, match=r"drawing the 'test' figures failed.*no fonts.*test_curves.json"):
-        curves.write_figures(_rank_zero(tmp_path))
-        assert wait_for_figures(timeout=60)
+    monkeypatch.setattr(curves_module, "layer_curves_figure", broken)
+    with pytest.warns(RuntimeWarning, match=r"drawing 'test' 'm' failed.*no fonts.*test_curves.json"):
+        assert _recorded_curves().write_figures(_rank_zero(tmp_path)) == []
+
+
+def test_the_curve_file_reader_returns_what_the_writer_wrote(tmp_path):
+    history = {0: {"a": {"m": 1.5, "n": math.nan}}, 10: {"a": {"m": math.inf}, "b": {"m": -2.0}}}
+    path = tmp_path / "deeper" / "x_curves.json"
+    write_curve_file(path, "x", ["a", "b"], ["m", "n"], history)
+    content = read_curve_file(path)
+    assert (content["namespace"], content["layers"], content["metrics"]) == ("x", ["a", "b"], ["m", "n"])
+    assert list(content["history"]) == [0, 10]
+    assert content["history"][10] == {"a": {"m": math.inf}, "b": {"m": -2.0}}
+    assert content["history"][0]["a"]["m"] == 1.5 and math.isnan(content["history"][0]["a"]["n"])
 
 
 def test_wandb_charts_are_sent_every_n_epochs_and_once_more_at_the_end(tmp_path):
@@ -220,7 +243,7 @@ def test_wandb_charts_are_sent_every_n_epochs_and_once_more_at_the_end(tmp_path)
             assert "test_curves/m_vs_epoch" in metrics and "test_curves/m_vs_depth" in metrics
             self.steps.append(step)
 
-    curves = LayerCurves("test", wandb_charts_every_n_epochs=3, background_figures=False)
+    curves = LayerCurves("test", wandb_charts_every_n_epochs=3)
     logger = WandbLogger(tmp_path)
     trainer = SimpleNamespace(is_global_zero=True, loggers=[logger], sanity_checking=False, current_epoch=0)
     module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)

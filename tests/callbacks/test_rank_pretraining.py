@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import RankPretraining
-from rank_lightning.callbacks.rank_pretraining import FeatureLayer, select_feature_layer
+from rank_lightning.layers import FeatureLayer, feature_layer
 from rank_lightning.models import create_model
 from tests.callbacks.recording_logger import RecordingLogger
 
@@ -129,14 +129,38 @@ class _NoBlocks(nn.Module):
 
 
 def test_layer_selection() -> None:
-    assert select_feature_layer(_NoBlocks()) == FeatureLayer("fc_input", "fc", "input")
-    assert select_feature_layer(_NoBlocks(), "body.2") == FeatureLayer("body.2", "body.2", "output")
+    assert feature_layer(_NoBlocks()) == FeatureLayer("fc_input", "fc", "input")
+    assert feature_layer(_NoBlocks(), "body.2") == FeatureLayer("body.2", "body.2", "output")
     module = _Classifier(create_model("mlp", input_shape=(4,), num_classes=2, depth=2, width=8))
-    assert select_feature_layer(module) == FeatureLayer("layer2", "backbone.layers.1", "output")
-    assert select_feature_layer(module, "layer1") == FeatureLayer("layer1", "backbone.layers.0", "output")
-    message = "unknown layer 'layer9'; blocks are: layer1, layer2; submodules are: backbone"
+    assert feature_layer(module) == FeatureLayer("layer2", "backbone.layers.1", "output")
+    assert feature_layer(module, "layer1") == FeatureLayer("layer1", "backbone.layers.0", "output")
+    message = "unknown layer 'layer9'; layers are: layer1, layer2, backbone, backbone.flatten, backbone.layers,"
     with pytest.raises(ValueError, match=message):
-        select_feature_layer(module, "layer9")
+        feature_layer(module, "layer9")
+
+
+class _Modes(pl.Callback):
+    """Records every submodule's training flag in ``on_train_start``; with ``freeze``, first freezes a BatchNorm."""
+
+    def __init__(self, freeze: bool = False) -> None:
+        self.freeze = freeze
+        self.modes: dict[str, bool] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.freeze:
+            pl_module.backbone.layers[0].norm.eval()
+        self.modes = {name: module.training for name, module in pl_module.named_modules()}
+
+
+def test_pretraining_leaves_every_submodule_mode_as_it_was() -> None:
+    torch.manual_seed(0)
+    backbone = create_model("mlp", input_shape=(16,), num_classes=3, depth=2, width=16, batch_norm=True)
+    before, after = _Modes(freeze=True), _Modes()
+    callback = RankPretraining(num_batches=2, steps=2)
+    _fit(_Classifier(backbone), [before, callback, after], _gaussian_loader(2, 32, 16, 3))
+    assert callback.done
+    assert before.modes[""] and not before.modes["backbone.layers.0.norm"]
+    assert after.modes == before.modes
 
 
 def test_pretraining_without_blocks_uses_the_input_of_the_last_linear_layer() -> None:

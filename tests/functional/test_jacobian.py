@@ -136,6 +136,23 @@ def test_block_ranks_from_one_pass_match_reverse_mode_per_block():
     assert (bn_jacobian < 0).any()
 
 
+def test_eval_switch_restores_mixed_training_flags_and_keeps_running_statistics():
+    model = _small_cnn().train()
+    model[4].eval()  # a frozen BatchNorm inside a training model must stay frozen
+    flags = [m.training for m in model.modules()]
+    running = model[1].running_mean.clone()
+    inputs = torch.randn(2, 3, 12, 12)
+    switched = partial_jacobian_ranks(model, inputs, ["5"])
+    assert [m.training for m in model.modules()] == flags
+    torch.testing.assert_close(model[1].running_mean, running, rtol=0, atol=0)
+    # Without the switch, a training model whose BatchNorms all use their statistics is measured as it is.
+    model[1].eval()
+    flags = [m.training for m in model.modules()]
+    kept = partial_jacobian_ranks(model, inputs, ["5"], eval_mode=False)
+    assert [m.training for m in model.modules()] == flags
+    assert kept["5"].ranks.tolist() == switched["5"].ranks.tolist()
+
+
 def test_chunked_directions_give_the_same_jacobian():
     model = _small_cnn().eval()
     x = torch.randn(3, 12, 12)

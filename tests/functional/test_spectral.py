@@ -66,9 +66,9 @@ def test_spectrum_from_gram_errors() -> None:
 def test_default_rank_tolerance() -> None:
     eps32 = np.finfo(np.float32).eps
     assert F.default_rank_tolerance(100, 30) == pytest.approx(eps32 * 30)
-    assert F.default_rank_tolerance(100, 30, size="max") == pytest.approx(eps32 * 100)
+    assert F.default_rank_tolerance(100, 30, tolerance_size="max") == pytest.approx(eps32 * 100)
     with pytest.raises(ValueError, match="valid choices"):
-        F.default_rank_tolerance(100, 30, size="median")
+        F.default_rank_tolerance(100, 30, tolerance_size="median")
 
 
 @pytest.mark.parametrize("rank", [1, 3, 10])
@@ -88,10 +88,10 @@ def test_numerical_rank_tolerance_options() -> None:
     s = np.array([1.0, 1e-3, 4e-6, 1e-8])
     x = _with_singular_values(50, 20, s)
     assert int(F.numerical_rank(x)) == 3  # eps = 1.19e-7 * 20 = 2.4e-6
-    assert int(F.numerical_rank(x, size="max")) == 2  # eps = 1.19e-7 * 50 = 6e-6
-    assert int(F.numerical_rank(x, eps=1e-6)) == 3
-    assert int(F.numerical_rank(x, eps=1e-9)) == 4
-    assert int(F.numerical_rank(F.spectrum(x), eps=1e-2)) == 1
+    assert int(F.numerical_rank(x, tolerance_size="max")) == 2  # eps = 1.19e-7 * 50 = 6e-6
+    assert int(F.numerical_rank(x, rank_tolerance=1e-6)) == 3
+    assert int(F.numerical_rank(x, rank_tolerance=1e-9)) == 4
+    assert int(F.numerical_rank(F.spectrum(x), rank_tolerance=1e-2)) == 1
 
 
 def test_soft_rank_counts_second_moment_eigenvalues() -> None:

@@ -81,7 +81,7 @@ def test_predicted_numerical_rank_counts_ratios_above_the_tolerance():
     assert ranks[0] == 128
     assert ranks == sorted(ranks, reverse=True) and ranks[-1] < ranks[2]
     assert gaussian_product_numerical_rank(128, 10**6) == 1
-    assert gaussian_product_numerical_rank(16, 30, eps=0.5) == int(
+    assert gaussian_product_numerical_rank(16, 30, rank_tolerance=0.5) == int(
         (gaussian_product_log_singular_ratio(16, depth=30) >= math.log(0.5)).sum()
     )
 
@@ -91,5 +91,5 @@ def test_bad_arguments_are_rejected():
         gaussian_product_singular_ratio(8, 9)
     with pytest.raises(ValueError, match="n must be a positive integer"):
         gaussian_product_singular_ratio(0)
-    with pytest.raises(ValueError, match="eps must be positive"):
-        gaussian_product_numerical_rank(8, 3, eps=0.0)
+    with pytest.raises(ValueError, match="rank_tolerance must be a positive number"):
+        gaussian_product_numerical_rank(8, 3, rank_tolerance=0.0)

@@ -9,7 +9,9 @@ import torch.multiprocessing as mp
 from sklearn.decomposition import PCA
 
 import rank_lightning.functional as F
-from rank_lightning.metrics import ActivationSpectrum, ActivationSpectrumResult
+import rank_lightning.metrics
+from rank_lightning.functional.spectral import SpectralSummary
+from rank_lightning.metrics import ACTIVATION_METRICS, ActivationSpectrum, ActivationSpectrumResult
 from tests.metrics.ddp_helpers import DDP_CONFIGS, clustered_data, ddp_results, ddp_worker
 
 
@@ -164,7 +166,7 @@ def test_sample_gram_subsample_is_uniform_and_bounded() -> None:
     x[:, 0] = torch.arange(n, dtype=torch.float64)
     metric = ActivationSpectrum(max_gram_features=32, max_samples=cap, seed=1)
     _stream(metric, x, None, [100] * 30)
-    rows, _ = metric._subsample()
+    rows = metric._subsample().rows
     ids = rows[:, 0].long()
     assert rows.shape == (cap, d)
     assert ids.unique().numel() == cap
@@ -306,7 +308,7 @@ def test_labels_are_validated_and_ignored_without_classes() -> None:
         ({"reduction": "pool"}, "valid choices"),
         ({"center": "yes"}, "valid choices"),
         ({"fallback": "svd"}, "valid choices"),
-        ({"rank_tolerance_size": "mid"}, "valid choices"),
+        ({"tolerance_size": "mid"}, "valid choices"),
         ({"num_classes": 0}, "num_classes"),
         ({"variance_ratio_ks": (0, 2)}, "variance_ratio_ks"),
         ({"max_samples": 0}, "max_samples"),
@@ -340,9 +342,9 @@ def test_tcv_is_not_reported_when_some_rows_lack_labels():
     assert result.total_cluster_variation is None
 
 
-def test_rank_eps_must_be_positive():
-    with pytest.raises(ValueError, match="rank_eps must be positive"):
-        ActivationSpectrum(rank_eps=-1.0)
+def test_rank_tolerance_must_be_positive():
+    with pytest.raises(ValueError, match=r"rank_tolerance must be a positive number or None, got -1\.0"):
+        ActivationSpectrum(rank_tolerance=-1.0)
 
 
 def test_labelled_and_unlabelled_batches_share_one_exact_gram() -> None:
@@ -402,3 +404,117 @@ def test_channel_reduction_matches_rows_on_both_accumulation_routes(shape: tuple
     broken.update(poisoned, labels)
     with pytest.warns(RuntimeWarning, match="NaN or Inf"):
         assert math.isnan(float(broken.compute().uncentered.numerical_rank))
+
+
+def _callback_values(result: ActivationSpectrumResult, metrics: tuple, centered: bool, per_class: bool) -> dict:
+    """The scalars the activation monitor logged before the result named its own keys (prefix parsing included)."""
+    summary = result.centered if centered else result.uncentered
+    scalars = summary.as_dict() if summary is not None else {}
+    values = {}
+    for name in metrics:
+        if name == "variance_ratio":
+            values.update({k: v for k, v in scalars.items() if k.startswith("variance_ratio_")})
+        elif name == "tcv" and result.total_cluster_variation is not None:
+            values["tcv"] = float(result.total_cluster_variation)
+        elif name == "tcv_normalized" and result.total_cluster_variation_normalized is not None:
+            values["tcv_normalized"] = float(result.total_cluster_variation_normalized)
+        elif name == "classwise_variance_ratio" and result.classwise_variance_ratio is not None:
+            ratios = result.classwise_variance_ratio
+            key = f"classwise_variance_ratio_{result.classwise_k}"
+            present = ratios[~ratios.isnan()]
+            values[f"{key}_mean"] = float(present.mean()) if present.numel() else math.nan
+            if per_class:
+                values.update({f"{key}_class_{c}": float(v) for c, v in enumerate(ratios)})
+        elif name in scalars:
+            values[name] = scalars[name]
+    return values
+
+
+def test_scalars_key_names_and_values() -> None:
+    x, y = clustered_data(n=200, d=12)
+    y = y.clamp_max(2)  # class 3 never appears: its ratio is NaN and the mean skips it
+    metric = ActivationSpectrum(num_classes=4, center="both", variance_ratio_ks=(1, 3), classwise_k=2)
+    metric.update(x, y)
+    result = metric.compute()
+    scalars = result.scalars()
+    assert list(scalars) == [
+        "numerical_rank",
+        "soft_rank",
+        "participation_ratio",
+        "stable_rank",
+        "effective_rank",
+        "variance_ratio_1",
+        "variance_ratio_3",
+        "tcv",
+        "tcv_normalized",
+        "classwise_variance_ratio_2_mean",
+    ]
+    assert all(isinstance(v, float) for v in scalars.values())
+    assert scalars["variance_ratio_3"] == float(result.uncentered.variance_ratio[3])
+    assert scalars["tcv_normalized"] == float(result.total_cluster_variation_normalized)
+    per_class = F.classwise_variance_ratio(x, y, k=2, num_classes=4).numpy()
+    assert math.isnan(per_class[3])
+    assert scalars["classwise_variance_ratio_2_mean"] == pytest.approx(per_class[:3].mean(), rel=1e-10)
+    centred = result.scalars(("stable_rank", "classwise_variance_ratio", "tcv"), centered=True, per_class=True)
+    assert list(centred) == ["stable_rank", "classwise_variance_ratio_2_mean"] + [
+        f"classwise_variance_ratio_2_class_{c}" for c in range(4)
+    ] + ["tcv"]
+    assert centred["stable_rank"] == float(result.centered.stable_rank) != scalars["stable_rank"]
+    assert math.isnan(centred["classwise_variance_ratio_2_class_3"])
+    assert result.scalars("soft_rank") == {"soft_rank": float(result.uncentered.soft_rank)}
+
+
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("per_class", [False, True])
+def test_scalars_give_what_the_activation_monitor_logged(centered: bool, per_class: bool) -> None:
+    x, y = clustered_data(n=150, d=10)
+    configs = (
+        {"num_classes": 4, "center": "both"},
+        {"num_classes": 4, "center": centered},
+        {"num_classes": 4, "center": not centered},  # the spectrum asked for is missing: no spectral keys
+        {"center": "both"},
+        {"num_classes": 4, "max_gram_features": 8, "max_samples": 64, "center": "both"},
+        {"num_classes": 4, "classwise": False, "center": "both"},
+    )
+    orders = (ACTIVATION_METRICS, ACTIVATION_METRICS[::-1], ("tcv", "variance_ratio", "classwise_variance_ratio"))
+    for kwargs in configs:
+        metric = ActivationSpectrum(**kwargs)
+        metric.update(x, y)
+        result = metric.compute()
+        for metrics in orders:
+            expected = _callback_values(result, metrics, centered, per_class)
+            actual = result.scalars(metrics, centered=centered, per_class=per_class)
+            assert list(actual) == list(expected), (kwargs, metrics)
+            np.testing.assert_array_equal(list(actual.values()), list(expected.values()))
+
+
+def test_scalars_of_an_empty_result_and_unknown_metrics() -> None:
+    empty = ActivationSpectrum(num_classes=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The ``compute`` method", category=UserWarning)
+        with pytest.warns(RuntimeWarning, match="no activations were streamed"):
+            result = empty.compute()
+    scalars = result.scalars(per_class=True)
+    assert "classwise_variance_ratio_1_mean" in scalars and "classwise_variance_ratio_1_class_2" in scalars
+    assert all(math.isnan(v) for v in scalars.values())
+    with pytest.raises(ValueError, match=r"unknown metrics \['rank'\]; valid choices are: numerical_rank, soft_rank"):
+        result.scalars(("numerical_rank", "rank"))
+    with pytest.raises(ValueError, match=r"metrics names \['tcv'\] more than once"):
+        result.scalars(("tcv", "tcv"))
+
+
+def test_as_dict_is_every_scalar_of_both_spectra() -> None:
+    x, y = clustered_data(n=100, d=8)
+    metric = ActivationSpectrum(num_classes=4, center="both", variance_ratio_ks=(2,))
+    metric.update(x, y)
+    result = metric.compute()
+    spectral = ACTIVATION_METRICS[:6]
+    expected = dict(result.scalars(spectral))
+    expected.update({f"centered_{k}": v for k, v in result.scalars(spectral, centered=True).items()})
+    expected.update(result.scalars(ACTIVATION_METRICS[6:], per_class=True))
+    assert result.as_dict() == expected
+    assert "centered_variance_ratio_2" in expected and "classwise_variance_ratio_1_class_3" in expected
+    assert (
+        "ACTIVATION_METRICS" in rank_lightning.metrics.__all__ and "SpectralSummary" in rank_lightning.metrics.__all__
+    )
+    assert rank_lightning.metrics.SpectralSummary is SpectralSummary

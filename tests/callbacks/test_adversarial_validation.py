@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.attacks import fgsm, iterative_fgsm, iterative_ll_fgsm
 from rank_lightning.callbacks import AdversarialValidation
-from rank_lightning.callbacks.adversarial import grey_levels
+from rank_lightning.callbacks.adversarial_validation import grey_levels
 from rank_lightning.data import DigitsDataModule
 from rank_lightning.modules import ImageClassifier
 from tests.callbacks.wandb_helpers import offline_run_history
@@ -312,6 +312,76 @@ def test_layer_selection(tmp_path, model):
         )
 
 
+@pytest.mark.parametrize(
+    ("layer", "name", "path"),
+    [
+        ("layer1", "layer1", "backbone.layers.0"),  # a block name
+        ("backbone.layers.0.linear", "backbone.layers.0.linear", "backbone.layers.0.linear"),  # a module path
+        ("*.act", "backbone.layers.0.act", "backbone.layers.0.act"),  # a glob matching one module
+        ("layer?", "backbone.layers.0", "backbone.layers.0"),  # a glob matching one block: named by its path
+    ],
+)
+def test_layer_accepts_the_shared_syntax(tmp_path, model, layer, name, path):
+    callback = AdversarialValidation(layer=layer, verbose=False)
+    callback.setup(_trainer(tmp_path, []), model, "fit")
+    assert (callback.feature_layer.name, callback.feature_layer.path) == (name, path)
+
+
+def test_block_name_and_its_module_path_measure_the_same_layer(tmp_path, model):
+    settings = dict(eps=[8 / 255], attacks=["fgsm"], max_samples=64, verbose=False)
+    by_block = _validate(tmp_path, model, AdversarialValidation(layer="layer?", **settings))
+    by_path = _validate(tmp_path, model, AdversarialValidation(layer="backbone.layers.0", **settings))
+    assert by_block["fgsm/d_adv@8"] > 0
+    assert by_block == by_path
+
+
+class _Backbone(pl.LightningModule):
+    """The classifier's backbone in a module whose validation step reads no batch (any layout is accepted)."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+def test_dict_batches_and_explicit_keys(tmp_path, model):
+    datamodule = _datamodule()
+    inputs, labels = datamodule.val_set.tensors
+    # batch_size=None: the loader yields the prepared batches as they are.
+    as_dicts = DataLoader(
+        [{"image": inputs[i : i + 32], "label": labels[i : i + 32]} for i in (0, 32)], batch_size=None
+    )
+    as_tuples = DataLoader([(labels[i : i + 32], inputs[i : i + 32]) for i in (0, 32)], batch_size=None)
+    settings = dict(eps=[8 / 255], attacks=["fgsm"], max_samples=64, layer="backbone.layers.0", verbose=False)
+    reference = _validate(tmp_path, model, AdversarialValidation(**settings))
+    stats = dict(mean=datamodule.mean, std=datamodule.std)
+    dicts = AdversarialValidation(**settings, **stats)
+    _trainer(tmp_path, [dicts], inference_mode=False).validate(_Backbone(model.backbone), dataloaders=as_dicts)
+    swapped = AdversarialValidation(**settings, **stats, input_key=1, label_key=0)
+    _trainer(tmp_path, [swapped], inference_mode=False).validate(_Backbone(model.backbone), dataloaders=as_tuples)
+    assert dicts.history["validate"][0] == swapped.history["validate"][0] == reference
+    with pytest.raises(ValueError, match=r"cannot find integer class labels at 'y' in a dict batch"):
+        wrong = AdversarialValidation(**settings, **stats, label_key="y")
+        _trainer(tmp_path, [wrong], inference_mode=False).validate(_Backbone(model.backbone), dataloaders=as_dicts)
+
+
+def test_setup_reports_the_resolved_settings(tmp_path, model, callback_messages):
+    AdversarialValidation(eps=["8/255", "2/255"], attacks=["fgsm"], max_samples=64).setup(
+        _trainer(tmp_path, []), model, "fit"
+    )
+    assert callback_messages == [
+        "AdversarialValidation: fgsm at eps 2, 8 (grey levels) on at most 64 samples; "
+        "D_Adv at 'layer1' (backbone.layers.0); pixels in [0, 1]"
+    ]
+    AdversarialValidation(verbose=False).setup(_trainer(tmp_path, []), model, "fit")
+    assert len(callback_messages) == 1
+
+
 class _Plain(pl.LightningModule):
     """A module without ``blocks()`` on pixels in [0, 1]."""
 
@@ -390,8 +460,8 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"attacks": ["pgd"]}, "unknown attacks \\['pgd'\\]; attacks are: fgsm, iter_fgsm, iter_ll_fgsm"),
-        ({"attacks": ["fgsm", "fgsm"]}, "more than once"),
+        ({"attacks": ["pgd"]}, "unknown attacks \\['pgd'\\]; valid choices are: fgsm, iter_fgsm, iter_ll_fgsm"),
+        ({"attacks": ["fgsm", "fgsm"]}, "attacks names \\['fgsm'\\] more than once"),
         ({"eps": [8]}, "did you mean 8/255"),
         ({"eps": [-0.01]}, "in \\[0, 1\\]"),
         ({"eps": ["8/255", 8 / 255]}, "\\['8'\\] .* more than once"),
@@ -400,7 +470,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
         ({"every_n_epochs": 0}, "every_n_epochs must be a positive integer"),
         ({"max_samples": 0}, "max_samples must be a positive integer or None"),
         ({"batch_size": 2.5}, "batch_size must be a positive integer"),
-        ({"alpha": 0.0}, "alpha must be a positive step"),
+        ({"alpha": 0.0}, "alpha must be a positive number, got 0.0"),
         ({"steps": 0}, "steps must be a positive integer or None"),
         ({"mean": [0.5]}, "give both mean and std"),
         ({"mean": [0.5], "std": [0.0]}, "std must be positive"),

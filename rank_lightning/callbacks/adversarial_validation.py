@@ -11,8 +11,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from matplotlib import colormaps
-from matplotlib.figure import Figure
 from torch import Tensor
 from typing_extensions import override
 
@@ -23,9 +21,11 @@ from rank_lightning.attacks import (
     attack,
     l2_dissimilarity,
 )
+from rank_lightning.callbacks.base import Cadence, RankCallback, trainer_fn
 from rank_lightning.callbacks.curves import FIGURE_DIR, run_directory, wandb_loggers
-from rank_lightning.callbacks.layers import match_layer_names, module_blocks
-from rank_lightning.callbacks.rank_pretraining import FeatureLayer, capture_features
+from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
+from rank_lightning.plotting import adversarial_figure, save_figure
+from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
 __all__ = ["AdversarialValidation", "grey_levels"]
 
@@ -60,7 +60,26 @@ def _parse_eps(value: float | str) -> float:
     return eps
 
 
-class AdversarialValidation(pl.Callback):
+def _parse_budgets(eps: Sequence[float | str] | float | str) -> tuple[float, ...]:
+    """The budgets in pixel units, ascending (the curves are drawn in that order), each given once."""
+    values = [_parse_eps(value) for value in ([eps] if isinstance(eps, (str, float, int)) else eps)]
+    if not values:
+        raise ValueError("eps must name at least one budget, e.g. [1/255, 2/255, 4/255, 8/255, 16/255]")
+    labels = [grey_levels(value) for value in values]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"eps values {repeated} (grey levels) appear more than once; give each budget once")
+    return tuple(sorted(values))
+
+
+def _check_pixel_stats(mean: Sequence[float] | None, std: Sequence[float] | None) -> None:
+    if (mean is None) != (std is None):
+        raise ValueError(f"give both mean and std or neither; got mean={mean!r}, std={std!r}")
+    if std is not None and any(value <= 0 for value in std):
+        raise ValueError(f"std must be positive, got {std!r}")
+
+
+class AdversarialValidation(RankCallback):
     """Attack a sample of the validation set with FGSM, Iter-FGSM and Iter-LL-FGSM and log what the attacks did.
 
     Sanyal et al. (Sec. 5.1, Fig. 5) compare models by their misclassification rate under attack against the size of
@@ -68,12 +87,13 @@ class AdversarialValidation(pl.Callback):
     displacement of a layer's features (Sec. 5.1.1). This callback measures all three during validation, so that the
     curves can be followed over training and compared between runs (e.g. with and without LR-Layers).
 
-    When: in the validation of every ``every_n_epochs``-th epoch of ``fit`` (``(epoch + 1) % every_n_epochs == 0``,
-    among the epochs that validate; sanity checks are skipped), in every ``trainer.validate`` run and, with keys under
-    ``adv_test/``, in every ``trainer.test`` run. The first validation dataloader's batches are collected in
-    ``on_validation_batch_end`` (inputs and labels, detached, on the module's device) until ``max_samples`` are held
-    by all processes together (process ``r`` of ``W`` keeps at most ``max_samples // W``, plus one if
-    ``r < max_samples % W``); the attacks run in ``on_validation_epoch_end``, in chunks of ``batch_size``.
+    When (:class:`~rank_lightning.callbacks.base.Cadence`): in the validation of every ``every_n_epochs``-th epoch of
+    ``fit`` (``(epoch + 1) % every_n_epochs == 0``, among the epochs that validate; sanity checks are skipped), in
+    every ``trainer.validate`` run and, with keys under ``adv_test/``, in every ``trainer.test`` run. The first
+    validation dataloader's batches are collected in ``on_validation_batch_end`` (inputs and labels, detached, on the
+    module's device) until ``max_samples`` are held by all processes together (process ``r`` of ``W`` keeps at most
+    ``max_samples // W``, plus one if ``r < max_samples % W``); the attacks run in ``on_validation_epoch_end``, in
+    chunks of ``batch_size``.
 
     Budgets are in pixel units: the attacks un-normalise the inputs with the per-channel ``mean`` and ``std``,
     perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
@@ -107,9 +127,10 @@ class AdversarialValidation(pl.Callback):
         every_n_epochs: attack in every this many epochs of ``fit``.
         max_samples: inputs attacked per evaluation, all processes together; ``None`` for the whole validation set.
         batch_size: inputs attacked at once.
-        layer: layer of ``D_Adv``: a block name of ``pl_module.blocks()`` or a module name of ``named_modules()``
-            (its output is read); ``None`` takes the last block (the features feeding the head) when the module has
-            ``blocks()``, and skips ``D_Adv`` otherwise.
+        layer: layer of ``D_Adv`` (its output is read), in the syntax every callback accepts
+            (:func:`~rank_lightning.layers.select_layers`): a block name of ``pl_module.blocks()``, a module name of
+            ``named_modules()`` or a glob pattern, matching exactly one module; ``None`` takes the last block (the
+            features feeding the head) when the module has ``blocks()``, and skips ``D_Adv`` otherwise.
         alpha: step of the iterative attacks in pixel units (Kurakin et al.: one grey level).
         steps: iterations of the iterative attacks; ``None`` takes ``min(eps + 4, 1.25 eps)`` (eps in grey levels;
             :func:`~rank_lightning.attacks.kurakin_steps`).
@@ -117,9 +138,10 @@ class AdversarialValidation(pl.Callback):
             from ``trainer.datamodule.mean`` / ``.std``, and without such a datamodule the inputs are taken to be
             pixels in [0, 1] already (give ``mean=[0]``, ``std=[1]`` to say so explicitly).
         std: per-channel standard deviation of that normalisation.
-        input_key: where the inputs are in a batch: an index for tuples and lists, a key for mappings.
-        label_key: where the int64 labels are in a batch.
-        verbose: print the settings resolved at setup (rank zero).
+        input_key: where the inputs are in a batch: an index for tuples and lists, a key for mappings; ``None`` for
+            ``batch[0]`` or the usual keys of a dict batch (:class:`~rank_lightning.layers.BatchReader`).
+        label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
+        verbose: report the settings resolved at setup (rank zero, at INFO level).
 
     Raises:
         ValueError: at construction for an invalid setting (the message lists the valid choices); at setup for a
@@ -171,46 +193,24 @@ class AdversarialValidation(pl.Callback):
         steps: int | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
-        input_key: int | str = 0,
-        label_key: int | str = 1,
+        input_key: int | str | None = None,
+        label_key: int | str | None = None,
         verbose: bool = True,
     ) -> None:
-        super().__init__()
-        eps_values = [_parse_eps(value) for value in ([eps] if isinstance(eps, (str, float, int)) else eps)]
-        if not eps_values:
-            raise ValueError("eps must name at least one budget, e.g. [1/255, 2/255, 4/255, 8/255, 16/255]")
-        labels = [grey_levels(value) for value in eps_values]
-        repeated = sorted({label for label in labels if labels.count(label) > 1})
-        if repeated:
-            raise ValueError(f"eps values {repeated} (grey levels) appear more than once; give each budget once")
-        attacks = [attacks] if isinstance(attacks, str) else list(attacks)
-        unknown = [name for name in attacks if name not in ATTACKS]
-        if unknown or not attacks:
-            raise ValueError(f"unknown attacks {unknown or attacks!r}; attacks are: {', '.join(ATTACKS)}")
-        if len(set(attacks)) != len(attacks):
-            raise ValueError(f"attacks {attacks!r} name an attack more than once; attacks are: {', '.join(ATTACKS)}")
-        for name, value in (("every_n_epochs", every_n_epochs), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if max_samples is not None and (
-            isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
-        ):
-            raise ValueError(f"max_samples must be a positive integer or None, got {max_samples!r}")
-        if not (math.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"alpha must be a positive step in pixel units (1/255 for one grey level), got {alpha!r}")
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"steps must be a positive integer or None (Kurakin's default), got {steps!r}")
-        if (mean is None) != (std is None):
-            raise ValueError(f"give both mean and std or neither; got mean={mean!r}, std={std!r}")
-        if std is not None and any(value <= 0 for value in std):
-            raise ValueError(f"std must be positive, got {std!r}")
+        super().__init__(verbose=verbose)
+        self.eps = _parse_budgets(eps)
+        self.attacks = check_choices("attacks", attacks, ATTACKS)
+        check_positive_int("every_n_epochs", every_n_epochs)
+        check_positive_int("max_samples", max_samples, allow_none=True)
+        check_positive_int("batch_size", batch_size)
+        check_positive("alpha", alpha)
+        check_positive_int("steps", steps, allow_none=True)
+        _check_pixel_stats(mean, std)
+        # One module, not a list: check_names would accept several.
         if layer is not None and (not isinstance(layer, str) or not layer):
             raise ValueError(f"layer must be None or a non-empty block or module name, got {layer!r}")
-        # Ascending budgets draw the curves in order.
-        order = sorted(range(len(eps_values)), key=eps_values.__getitem__)
-        self.eps = tuple(eps_values[i] for i in order)
-        self.attacks = tuple(attacks)
         self.every_n_epochs = every_n_epochs
+        self.cadence = Cadence(every_n_epochs, on_validate=True, on_test=True)
         self.max_samples = max_samples
         self.batch_size = batch_size
         self.layer = layer
@@ -218,9 +218,7 @@ class AdversarialValidation(pl.Callback):
         self.steps = steps
         self.mean = None if mean is None else tuple(float(v) for v in mean)
         self.std = None if std is None else tuple(float(v) for v in std)
-        self.input_key = input_key
-        self.label_key = label_key
-        self.verbose = verbose
+        self.reader = BatchReader(input_key, label_key)
         self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
         self._feature_layer: FeatureLayer | None = None
         self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
@@ -250,32 +248,16 @@ class AdversarialValidation(pl.Callback):
                 f"AdversarialValidation needs input gradients, but trainer.{stage}() runs under "
                 f"torch.inference_mode, where none can be taken; {_INFERENCE_MODE_HELP}"
             )
-        self._feature_layer = self._resolve_layer(pl_module)
+        self._feature_layer = feature_layer(pl_module, self.layer, required=False)
         self._pixel_stats = self._resolve_pixel_stats(trainer)
-        if self.verbose and trainer.is_global_zero:
-            layer = self._feature_layer
-            where = "not measured" if layer is None else f"at {layer.name!r} ({layer.path})"
-            stats = "pixels in [0, 1]" if self._pixel_stats is None else f"mean/std {self._pixel_stats}"
-            samples = "all samples" if self.max_samples is None else f"at most {self.max_samples} samples"
-            print(
-                f"AdversarialValidation: {', '.join(self.attacks)} at eps "
-                f"{', '.join(grey_levels(e) for e in self.eps)} (grey levels) on {samples}; D_Adv {where}; {stats}"
-            )
-
-    def _resolve_layer(self, pl_module: pl.LightningModule) -> FeatureLayer | None:
-        blocks = module_blocks(pl_module) or {}
-        if self.layer is None:
-            if not blocks:
-                return None
-            name, path = list(blocks.items())[-1]
-            return FeatureLayer(name, path)
-        candidates = {name: module for name, module in pl_module.named_modules() if name}
-        paths = match_layer_names(pl_module, [self.layer], candidates, blocks=blocks, expand_containers=False)
-        if len(paths) != 1:
-            raise ValueError(
-                f"layer {self.layer!r} matches {len(paths)} modules ({', '.join(paths)}); name exactly one"
-            )
-        return FeatureLayer(self.layer, paths[0])
+        layer = self._feature_layer
+        where = "not measured" if layer is None else f"at {layer.name!r} ({layer.path})"
+        stats = "pixels in [0, 1]" if self._pixel_stats is None else f"mean/std {self._pixel_stats}"
+        samples = "all samples" if self.max_samples is None else f"at most {self.max_samples} samples"
+        self.info(
+            f"{', '.join(self.attacks)} at eps {', '.join(grey_levels(e) for e in self.eps)} (grey levels) "
+            f"on {samples}; D_Adv {where}; {stats}"
+        )
 
     def _resolve_pixel_stats(self, trainer: pl.Trainer) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         if self.mean is not None and self.std is not None:
@@ -288,18 +270,10 @@ class AdversarialValidation(pl.Callback):
 
     # -- when ------------------------------------------------------------------------------------------------------
 
-    def _due(self, trainer: pl.Trainer) -> str | None:
-        if trainer.sanity_checking:
-            return None
-        fn = getattr(trainer.state, "fn", None)
-        if fn in ("validate", "test"):
-            return str(fn.value if hasattr(fn, "value") else fn)
-        if fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            return "validate"
-        return None
-
     def _start(self, trainer: pl.Trainer) -> None:
-        self._active = self._due(trainer)
+        self._active = None
+        if self.cadence.due(trainer):
+            self._active = "test" if trainer_fn(trainer) == "test" else "validate"
         self._inputs, self._labels = [], []
         world, rank = max(trainer.world_size, 1), trainer.global_rank
         if self.max_samples is None:
@@ -310,7 +284,7 @@ class AdversarialValidation(pl.Callback):
     def _collect(self, batch: Any, dataloader_idx: int) -> None:
         if self._active is None or dataloader_idx != 0 or self._remaining == 0:
             return
-        inputs, labels = self._split(batch)
+        inputs, labels = self.reader.split(batch)
         take = inputs.shape[0] if self._remaining < 0 else min(inputs.shape[0], self._remaining)
         self._inputs.append(inputs[:take].detach().clone())
         self._labels.append(labels[:take].detach().clone())
@@ -368,22 +342,6 @@ class AdversarialValidation(pl.Callback):
 
     # -- what ------------------------------------------------------------------------------------------------------
 
-    def _split(self, batch: Any) -> tuple[Tensor, Tensor]:
-        try:
-            inputs, labels = batch[self.input_key], batch[self.label_key]
-        except (KeyError, IndexError, TypeError) as error:
-            kind = f"keys {list(batch)}" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
-            raise ValueError(
-                f"cannot read inputs at {self.input_key!r} and labels at {self.label_key!r} from a batch with {kind}; "
-                "set input_key and label_key"
-            ) from error
-        if not isinstance(inputs, Tensor) or not isinstance(labels, Tensor) or labels.is_floating_point():
-            raise ValueError(
-                f"expected an input tensor at {self.input_key!r} and integer labels at {self.label_key!r}; got "
-                f"{type(inputs).__name__} and {getattr(labels, 'dtype', type(labels).__name__)}"
-            )
-        return inputs, labels
-
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stage, self._active = self._active, None
         if stage is None:
@@ -411,13 +369,12 @@ class AdversarialValidation(pl.Callback):
         """Sums of this process, float64: ``[n, correct, ||f(x_d)||^2 of the correct ones, then per attack and eps:
         correct, L2 dissimilarity, ||f(x_a) - f(x_d)||^2 of the samples correct before the attack]``."""
         sums = torch.zeros(3 + 3 * len(self.attacks) * len(self.eps), dtype=torch.float64, device=pl_module.device)
-        if inputs is None:
+        if inputs is None or labels is None:
             return sums
-        layers = [] if self._feature_layer is None else [self._feature_layer]
         mean, std = self._pixel_stats if self._pixel_stats is not None else (None, None)
         for start in range(0, inputs.shape[0], self.batch_size):
             x, y = inputs[start : start + self.batch_size], labels[start : start + self.batch_size]
-            clean_logits, clean_features = self._forward(pl_module, x, layers)
+            clean_logits, clean_features = self._forward(pl_module, x)
             correct = clean_logits.argmax(dim=1) == y
             sums[0] += y.numel()
             sums[1] += accuracy_under_attack(clean_logits, y).double() * y.numel()
@@ -429,7 +386,7 @@ class AdversarialValidation(pl.Callback):
                     adversarial = attack(
                         name, pl_module, x, y, eps, alpha=self.alpha, steps=self.steps, mean=mean, std=std
                     )
-                    logits, features = self._forward(pl_module, adversarial, layers)
+                    logits, features = self._forward(pl_module, adversarial)
                     sums[index] += accuracy_under_attack(logits, y).double() * y.numel()
                     sums[index + 1] += l2_dissimilarity(adversarial, x, mean=mean, std=std).double().sum()
                     if features is not None:
@@ -439,8 +396,8 @@ class AdversarialValidation(pl.Callback):
                     index += 3
         return sums
 
-    @staticmethod
-    def _forward(pl_module: pl.LightningModule, x: Tensor, layers: list[FeatureLayer]) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, pl_module: pl.LightningModule, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        layers = [] if self._feature_layer is None else [self._feature_layer]
         with torch.no_grad(), capture_features(pl_module, layers) as captured:
             logits = pl_module(x)
         return logits, (captured[layers[0].name] if layers else None)
@@ -479,45 +436,27 @@ class AdversarialValidation(pl.Callback):
             json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
         )
         epoch = max(history)
-        figure_path = directory / f"{stem}.png"
-        self._draw(history[epoch], f"{_NAMESPACES[stage]}, epoch {epoch}").savefig(figure_path, dpi=100)
+        figure = adversarial_figure(
+            self._curves(history[epoch]),
+            [float(grey_levels(eps)) for eps in self.eps],
+            history[epoch]["clean_acc"],
+            f"{_NAMESPACES[stage]}, epoch {epoch}",
+            feature_layer=None if self._feature_layer is None else self._feature_layer.name,
+        )
+        figure_path = save_figure(figure, directory / f"{stem}.png")
         loggers = wandb_loggers(trainer)
         if loggers:
             self._log_wandb(loggers, trainer, stage, history[epoch], figure_path)
 
-    def _curve(self, values: Mapping[str, float], name: str, metric: str) -> list[float]:
-        return [values.get(f"{name}/{metric}@{grey_levels(eps)}", math.nan) for eps in self.eps]
-
-    def _draw(self, values: Mapping[str, float], title: str) -> Figure:
-        with_d_adv = self._feature_layer is not None
-        figure = Figure(figsize=(12 if with_d_adv else 6.5, 4.8), layout="constrained")
-        panels = figure.subplots(1, 2 if with_d_adv else 1, squeeze=False)[0]
-        figure.suptitle(f"Adversarial robustness ({title})")
-        colors = colormaps["tab10"]
-        clean_error = 1 - values["clean_acc"]
-        levels = [float(grey_levels(eps)) for eps in self.eps]
-        for i, name in enumerate(self.attacks):
-            errors = [1 - acc for acc in self._curve(values, name, "acc")]
-            distances = self._curve(values, name, "l2")
-            panels[0].plot([0.0, *distances], [clean_error, *errors], marker="o", color=colors(i), label=name)
-            for level, x, y in zip(levels, distances, errors):
-                panels[0].annotate(f"{level:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize="x-small")
-            if with_d_adv:
-                panels[1].plot(levels, self._curve(values, name, "d_adv"), marker="o", color=colors(i), label=name)
-        panels[0].set_xlabel("normalised L2 dissimilarity ||x_a - x_d|| / ||x_d|| (Sanyal eq. 10)")
-        panels[0].set_ylabel("misclassification rate")
-        panels[0].set_ylim(-0.02, 1.02)
-        panels[0].set_title("labels: eps in grey levels; first point: clean inputs", fontsize="medium")
-        if with_d_adv:
-            panels[1].set_xscale("symlog", linthresh=1.0)
-            panels[1].set_xticks(levels, [f"{level:g}" for level in levels])
-            panels[1].set_xlabel("eps (grey levels)")
-            panels[1].set_ylabel(f"D_Adv at {self._feature_layer.name}")
-            panels[1].set_title("mean ||f(x_a) - f(x_d)||^2 over originally correct samples", fontsize="medium")
-        for panel in panels:
-            panel.grid(alpha=0.3)
-            panel.legend(fontsize="small")
-        return figure
+    def _curves(self, values: Mapping[str, float]) -> dict[str, dict[str, list[float]]]:
+        """``attack -> {metric: [value per budget]}`` of one evaluation, as :func:`adversarial_figure` draws them."""
+        return {
+            name: {
+                metric: [values.get(f"{name}/{metric}@{grey_levels(eps)}", math.nan) for eps in self.eps]
+                for metric in ("acc", "l2", "d_adv")
+            }
+            for name in self.attacks
+        }
 
     def _log_wandb(
         self, loggers: list[Any], trainer: pl.Trainer, stage: str, values: Mapping[str, float], figure_path: Path

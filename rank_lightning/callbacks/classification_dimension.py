@@ -1,0 +1,429 @@
+"""The classification dimension of the final features at the end of fit (Feng et al. eq. 6, Table 2)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader
+from rank_lightning.callbacks.curves import run_directory, wandb_loggers
+from rank_lightning.functional.classification import (
+    ClassificationDimension as ClassificationDimensionResult,
+)
+from rank_lightning.functional.classification import (
+    classification_dimension,
+    independence_deficit,
+    independence_deficit_markdown,
+)
+from rank_lightning.layers import BatchReader, FeatureLayer, eval_mode, forward_hooks, select_layers
+from rank_lightning.plotting import classification_dimension_figure, save_figure
+from rank_lightning.validation import (
+    check_choice,
+    check_fraction,
+    check_positive,
+    check_positive_int,
+    check_positive_ints,
+)
+
+__all__ = ["CLSDIM_DIR", "ClassificationDimension"]
+
+CLSDIM_DIR = "clsdim"
+"""Folder inside the run directory that receives the classification-dimension files."""
+
+_FIT_ON = ("all", "class")
+_DEFICIT_COLUMNS = (
+    "class",
+    "terms",
+    "weights",
+    "num_terms",
+    "r2",
+    "relative_residual",
+    "accuracy",
+    "accuracy_fit",
+    "class_accuracy",
+    "class_accuracy_fit",
+)
+
+Deficit = list[dict[str, Any]]
+
+
+def _deficit_cells(row: Mapping[str, Any]) -> list[Any]:
+    cells = []
+    for column in _DEFICIT_COLUMNS:
+        value = row[column]
+        cells.append(" ".join(str(v) for v in value) if isinstance(value, list) else value)
+    return cells
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _write_accuracy_table(path: Path, result: ClassificationDimensionResult) -> None:
+    full = result.full_accuracy
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["k", "accuracy", "relative_accuracy", "eigenvalue"])
+        for k, accuracy in zip(result.ks.tolist(), result.accuracies.tolist()):
+            relative = accuracy / full if full > 0 else math.nan
+            writer.writerow([k, repr(accuracy), repr(relative), repr(float(result.eigenvalues[k - 1]))])
+
+
+def _write_deficit(directory: Path, deficit: Deficit, class_names: Sequence[str] | None) -> None:
+    (directory / "independence_deficit.md").write_text(independence_deficit_markdown(deficit, class_names) + "\n")
+    with (directory / "independence_deficit.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(_DEFICIT_COLUMNS)
+        for row in deficit:
+            writer.writerow(_deficit_cells(row))
+
+
+def _draw(result: ClassificationDimensionResult, path: Path) -> Path:
+    figure = classification_dimension_figure(
+        result.ks.tolist(),
+        result.accuracies.tolist(),
+        result.eigenvalues.tolist(),
+        cls_dim=result.cls_dim,
+        ambient_dim=result.ambient_dim,
+        full_accuracy=result.full_accuracy,
+        threshold=result.threshold,
+        centered=result.centered,
+    )
+    return save_figure(figure, path)
+
+
+def _scalars(result: ClassificationDimensionResult, deficit: Deficit | None, num_samples: int) -> dict[str, float]:
+    position = int((result.ks == result.cls_dim).nonzero()[0])
+    scalars = {
+        "clsdim/cls_dim": float(result.cls_dim),
+        "clsdim/ambient_dim": float(result.ambient_dim),
+        "clsdim/full_acc": result.full_accuracy,
+        "clsdim/acc_at_cls_dim": float(result.accuracies[position]),
+        "clsdim/num_samples": float(num_samples),
+    }
+    if deficit:
+        scalars["clsdim/deficit_acc_drop"] = _mean([r["accuracy"] - r["accuracy_fit"] for r in deficit])
+        scalars["clsdim/deficit_class_acc_drop"] = _mean(
+            [r["class_accuracy"] - r["class_accuracy_fit"] for r in deficit]
+        )
+        scalars["clsdim/deficit_num_terms"] = _mean([float(r["num_terms"]) for r in deficit])
+    return scalars
+
+
+class ClassificationDimension(RankCallback):
+    """Log the classification dimension of the final features (Feng et al. eq. 6, Table 2) at the end of fit.
+
+    The final features are the input of the model's head, read by a forward pre-hook on it
+    (:func:`~rank_lightning.layers.forward_hooks`; the head of the package's modules is ``backbone.<head_path>``; for
+    other modules, the ``head`` given or the last ``nn.Linear``), together with the labels of each batch
+    (:class:`~rank_lightning.layers.BatchReader`: ``input_key``, ``label_key``, ``label_fn``), on the first validation
+    dataloader, in eval mode and without gradients (every submodule's training flag is restored afterwards). The
+    features are projected onto their top-k principal directions and fed to that same head;
+    :func:`~rank_lightning.functional.classification_dimension` returns the smallest ``k`` keeping ``threshold``
+    (0.95) of the full accuracy. The default projection is Feng et al.'s (their released code and Table 2): linear
+    through the origin on uncentred features, ``F Q_k Q_k^T``; ``center=True`` projects through the mean instead.
+
+    With ``independence_deficit=True`` each chosen class's logit is also fitted, by the Lasso, as a sparse combination
+    of the other logits (:func:`~rank_lightning.functional.independence_deficit`, Feng et al. eq. 11-12, Fig. 4).
+    Feng et al.'s ``eta = 20`` is for ImageNet logits; the penalty is not scale-free, so small models may need a
+    smaller one.
+
+    Timing: once at the end of ``fit`` (``on_train_end``), and at the end of every ``trainer.validate`` run
+    (:class:`~rank_lightning.callbacks.base.Cadence` with ``every_n_epochs=None``; the validation loop is not changed,
+    the features are read in a pass of their own). Under DDP every process reads its share of the data (at most
+    ``ceil(max_samples / world_size)`` samples) and the features are gathered; rank zero computes and broadcasts the
+    numbers, so every process logs the same values. Lightning's distributed sampler pads the last batch with repeated
+    samples, which then count twice.
+
+    Files, written by rank zero into ``<run dir>/clsdim/``:
+    ``accuracy_vs_k.csv`` (columns ``k``, ``accuracy``, ``relative_accuracy`` = accuracy / full accuracy,
+    ``eigenvalue`` = the k-th PCA eigenvalue), ``accuracy_vs_k.png``
+    (:func:`~rank_lightning.plotting.classification_dimension_figure`: accuracy against k with the threshold and the
+    classification dimension marked, beside the PCA spectrum), and with the independence deficit
+    ``independence_deficit.md`` (:func:`~rank_lightning.functional.independence_deficit_markdown`) and
+    ``independence_deficit.csv``. A later evaluation in the same run directory overwrites them. With a
+    ``WandbLogger``, the tables ``clsdim/accuracy_vs_k`` (and its line plot ``clsdim/accuracy_vs_k_plot``),
+    ``clsdim/independence_deficit`` and the image ``clsdim/figure`` are logged too. The latest result is kept in
+    :attr:`result` and :attr:`deficit` on rank zero.
+
+    Args:
+        threshold: fraction of the full accuracy to keep (Feng et al.: 0.95).
+        center: project through the mean (True) or through the origin (False, Feng et al.'s choice).
+        ks: the numbers of directions evaluated; ``None`` for every ``k`` in ``1..d`` (one head evaluation each).
+        max_samples: at most this many validation samples; ``None`` for all.
+        head: the head on the LightningModule, in the syntax of :func:`~rank_lightning.layers.select_layers` (module
+            path, block name or glob matching exactly one module); ``None`` finds it (see above).
+        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches.
+        label_key: where the integer labels are in a batch; ``None`` for the ``y`` of ``(x, y)`` batches.
+        label_fn: ``batch -> labels``, overriding ``label_key``.
+        independence_deficit: also compute and log the Lasso independence deficit of the logits.
+        deficit_eta: the Lasso penalty ``eta`` of Feng et al. eq. 11.
+        deficit_classes: the classes whose logit is explained; ``None`` for all.
+        deficit_fit_on: ``"all"`` samples (eq. 11) or only those of the ``"class"`` (Feng et al.'s code).
+        class_names: names of the classes for the deficit table; indices otherwise.
+        verbose: print the result (rank zero).
+
+    Logged metrics:
+        ``clsdim/cls_dim``: the classification dimension k.
+        ``clsdim/ambient_dim``: d, the width of the features.
+        ``clsdim/full_acc``: accuracy of the head on the unprojected features.
+        ``clsdim/acc_at_cls_dim``: accuracy on the projection onto the top ``cls_dim`` directions.
+        ``clsdim/num_samples``: the number of samples evaluated.
+        ``clsdim/deficit_acc_drop`` (with ``independence_deficit``): mean over the chosen classes of the accuracy
+        lost when ``logit_i`` is replaced by its fit (all samples).
+        ``clsdim/deficit_class_acc_drop``: the same over the samples of class ``i``.
+        ``clsdim/deficit_num_terms``: mean number of classes with a non-zero Lasso weight.
+
+    Raises:
+        ValueError: at construction for an invalid setting; at setup when no head can be found; at the evaluation
+            when a batch holds no inputs or labels where they are looked for.
+
+    Example::
+
+        import pytorch_lightning as pl
+        from rank_lightning.callbacks import ClassificationDimension
+
+        trainer = pl.Trainer(callbacks=[ClassificationDimension(independence_deficit=True, deficit_eta=1.0)])
+        trainer.fit(model, datamodule=datamodule)
+        # or on a checkpoint
+        pl.Trainer(callbacks=[ClassificationDimension()]).validate(model, datamodule=datamodule, ckpt_path="last.ckpt")
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: float = 0.95,
+        center: bool = False,
+        ks: Sequence[int] | None = None,
+        max_samples: int | None = None,
+        head: str | None = None,
+        input_key: int | str | None = None,
+        label_key: int | str | None = None,
+        label_fn: Callable[[Any], Tensor] | None = None,
+        independence_deficit: bool = False,
+        deficit_eta: float = 20.0,
+        deficit_classes: Sequence[int] | None = None,
+        deficit_fit_on: Literal["all", "class"] = "all",
+        class_names: Sequence[str] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__(verbose=verbose)
+        check_fraction("threshold", threshold)
+        check_positive_int("max_samples", max_samples, allow_none=True)
+        check_positive("deficit_eta", deficit_eta)
+        if head is not None and (not isinstance(head, str) or not head):
+            raise ValueError(f"head must be None or a module path, got {head!r}")
+        self.threshold = float(threshold)
+        self.center = center
+        self.ks = None if ks is None else list(check_positive_ints("ks", ks))
+        self.max_samples = max_samples
+        self.head = head
+        self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
+        self.cadence = Cadence(every_n_epochs=None, on_validate=True)
+        self.independence_deficit = independence_deficit
+        self.deficit_eta = deficit_eta
+        self.deficit_classes = None if deficit_classes is None else list(deficit_classes)
+        self.deficit_fit_on = check_choice("deficit_fit_on", deficit_fit_on, _FIT_ON)
+        self.class_names = None if class_names is None else list(class_names)
+        self.result: ClassificationDimensionResult | None = None
+        self.deficit: Deficit | None = None
+        self._head_path: str | None = None
+
+    @property
+    def head_path(self) -> str | None:
+        """Module path of the head on the LightningModule (resolved at setup)."""
+        return self._head_path
+
+    def find_head(self, module: nn.Module) -> str:
+        """Module path of the head: ``head``, else ``backbone.<head_path>``, else ``<head_path>``, else the last Linear.
+
+        Raises:
+            ValueError: a ``head`` that matches no module or several (the message lists the module names), an
+                ``nn.Identity`` head, or no head at all.
+        """
+        path = self._named_head(module) if self.head is not None else self._default_head(module)
+        if isinstance(module.get_submodule(path), nn.Identity):
+            raise ValueError(f"the head {path!r} is nn.Identity (a model without classes); name the head with head=...")
+        return path
+
+    def _named_head(self, module: nn.Module) -> str:
+        chosen = select_layers(module, [self.head], kind="head")
+        if len(chosen) != 1:
+            raise ValueError(
+                f"head {self.head!r} matches {len(chosen)} modules ({', '.join(chosen.values())}); name one"
+            )
+        return next(iter(chosen.values()))
+
+    @staticmethod
+    def _default_head(module: nn.Module) -> str:
+        names = [name for name, _ in module.named_modules() if name]
+        backbone = getattr(module, "backbone", None)
+        inner = getattr(backbone, "head_path", None) if isinstance(backbone, nn.Module) else None
+        own = getattr(module, "head_path", None)
+        linears = [name for name, m in module.named_modules() if name and isinstance(m, nn.Linear)]
+        if isinstance(inner, str) and f"backbone.{inner}" in names:
+            return f"backbone.{inner}"
+        if isinstance(own, str) and own in names:
+            return own
+        if linears:
+            return linears[-1]
+        raise ValueError(
+            f"{type(module).__name__} has no head_path and no nn.Linear; name the head with head=... "
+            f"(modules: {', '.join(names) or 'none'})"
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._head_path = self.find_head(pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scalars = self._evaluate(trainer, pl_module)
+        if scalars:
+            for logger in trainer.loggers:
+                logger.log_metrics(scalars, step=trainer.global_step)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.cadence.due(trainer):
+            return
+        scalars = self._evaluate(trainer, pl_module)
+        if scalars:
+            # Every process holds the same broadcast values: no reduction needed.
+            pl_module.log_dict(scalars, on_step=False, on_epoch=True, sync_dist=False)
+
+    # -- collection ---------------------------------------------------------------------------------------------
+
+    def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
+        """This process's head inputs and labels on ``loader`` (at most its share of ``max_samples``)."""
+        path = self._head_path or self.find_head(pl_module)
+        limit = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
+        head = FeatureLayer("head", path, "input")
+        captured: dict[str, Tensor] = {}
+        features, labels, taken = [], [], 0
+        # A head called twice in one forward pass keeps its first input.
+        hooks = forward_hooks(pl_module, [head], lambda _, value: captured.setdefault("f", value))
+        with hooks, eval_mode(pl_module), torch.no_grad():
+            for batch in loader:
+                if limit is not None and taken >= limit:
+                    break
+                x, y = self.reader.split(batch)
+                captured.clear()
+                pl_module(x.to(pl_module.device))
+                if not captured:
+                    raise RuntimeError(f"the head {path!r} was not called in the forward pass")
+                take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
+                features.append(captured["f"][:take].detach())
+                labels.append(y[:take].to(pl_module.device))
+                taken += take
+        if not features:
+            return torch.empty(0), torch.empty(0, dtype=torch.long)
+        return torch.cat(features), torch.cat(labels).long()
+
+    @staticmethod
+    def _gather(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -> Tensor:
+        """Concatenate the processes' tensors, which may differ in length (padded for ``all_gather``)."""
+        if trainer.world_size <= 1:
+            return x
+        count = torch.tensor([x.shape[0]], device=pl_module.device)
+        counts = pl_module.all_gather(count).reshape(-1).tolist()
+        padded = x.new_zeros((int(max(counts)), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        gathered = pl_module.all_gather(padded)
+        return torch.cat([gathered[rank, : int(n)] for rank, n in enumerate(counts)])
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+
+    def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Collect, gather, compute on rank zero and broadcast; the scalars to log (empty without data)."""
+        loader = first_val_loader(trainer)
+        if loader is None:
+            self.warn_once(("no validation data",), "needs validation data; nothing evaluated")
+            return {}
+        features, labels = self._collect(trainer, pl_module, loader)
+        shape = features.shape[1:]
+        features = self._gather(pl_module, trainer, features.flatten(1) if features.ndim > 2 else features)
+        labels = self._gather(pl_module, trainer, labels)
+        if self.max_samples is not None:
+            features, labels = features[: self.max_samples], labels[: self.max_samples]
+        scalars: dict[str, float] | None = None
+        if trainer.is_global_zero and features.shape[0] > 0:
+            scalars = self._compute(trainer, pl_module, features, labels, shape)
+        scalars = trainer.strategy.broadcast(scalars, src=0)
+        return scalars or {}
+
+    def _compute(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, features: Tensor, labels: Tensor, shape: torch.Size
+    ) -> dict[str, float]:
+        """Classification dimension (and deficit) on rank zero; writes the files and returns the scalars."""
+        head_module = pl_module.get_submodule(self._head_path or self.find_head(pl_module))
+
+        def head(f: Tensor) -> Tensor:
+            # Heads that take conv maps or tokens see the projected features in their own shape.
+            return head_module(f.reshape(f.shape[0], *shape))
+
+        with eval_mode(pl_module):
+            result = classification_dimension(
+                features, labels, head, threshold=self.threshold, center=self.center, ks=self.ks
+            )
+            deficit = self._deficit(head, features, labels) if self.independence_deficit else None
+        self.result, self.deficit = result, deficit
+        directory = run_directory(trainer) / CLSDIM_DIR
+        figure = self._write_files(directory, result, deficit)
+        self._log_wandb(trainer, result, deficit, figure)
+        how = "centred" if self.center else "uncentred"
+        self.info(
+            f"cls_dim = {result.cls_dim} of {result.ambient_dim} ({how} PCA, {features.shape[0]} samples, "
+            f"full accuracy {result.full_accuracy:.4f}, threshold {self.threshold}); files in {directory}"
+        )
+        if deficit:
+            self.info("independence deficit:\n" + independence_deficit_markdown(deficit, self.class_names))
+        return _scalars(result, deficit, features.shape[0])
+
+    def _deficit(self, head: Callable[[Tensor], Tensor], features: Tensor, labels: Tensor) -> Deficit:
+        with torch.no_grad():
+            logits = torch.cat([head(chunk) for chunk in features.split(4096)])
+        return independence_deficit(
+            logits, labels, self.deficit_classes, eta=self.deficit_eta, fit_on=self.deficit_fit_on
+        )
+
+    def _write_files(self, directory: Path, result: ClassificationDimensionResult, deficit: Deficit | None) -> Path:
+        """Write the accuracy table, the figure and the deficit files; returns the figure's path."""
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_accuracy_table(directory / "accuracy_vs_k.csv", result)
+        if deficit is not None:
+            _write_deficit(directory, deficit, self.class_names)
+        return _draw(result, directory / "accuracy_vs_k.png")
+
+    @staticmethod
+    def _log_wandb(
+        trainer: pl.Trainer, result: ClassificationDimensionResult, deficit: Deficit | None, figure: Path
+    ) -> None:
+        loggers = wandb_loggers(trainer)
+        if not loggers:
+            return
+        import wandb
+
+        table = wandb.Table(
+            columns=["k", "accuracy"], data=[[k, a] for k, a in zip(result.ks.tolist(), result.accuracies.tolist())]
+        )
+        payload: dict[str, Any] = {
+            "clsdim/accuracy_vs_k": table,
+            "clsdim/accuracy_vs_k_plot": wandb.plot.line(table, "k", "accuracy", title="accuracy vs k"),
+            "clsdim/figure": wandb.Image(str(figure)),
+        }
+        if deficit is not None:
+            payload["clsdim/independence_deficit"] = wandb.Table(
+                columns=list(_DEFICIT_COLUMNS), data=[_deficit_cells(row) for row in deficit]
+            )
+        for logger in loggers:
+            logger.log_metrics(payload, step=trainer.global_step)

@@ -1,0 +1,143 @@
+"""The low-dimensional-embedding evaluation of Sanyal et al. (Sec. 4.4): a linear classifier on PCA embeddings of one
+layer's features."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader
+from rank_lightning.functional.embedding import low_dimensional_accuracy
+from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
+from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, eval_mode, feature_layer
+from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
+
+__all__ = ["LowDimensionalEvaluation"]
+
+
+class LowDimensionalEvaluation(RankCallback):
+    """Accuracy of a linear max-margin classifier on PCA embeddings of one layer's features (Sanyal et al. Sec. 4.4).
+
+    Features of ``layer`` are collected, in eval mode and without gradients, on the training data and on the first
+    validation dataloader; :func:`~rank_lightning.functional.low_dimensional_accuracy` fits PCA and the classifier on
+    the training features and scores the validation features for each dimension in ``dims``. Afterwards every
+    submodule has its own train/eval flag back (a frozen BatchNorm in a training model stays frozen). It runs at the
+    end of fit and, with ``every_n_epochs``, after every n-th validation epoch of fit
+    (:class:`~rank_lightning.callbacks.base.Cadence`). Under DDP the features of all ranks are gathered first (every
+    rank needs the same number of batches, which Lightning's distributed sampler ensures), so every rank computes and
+    logs the same numbers.
+
+    Args:
+        dims: embedding dimensions ``m'``; dimensions above ``min(N, d)`` of the collected training features are
+            skipped with a warning.
+        layer: the layer whose output is read, in the syntax every callback accepts
+            (:func:`~rank_lightning.layers.select_layers`: a block name, a module path or a glob pattern), matching
+            exactly one module; default: the last block of ``pl_module.blocks()``, else the input of the last
+            ``nn.Linear`` (the embeddings fed to the head, as in the paper).
+        every_n_epochs: also evaluate after every n-th validation epoch; ``None`` for the end of fit only.
+        max_batches: at most this many batches per dataloader (all by default).
+        reduction: how conv or token features become an (N, d) matrix (``"flatten"`` is Sanyal et al.'s choice).
+        input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
+            ``batch[0]`` or the usual keys of a dict batch.
+        label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
+        verbose: report the accuracies at the end of fit (rank zero, at INFO level).
+
+    Logged metrics:
+        ``lowdim/acc@<m>``: validation accuracy of the classifier on ``m``-dimensional embeddings. Logged with
+        ``pl_module.log`` after validation epochs, and sent to the loggers directly at the end of fit (where
+        ``self.log`` is not allowed). The latest values are kept in :attr:`results` (``{m: accuracy}``).
+
+    Example::
+
+        trainer = pl.Trainer(callbacks=[LowDimensionalEvaluation(dims=(2, 5, 10, 20))])
+    """
+
+    def __init__(
+        self,
+        *,
+        dims: Sequence[int] = (2, 5, 10, 20, 50),
+        layer: str | None = None,
+        every_n_epochs: int | None = None,
+        max_batches: int | None = None,
+        reduction: str = "flatten",
+        input_key: int | str | None = None,
+        label_key: int | str | None = None,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__(verbose=verbose)
+        self.dims = check_positive_ints("dims", dims)
+        check_positive_int("max_batches", max_batches, allow_none=True)
+        self.layer = layer
+        self.every_n_epochs = every_n_epochs
+        self.cadence = Cadence(every_n_epochs, on_validate=False)
+        self.max_batches = max_batches
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.reader = BatchReader(input_key, label_key)
+        self.results: dict[int, float] = {}
+        self._layer: FeatureLayer | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Resolved before any data is loaded, so that a wrong name fails at once.
+        if stage == "fit":
+            self._layer = feature_layer(pl_module, self.layer)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.cadence.due(trainer):
+            return
+        for dim, accuracy in self._evaluate(trainer, pl_module).items():
+            pl_module.log(f"lowdim/acc@{dim}", accuracy, on_step=False, on_epoch=True)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        results = self._evaluate(trainer, pl_module)
+        if not results:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics({f"lowdim/acc@{dim}": acc for dim, acc in results.items()}, step=trainer.global_step)
+        rows = "\n".join(f"{dim:>6} {acc:>8.4f}" for dim, acc in results.items())
+        self.info(f"low-dimensional embedding accuracy (validation)\n{'dim':>6} {'accuracy':>8}\n{rows}")
+
+    def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, float]:
+        val_loaders = first_val_loader(trainer)
+        if trainer.train_dataloader is None or val_loaders is None:
+            self.warn_once(("no data",), "needs training and validation data; nothing evaluated")
+            return {}
+        train_x, train_y = self._collect(trainer, pl_module, trainer.train_dataloader)
+        val_x, val_y = self._collect(trainer, pl_module, val_loaders)
+        max_dim = min(train_x.shape)
+        dims = [m for m in self.dims if m <= max_dim]
+        skipped = [m for m in self.dims if m > max_dim]
+        if skipped:
+            self.warn_once(
+                ("skipped", *map(str, skipped)),
+                f"dims {skipped} exceed min(N, d) = {max_dim} of the collected features; skipped",
+            )
+        if not dims:
+            return {}
+        self.results = low_dimensional_accuracy(train_x, train_y, val_x, val_y, dims)
+        return self.results
+
+    def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
+        """``(features (N, d), labels (N,))`` of ``loader``, gathered from every rank, on the CPU."""
+        layer = self._layer or feature_layer(pl_module, self.layer)
+        features, labels = [], []
+        with torch.no_grad(), eval_mode(pl_module), capture_features(pl_module, [layer]) as captured:
+            for index, batch in enumerate(loader):
+                if self.max_batches is not None and index >= self.max_batches:
+                    break
+                inputs, targets = self.reader.split(trainer.strategy.batch_to_device(batch))
+                pl_module(inputs)
+                features.append(reduce_activations(captured[layer.name], self.reduction).float())
+                labels.append(targets)
+        x, y = torch.cat(features), torch.cat(labels)
+        if trainer.world_size > 1:
+            x = pl_module.all_gather(x).reshape(-1, x.shape[1])
+            y = pl_module.all_gather(y).reshape(-1)
+        return x.cpu(), y.cpu()

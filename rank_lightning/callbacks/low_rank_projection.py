@@ -1,0 +1,153 @@
+"""The LR-Layer method of Sanyal et al. (Alg. 1, Sec. 4): switch the layers on, then project their weights to rank k
+after every optimizer step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from typing_extensions import override
+
+from rank_lightning.callbacks.base import RankCallback
+from rank_lightning.nn.lr_layer import lr_layers
+from rank_lightning.validation import check_non_negative_int
+
+__all__ = ["LowRankProjection"]
+
+
+class LowRankProjection(RankCallback):
+    """Switch the LR-Layers on and keep their weights at rank ``k`` (Sanyal et al. Alg. 1, Sec. 4).
+
+    The model trains normally until the switch-on: the first epoch end at which ``trainer.callback_metrics[monitor]``
+    reaches ``threshold`` (Sanyal et al.: 65% training accuracy), or the start of epoch ``switch_on_epoch``, whichever
+    comes first. From then on every :class:`~rank_lightning.nn.LRLayer` computes its auxiliary loss (which the
+    LightningModule adds to its loss with :func:`~rank_lightning.nn.collect_auxiliary_losses`), and after every
+    optimizer step each layer's weight is projected, ``W_S <- Pi_k(W)``.
+
+    The projection runs in ``on_train_batch_end``, the first hook after the optimizer step; ``on_before_zero_grad``
+    would be too early, since Lightning zeroes gradients inside the step's closure, before ``backward``. A batch
+    without a step (gradient accumulation) is recognised by an unchanged ``trainer.global_step`` and not projected.
+    The Nyström column indices come from a generator seeded with ``seed + global_step``, identical on every DDP rank,
+    so every rank projects its (identical) weights identically.
+
+    Args:
+        threshold: value of ``monitor`` at which the layers are switched on; ``None`` to use only ``switch_on_epoch``.
+        monitor: key of the training accuracy in ``trainer.callback_metrics`` (log it with ``on_epoch=True``).
+        switch_on_epoch: epoch at whose start the layers are switched on; ``0`` trains with them from the start.
+        seed: base seed of the Nyström column sampling.
+        log_losses: log each layer's reconstruction and norm losses.
+        verbose: report the switch-on (rank zero, at INFO level).
+
+    Logged metrics:
+        ``lr_layer/enabled``: 1 once the LR-Layers are on, else 0 (epoch value).
+        ``lr_layer/<layer>/reconstruction``: ``1/n sum_i ||W^T (a_i + b) - (a_i + b)||^2`` of the layer named
+        ``<layer>`` (its path in the LightningModule), unweighted, averaged over the epoch's batches.
+        ``lr_layer/<layer>/norm``: ``1/n sum_i |1 - ||a_i|| |``, unweighted, averaged over the epoch's batches.
+
+    Raises:
+        ValueError: if both ``threshold`` and ``switch_on_epoch`` are ``None``, or at fit start if the model has no
+            LR-Layer.
+
+    Example::
+
+        insert_lr_layer(model.backbone, before="head", layer=LRLayer(128, rank=10))
+        trainer = pl.Trainer(callbacks=[LowRankProjection(threshold=0.65, monitor="train/acc")])
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: float | None = 0.65,
+        monitor: str = "train/acc",
+        switch_on_epoch: int | None = None,
+        seed: int = 0,
+        log_losses: bool = True,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__(verbose=verbose)
+        if threshold is None and switch_on_epoch is None:
+            raise ValueError("LowRankProjection needs a threshold or a switch_on_epoch (or both); got neither")
+        check_non_negative_int("switch_on_epoch", switch_on_epoch, allow_none=True)
+        self.threshold = threshold
+        self.monitor = monitor
+        self.switch_on_epoch = switch_on_epoch
+        self.seed = seed
+        self.log_losses = log_losses
+        self.enabled = False
+        self.switched_on_epoch: int | None = None
+        self._last_step: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not lr_layers(pl_module):
+            raise ValueError(
+                f"{type(pl_module).__name__} contains no LRLayer; add one with rank_lightning.nn.insert_lr_layer"
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._set_layers(pl_module)
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.enabled and self.switch_on_epoch is not None and trainer.current_epoch >= self.switch_on_epoch:
+            self._switch_on(trainer, pl_module, f"epoch {trainer.current_epoch} reached")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        layers = lr_layers(pl_module)
+        stepped = trainer.global_step != self._last_step
+        self._last_step = trainer.global_step
+        if self.enabled and stepped:
+            generator = torch.Generator().manual_seed(self.seed + trainer.global_step)
+            for _, layer in layers:
+                layer.project_(generator)
+        uncollected = [name for name, layer in layers if layer.auxiliary_loss() is not None]
+        if uncollected:
+            self.warn_once(
+                ("uncollected",),
+                f"the auxiliary losses of the LR-Layers {uncollected} were never collected: add "
+                "rank_lightning.nn.collect_auxiliary_losses(self) to the loss in training_step",
+            )
+        pl_module.log("lr_layer/enabled", float(self.enabled), on_step=False, on_epoch=True)
+        if self.enabled and self.log_losses:
+            for name, layer in layers:
+                for key, value in layer.last_losses.items():
+                    pl_module.log(f"lr_layer/{name}/{key}", value, on_step=False, on_epoch=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled or self.threshold is None:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            available = ", ".join(sorted(trainer.callback_metrics)) or "none"
+            raise RuntimeError(
+                f"LowRankProjection monitors {self.monitor!r}, which was not logged this epoch; "
+                f"logged metrics are: {available}"
+            )
+        if float(value) >= self.threshold:
+            self._switch_on(trainer, pl_module, f"{self.monitor} = {float(value):.4f} >= {self.threshold}")
+
+    def _switch_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
+        self.enabled = True
+        self.switched_on_epoch = trainer.current_epoch
+        self._set_layers(pl_module)
+        self.info(f"LR-Layers switched on at epoch {trainer.current_epoch} ({reason})")
+
+    def _set_layers(self, pl_module: pl.LightningModule) -> None:
+        for _, layer in lr_layers(pl_module):
+            layer.enabled = self.enabled
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "switched_on_epoch": self.switched_on_epoch}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.enabled = bool(state_dict["enabled"])
+        self.switched_on_epoch = state_dict.get("switched_on_epoch")

@@ -1,0 +1,120 @@
+"""Singular values of weight matrices, many at once: the route choice of a weight-spectrum monitor.
+
+A network holds many weight matrices of few distinct shapes; :func:`weight_spectra` decomposes every shape's matrices
+in one batched float64 call, by a full SVD or through the smaller Gram matrix, and picks the route per matrix so that
+the result stays accurate (``decomposition="auto"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rank_lightning.functional.spectral import Spectrum, spectra_from_grams
+from rank_lightning.validation import check_choice
+
+__all__ = ["DECOMPOSITIONS", "weight_spectra"]
+
+DECOMPOSITIONS: tuple[str, ...] = ("auto", "svd", "gram")
+"""Routes of :func:`weight_spectra`."""
+
+# With s_min >= 1e-3 s_1 (condition number <= 1e3) the Gram route's relative error eps64 * (s_1 / s_i)^2 / 2 stays
+# below 1e-10 for every singular value.
+_AUTO_CONDITION = 1e-3
+
+
+def weight_spectra(
+    matrices: Sequence[Tensor], *, decomposition: Literal["auto", "svd", "gram"] = "auto"
+) -> list[Spectrum]:
+    """Float64 spectra of weight matrices, one batched decomposition per distinct shape and device.
+
+    Every matrix is read as ``(out, fan_in)`` (rows are the spectrum's ``num_samples``); bring conv kernels into that
+    form first with :func:`~rank_lightning.functional.weight_as_matrix`. ``eps64 = 2.2e-16`` below is the float64
+    machine epsilon, ``s_1`` the largest singular value of the matrix.
+
+    Routes:
+
+    * ``"svd"``: ``torch.linalg.svdvals`` of the tall orientation (a wide matrix is transposed first: same values,
+      several times faster in LAPACK). Backward stable: every singular value is within a small multiple of
+      ``eps64 * s_1`` of the exact one, so the relative error stays below ``1e-10`` for every ``s_i`` above about
+      ``1e-5 * s_1``.
+    * ``"gram"``: square roots of the eigenvalues of the smaller Gram matrix, ``W W^T`` or ``W^T W``
+      (:func:`~rank_lightning.functional.spectra_from_grams`), 1.5-1.8x faster on a CPU. Squaring the matrix leaves an
+      absolute error of at most about ``sqrt(eps64) * s_1 = 1.5e-8 * s_1`` on any singular value, a relative error of
+      about ``eps64 * (s_1 / s_i)^2 / 2``: below ``1e-10`` for a matrix with ``s_min >= 1e-3 * s_1``; values above
+      ``1e-4 * s_1`` keep 8 digits, values below ``1e-7 * s_1`` lose their relative accuracy.
+    * ``"auto"``: for matrices stored in float32 or narrower, the Gram route, redone by the exact SVD for every
+      matrix whose ``s_min < 1e-3 * s_1`` (where the Gram route's relative error could exceed ``1e-10``); every
+      singular value is then within ``1e-10`` relative, or within the SVD's error, whichever is larger. Matrices
+      stored in float64 (any member of a shape group) take the SVD.
+
+    A matrix holding NaN or Inf gets an all-NaN spectrum, without disturbing the others. Matrices on an MPS device
+    (which has no float64) are decomposed on the CPU; the others where they live.
+
+    Args:
+        matrices: 2-D weight matrices, of any shapes, dtypes and devices.
+        decomposition: ``"auto"``, ``"svd"`` or ``"gram"`` (:data:`DECOMPOSITIONS`).
+
+    Returns:
+        One :class:`~rank_lightning.functional.Spectrum` per matrix, in the given order, on the CPU (the scalars
+        derived from it are then computed without a device round trip each).
+
+    Raises:
+        ValueError: an unknown ``decomposition`` or a matrix that is not a non-empty 2-D tensor.
+    """
+    check_choice("decomposition", decomposition, DECOMPOSITIONS)
+    spectra: dict[int, Spectrum] = {}
+    with torch.no_grad():
+        for device, members in _shape_groups(matrices):
+            group = [matrices[i] for i in members]
+            route = "svd" if decomposition == "auto" and any(w.dtype == torch.float64 for w in group) else decomposition
+            spectra.update(zip(members, _group_spectra(group, device, route)))
+    return [spectra[i] for i in range(len(matrices))]
+
+
+def _shape_groups(matrices: Sequence[Tensor]) -> list[tuple[torch.device, list[int]]]:
+    """Indices of the matrices decomposed together: same shape, same device (MPS counting as the CPU)."""
+    groups: dict[tuple[tuple[int, ...], torch.device], list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        if matrix.ndim != 2 or 0 in matrix.shape:
+            raise ValueError(f"matrices[{index}] must be a non-empty 2-D matrix, got shape {tuple(matrix.shape)}")
+        # MPS has no float64.
+        device = torch.device("cpu") if matrix.device.type == "mps" else matrix.device
+        groups.setdefault((tuple(matrix.shape), device), []).append(index)
+    return [(device, members) for (_, device), members in groups.items()]
+
+
+def _group_spectra(matrices: list[Tensor], device: torch.device, route: str) -> list[Spectrum]:
+    """Spectra of same-shape matrices in one batched decomposition by ``route``."""
+    batch = torch.stack([w.detach().to(device=device, dtype=torch.float64) for w in matrices])  # (B, out, fan_in)
+    finite = torch.isfinite(batch).flatten(1).all(dim=1)
+    # LAPACK fails on non-finite input: decompose zeros there and mark the result NaN.
+    batch = torch.where(finite[:, None, None], batch, 0.0)
+    values = _svdvals(batch) if route == "svd" else _gram_svdvals(batch)  # (B, min(out, fan_in))
+    if route == "auto":
+        ill = values[:, -1] < _AUTO_CONDITION * values[:, 0]
+        if bool(ill.any()):
+            values[ill] = _svdvals(batch[ill])
+    values = values.cpu()
+    values[~finite.cpu()] = math.nan
+    rows, cols = batch.shape[1:]
+    return [Spectrum(row, rows, cols) for row in values]
+
+
+def _svdvals(batch: Tensor) -> Tensor:
+    # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its transpose (conv
+    # kernels are wide: out < in * kh * kw).
+    rows, cols = batch.shape[1:]
+    return torch.linalg.svdvals(batch.mT if rows < cols else batch)
+
+
+def _gram_svdvals(batch: Tensor) -> Tensor:
+    # W W^T is the feature Gram of W^T: the smaller of the two Grams gives the same singular values.
+    rows, cols = batch.shape[1:]
+    grams = batch @ batch.mT if rows < cols else batch.mT @ batch
+    spectra = spectra_from_grams(grams, [max(rows, cols)] * batch.shape[0])
+    return torch.stack([spec.singular_values for spec in spectra])

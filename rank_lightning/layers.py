@@ -1,0 +1,548 @@
+"""Choosing and reading the layers of a model: one selection syntax, hook context, eval switch and batch reader.
+
+Every callback that hooks or reads a model goes through this module, so they all accept the same layer syntax:
+
+* a block name from ``module.blocks()`` (the package's LightningModules: ``"layer3"``, ``"pool"``);
+* an exact name from ``named_modules()`` (``"backbone.layer3"``);
+* a glob pattern matched with ``fnmatch`` against block names and module names (``"layer*"``, ``"*.relu"``);
+* module types (``layer_types``): classes (``nn.Conv2d``), class names (``"Conv2d"``, matched against the class and
+  its bases) or dotted import paths (``"torch.nn.Linear"``).
+
+An unknown name raises ``ValueError`` listing the valid names (block names first, then module names).
+
+The rest reads what the chosen layers compute: :func:`forward_hooks` registers hooks and always removes them,
+:func:`capture_features` keeps the latest features of some layers, :func:`eval_mode` / :func:`train_mode` switch a
+model and restore every submodule's own flag, and :class:`BatchReader` finds the inputs and labels of a batch.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor, nn
+
+from rank_lightning.validation import check_names
+
+__all__ = [
+    "ACTIVATION_TYPES",
+    "GLOB_CHARACTERS",
+    "INPUT_KEYS",
+    "LABEL_KEYS",
+    "BatchReader",
+    "FeatureLayer",
+    "LayerType",
+    "capture_features",
+    "check_layer_types",
+    "default_layers",
+    "eval_mode",
+    "feature_layer",
+    "forward_hooks",
+    "match_layer_names",
+    "match_layer_types",
+    "module_blocks",
+    "select_layers",
+    "train_mode",
+]
+
+GLOB_CHARACTERS = frozenset("*?[")
+LABEL_KEYS: tuple[str, ...] = ("y", "label", "labels", "target", "targets")
+"""Keys tried, in order, for the labels of a dict batch when no ``label_key`` is given."""
+INPUT_KEYS: tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel_values", "input_ids")
+"""Keys tried, in order, for the inputs of a dict batch when no ``input_key`` is given."""
+
+# Activation modules whose outputs are the hidden representations of a foreign model.
+ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softplus,
+    nn.Hardswish,
+    nn.Hardtanh,
+)
+
+LayerType = type[nn.Module] | str
+
+
+# -- selection -------------------------------------------------------------------------------------------------------
+
+
+def module_blocks(module: nn.Module) -> dict[str, str] | None:
+    """``module.blocks()`` (short name -> module path) when the module offers it and every path resolves.
+
+    Models from elsewhere often have a ``blocks`` attribute of another kind (timm's ViT: an ``nn.Sequential`` of
+    transformer blocks); anything that is not a method returning such a mapping gives ``None``.
+    """
+    blocks = getattr(module, "blocks", None)
+    if not callable(blocks) or isinstance(blocks, nn.Module):
+        return None
+    try:
+        mapping = dict(blocks())
+    except (TypeError, ValueError, NotImplementedError, AttributeError):
+        return None
+    names = dict(module.named_modules())
+    if not mapping or not all(isinstance(path, str) and path in names for path in mapping.values()):
+        return None
+    return mapping
+
+
+def _resolve_type(name: str) -> type[nn.Module]:
+    module_path, _, class_name = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"layer type {name!r} cannot be imported ({error})") from error
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"layer type {name!r} is not a torch.nn.Module subclass")
+    return cls
+
+
+def check_layer_types(layer_types: Sequence[LayerType] | LayerType) -> list[LayerType]:
+    """Validate a ``layer_types`` setting; dotted paths are imported, bare class names kept as strings."""
+    checked: list[LayerType] = []
+    for entry in [layer_types] if isinstance(layer_types, (str, type)) else layer_types:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            checked.append(entry)
+        elif isinstance(entry, str) and "." in entry:
+            checked.append(_resolve_type(entry))
+        elif isinstance(entry, str) and entry:
+            checked.append(entry)
+        else:
+            raise ValueError(f"layer_types entries must be nn.Module classes or class names, got {entry!r}")
+    if not checked:
+        raise ValueError("layer_types must be None or a non-empty list")
+    return checked
+
+
+def _type_name(wanted: LayerType) -> str:
+    return wanted if isinstance(wanted, str) else wanted.__name__
+
+
+def _is_of_type(module: nn.Module, wanted: LayerType) -> bool:
+    if isinstance(wanted, str):
+        return any(cls.__name__ == wanted for cls in type(module).__mro__)
+    return isinstance(module, wanted)
+
+
+def match_layer_names(
+    module: nn.Module,
+    patterns: Sequence[str],
+    candidates: Mapping[str, nn.Module],
+    *,
+    blocks: Mapping[str, str] | None = None,
+    expand_containers: bool = True,
+    kind: str = "layer",
+) -> list[str]:
+    """Module names of ``candidates`` selected by ``patterns``, in ``candidates``' order.
+
+    Args:
+        module: the model the names refer to.
+        patterns: block names, exact module names or glob patterns (matched against block names and candidates).
+        candidates: ``name -> module`` of the layers that may be chosen (in depth order).
+        blocks: ``short name -> module path`` accepted as aliases; an alias gives its path as it is, candidate or not
+            (a caller that watches leaf layers expands a block's container itself).
+        expand_containers: an exact name of a container that is not itself a candidate selects the candidates inside
+            it (``"backbone.layer1"`` -> every Conv in it); otherwise the name must be a candidate.
+        kind: word used in error messages ("layer", "weight layer").
+
+    Raises:
+        ValueError: a pattern that matches nothing; the message lists the valid names.
+    """
+    all_modules = dict(module.named_modules())
+    blocks = blocks or {}
+    valid = [*blocks, *(name for name in candidates if name not in blocks)]
+    selected: set[str] = set()
+    for pattern in patterns:
+        if pattern in blocks:
+            matches = [blocks[pattern]]
+        elif GLOB_CHARACTERS & set(pattern):
+            matches = [blocks[name] for name in fnmatch.filter(blocks, pattern)] + fnmatch.filter(candidates, pattern)
+        elif pattern in candidates:
+            matches = [pattern]
+        elif expand_containers and pattern in all_modules:
+            matches = [name for name in candidates if name.startswith(pattern + ".")]
+        else:
+            raise ValueError(f"unknown {kind} {pattern!r}; {kind}s are: {', '.join(valid)}")
+        if not matches:
+            raise ValueError(
+                f"{kind} {pattern!r} matches nothing that can be monitored; {kind}s are: {', '.join(valid)}"
+            )
+        selected.update(matches)
+    order = {name: i for i, name in enumerate(all_modules)}
+    return sorted(selected, key=order.__getitem__)
+
+
+def match_layer_types(
+    names: Sequence[str], modules: Mapping[str, nn.Module], layer_types: Sequence[LayerType]
+) -> list[str]:
+    """The entries of ``names`` whose module is an instance of one of ``layer_types``.
+
+    Raises:
+        ValueError: when no entry matches; the message lists the types present.
+    """
+    kept = [name for name in names if any(_is_of_type(modules[name], t) for t in layer_types)]
+    if not kept:
+        present = sorted({type(modules[name]).__name__ for name in names})
+        wanted = [_type_name(t) for t in layer_types]
+        raise ValueError(
+            f"layer_types {wanted} match none of the selected layers; their types are: {', '.join(present)}"
+        )
+    return kept
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _main_container(module: nn.Module) -> tuple[str, nn.Module]:
+    """Descend through wrappers that hold all parameters in one child (``LightningModule -> self.net``)."""
+    prefix, current = "", module
+    total = _parameter_count(module)
+    while True:
+        heavy = [(name, child) for name, child in current.named_children() if _parameter_count(child) == total]
+        if len(heavy) != 1 or not any(True for _ in heavy[0][1].children()):
+            return prefix, current
+        name, current = heavy[0]
+        prefix = f"{prefix}{name}."
+
+
+def default_layers(module: nn.Module) -> dict[str, str]:
+    """The layers watched when none are named: ``short name -> module path``.
+
+    ``module.blocks()`` when the module offers it (the package's LightningModules). Otherwise the choice is made
+    inside the container that holds the network (found by descending through children that hold every parameter,
+    ``LightningModule -> self.net``), among its direct children:
+
+    1. its blocks: children that hold parameters and have children of their own (``layer1`` ... ``layer4`` of a
+       torchvision ResNet), without the last one when it is the last child with parameters (it holds the head);
+    2. else its activation modules (``nn.Sequential(Linear, ReLU, Linear, ReLU, Linear)``: the two ReLUs, the
+       post-activation hidden representations);
+    3. else its children with parameters except the last one (taken to be the head);
+    4. else all its children.
+    """
+    blocks = module_blocks(module)
+    if blocks is not None:
+        return blocks
+    prefix, container = _main_container(module)
+    children = list(container.named_children())
+    weighted = [name for name, child in children if _parameter_count(child) > 0]
+    nested = [name for name, child in children if name in weighted and any(True for _ in child.children())]
+    activations = [name for name, child in children if isinstance(child, ACTIVATION_TYPES)]
+    if nested:
+        chosen = nested[:-1] if nested[-1] == weighted[-1] and len(nested) > 1 else nested
+    elif activations:
+        chosen = activations
+    else:
+        chosen = weighted[:-1] or [name for name, _ in children]
+    return {f"{prefix}{name}": f"{prefix}{name}" for name in chosen}
+
+
+def _expand_to_candidates(paths: Iterable[str], candidates: Mapping[str, nn.Module], kind: str) -> list[str]:
+    # A block name resolves to its container path; the candidates inside it are what is monitored.
+    selected: set[str] = set()
+    for path in paths:
+        inside = [path] if path in candidates else [c for c in candidates if c.startswith(path + ".")]
+        if not inside:
+            raise ValueError(
+                f"{kind} {path!r} holds nothing that can be monitored; {kind}s are: {', '.join(candidates)}"
+            )
+        selected.update(inside)
+    return [name for name in candidates if name in selected]
+
+
+def select_layers(
+    module: nn.Module,
+    layers: Sequence[str] | None = None,
+    layer_types: Sequence[LayerType] | None = None,
+    *,
+    candidates: Mapping[str, nn.Module] | None = None,
+    default: Callable[[nn.Module], Mapping[str, str]] = default_layers,
+    leaves: bool = False,
+    kind: str = "layer",
+) -> dict[str, str]:
+    """Resolve a layer choice against ``module``: ``logged name -> module path``, in depth order.
+
+    Args:
+        module: the model (a LightningModule or a network).
+        layers: block names, module names or glob patterns (see the module docstring); ``None`` for the default.
+        layer_types: keep only layers of these types (already checked by :func:`check_layer_types`); without
+            ``layers``, every candidate of these types.
+        candidates: ``name -> module`` of what may be chosen; ``None`` for every submodule.
+        default: the choice when neither ``layers`` nor ``layer_types`` is given.
+        leaves: a chosen container that is not a candidate stands for the candidates inside it (weight layers:
+            ``"layer4"`` selects every Linear and Conv in it), which are then named by their module path.
+        kind: word used in error messages.
+
+    Raises:
+        ValueError: a name, pattern or type that matches nothing (the message lists the valid names), or a logged
+            name containing ``"/"`` (it separates the parts of a logged key).
+    """
+    modules = dict(module.named_modules())
+    candidates = {name: m for name, m in modules.items() if name} if candidates is None else dict(candidates)
+    blocks = module_blocks(module) or {}
+    if layers is None and layer_types is not None:
+        # A type alone asks for every layer of that type, not for the default layers that happen to have it.
+        chosen = {name: name for name in match_layer_types(list(candidates), modules, layer_types)}
+    elif layers is None:
+        chosen = dict(default(module))
+    else:
+        paths = match_layer_names(module, layers, candidates, blocks=blocks, expand_containers=leaves, kind=kind)
+        if leaves:
+            chosen = {path: path for path in _expand_to_candidates(paths, candidates, kind)}
+        else:
+            by_path = {path: name for name, path in blocks.items()}
+            chosen = {by_path.get(path, path): path for path in paths}
+        if layer_types is not None:
+            kept = set(match_layer_types(list(chosen.values()), modules, layer_types))
+            chosen = {name: path for name, path in chosen.items() if path in kept}
+    if not chosen:
+        raise ValueError(
+            f"{type(module).__name__} has no {kind} to monitor by default; name them with layers=[...] "
+            f"(module names: {', '.join(candidates) or 'none'})"
+        )
+    for name in chosen:
+        if "/" in name:
+            raise ValueError(f"layer name {name!r} contains '/', which separates the parts of a logged key")
+    return chosen
+
+
+# -- one layer's features --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeatureLayer:
+    """A layer whose features are read.
+
+    Attributes:
+        name: name used in logged keys (a block name, a submodule path, or ``<path>_input``); never contains ``"/"``.
+        path: dotted submodule path, as in ``named_modules()``.
+        capture: ``"output"`` reads what the submodule returns, ``"input"`` what it receives.
+    """
+
+    name: str
+    path: str
+    capture: Literal["output", "input"] = "output"
+
+
+def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool = True) -> FeatureLayer | None:
+    """The one layer whose features a callback reads (the features feeding the head, by default).
+
+    ``layer`` takes the syntax of :func:`select_layers` and must match exactly one module. By default the last block
+    of ``module.blocks()`` is taken (the features feeding the head, see ``docs/architecture.md``); a module without
+    ``blocks()`` gets the input of its last ``nn.Linear``, i.e. the last hidden representation, or ``None`` when
+    ``required`` is false.
+
+    Raises:
+        ValueError: ``layer`` matches no module or several, or there is no default layer and one is required.
+    """
+    if layer is not None:
+        chosen = select_layers(module, check_names("layer", layer))
+        if len(chosen) != 1:
+            raise ValueError(f"layer {layer!r} matches {len(chosen)} modules ({', '.join(chosen.values())}); name one")
+        ((name, path),) = chosen.items()
+        return FeatureLayer(name if name == layer else path, path)
+    blocks = module_blocks(module)
+    if blocks:
+        name, path = list(blocks.items())[-1]
+        return FeatureLayer(name, path)
+    if not required:
+        return None
+    linears = [name for name, child in module.named_modules() if name and isinstance(child, nn.Linear)]
+    if not linears:
+        paths = [name for name, _ in module.named_modules() if name]
+        raise ValueError(
+            f"{type(module).__name__} has no blocks() and no nn.Linear layer; name the layer explicitly, "
+            f"submodules are: {', '.join(paths)}"
+        )
+    return FeatureLayer(f"{linears[-1]}_input", linears[-1], "input")
+
+
+# -- hooks and modes -------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def forward_hooks(
+    module: nn.Module, layers: Iterable[FeatureLayer], hook: Callable[[FeatureLayer, Any], None]
+) -> Iterator[None]:
+    """Call ``hook(layer, value)`` whenever one of ``layers`` runs, for the duration of the block.
+
+    ``value`` is what the layer returns (``capture="output"``) or its first positional input (``"input"``). The hooks
+    are removed when the block ends, also on error.
+    """
+    handles = []
+    try:
+        for layer in layers:
+            submodule = module.get_submodule(layer.path)
+            if layer.capture == "output":
+                handles.append(submodule.register_forward_hook(lambda _m, _a, out, layer=layer: hook(layer, out)))
+            else:
+                handles.append(submodule.register_forward_pre_hook(lambda _m, args, layer=layer: hook(layer, args[0])))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def capture_features(module: nn.Module, layers: Sequence[FeatureLayer]) -> Iterator[dict[str, Tensor]]:
+    """Hook ``layers`` of ``module`` for the duration of the block; yields ``{layer name: latest features}``.
+
+    The captured tensors are not detached, so gradients can flow from them into the network.
+    """
+    captured: dict[str, Tensor] = {}
+
+    def store(layer: FeatureLayer, value: Any) -> None:
+        if not isinstance(value, Tensor):
+            raise TypeError(f"layer {layer.name!r} produced a {type(value).__name__}, expected a tensor")
+        captured[layer.name] = value
+
+    with forward_hooks(module, layers, store):
+        yield captured
+
+
+@contextmanager
+def _mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
+    flags = {m: m.training for m in module.modules()}
+    module.train(training)
+    try:
+        yield module
+    finally:
+        # module.train(previous) would give every submodule the top-level flag (a frozen BatchNorm inside a
+        # training model would start training); each keeps its own.
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def eval_mode(module: nn.Module) -> AbstractContextManager[nn.Module]:
+    """Put ``module`` in eval mode for the block; afterwards every submodule gets back its own training flag."""
+    return _mode(module, False)
+
+
+def train_mode(module: nn.Module) -> AbstractContextManager[nn.Module]:
+    """Put ``module`` in training mode for the block; afterwards every submodule gets back its own training flag."""
+    return _mode(module, True)
+
+
+# -- batches ---------------------------------------------------------------------------------------------------------
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, Mapping):
+        return f"a dict batch with keys {list(batch)}"
+    if isinstance(batch, (tuple, list)):
+        return f"a {type(batch).__name__} batch of length {len(batch)}"
+    return f"a batch of type {type(batch).__name__}"
+
+
+def _is_labels(value: Any) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and value.ndim == 1
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
+
+
+@dataclass(frozen=True)
+class BatchReader:
+    """Where the inputs and the class labels of a batch are.
+
+    Batches may be a tensor (inputs only), a tuple or list (``(x, y, ...)``) or a dict (Hugging Face style).
+
+    Attributes:
+        input_key: index (tuples/lists) or key (dicts) of the inputs; ``None``: ``batch[0]``, the first of
+            :data:`INPUT_KEYS` in a dict, or the batch itself when it is a tensor.
+        label_key: index or key of the labels; ``None``: ``batch[1]`` or the first of :data:`LABEL_KEYS`.
+        label_fn: ``batch -> labels``, overriding ``label_key``.
+    """
+
+    input_key: int | str | None = None
+    label_key: int | str | None = None
+    label_fn: Callable[[Any], Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("input_key", "label_key"):
+            key = getattr(self, name)
+            if key is not None and (isinstance(key, bool) or not isinstance(key, (int, str))):
+                raise ValueError(f"{name} must be None, an index or a key, got {key!r}")
+        if self.label_fn is not None and not callable(self.label_fn):
+            raise ValueError(f"label_fn must be a function batch -> labels, got {self.label_fn!r}")
+
+    @staticmethod
+    def _lookup(batch: Any, key: int | str | None, defaults: Sequence[str], position: int) -> Any:
+        if isinstance(batch, Mapping):
+            keys = [key] if key is not None else [k for k in defaults if k in batch]
+            return batch.get(keys[0]) if keys else None
+        if isinstance(batch, (tuple, list)):
+            index = position if key is None else key
+            return batch[index] if isinstance(index, int) and -len(batch) <= index < len(batch) else None
+        return None
+
+    def inputs(self, batch: Any) -> Tensor:
+        """The input tensor of ``batch``.
+
+        Raises:
+            ValueError: no tensor where the inputs should be; the message says where it looked.
+        """
+        if isinstance(batch, Tensor) and self.input_key is None:
+            return batch
+        value = self._lookup(batch, self.input_key, INPUT_KEYS, 0)
+        if not isinstance(value, Tensor):
+            where = repr(self.input_key) if self.input_key is not None else f"index 0 or one of {list(INPUT_KEYS)}"
+            raise ValueError(f"cannot find the inputs at {where} in {_describe(batch)}; set input_key")
+        return value
+
+    def labels(self, batch: Any, *, required: bool = False) -> Tensor | None:
+        """The ``(B,)`` integer labels of ``batch``; ``None`` when there are none and they are not ``required``.
+
+        Raises:
+            ValueError: ``required`` and no integer label vector where the labels should be.
+        """
+        value = (
+            self.label_fn(batch) if self.label_fn is not None else self._lookup(batch, self.label_key, LABEL_KEYS, 1)
+        )
+        if _is_labels(value):
+            return value
+        if not required:
+            return None
+        if self.label_fn is not None:
+            where = "label_fn"
+        else:
+            where = repr(self.label_key) if self.label_key is not None else f"index 1 or one of {list(LABEL_KEYS)}"
+        found = "nothing" if value is None else f"a {type(value).__name__} {getattr(value, 'dtype', '')}".rstrip()
+        raise ValueError(
+            f"cannot find integer class labels at {where} in {_describe(batch)} (found {found}); "
+            "set label_key (an index for tuples, a key for dicts) or label_fn"
+        )
+
+    def split(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """``(inputs, labels)`` of a labelled batch; raises ``ValueError`` (see :meth:`inputs`, :meth:`labels`)."""
+        labels = self.labels(batch, required=True)
+        return self.inputs(batch), cast(Tensor, labels)
+
+    @staticmethod
+    def batch_size(batch: Any) -> int | None:
+        """Leading dimension of the batch's first tensor; ``None`` when it holds none."""
+        if isinstance(batch, Tensor):
+            return batch.shape[0] if batch.ndim else None
+        items = list(batch.values()) if isinstance(batch, Mapping) else batch
+        if isinstance(items, (tuple, list)):
+            for item in items:
+                if isinstance(item, Tensor) and item.ndim > 0:
+                    return item.shape[0]
+        return None

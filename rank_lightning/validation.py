@@ -1,0 +1,119 @@
+"""Argument checks shared by the callbacks, metrics and functions: a bad value raises at once, naming it.
+
+Every message says which argument was wrong, what it got and what it accepts (``every_n_epochs must be a positive
+integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from typing import Any, TypeVar
+
+__all__ = [
+    "check_choice",
+    "check_choices",
+    "check_fraction",
+    "check_names",
+    "check_non_negative_int",
+    "check_positive",
+    "check_positive_int",
+    "check_positive_ints",
+]
+
+T = TypeVar("T")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int >= 1`` (or ``None`` when ``allow_none``)."""
+    if allow_none and value is None:
+        return
+    if not _is_int(value) or value < 1:
+        allowed = "a positive integer or None" if allow_none else "a positive integer"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_non_negative_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int >= 0`` (or ``None`` when ``allow_none``)."""
+    if allow_none and value is None:
+        return
+    if not _is_int(value) or value < 0:
+        allowed = "a non-negative integer or None" if allow_none else "a non-negative integer"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number ``> 0`` (or ``None`` when ``allow_none``)."""
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        allowed = "a positive number or None" if allow_none else "a positive number"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_fraction(name: str, value: Any, *, closed_low: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` lies in ``(0, 1]`` (``[0, 1]`` with ``closed_low``)."""
+    low_ok = value >= 0 if closed_low else value > 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and value <= 1):
+        interval = "[0, 1]" if closed_low else "(0, 1]"
+        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
+
+
+def _listing(choices: Collection[Any]) -> str:
+    return ", ".join(str(choice) for choice in choices)
+
+
+def check_choice(name: str, value: T, choices: Collection[Any]) -> T:
+    """Return ``value`` if it is one of ``choices``; otherwise raise ``ValueError`` listing them."""
+    # bool is an int: True must not pass for 1, nor 1 for True.
+    if not any(value == choice and type(value) is type(choice) for choice in choices):
+        raise ValueError(f"unknown {name} {value!r}; valid choices are: {_listing(choices)}")
+    return value
+
+
+def check_choices(name: str, values: str | Sequence[str], choices: Collection[str]) -> tuple[str, ...]:
+    """A non-empty selection from ``choices`` (a single string counts as one entry), without repeats.
+
+    Raises:
+        ValueError: an empty selection, an unknown entry or a repeated one; the message lists the valid choices.
+    """
+    selected = (values,) if isinstance(values, str) else tuple(values)
+    unknown = [value for value in selected if value not in choices]
+    if unknown or not selected:
+        raise ValueError(f"unknown {name} {unknown or list(selected)!r}; valid choices are: {_listing(choices)}")
+    repeated = sorted({value for value in selected if selected.count(value) > 1})
+    if repeated:
+        raise ValueError(f"{name} names {repeated} more than once; valid choices are: {_listing(choices)}")
+    return selected
+
+
+def check_positive_ints(name: str, values: int | Sequence[int], *, allow_empty: bool = False) -> tuple[int, ...]:
+    """A tuple of positive integers (a single integer counts as one entry).
+
+    Raises:
+        ValueError: an entry that is not a positive integer, or an empty sequence unless ``allow_empty``.
+    """
+    selected = (values,) if _is_int(values) else tuple(values)
+    if any(not _is_int(value) or value < 1 for value in selected) or (not selected and not allow_empty):
+        raise ValueError(
+            f"{name} must be {'' if allow_empty else 'a non-empty list of '}positive integers, got {values!r}"
+        )
+    return selected
+
+
+def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``None``, or a non-empty tuple of non-empty strings (a single string counts as one entry).
+
+    Raises:
+        ValueError: an empty sequence or an entry that is not a non-empty string.
+    """
+    if values is None:
+        return None
+    selected = (values,) if isinstance(values, str) else tuple(values)
+    if not selected or not all(isinstance(value, str) and value for value in selected):
+        raise ValueError(f"{name} must be None or a non-empty list of non-empty strings, got {values!r}")
+    return selected

@@ -1,0 +1,197 @@
+import csv
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger, Logger
+from torch import nn
+
+from rank_lightning.callbacks import ClassificationDimension
+from rank_lightning.callbacks.classification_dimension import CLSDIM_DIR
+from rank_lightning.functional import classification_dimension, independence_deficit
+from rank_lightning.modules import ImageClassifier
+from tests.callbacks.feng_helpers import (
+    PNG_MAGIC,
+    DictBatches,
+    DictTinyNet,
+    TinyNet,
+    make_data,
+    make_loader,
+    make_trainer,
+)
+
+# -- ClassificationDimension -----------------------------------------------------------------------------------
+
+
+def _reference_features(model: TinyNet, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model.features(x)
+
+
+class _ModeProbe(pl.Callback):
+    def __init__(self) -> None:
+        self.flags: list[list[bool]] = []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.flags.append([m.training for m in pl_module.modules()])
+
+
+def test_cls_dim_after_fit_equals_functional_and_writes_files(tmp_path):
+    model, train, val = TinyNet(), make_data(), make_data(30, seed=6)
+    callback = ClassificationDimension(independence_deficit=True, deficit_eta=0.1, verbose=False)
+    before, after = _ModeProbe(), _ModeProbe()
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = make_trainer(tmp_path, [before, callback, after], max_epochs=2, logger=logger)
+    trainer.fit(model, make_loader(train, True), make_loader(val))
+    assert before.flags == after.flags and any(before.flags[0])
+
+    labels = val.tensors[1]
+    features = _reference_features(model, val.tensors[0])
+    expected = classification_dimension(features, labels, model.head)
+    assert callback.result.cls_dim == expected.cls_dim
+    torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
+
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = {k: float(v) for row in csv.DictReader(f) for k, v in row.items() if v}
+    assert logged["clsdim/cls_dim"] == expected.cls_dim
+    assert logged["clsdim/ambient_dim"] == 12
+    assert logged["clsdim/full_acc"] == pytest.approx(expected.full_accuracy)
+    assert logged["clsdim/num_samples"] == 30
+    with torch.no_grad():
+        rows = independence_deficit(model.head(features), labels, eta=0.1)
+    drop = np.mean([r["accuracy"] - r["accuracy_fit"] for r in rows])
+    assert logged["clsdim/deficit_acc_drop"] == pytest.approx(drop)
+    assert logged["clsdim/deficit_num_terms"] == pytest.approx(np.mean([r["num_terms"] for r in rows]))
+
+    directory = Path(logger.log_dir) / CLSDIM_DIR
+    with open(directory / "accuracy_vs_k.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["k"]) for r in table] == list(range(1, 13))
+    np.testing.assert_allclose([float(r["accuracy"]) for r in table], expected.accuracies.numpy())
+    assert (directory / "accuracy_vs_k.png").read_bytes()[:8] == PNG_MAGIC
+    assert (directory / "independence_deficit.md").read_text().startswith("| class |")
+    with open(directory / "independence_deficit.csv") as f:
+        assert len(list(csv.DictReader(f))) == 5
+
+
+@pytest.mark.parametrize("center", [False, True])
+def test_cls_dim_under_validate_in_inference_mode(tmp_path, center):
+    model, val = TinyNet(), make_data(30, seed=7)
+    callback = ClassificationDimension(center=center, max_samples=20, threshold=0.9, verbose=False)
+    trainer = make_trainer(tmp_path, [callback])
+    trainer.validate(model, make_loader(val))
+    features = _reference_features(model, val.tensors[0][:20])
+    expected = classification_dimension(features, val.tensors[1][:20], model.head, threshold=0.9, center=center)
+    assert trainer.callback_metrics["clsdim/cls_dim"] == expected.cls_dim
+    assert trainer.callback_metrics["clsdim/num_samples"] == 20
+    assert callback.result.centered is center
+    assert (tmp_path / CLSDIM_DIR / "accuracy_vs_k.png").exists()
+
+
+class WandbLogger(Logger):
+    """Stands in for W&B: the callbacks recognise W&B loggers by this class name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict] = []
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    @property
+    def version(self) -> str:
+        return "run"
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append(dict(metrics))
+
+
+def test_cls_dim_tables_go_to_wandb(tmp_path):
+    wandb = pytest.importorskip("wandb")
+    model, val = TinyNet(), make_data(20, seed=8)
+    logger = WandbLogger()
+    callback = ClassificationDimension(independence_deficit=True, deficit_eta=0.1, verbose=False)
+    make_trainer(tmp_path, [callback], logger=logger).validate(model, make_loader(val))
+    payload = {k: v for entry in logger.logged for k, v in entry.items()}
+    assert isinstance(payload["clsdim/accuracy_vs_k"], wandb.Table)
+    assert len(payload["clsdim/accuracy_vs_k"].data) == 12
+    assert isinstance(payload["clsdim/independence_deficit"], wandb.Table)
+    assert isinstance(payload["clsdim/figure"], wandb.Image)
+
+
+def test_head_is_found_for_package_and_foreign_models():
+    assert ClassificationDimension().find_head(ImageClassifier(backbone="mlp")) == "backbone.head"
+    assert ClassificationDimension().find_head(TinyNet()) == "head"
+    with pytest.raises(ValueError, match="unknown head 'nope'"):
+        ClassificationDimension(head="nope").find_head(TinyNet())
+
+
+def test_head_accepts_the_shared_layer_syntax():
+    model = TinyNet()
+    assert ClassificationDimension(head="features.8").find_head(model) == "features.8"  # a module path
+    assert ClassificationDimension(head="low").find_head(model) == "features.8"  # a block name
+    assert ClassificationDimension(head="hea?").find_head(model) == "head"  # a glob matching one module
+    with pytest.raises(ValueError, match=re.escape("head 'features.*' matches 9 modules (features.0, features.1")):
+        ClassificationDimension(head="features.*").find_head(model)
+    with pytest.raises(ValueError, match=r"is nn\.Identity"):
+        ClassificationDimension(head="0").find_head(nn.Sequential(nn.Identity(), nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize(
+    "reading",
+    [{"label_key": "digit"}, {"label_fn": lambda batch: batch["digit"]}],
+    ids=["label_key", "label_fn"],
+)
+def test_cls_dim_reads_dict_batches(tmp_path, reading):
+    model, val = DictTinyNet(), make_data(30, seed=12)
+    callback = ClassificationDimension(input_key="pixels", verbose=False, **reading)
+    trainer = make_trainer(tmp_path, [callback])
+    trainer.validate(model, make_loader(DictBatches(val)))
+    features = _reference_features(model, val.tensors[0])
+    expected = classification_dimension(features, val.tensors[1], model.head)
+    assert trainer.callback_metrics["clsdim/cls_dim"] == expected.cls_dim
+    assert trainer.callback_metrics["clsdim/num_samples"] == 30
+    torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
+
+
+def test_cls_dim_without_labels_names_where_it_looked(tmp_path):
+    model, val = DictTinyNet(), make_data(8, seed=12)
+    callback = ClassificationDimension(input_key="pixels", verbose=False)
+    with pytest.raises(ValueError, match=r"cannot find integer class labels .* keys \['pixels', 'digit'\]"):
+        make_trainer(tmp_path, [callback]).validate(model, make_loader(DictBatches(val)))
+
+
+def test_cls_dim_messages_go_through_rank_zero_info(tmp_path, callback_messages):
+    model, val = TinyNet(), make_data(20, seed=13)
+    callback = ClassificationDimension(independence_deficit=True, deficit_eta=0.1)
+    make_trainer(tmp_path, [callback]).validate(model, make_loader(val))
+    result = callback.result
+    assert callback_messages[0].startswith(
+        f"ClassificationDimension: cls_dim = {result.cls_dim} of 12 (uncentred PCA, 20 samples, "
+        f"full accuracy {result.full_accuracy:.4f}, threshold 0.95); files in "
+    )
+    assert callback_messages[1].startswith("ClassificationDimension: independence deficit:\n| class |")
+    assert len(callback_messages) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"threshold": 1.5}, "threshold"),
+        ({"ks": [0, 3]}, "ks"),
+        ({"max_samples": 0}, "max_samples"),
+        ({"deficit_eta": 0.0}, "deficit_eta"),
+        ({"deficit_fit_on": "some"}, "unknown deficit_fit_on 'some'; valid choices are: all, class"),
+    ],
+)
+def test_cls_dim_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClassificationDimension(**kwargs)

@@ -1,0 +1,173 @@
+"""LowDimensionalEvaluation: accuracy per embedding dimension, layer choice, and the model's modes left as they were."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import LowDimensionalEvaluation, LowRankProjection
+from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
+from tests.callbacks.recording_logger import RecordingLogger
+
+
+def _trainer(callbacks: list[pl.Callback], max_epochs: int, **kwargs: Any) -> pl.Trainer:
+    options = dict(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+class _Digits(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _digits_loaders() -> tuple[DataLoader, DataLoader]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y)
+    train = DataLoader(TensorDataset(x[:1200], y[:1200]), batch_size=100, shuffle=True)
+    val = DataLoader(TensorDataset(x[1200:], y[1200:]), batch_size=200)
+    return train, val
+
+
+def test_low_dimensional_evaluation_logs_accuracy_per_dimension() -> None:
+    torch.manual_seed(0)
+    recorder = RecordingLogger()
+    callback = LowDimensionalEvaluation(dims=(1, 10, 500), every_n_epochs=2)
+    trainer = _trainer([callback], max_epochs=4, logger=recorder)
+    train, val = _digits_loaders()
+    with pytest.warns(UserWarning, match=r"dims \[500\] exceed min\(N, d\) = 64"):
+        trainer.fit(_Digits(), train, val)
+    assert set(callback.results) == {1, 10}
+    # Ten digit classes: one PCA direction separates a few, ten separate most.
+    assert 0.1 < callback.results[1] < 0.6
+    assert callback.results[10] > 0.85
+    assert "lowdim/acc@10" in trainer.callback_metrics  # from the validation epochs
+    final = [metrics for _, metrics in recorder.calls if "lowdim/acc@1" in metrics and "epoch" not in metrics]
+    assert final[-1] == {"lowdim/acc@1": callback.results[1], "lowdim/acc@10": callback.results[10]}
+
+
+def test_low_dimensional_evaluation_reads_the_named_layer() -> None:
+    torch.manual_seed(0)
+    callback = LowDimensionalEvaluation(dims=(3,), layer="features.0", max_batches=2)
+    train, val = _digits_loaders()
+    _trainer([callback], max_epochs=1).fit(_Digits(), train, val)
+    assert set(callback.results) == {3}
+    with pytest.raises(ValueError, match=r"unknown layer 'fc'; layers are: features, features\.0, features\.1, head$"):
+        _trainer([LowDimensionalEvaluation(layer="fc")], max_epochs=1).fit(_Digits(), train, val)
+
+
+class _FrozenNorm(_Digits):
+    """A training model whose BatchNorm is frozen in eval mode at the start of every training epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU())
+
+    def on_train_epoch_start(self) -> None:
+        self.features[1].eval()
+
+
+class _Modes(pl.Callback):
+    """Records every submodule's training flag in the hooks in which the evaluation runs."""
+
+    def __init__(self) -> None:
+        self.modes: list[dict[str, bool]] = []
+
+    def _record(self, pl_module: pl.LightningModule) -> None:
+        self.modes.append({name: module.training for name, module in pl_module.named_modules()})
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(pl_module)
+
+
+def test_low_dimensional_evaluation_leaves_every_submodule_mode_as_it_was() -> None:
+    torch.manual_seed(0)
+    module = _FrozenNorm()
+    before, after = _Modes(), _Modes()
+    callback = LowDimensionalEvaluation(dims=(2,), every_n_epochs=1, max_batches=2)
+    train, val = _digits_loaders()
+    _trainer([before, callback, after], max_epochs=2).fit(module, train, val)
+    assert set(callback.results) == {2}
+    # The sanity check, two validation epochs and the end of fit, where the model trains but its BatchNorm does not.
+    assert len(before.modes) == 4
+    assert before.modes[-1][""] and not before.modes[-1]["features.1"]
+    assert after.modes == before.modes
+    assert module.training and not module.features[1].training
+
+
+def test_callbacks_work_under_the_lightning_pytorch_trainer() -> None:
+    lightning_pytorch = pytest.importorskip("lightning.pytorch")
+
+    class _Module(lightning_pytorch.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+            insert_lr_layer(self.net, "2", LRLayer(32, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("train/acc", 0.9, on_step=False, on_epoch=True)
+            return F.cross_entropy(self(batch[0]), batch[1]) + collect_auxiliary_losses(self)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val/loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    module = _Module()
+    projection = LowRankProjection(threshold=0.65)
+    evaluation = LowDimensionalEvaluation(dims=(2,), max_batches=3)
+    trainer = lightning_pytorch.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[projection, evaluation],
+    )
+    train, val = _digits_loaders()
+    trainer.fit(module, train, val)
+    assert projection.switched_on_epoch == 0
+    assert torch.linalg.matrix_rank(module.net[2][0].weight.detach(), hermitian=True).item() <= 4
+    assert trainer.callback_metrics["lr_layer/enabled"].item() == 1.0
+    assert set(evaluation.results) == {2}
