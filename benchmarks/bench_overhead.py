@@ -8,8 +8,10 @@
    machine load hits both alike; the medians over repeats are compared. Target: monitored / plain <= 1.10. On a
    shared machine two identical fits differ by several percent, so the wall time spent inside the callbacks (their
    Lightning hooks and forward hooks) is measured too: ``1 + inside / plain`` is the overhead without that noise.
-   The PNG figures are drawn on a background thread once fit has returned (the callbacks' default); the benchmark
-   waits for them outside the timed fit and reports that time, and the ratio counting it, separately.
+   The PNG figures are drawn synchronously at the end of fit (the callbacks' ``on_fit_end``), inside the timed fit;
+   the wall time spent in the rank callbacks' ``on_fit_end`` (the figures, plus the last W&B charts: none here) is
+   reported on its own, in seconds, as a fraction of the monitored fit and per PNG file written, and so is the
+   overhead of the per-epoch monitoring without it.
 2. ``WeightRankMonitor.measure``, with each of its decompositions (``auto``, the default, ``svd``, ``gram``), on
    torchvision's ResNet-50 (seeded random weights: nothing is downloaded) against ``WeightWatcher(model).analyze()``
    with its defaults, both on the same number of threads (``--threads``, else torch's default); medians of several
@@ -41,8 +43,10 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
@@ -68,33 +72,41 @@ class Case:
 class FitTime:
     wall: float
     cpu: float
-    figures: float
-    """Seconds the background figure drawing still ran after ``fit`` returned (waited for outside ``wall``)."""
     inside: float
     """Seconds spent inside the rank callbacks (their Lightning hooks and the forward hooks they register)."""
+    fit_end: float
+    """Seconds spent inside the rank callbacks' ``on_fit_end`` (the figures; part of ``inside`` and of ``wall``)."""
+    figures: int
+    """PNG files written into the run directory."""
 
 
 class _CallbackClock:
-    """Wall time spent inside callbacks: every Lightning hook and every forward hook made by ``_make_hook``.
+    """Wall time spent inside callbacks: every Lightning hook and the forward-hook handler ``_hook``, per hook name.
 
     On a shared machine two fits of the same model differ by several percent, as much as the overhead itself; the time
     measured inside the callbacks is the overhead without that noise (the forward passes are the same).
     """
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.by_hook: dict[str, float] = defaultdict(float)
         self._running = False
+
+    @property
+    def seconds(self) -> float:
+        """Total over every hook."""
+        return sum(self.by_hook.values())
 
     def wrap(self, callback: pl.Callback) -> pl.Callback:
         for name in dir(type(callback)):
             if name.startswith("on_") or name in ("setup", "teardown"):
-                setattr(callback, name, self._timed(getattr(callback, name)))
-        make_hook = getattr(callback, "_make_hook", None)
-        if make_hook is not None:
-            callback._make_hook = lambda *args, **kwargs: self._timed(make_hook(*args, **kwargs))
+                setattr(callback, name, self._timed(name, getattr(callback, name)))
+        # ActivationRankMonitor registers its forward hooks with the bound ``self._hook`` when an epoch starts, so an
+        # instance attribute of that name is what they call.
+        if callable(getattr(callback, "_hook", None)):
+            callback._hook = self._timed("_hook", callback._hook)
         return callback
 
-    def _timed(self, function: Callable) -> Callable:
+    def _timed(self, name: str, function: Callable) -> Callable:
         def timed(*args, **kwargs):
             if self._running:  # already counted by the enclosing call
                 return function(*args, **kwargs)
@@ -103,7 +115,7 @@ class _CallbackClock:
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.by_hook[name] += time.perf_counter() - start
                 self._running = False
 
         return timed
@@ -164,9 +176,9 @@ def _fit(case: Case, monitored: bool) -> FitTime:
         )
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         trainer.fit(module, **case.make_data())
-        wall = time.perf_counter() - start_wall
-        figures = time.perf_counter() - start_wall - wall
-        return FitTime(wall, time.process_time() - start_cpu, figures, clock.seconds)
+        wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+        figures = sum(1 for _ in Path(directory).rglob("*.png"))
+        return FitTime(wall, cpu, clock.seconds, clock.by_hook["on_fit_end"], figures)
 
 
 def _overhead(case: Case, repeats: int) -> None:
@@ -177,7 +189,6 @@ def _overhead(case: Case, repeats: int) -> None:
             (monitored if is_monitored else plain).append(_fit(case, is_monitored))
     plain_wall = statistics.median(t.wall for t in plain)
     monitored_wall = statistics.median(t.wall for t in monitored)
-    figures = statistics.median(t.figures for t in monitored)
     cpu_ratio = statistics.median(t.cpu for t in monitored) / statistics.median(t.cpu for t in plain)
     print(f"\n{case.name}, {repeats} repeat(s), medians:")
     print(f"  plain fit                        {plain_wall:8.2f} s wall")
@@ -186,9 +197,16 @@ def _overhead(case: Case, repeats: int) -> None:
     print(f"  ratio monitored / plain          {ratio:8.3f}  (target <= 1.10)")
     inside = statistics.median(t.inside for t in monitored)
     print(f"  time inside the rank callbacks   {inside:8.2f} s -> {1 + inside / plain_wall:.3f} x the plain fit")
-    print(f"  figures drawn after fit returned {figures:8.2f} s (background thread)")
-    print(f"  ratio counting the figures too   {(monitored_wall + figures) / plain_wall:8.3f}")
-    print(f"  CPU-time ratio (figures incl.)   {cpu_ratio:8.3f}")
+    fit_end = statistics.median(t.fit_end for t in monitored)
+    fraction = statistics.median(t.fit_end / t.wall for t in monitored)
+    figures = statistics.median(t.figures for t in monitored)
+    per_figure = statistics.median(t.fit_end / t.figures for t in monitored if t.figures)
+    runs = ", ".join(f"{t.fit_end:.2f}" for t in monitored)
+    print(f"  figures at fit end (on_fit_end)  {fit_end:8.2f} s = {fraction:.1%} of the monitored fit (runs: {runs} s)")
+    print(f"  PNG files drawn                  {figures:8g}   -> {per_figure:.3f} s per figure")
+    without = statistics.median(t.inside - t.fit_end for t in monitored)
+    print(f"  inside, without the figures      {without:8.2f} s -> {1 + without / plain_wall:.3f} x the plain fit")
+    print(f"  CPU-time ratio                   {cpu_ratio:8.3f}")
 
 
 def _timed(function: Callable[[], object]) -> tuple[float, float, object]:

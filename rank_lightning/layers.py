@@ -155,8 +155,8 @@ def match_layer_names(
         candidates: ``name -> module`` of the layers that may be chosen (in depth order).
         blocks: ``short name -> module path`` accepted as aliases; an alias gives its path as it is, candidate or not
             (a caller that watches leaf layers expands a block's container itself).
-        expand_containers: an exact name of a container that is not itself a candidate selects the candidates inside
-            it (``"backbone.layer1"`` -> every Conv in it); otherwise the name must be a candidate.
+        expand_containers: an exact name or a glob naming a container that is not itself a candidate selects the
+            candidates inside it (``"backbone.layer1"`` -> every Conv in it); otherwise the name must be a candidate.
         kind: word used in error messages ("layer", "weight layer").
 
     Raises:
@@ -171,6 +171,10 @@ def match_layer_names(
             matches = [blocks[pattern]]
         elif GLOB_CHARACTERS & set(pattern):
             matches = [blocks[name] for name in fnmatch.filter(blocks, pattern)] + fnmatch.filter(candidates, pattern)
+            if expand_containers:
+                # A glob that names containers selects the candidates inside them, as an exact container name does.
+                containers = [name for name in fnmatch.filter(all_modules, pattern) if name and name not in candidates]
+                matches += [name for name in candidates if any(name.startswith(c + ".") for c in containers)]
         elif pattern in candidates:
             matches = [pattern]
         elif expand_containers and pattern in all_modules:

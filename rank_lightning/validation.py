@@ -7,7 +7,7 @@ integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 __all__ = [
@@ -28,31 +28,30 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an ``int >= 1`` (or ``None`` when ``allow_none``)."""
+def _require(name: str, value: Any, ok: Callable[[Any], bool], kind: str, allow_none: bool) -> None:
     if allow_none and value is None:
         return
-    if not _is_int(value) or value < 1:
-        allowed = "a positive integer or None" if allow_none else "a positive integer"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int >= 1`` (or ``None`` when ``allow_none``)."""
+    _require(name, value, lambda v: _is_int(v) and v >= 1, "a positive integer", allow_none)
 
 
 def check_non_negative_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is an ``int >= 0`` (or ``None`` when ``allow_none``)."""
-    if allow_none and value is None:
-        return
-    if not _is_int(value) or value < 0:
-        allowed = "a non-negative integer or None" if allow_none else "a non-negative integer"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    _require(name, value, lambda v: _is_int(v) and v >= 0, "a non-negative integer", allow_none)
 
 
 def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite real number ``> 0`` (or ``None`` when ``allow_none``)."""
-    if allow_none and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        allowed = "a positive number or None" if allow_none else "a positive number"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+    def ok(v: Any) -> bool:
+        return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+    _require(name, value, ok, "a positive number", allow_none)
 
 
 def check_fraction(name: str, value: Any, *, closed_low: bool = False) -> None:

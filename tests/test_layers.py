@@ -94,6 +94,7 @@ def test_a_container_name_expands_to_the_candidates_inside_it():
     net = _Net()
     candidates = _linear_and_conv(net)
     assert match_layer_names(net, ["layer2"], candidates) == ["layer2.0"]
+    assert match_layer_names(net, ["layer?"], candidates) == ["layer1.0", "layer2.0"]
     with pytest.raises(ValueError, match=r"unknown layer 'layer2'; layers are: stem, layer1\.0, layer2\.0, head"):
         match_layer_names(net, ["layer2"], candidates, expand_containers=False)
 

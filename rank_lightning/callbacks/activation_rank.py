@@ -194,7 +194,8 @@ class ActivationRankMonitor(CurveMonitor):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(layers=self.layers, stage=self.stage)
+        # A list, as before layers became a tuple: checkpoints saved then still find their state.
+        return self._generate_state_key(layers=None if self.layers is None else list(self.layers), stage=self.stage)
 
     @property
     def monitored(self) -> dict[str, str]:

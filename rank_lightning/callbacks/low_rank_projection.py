@@ -106,7 +106,7 @@ class LowRankProjection(RankCallback):
             generator = torch.Generator().manual_seed(self.seed + trainer.global_step)
             for _, layer in layers:
                 layer.project_(generator)
-        uncollected = [name for name, layer in layers if layer.auxiliary_loss() is not None]
+        uncollected = [name for name, layer in layers if layer.pop_auxiliary_loss() is not None]
         if uncollected:
             self.warn_once(
                 ("uncollected",),

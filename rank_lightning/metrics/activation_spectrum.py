@@ -46,17 +46,7 @@ from rank_lightning.validation import (
 
 __all__ = ["ACTIVATION_METRICS", "ActivationSpectrum", "ActivationSpectrumResult", "SpectralSummary"]
 
-ACTIVATION_METRICS: tuple[str, ...] = (
-    "numerical_rank",
-    "soft_rank",
-    "participation_ratio",
-    "stable_rank",
-    "effective_rank",
-    "variance_ratio",
-    "tcv",
-    "tcv_normalized",
-    "classwise_variance_ratio",
-)
+ACTIVATION_METRICS: tuple[str, ...] = (*SPECTRAL_METRICS[:6], "tcv", "tcv_normalized", "classwise_variance_ratio")
 """Metric families of :meth:`ActivationSpectrumResult.scalars`: the spectral ones of
 :class:`~rank_lightning.functional.spectral.SpectralSummary`, then the total cluster variation (plain and normalised)
 and the class-wise variance ratio."""

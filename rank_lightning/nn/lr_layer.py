@@ -135,7 +135,7 @@ class LRLayer(nn.Module):
         self.last_losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
         return x
 
-    def auxiliary_loss(self) -> Tensor | None:
+    def pop_auxiliary_loss(self) -> Tensor | None:
         """Return the pending auxiliary loss (``None`` if there is none) and clear it."""
         loss, self.aux_loss = self.aux_loss, None
         return loss
@@ -185,7 +185,7 @@ def collect_auxiliary_losses(module: nn.Module) -> Tensor:
     Returns:
         Scalar tensor; zero when no layer has a pending loss (before switch-on, in eval mode, or without LR-Layers).
     """
-    losses = [loss for _, layer in lr_layers(module) if (loss := layer.auxiliary_loss()) is not None]
+    losses = [loss for _, layer in lr_layers(module) if (loss := layer.pop_auxiliary_loss()) is not None]
     if losses:
         return torch.stack(losses).sum()
     parameter = next(module.parameters(), None)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tests.callbacks.trainer_helpers import quiet_trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SHAPE = (3, 8, 8)
@@ -77,21 +80,10 @@ def make_loader(dataset, shuffle: bool = False) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=shuffle)
 
 
-def make_trainer(tmp_path: Path, callbacks: list, trainer_cls=pl.Trainer, **kwargs):
-    options = dict(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-    )
-    options.update(kwargs)
-    return trainer_cls(**options)
+def make_trainer(tmp_path: Path, callbacks: list, trainer_cls: type = pl.Trainer, **kwargs: Any) -> Any:
+    """A quiet one-epoch trainer writing under ``tmp_path``, without the sanity check."""
+    options = {"max_epochs": 1, "default_root_dir": tmp_path, "num_sanity_val_steps": 0}
+    return quiet_trainer(callbacks, trainer_cls, **(options | kwargs))
 
 
 class DictBatches(torch.utils.data.Dataset):

@@ -27,33 +27,14 @@ from rank_lightning.functional import (
     variance_ratio,
 )
 from rank_lightning.layers import default_layers
+from tests.callbacks.trainer_helpers import quiet_trainer
 from tests.callbacks.wandb_helpers import offline_run_history
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _trainer(tmp_path: Path, callbacks: list, trainer_cls=pl.Trainer, **kwargs):
-    options = dict(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=callbacks,
-    )
-    options.update(kwargs)
-    return trainer_cls(**options)
+    return quiet_trainer(callbacks, trainer_cls, **({"max_epochs": 1, "default_root_dir": tmp_path} | kwargs))
 
 
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int = 16) -> torch.utils.data.DataLoader:

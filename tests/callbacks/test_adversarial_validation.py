@@ -20,6 +20,7 @@ from rank_lightning.callbacks import AdversarialValidation
 from rank_lightning.callbacks.adversarial_validation import grey_levels
 from rank_lightning.data import DigitsDataModule
 from rank_lightning.modules import ImageClassifier
+from tests.callbacks.trainer_helpers import quiet_trainer, torch_threads
 from tests.callbacks.wandb_helpers import offline_run_history
 
 EPS = (0.0, 2 / 255, 8 / 255, 16 / 255)
@@ -28,10 +29,8 @@ EPS = (0.0, 2 / 255, 8 / 255, 16 / 255)
 @pytest.fixture(autouse=True)
 def one_thread():
     # Tiny models: with several busy processes on two cores, one thread avoids oversubscription stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def _datamodule() -> DigitsDataModule:
@@ -65,18 +64,8 @@ def model(trained: ImageClassifier) -> ImageClassifier:
     return copy.deepcopy(trained)
 
 
-def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = dict(
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-        devices=1,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+def _trainer(tmp_path: Path, callbacks: list[pl.Callback], trainer_cls: type = pl.Trainer, **kwargs: Any) -> Any:
+    return quiet_trainer(callbacks, trainer_cls, default_root_dir=tmp_path, **kwargs)
 
 
 def _validate(tmp_path: Path, model: nn.Module, callback: AdversarialValidation, **kwargs: Any) -> dict[str, float]:
@@ -335,18 +324,26 @@ def test_block_name_and_its_module_path_measure_the_same_layer(tmp_path, model):
     assert by_block == by_path
 
 
-class _Backbone(pl.LightningModule):
-    """The classifier's backbone in a module whose validation step reads no batch (any layout is accepted)."""
+def _backbone_class(base: type) -> type:
+    """``_Backbone`` on the LightningModule class ``base`` (of ``pytorch_lightning`` or ``lightning.pytorch``)."""
 
-    def __init__(self, backbone: nn.Module) -> None:
-        super().__init__()
-        self.backbone = backbone
+    class _Backbone(base):
+        """The classifier's backbone in a module whose validation step reads no batch (any layout is accepted)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone(x)
+        def __init__(self, backbone: nn.Module) -> None:
+            super().__init__()
+            self.backbone = backbone
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        pass
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+    return _Backbone
+
+
+_Backbone = _backbone_class(pl.LightningModule)
 
 
 def test_dict_batches_and_explicit_keys(tmp_path, model):
@@ -413,18 +410,7 @@ def test_module_without_blocks_skips_d_adv_unless_a_layer_is_named(tmp_path):
 def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
     lightning = pytest.importorskip("lightning.pytorch")
 
-    class LightningClassifier(lightning.LightningModule):
-        def __init__(self, backbone: nn.Module) -> None:
-            super().__init__()
-            self.backbone = backbone
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.backbone(x)
-
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            pass
-
-    model = LightningClassifier(model.backbone)
+    model = _backbone_class(lightning.LightningModule)(model.backbone)
     datamodule = _datamodule()
     # A pytorch_lightning datamodule is foreign to a lightning.pytorch Trainer: plain loaders and explicit statistics.
     loader = DataLoader(datamodule.val_set, batch_size=64)
@@ -437,16 +423,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
         std=datamodule.std,
         verbose=False,
     )
-    trainer = lightning.Trainer(
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        inference_mode=False,
-        callbacks=[callback],
-    )
+    trainer = _trainer(tmp_path, [callback], lightning.Trainer, inference_mode=False)
     trainer.validate(model, dataloaders=loader)
     reference = _reference(model, 150, (8 / 255,))
     for key in ("clean_acc", "feature_sq_norm", "iter_fgsm/acc@8", "iter_fgsm/l2@8", "iter_fgsm/d_adv@8"):

@@ -127,7 +127,7 @@ def test_resumed_monitor_keeps_its_inputs(tmp_path):
         assert resumed.curves.history[0][name]["rank"] == pytest.approx(float(ranks.double().mean()))
 
 
-def test_jacobian_with_lightning_pytorchmake_trainer(tmp_path):
+def test_jacobian_with_lightning_pytorch_trainer(tmp_path):
     lightning_pytorch = pytest.importorskip("lightning.pytorch")
     model, val = make_module(lightning_pytorch.LightningModule)(), make_data(16)
     monitor = JacobianRankMonitor(num_inputs=1, verbose=False)

@@ -14,20 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from rank_lightning.callbacks import LowDimensionalEvaluation, LowRankProjection
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
 from tests.callbacks.recording_logger import RecordingLogger
-
-
-def _trainer(callbacks: list[pl.Callback], max_epochs: int, **kwargs: Any) -> pl.Trainer:
-    options = dict(
-        max_epochs=max_epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+from tests.callbacks.trainer_helpers import quiet_trainer
 
 
 class _Digits(pl.LightningModule):
@@ -64,7 +51,7 @@ def test_low_dimensional_evaluation_logs_accuracy_per_dimension() -> None:
     torch.manual_seed(0)
     recorder = RecordingLogger()
     callback = LowDimensionalEvaluation(dims=(1, 10, 500), every_n_epochs=2)
-    trainer = _trainer([callback], max_epochs=4, logger=recorder)
+    trainer = quiet_trainer([callback], max_epochs=4, logger=recorder)
     train, val = _digits_loaders()
     with pytest.warns(UserWarning, match=r"dims \[500\] exceed min\(N, d\) = 64"):
         trainer.fit(_Digits(), train, val)
@@ -81,10 +68,10 @@ def test_low_dimensional_evaluation_reads_the_named_layer() -> None:
     torch.manual_seed(0)
     callback = LowDimensionalEvaluation(dims=(3,), layer="features.0", max_batches=2)
     train, val = _digits_loaders()
-    _trainer([callback], max_epochs=1).fit(_Digits(), train, val)
+    quiet_trainer([callback], max_epochs=1).fit(_Digits(), train, val)
     assert set(callback.results) == {3}
     with pytest.raises(ValueError, match=r"unknown layer 'fc'; layers are: features, features\.0, features\.1, head$"):
-        _trainer([LowDimensionalEvaluation(layer="fc")], max_epochs=1).fit(_Digits(), train, val)
+        quiet_trainer([LowDimensionalEvaluation(layer="fc")], max_epochs=1).fit(_Digits(), train, val)
 
 
 class _FrozenNorm(_Digits):
@@ -120,7 +107,7 @@ def test_low_dimensional_evaluation_leaves_every_submodule_mode_as_it_was() -> N
     before, after = _Modes(), _Modes()
     callback = LowDimensionalEvaluation(dims=(2,), every_n_epochs=1, max_batches=2)
     train, val = _digits_loaders()
-    _trainer([before, callback, after], max_epochs=2).fit(module, train, val)
+    quiet_trainer([before, callback, after], max_epochs=2).fit(module, train, val)
     assert set(callback.results) == {2}
     # The sanity check, two validation epochs and the end of fit, where the model trains but its BatchNorm does not.
     assert len(before.modes) == 4
@@ -155,16 +142,7 @@ def test_callbacks_work_under_the_lightning_pytorch_trainer() -> None:
     module = _Module()
     projection = LowRankProjection(threshold=0.65)
     evaluation = LowDimensionalEvaluation(dims=(2,), max_batches=3)
-    trainer = lightning_pytorch.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[projection, evaluation],
-    )
+    trainer = quiet_trainer([projection, evaluation], lightning_pytorch.Trainer, max_epochs=2)
     train, val = _digits_loaders()
     trainer.fit(module, train, val)
     assert projection.switched_on_epoch == 0

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import LowRankProjection
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
+from tests.callbacks.trainer_helpers import quiet_trainer
 
 
 class _Scripted(pl.LightningModule):
@@ -47,20 +48,6 @@ def _loader(n: int = 64, batch_size: int = 16) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def _trainer(callbacks: list[pl.Callback], max_epochs: int, **kwargs: Any) -> pl.Trainer:
-    options = dict(
-        max_epochs=max_epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
-
-
 class _Probe(pl.Callback):
     """Records, per epoch, whether the LR-Layer was enabled during training and how many projections ran."""
 
@@ -92,7 +79,7 @@ def test_switch_on_at_the_accuracy_threshold(monkeypatch: pytest.MonkeyPatch) ->
     probe = _Probe()
     _count_projections(module, probe, monkeypatch)
     callback = LowRankProjection(threshold=0.65, monitor="train/acc")
-    trainer = _trainer([callback, probe], max_epochs=4)
+    trainer = quiet_trainer([callback, probe], max_epochs=4)
     trainer.fit(module, _loader())
     # The accuracy of epoch 2 reaches 0.65, so epoch 3 trains with the LR-Layer: 4 batches, 4 projections.
     assert callback.switched_on_epoch == 2
@@ -112,7 +99,7 @@ def test_switch_on_at_a_fixed_epoch_and_only_after_optimizer_steps(monkeypatch: 
     probe = _Probe()
     _count_projections(module, probe, monkeypatch)
     callback = LowRankProjection(threshold=None, switch_on_epoch=1)
-    _trainer([callback, probe], max_epochs=3, accumulate_grad_batches=2).fit(module, _loader())
+    quiet_trainer([callback, probe], max_epochs=3, accumulate_grad_batches=2).fit(module, _loader())
     assert probe.enabled == [False, True, True]
     # 4 batches per epoch with accumulation over 2: two optimizer steps, two projections.
     assert probe.projections == [0, 2, 2]
@@ -121,7 +108,7 @@ def test_switch_on_at_a_fixed_epoch_and_only_after_optimizer_steps(monkeypatch: 
 def test_resume_restores_the_switched_on_state(tmp_path) -> None:
     module = _Scripted([0.9] * 4)
     callback = LowRankProjection(threshold=0.65)
-    trainer = _trainer([callback], max_epochs=2)
+    trainer = quiet_trainer([callback], max_epochs=2)
     trainer.fit(module, _loader())
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
@@ -130,7 +117,7 @@ def test_resume_restores_the_switched_on_state(tmp_path) -> None:
     resumed_module = _Scripted([0.0] * 4)
     probe = _Probe()
     resumed = LowRankProjection(threshold=0.65)
-    _trainer([resumed, probe], max_epochs=4).fit(resumed_module, _loader(), ckpt_path=path)
+    quiet_trainer([resumed, probe], max_epochs=4).fit(resumed_module, _loader(), ckpt_path=path)
     assert resumed.enabled and resumed.switched_on_epoch == 0
     assert probe.enabled == [True, True]
 
@@ -138,7 +125,7 @@ def test_resume_restores_the_switched_on_state(tmp_path) -> None:
 def test_warns_when_the_module_does_not_collect_the_auxiliary_loss() -> None:
     module = _Scripted([0.0], collect=False)
     with pytest.warns(UserWarning, match="never collected"):
-        _trainer([LowRankProjection(threshold=None, switch_on_epoch=0)], max_epochs=1).fit(module, _loader())
+        quiet_trainer([LowRankProjection(threshold=None, switch_on_epoch=0)], max_epochs=1).fit(module, _loader())
     assert module.net[2][0].aux_loss is None
 
 
@@ -148,7 +135,7 @@ def test_errors() -> None:
     module = _Scripted([0.5])
     message = r"monitors 'train/accuracy'.*logged metrics are: lr_layer/enabled, train/acc"
     with pytest.raises(RuntimeError, match=message):
-        _trainer([LowRankProjection(monitor="train/accuracy")], max_epochs=1).fit(module, _loader())
+        quiet_trainer([LowRankProjection(monitor="train/accuracy")], max_epochs=1).fit(module, _loader())
 
     class _Plain(_Scripted):
         def __init__(self) -> None:
@@ -156,4 +143,4 @@ def test_errors() -> None:
             self.net = nn.Sequential(nn.Linear(8, 3))
 
     with pytest.raises(ValueError, match="contains no LRLayer"):
-        _trainer([LowRankProjection()], max_epochs=1).fit(_Plain(), _loader())
+        quiet_trainer([LowRankProjection()], max_epochs=1).fit(_Plain(), _loader())

@@ -17,27 +17,36 @@ from rank_lightning.callbacks import RankPretraining
 from rank_lightning.layers import FeatureLayer, feature_layer
 from rank_lightning.models import create_model
 from tests.callbacks.recording_logger import RecordingLogger
+from tests.callbacks.trainer_helpers import quiet_trainer
 
 
-class _Classifier(pl.LightningModule):
-    """A backbone with ``blocks()`` (prefixed like the package's modules) trained with a frozen learning rate of 0."""
+def _classifier_class(base: type) -> type:
+    """``_Classifier`` on the LightningModule class ``base`` (of ``pytorch_lightning`` or ``lightning.pytorch``)."""
 
-    def __init__(self, backbone: nn.Module) -> None:
-        super().__init__()
-        self.backbone = backbone
+    class _Classifier(base):
+        """A backbone with ``blocks()`` (prefixed like the package's modules), trained at a learning rate of 0."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone(x)
+        def __init__(self, backbone: nn.Module) -> None:
+            super().__init__()
+            self.backbone = backbone
 
-    def blocks(self) -> dict[str, str]:
-        return {name: f"backbone.{path}" for name, path in self.backbone.blocks().items()}
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
+        def blocks(self) -> dict[str, str]:
+            return {name: f"backbone.{path}" for name, path in self.backbone.blocks().items()}
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        # lr = 0: the single training step leaves the pre-trained weights as they are.
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            # lr = 0: the single training step leaves the pre-trained weights as they are.
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    return _Classifier
+
+
+_Classifier = _classifier_class(pl.LightningModule)
 
 
 def _gaussian_loader(num_batches: int = 5, batch_size: int = 128, dim: int = 64, classes: int = 10) -> DataLoader:
@@ -48,16 +57,7 @@ def _gaussian_loader(num_batches: int = 5, batch_size: int = 128, dim: int = 64,
 
 
 def _fit(module: pl.LightningModule, callbacks: list[pl.Callback], loader: DataLoader, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = dict(
-        max_steps=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer = pl.Trainer(callbacks=callbacks, **(options | kwargs))
+    trainer = quiet_trainer(callbacks, **({"max_steps": 1} | kwargs))
     trainer.fit(module, loader)
     return trainer
 
@@ -190,35 +190,11 @@ def test_bad_arguments_raise() -> None:
 def test_pretraining_under_the_lightning_pytorch_trainer() -> None:
     lightning_pytorch = pytest.importorskip("lightning.pytorch")
 
-    class _Module(lightning_pytorch.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = create_model("mlp", input_shape=(16,), num_classes=3, depth=4, width=16, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.backbone(x)
-
-        def blocks(self) -> dict[str, str]:
-            return {name: f"backbone.{path}" for name, path in self.backbone.blocks().items()}
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return F.cross_entropy(self(batch[0]), batch[1])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
     torch.manual_seed(0)
     callback = RankPretraining(num_batches=2, steps=5)
-    trainer = lightning_pytorch.Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
-    trainer.fit(_Module(), _gaussian_loader(2, 32, 16, 3))
+    backbone = create_model("mlp", input_shape=(16,), num_classes=3, depth=4, width=16, bias=False)
+    module = _classifier_class(lightning_pytorch.LightningModule)(backbone)
+    trainer = quiet_trainer([callback], lightning_pytorch.Trainer, max_steps=1)
+    trainer.fit(module, _gaussian_loader(2, 32, 16, 3))
     assert list(callback.results) == ["layer1", "layer2", "layer3", "layer4"]
     assert callback.results["layer4"]["r_after"] > callback.results["layer4"]["r_before"]

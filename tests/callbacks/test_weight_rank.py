@@ -14,6 +14,7 @@ from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
+from tests.callbacks.trainer_helpers import quiet_trainer
 
 TAIL_RANKS = (1, 2, 5)
 
@@ -94,15 +95,7 @@ def _loader(n: int = 32) -> torch.utils.data.DataLoader:
 
 
 def _fit(trainer_cls, model, monitor, **kwargs):
-    options = dict(
-        max_epochs=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[monitor],
-    )
-    options.update(kwargs)
-    trainer = trainer_cls(**options)
+    trainer = quiet_trainer([monitor], trainer_cls, **({"max_epochs": 1} | kwargs))
     trainer.fit(model, _loader(), _loader(16))
     return trainer
 
@@ -145,7 +138,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path):
     torch.manual_seed(0)
     model = LightningModel()
     monitor = WeightRankMonitor(tail_ranks=TAIL_RANKS, verbose=False)
-    trainer = _fit(lightning.Trainer, model, monitor, logger=False, default_root_dir=tmp_path)
+    trainer = _fit(lightning.Trainer, model, monitor, default_root_dir=tmp_path)
     for name, w in _expected_matrices(model).items():
         for metric, value in _reference(w).items():
             assert float(trainer.callback_metrics[f"weight/{name}/{metric}"]) == pytest.approx(value, rel=1e-6)
@@ -295,7 +288,7 @@ def test_selection_errors_list_the_valid_choices(options, message):
 def test_unknown_layer_fails_at_setup_before_training(tmp_path):
     monitor = WeightRankMonitor(layers=["nonexistent"])
     with pytest.raises(ValueError, match="unknown layer 'nonexistent'; layers are: conv, attn"):
-        _fit(pl.Trainer, _Model(), monitor, logger=False, default_root_dir=tmp_path)
+        _fit(pl.Trainer, _Model(), monitor, default_root_dir=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -321,15 +314,7 @@ def test_constructor_validates_settings(options, message):
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path):
     monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], every_n_epochs=2, verbose=False)
-    trainer = pl.Trainer(
-        max_epochs=4,
-        logger=False,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[monitor],
-    )
+    trainer = quiet_trainer([monitor], max_epochs=4, default_root_dir=tmp_path)
     trainer.fit(_Model(), _loader(16))
     assert monitor.curves.epochs == [1, 3]
     assert monitor.curves.layers == ["head"]
@@ -445,6 +430,6 @@ def test_weight_monitor_accepts_the_shared_layer_syntax(options, expected):
 @pytest.mark.parametrize("verbose", [True, False])
 def test_setup_reports_the_monitored_matrices_on_rank_zero(tmp_path, callback_messages, verbose):
     monitor = WeightRankMonitor(layers=["attn", "head"], metrics=["stable_rank"], verbose=verbose)
-    _fit(pl.Trainer, _Model(), monitor, logger=False, default_root_dir=tmp_path)
+    _fit(pl.Trainer, _Model(), monitor, default_root_dir=tmp_path)
     expected = [f"WeightRankMonitor: monitoring 5 weight matrices: {', '.join([*ATTENTION, 'head'])}"]
     assert callback_messages == (expected if verbose else [])

@@ -43,7 +43,7 @@ def test_forward_is_identity(enabled: bool, training: bool) -> None:
     assert (layer.aux_loss is not None) == training
     if training and not enabled:
         # Before switch-on the loss is a zero that still reaches the parameters (for DDP).
-        layer.auxiliary_loss().backward()
+        layer.pop_auxiliary_loss().backward()
         assert layer.aux_loss is None
         assert layer.weight.grad is not None and torch.count_nonzero(layer.weight.grad) == 0
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_gradients_reach_the_input_and_match_autograd_of_the_formula() -> None:
     layer = _random_layer(10, 2, lambda_1=0.5, lambda_2=2.0)
     x = torch.randn(7, 10, dtype=torch.float64, requires_grad=True)
     layer(x)
-    (grad,) = torch.autograd.grad(layer.auxiliary_loss(), x)
+    (grad,) = torch.autograd.grad(layer.pop_auxiliary_loss(), x)
     w = layer.effective_weight.detach()
     b = layer.bias.detach()
     x_ref = x.detach().clone().requires_grad_(True)
