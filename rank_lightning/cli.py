@@ -1,16 +1,73 @@
-"""Command line: ``python train.py {fit,validate,test} --config configs/<name>.yaml``.
+"""Command line: ``python train.py {fit,validate,test} --config configs/<name>.yaml`` (or ``rank-lightning ...``).
 
 The datamodule's ``num_classes`` and ``input_shape`` are linked into the model, so a config names a
 dataset once. Without a logger in the config, runs are logged to CSV and TensorBoard under ``runs/``,
 which needs no account and no network; ``configs/loggers/wandb.yaml`` switches to Weights & Biases.
+
+Every run writes its resolved config into its own directory (the one holding ``checkpoints/``), so runs never
+compete for one file. Errors that explain themselves (an unknown backbone, a missing dataset file, ...) are printed
+as one message; ``RANK_LIGHTNING_DEBUG=1`` shows their traceback.
 """
 
 from __future__ import annotations
 
-import pytorch_lightning as pl
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
 
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+from rank_lightning.callbacks.curves import run_directory
+from rank_lightning.data.base import get_datamodule_class, list_datamodules
 from rank_lightning.modules.base import RankModule
+
+DEBUG_ENV = "RANK_LIGHTNING_DEBUG"
+"""Environment variable: set to ``1`` to see the traceback of an error instead of its message alone."""
+
+USER_ERRORS = (ValueError, FileNotFoundError, MisconfigurationException)
+"""Errors whose message says what is wrong and how to fix it; the CLI prints them without a traceback."""
+
+# Files a run writes before its first logged value (config, hyperparameters, TensorBoard's file header): a run
+# directory holding nothing else holds no result.
+_SETUP_FILES = ("config*.yaml", "hparams.yaml", "events.out.tfevents.*")
+
+
+class RankArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose error for a bad ``--data`` value also lists the package's datamodules."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if message.startswith('Parser key "data"'):
+            names = ", ".join(get_datamodule_class(name).__name__ for name in list_datamodules())
+            message += f"\nvalid --data values: {names}, or the import path of any LightningDataModule"
+        super().error(message, ex)
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """Saves the resolved config as ``config.yaml`` in the run's own directory, never over an existing file.
+
+    Lightning's callback writes to ``trainer.log_dir``, which for a logger without a versioned directory (W&B, none at
+    all) is the same folder for every run, and refuses to start the second run. Here the folder is the run's
+    (``rank_lightning.callbacks.curves.run_directory``: the first logger's versioned directory, W&B's
+    ``<save_dir>/<project>/<run id>``), and a file already there (a resumed W&B run, a logger-less run in
+    ``default_root_dir``) is kept: the config goes to ``config-v1.yaml``, ``config-v2.yaml``, ... instead.
+    """
+
+    def __init__(self, parser: LightningArgumentParser, config: Any, **kwargs: Any) -> None:
+        super().__init__(parser, config, **{**kwargs, "save_to_log_dir": False})
+
+    def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        path = run_directory(trainer) / self.config_filename
+        stem, suffix = path.stem, path.suffix
+        version = 0
+        while path.exists() and not self.overwrite:
+            version += 1
+            path = path.with_name(f"{stem}-v{version}{suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, str(path), skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
 
 
 class RankCLI(LightningCLI):
@@ -36,14 +93,64 @@ class RankCLI(LightningCLI):
             }
         )
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        # The loggers create their versioned directories before the callbacks' and the model's setup, so a setup
+        # error would leave an empty version_<n>/ behind and push the next run to version_<n+1>. LightningCLI has no
+        # hook for a failed subcommand; this method is where it calls the trainer.
+        new_directories = _new_log_directories(self.trainer)
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception:
+            if self.trainer.is_global_zero and not self.trainer.logged_metrics:
+                for directory in new_directories:
+                    _remove_if_without_results(directory)
+            raise
+
+
+def _new_log_directories(trainer: pl.Trainer) -> list[Path]:
+    """The versioned directories of the trainer's loggers (CSV, TensorBoard) that do not exist yet."""
+    directories = [getattr(logger, "log_dir", None) for logger in trainer.loggers]
+    return [Path(d) for d in directories if d is not None and not Path(d).exists()]
+
+
+def _remove_if_without_results(directory: Path) -> None:
+    """Remove ``directory`` if it exists and holds only files a run writes before its first logged value."""
+    if directory.is_dir() and all(
+        any(path.match(pattern) for pattern in _SETUP_FILES) for path in directory.rglob("*") if path.is_file()
+    ):
+        shutil.rmtree(directory)
+
+
+def _user_message(error: BaseException) -> str:
+    """The message of the innermost error in ``error``'s chain of causes that explains itself.
+
+    Errors raised while instantiating a class from a config arrive wrapped by the config parser ("Does not validate
+    against any of the Union subtypes ..."), with the package's own error as their cause.
+    """
+    while isinstance(error.__cause__, USER_ERRORS):
+        error = error.__cause__
+    return str(error)
+
 
 def main(args: list[str] | None = None, *, run: bool = True) -> RankCLI:
-    """Run the command line with ``args`` (``sys.argv[1:]`` when ``None``)."""
-    return RankCLI(
-        model_class=RankModule,
-        datamodule_class=pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=args,
-        run=run,
-    )
+    """Run the command line with ``args`` (``sys.argv[1:]`` when ``None``); the ``rank-lightning`` command.
+
+    An error of :data:`USER_ERRORS` is printed as ``error: <message>`` on stderr and ends the program with exit code
+    1, unless the environment variable ``RANK_LIGHTNING_DEBUG`` is set to anything but ``0``, which re-raises it.
+    """
+    try:
+        return RankCLI(
+            model_class=RankModule,
+            datamodule_class=pl.LightningDataModule,
+            save_config_callback=RunConfigCallback,
+            parser_class=RankArgumentParser,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            run=run,
+        )
+    except USER_ERRORS as error:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"error: {_user_message(error)}\n({DEBUG_ENV}=1 shows the traceback)\n")
+        raise SystemExit(1) from None

@@ -8,7 +8,8 @@ Every callback that hooks or reads a model goes through this module, so they all
 * module types (``layer_types``): classes (``nn.Conv2d``), class names (``"Conv2d"``, matched against the class and
   its bases) or dotted import paths (``"torch.nn.Linear"``).
 
-An unknown name raises ``ValueError`` listing the valid names (block names first, then module names).
+An unknown name raises ``ValueError`` listing the valid names (block names first, then module names). When no layer is
+named, :func:`default_layers` finds the repeated blocks of a model (or its hidden activations).
 
 The rest reads what the chosen layers compute: :func:`forward_hooks` registers hooks and always removes them,
 :func:`capture_features` keeps the latest features of some layers, :func:`eval_mode` / :func:`train_mode` switch a
@@ -77,16 +78,37 @@ ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
 
 LayerType = type[nn.Module] | str
 
+_PLAIN_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
 
 # -- selection -------------------------------------------------------------------------------------------------------
 
 
-def module_blocks(module: nn.Module) -> dict[str, str] | None:
-    """``module.blocks()`` (short name -> module path) when the module offers it and every path resolves.
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
-    Models from elsewhere often have a ``blocks`` attribute of another kind (timm's ViT: an ``nn.Sequential`` of
-    transformer blocks); anything that is not a method returning such a mapping gives ``None``.
+
+def _has_children(module: nn.Module) -> bool:
+    return any(True for _ in module.children())
+
+
+def _wrapped_networks(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(path prefix, module)`` for ``module`` and each network it wraps, outermost first.
+
+    A wrapper holds all its parameters in one child that has children of its own (``LightningModule -> self.net``).
     """
+    prefix, current = "", module
+    total = _parameter_count(module)
+    while True:
+        yield prefix, current
+        heavy = [(name, child) for name, child in current.named_children() if _parameter_count(child) == total]
+        if len(heavy) != 1 or not _has_children(heavy[0][1]):
+            return
+        name, current = heavy[0]
+        prefix = f"{prefix}{name}."
+
+
+def _own_blocks(module: nn.Module) -> dict[str, str] | None:
     blocks = getattr(module, "blocks", None)
     if not callable(blocks) or isinstance(blocks, nn.Module):
         return None
@@ -98,6 +120,22 @@ def module_blocks(module: nn.Module) -> dict[str, str] | None:
     if not mapping or not all(isinstance(path, str) and path in names for path in mapping.values()):
         return None
     return mapping
+
+
+def module_blocks(module: nn.Module) -> dict[str, str] | None:
+    """``blocks()`` (short name -> module path) of the module, or of the network it wraps; ``None`` without one.
+
+    A wrapper holds all its parameters in one child (a user's LightningModule with a package backbone in
+    ``self.net``): the backbone's blocks are returned with their paths prefixed (``"net.layer3"``), so block names
+    select layers on the wrapper too. Models from elsewhere often have a ``blocks`` attribute of another kind (timm's
+    ViT: an ``nn.Sequential`` of transformer blocks); anything that is not a method returning a mapping whose paths
+    all resolve is ignored.
+    """
+    for prefix, network in _wrapped_networks(module):
+        blocks = _own_blocks(network)
+        if blocks is not None:
+            return {name: prefix + path for name, path in blocks.items()}
+    return None
 
 
 def _resolve_type(name: str) -> type[nn.Module]:
@@ -208,51 +246,108 @@ def match_layer_types(
     return kept
 
 
-def _parameter_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _kind(module: nn.Module) -> Any:
+    # Plain containers are told apart by what they hold: torchvision VGG's ``features`` and ``classifier`` are both
+    # nn.Sequential, ResNet's ``layer1`` .. ``layer4`` are nn.Sequentials of the same residual block.
+    if isinstance(module, _PLAIN_CONTAINERS):
+        return type(module), frozenset(type(child) for child in module.children())
+    return type(module)
 
 
-def _main_container(module: nn.Module) -> tuple[str, nn.Module]:
-    """Descend through wrappers that hold all parameters in one child (``LightningModule -> self.net``)."""
-    prefix, current = "", module
-    total = _parameter_count(module)
-    while True:
-        heavy = [(name, child) for name, child in current.named_children() if _parameter_count(child) == total]
-        if len(heavy) != 1 or not any(True for _ in heavy[0][1].children()):
-            return prefix, current
-        name, current = heavy[0]
-        prefix = f"{prefix}{name}."
+def _never_called(module: nn.Module) -> bool:
+    # nn.ModuleList and nn.ModuleDict have no forward: their children are called, never they themselves.
+    return type(module).forward is nn.Module.forward
+
+
+def _block_runs(container: nn.Module) -> list[list[str]]:
+    """Runs of the container's children that repeat: >= 2 parameterised children with children, of the same kind.
+
+    Children that are never called (a ModuleList, a ModuleDict) cannot be blocks; each run keeps the children's order.
+    """
+    runs: dict[Any, list[str]] = {}
+    for name, child in container.named_children():
+        if _has_children(child) and _parameter_count(child) > 0 and not _never_called(child):
+            runs.setdefault(_kind(child), []).append(name)
+    return [names for names in runs.values() if len(names) >= 2]
+
+
+def _weight_layers(module: nn.Module) -> list[str]:
+    """Paths of the submodules owning a weight matrix or kernel (a parameter of >= 2 dimensions), in module order.
+
+    ``nn.MultiheadAttention`` counts as one layer: it applies its ``out_proj`` weights without calling the module.
+    """
+    attention = [f"{path}." for path, m in module.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    return [
+        path
+        for path, m in module.named_modules()
+        if path
+        and any(p.ndim >= 2 for p in m.parameters(recurse=False))
+        and not any(path.startswith(inside) for inside in attention)
+    ]
+
+
+def _repeated_blocks(module: nn.Module, weights: Sequence[str]) -> list[str]:
+    """The repeated blocks holding the most weight layers, if they hold at least half of them; else nothing.
+
+    One run of blocks of one kind is looked for first (ties: the deepest container, then the first); when no run
+    holds half of the weight layers, the runs of one container together (Inception: blocks of several classes).
+    """
+    single: list[list[str]] = []
+    together: list[list[str]] = []
+    for path, container in module.named_modules():
+        runs = _block_runs(container)
+        members = {name for run in runs for name in run}
+        prefix = f"{path}." if path else ""
+        single += [[prefix + name for name in run] for run in runs]
+        together += [[prefix + name for name, _ in container.named_children() if name in members]] if runs else []
+    for candidates in (single, together):
+        best: tuple[int, int] = (0, -1)
+        chosen: list[str] = []
+        for blocks in candidates:
+            held = sum(any(w == b or w.startswith(f"{b}.") for b in blocks) for w in weights)
+            rank = (held, blocks[0].count("."))
+            if held > 0 and 2 * held >= len(weights) and rank > best:
+                best, chosen = rank, blocks
+        if chosen:
+            return chosen
+    return []
 
 
 def default_layers(module: nn.Module) -> dict[str, str]:
-    """The layers watched when none are named: ``short name -> module path``.
+    """The layers watched when none are named: ``short name -> module path`` (a foreign layer is named by its path).
 
-    ``module.blocks()`` when the module offers it (the package's LightningModules). Otherwise the choice is made
-    inside the container that holds the network (found by descending through children that hold every parameter,
-    ``LightningModule -> self.net``), among its direct children:
-
-    1. its blocks: children that hold parameters and have children of their own (``layer1`` ... ``layer4`` of a
-       torchvision ResNet), without the last one when it is the last child with parameters (it holds the head);
-    2. else its activation modules (``nn.Sequential(Linear, ReLU, Linear, ReLU, Linear)``: the two ReLUs, the
-       post-activation hidden representations);
-    3. else its children with parameters except the last one (taken to be the head);
-    4. else all its children.
+    1. ``blocks()`` of the module, or of the network it wraps (a LightningModule holding a package backbone in
+       ``self.net``; paths prefixed): the package's choice wins.
+    2. Repeated blocks: the members of a run of >= 2 parameterised blocks (children with children) of one kind in
+       one container, e.g. ``layer1`` .. ``layer4`` of a torchvision ResNet, ``transformer.h.<i>`` of a Hugging
+       Face model, ``layers.<i>`` of an ``nn.TransformerEncoder``, the values of an ``nn.ModuleDict``. Plain
+       containers (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict`` and their subclasses) are of one kind
+       when they hold the same module types. A module without ``forward`` (a ModuleList or ModuleDict) is never a
+       block: it is never called itself, its children are. The run chosen is the one whose blocks hold the most
+       weight layers (modules owning a parameter of >= 2 dimensions), ties to the deepest container, then the
+       first; and only when they hold at least half of the network's weight layers. When no single run does, the
+       runs of one container together are tried the same way (Inception's blocks of several classes). Every block
+       is kept, the last one too: a head of another type is never among them.
+    3. Else, a network of layers (an MLP, a VGG-like CNN): its hidden representations. The head is the last weight
+       layer, the hidden layers are the others. The activation modules (:data:`ACTIVATION_TYPES`) anywhere in the
+       network are chosen when they are at least as many as the hidden layers (``nn.Sequential(Linear, ReLU,
+       Linear, ReLU, Linear)``: the two ReLUs); else the hidden layers themselves (activations applied
+       functionally, or one ``self.act`` shared by every layer, which would run several times per forward).
+    4. Else the children of the innermost wrapped network.
     """
     blocks = module_blocks(module)
     if blocks is not None:
         return blocks
-    prefix, container = _main_container(module)
-    children = list(container.named_children())
-    weighted = [name for name, child in children if _parameter_count(child) > 0]
-    nested = [name for name, child in children if name in weighted and any(True for _ in child.children())]
-    activations = [name for name, child in children if isinstance(child, ACTIVATION_TYPES)]
-    if nested:
-        chosen = nested[:-1] if nested[-1] == weighted[-1] and len(nested) > 1 else nested
-    elif activations:
-        chosen = activations
-    else:
-        chosen = weighted[:-1] or [name for name, _ in children]
-    return {f"{prefix}{name}": f"{prefix}{name}" for name in chosen}
+    weights = _weight_layers(module)
+    chosen = _repeated_blocks(module, weights)
+    if not chosen:
+        hidden = weights[:-1]
+        activations = [path for path, m in module.named_modules() if isinstance(m, ACTIVATION_TYPES)]
+        chosen = activations if activations and len(activations) >= len(hidden) else hidden
+    if not chosen:
+        prefix, network = list(_wrapped_networks(module))[-1]
+        chosen = [prefix + name for name, _ in network.named_children()]
+    return {path: path for path in chosen}
 
 
 def _expand_to_candidates(paths: Iterable[str], candidates: Mapping[str, nn.Module], kind: str) -> list[str]:
@@ -346,9 +441,9 @@ def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool
     """The one layer whose features a callback reads (the features feeding the head, by default).
 
     ``layer`` takes the syntax of :func:`select_layers` and must match exactly one module. By default the last block
-    of ``module.blocks()`` is taken (the features feeding the head, see ``docs/architecture.md``); a module without
-    ``blocks()`` gets the input of its last ``nn.Linear``, i.e. the last hidden representation, or ``None`` when
-    ``required`` is false.
+    of :func:`module_blocks` is taken (the features feeding the head, see ``docs/architecture.md``; also through a
+    wrapper such as a LightningModule holding a package backbone); a module without ``blocks()`` gets the input of
+    its last ``nn.Linear``, i.e. the last hidden representation, or ``None`` when ``required`` is false.
 
     Raises:
         ValueError: ``layer`` matches no module or several, or there is no default layer and one is required.
@@ -452,14 +547,34 @@ def _describe(batch: Any) -> str:
     return f"a batch of type {type(batch).__name__}"
 
 
-def _is_labels(value: Any) -> bool:
-    return (
-        isinstance(value, Tensor)
-        and value.ndim == 1
-        and not value.is_floating_point()
-        and not value.is_complex()
-        and value.dtype != torch.bool
-    )
+_NOT_ONE_HOT = "rows that are not one-hot: soft labels, mixup or regression targets are not class labels"
+
+
+def _read_labels(value: Any) -> tuple[Tensor | None, str, bool]:
+    """``(labels, what was found, refused)`` for the value where a batch's labels should be.
+
+    ``labels`` are the ``(B,)`` integer class labels (``None`` when there are none), ``what was found`` a short
+    description of ``value`` and ``refused`` whether it is a tensor holding no class labels.
+    """
+    if value is None:
+        return None, "nothing", False
+    if not isinstance(value, Tensor):
+        return None, f"a {type(value).__name__}", False
+    found = f"a Tensor {value.dtype} of shape {tuple(value.shape)}"
+    if value.ndim == 1:
+        if value.dtype == torch.bool:
+            return None, f"{found}: boolean values, not class indices", True
+        if value.is_floating_point() or value.is_complex():
+            return None, f"{found}: float values, not class indices", True
+        return value, found, False
+    if value.ndim == 2 and not value.is_complex():
+        # One-hot rows (B, C): every entry 0 or 1, exactly one 1 per row; anything else (label smoothing, mixup,
+        # regression targets) has no single class per sample.
+        is_one_hot = value.shape[1] >= 2 and bool(((value == 0) | (value == 1)).all() & (value.sum(1) == 1).all())
+        if is_one_hot:
+            return value.to(torch.uint8).argmax(1), f"{found}, one-hot: read as its argmax", False
+        return None, f"{found}: {_NOT_ONE_HOT}", True
+    return None, f"{found}: {value.ndim} dimensions, not one label per row", True
 
 
 @dataclass(frozen=True)
@@ -473,6 +588,9 @@ class BatchReader:
             :data:`INPUT_KEYS` in a dict, or the batch itself when it is a tensor.
         label_key: index or key of the labels; ``None``: ``batch[1]`` or the first of :data:`LABEL_KEYS`.
         label_fn: ``batch -> labels``, overriding ``label_key``.
+
+    Labels named by ``label_key`` or ``label_fn`` must be there: :meth:`labels` raises at the first batch when they
+    are not. Labels looked for at the default places are optional unless asked for (``required``).
     """
 
     input_key: int | str | None = None
@@ -511,28 +629,51 @@ class BatchReader:
             raise ValueError(f"cannot find the inputs at {where} in {_describe(batch)}; set input_key")
         return value
 
-    def labels(self, batch: Any, *, required: bool = False) -> Tensor | None:
-        """The ``(B,)`` integer labels of ``batch``; ``None`` when there are none and they are not ``required``.
+    def _label_value(self, batch: Any) -> Any:
+        if self.label_fn is not None:
+            return self.label_fn(batch)
+        return self._lookup(batch, self.label_key, LABEL_KEYS, 1)
 
-        Raises:
-            ValueError: ``required`` and no integer label vector where the labels should be.
-        """
-        value = (
-            self.label_fn(batch) if self.label_fn is not None else self._lookup(batch, self.label_key, LABEL_KEYS, 1)
-        )
-        if _is_labels(value):
-            return value
-        if not required:
-            return None
+    def _label_where(self, batch: Any, found: str) -> str:
         if self.label_fn is not None:
             where = "label_fn"
         else:
             where = repr(self.label_key) if self.label_key is not None else f"index 1 or one of {list(LABEL_KEYS)}"
-        found = "nothing" if value is None else f"a {type(value).__name__} {getattr(value, 'dtype', '')}".rstrip()
-        raise ValueError(
-            f"cannot find integer class labels at {where} in {_describe(batch)} (found {found}); "
-            "set label_key (an index for tuples, a key for dicts) or label_fn"
-        )
+        return f"{where} in {_describe(batch)} (found {found})"
+
+    def label_source(self, batch: Any) -> str:
+        """Where the labels of ``batch`` were looked for and what was found there, as a short text.
+
+        For example ``"index 1 or one of ['y', ...] in a dict batch with keys ['x', 'w'] (found nothing)"`` or
+        ``"'y' in a dict batch with keys ['x', 'y'] (found a Tensor torch.float32 of shape (4, 3), one-hot: read as
+        its argmax)"``: the text of :meth:`labels`' error, for a caller that warns instead of failing when labels
+        are optional.
+        """
+        _, found, _ = _read_labels(self._label_value(batch))
+        return self._label_where(batch, found)
+
+    def labels(self, batch: Any, *, required: bool = False) -> Tensor | None:
+        """The ``(B,)`` integer class labels of ``batch``; ``None`` when there are none and they are not ``required``.
+
+        Integer labels are returned as they are; one-hot rows ``(B, C)`` (integer, boolean or float, entries 0 or 1,
+        a single 1 per row) as their argmax. Other 2-D or float labels (soft labels, mixup, regression targets) and
+        booleans are no class labels: ``None``, or an error when the labels are required or named.
+
+        Raises:
+            ValueError: no class labels where they should be, and they are ``required`` or were named by
+                ``label_key`` / ``label_fn`` (a setup error, so it is raised at the first batch whatever
+                ``required``); the message says where it looked, what it found and why it refused it.
+        """
+        labels, found, refused = _read_labels(self._label_value(batch))
+        if labels is not None:
+            return labels
+        if not required and self.label_key is None and self.label_fn is None:
+            return None
+        if refused:
+            advice = "class metrics need integer labels of shape (B,) or one-hot rows of shape (B, C)"
+        else:
+            advice = "set label_key (an index for tuples, a key for dicts) or label_fn"
+        raise ValueError(f"cannot find integer class labels at {self._label_where(batch, found)}; {advice}")
 
     def split(self, batch: Any) -> tuple[Tensor, Tensor]:
         """``(inputs, labels)`` of a labelled batch; raises ``ValueError`` (see :meth:`inputs`, :meth:`labels`)."""

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -277,19 +279,130 @@ def test_batch_reader_reads_tuples_dicts_and_tensors():
 
 
 @pytest.mark.parametrize(
-    ("batch", "reader", "message"),
+    ("batch", "message"),
     [
-        ({"x": torch.ones(2, 3)}, BatchReader(), r"cannot find integer class labels at index 1 or one of \['y'"),
-        ((torch.ones(2, 3), torch.ones(2)), BatchReader(), r"found a Tensor torch.float32\); set label_key"),
-        ({"x": torch.ones(2), "y": torch.ones(2).long()}, BatchReader(label_key="t"), r"at 't' in a dict batch"),
-        ((torch.ones(2, 3),), BatchReader(label_fn=lambda b: None), r"at label_fn in a tuple batch of length 1"),
+        ({"x": torch.ones(2, 3)}, r"cannot find integer class labels at index 1 or one of \['y'.* \(found nothing\)"),
+        (
+            (torch.ones(2, 3), torch.ones(2)),
+            r"found a Tensor torch.float32 of shape \(2,\): float values, not class indices\); class metrics need",
+        ),
     ],
-    ids=["dict_without_labels", "float_labels", "missing_key", "label_fn"],
+    ids=["dict_without_labels", "float_labels"],
 )
-def test_batch_reader_says_where_it_looked_for_labels(batch, reader, message):
+def test_batch_reader_says_where_it_looked_for_labels(batch, message):
+    reader = BatchReader()
     assert reader.labels(batch) is None
     with pytest.raises(ValueError, match=message):
         reader.labels(batch, required=True)
+
+
+@pytest.mark.parametrize(
+    ("batch", "reader", "message"),
+    [
+        ({"x": torch.ones(2), "y": torch.ones(2).long()}, BatchReader(label_key="t"), r"at 't' in a dict batch"),
+        ((torch.ones(2, 3),), BatchReader(label_fn=lambda b: None), r"at label_fn in a tuple batch of length 1"),
+        ((torch.ones(2, 3),), BatchReader(label_key=1), r"at 1 in a tuple batch of length 1 \(found nothing\)"),
+        (torch.ones(2, 3), BatchReader(label_key="y"), r"at 'y' in a batch of type Tensor \(found nothing\)"),
+    ],
+    ids=["missing_key", "label_fn", "index_out_of_range", "tensor_batch"],
+)
+def test_labels_named_explicitly_must_be_found_even_when_not_required(batch, reader, message):
+    """An explicit ``label_key`` or ``label_fn`` that finds nothing is a setup error, raised at the first batch."""
+    with pytest.raises(ValueError, match=message + r".*; set label_key \(an index for tuples, a key for dicts\)"):
+        reader.labels(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.float32, torch.float16, torch.bool])
+def test_one_hot_labels_are_read_as_their_argmax(dtype):
+    y = torch.tensor([2, 0, 1, 2])
+    one_hot = torch.nn.functional.one_hot(y, 3).to(dtype)
+    x = torch.randn(4, 5)
+    for reader, batch in [
+        (BatchReader(), (x, one_hot)),
+        (BatchReader(), {"pixel_values": x, "labels": one_hot}),
+        (BatchReader(label_key="target"), {"x": x, "target": one_hot}),
+        (BatchReader(label_fn=lambda b: b[1]), (x, one_hot)),
+    ]:
+        labels = reader.labels(batch, required=True)
+        assert labels.dtype == torch.int64 and labels.tolist() == [2, 0, 1, 2]
+    assert BatchReader().split((x, one_hot))[1].tolist() == [2, 0, 1, 2]
+
+
+SOFT = torch.tensor([[0.9, 0.05, 0.05], [0.05, 0.9, 0.05]])
+MIXUP = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.3, 0.7]])
+TWO_HOT = torch.tensor([[1, 1, 0], [0, 0, 1]])
+NOT_ONE_HOT = "rows that are not one-hot: soft labels, mixup or regression targets are not class labels"
+
+
+@pytest.mark.parametrize(
+    ("labels", "found"),
+    [
+        (SOFT, f"a Tensor torch.float32 of shape (2, 3): {NOT_ONE_HOT}"),
+        (MIXUP, f"a Tensor torch.float32 of shape (2, 3): {NOT_ONE_HOT}"),
+        (TWO_HOT, f"a Tensor torch.int64 of shape (2, 3): {NOT_ONE_HOT}"),
+        (torch.tensor([[1], [1]]), f"a Tensor torch.int64 of shape (2, 1): {NOT_ONE_HOT}"),
+        (torch.tensor([0.5, 1.5]), "a Tensor torch.float32 of shape (2,): float values, not class indices"),
+        (torch.tensor([0.0, 1.0]), "a Tensor torch.float32 of shape (2,): float values, not class indices"),
+        (torch.tensor([True, False]), "a Tensor torch.bool of shape (2,): boolean values, not class indices"),
+        (torch.zeros(2, 4, 4).long(), "a Tensor torch.int64 of shape (2, 4, 4): 3 dimensions, not one label per row"),
+    ],
+    ids=["soft", "mixup", "two_hot", "column", "regression", "integral_floats", "bool", "mask"],
+)
+def test_labels_that_are_not_class_labels_are_refused(labels, found):
+    batch = {"x": torch.ones(2, 3), "y": labels}
+    default = "index 1 or one of ['y', 'label', 'labels', 'target', 'targets']"
+    assert BatchReader().labels(batch) is None
+    assert BatchReader().label_source(batch) == f"{default} in a dict batch with keys ['x', 'y'] (found {found})"
+    why = re.escape(f"(found {found}); class metrics need integer labels of shape (B,) or one-hot rows of shape (B, C)")
+    with pytest.raises(
+        ValueError, match=re.escape("cannot find integer class labels at 'y' in a dict batch") + ".*" + why
+    ):
+        BatchReader(label_key="y").labels(batch)
+    with pytest.raises(ValueError, match=re.escape(f"at {default} in") + ".*" + why):
+        BatchReader().labels(batch, required=True)
+
+
+@pytest.mark.parametrize(
+    ("reader", "batch", "source"),
+    [
+        (
+            BatchReader(),
+            {"x": torch.ones(2, 3), "w": torch.ones(2)},
+            "index 1 or one of ['y', 'label', 'labels', 'target', 'targets'] in a dict batch with keys ['x', 'w'] "
+            "(found nothing)",
+        ),
+        (
+            BatchReader(),
+            (torch.ones(2, 3), torch.ones(2), torch.tensor([0, 1])),
+            "index 1 or one of ['y', 'label', 'labels', 'target', 'targets'] in a tuple batch of length 3 "
+            "(found a Tensor torch.float32 of shape (2,): float values, not class indices)",
+        ),
+        (
+            BatchReader(label_key=2),
+            [torch.ones(2, 3), torch.ones(2), torch.tensor([0, 1])],
+            "2 in a list batch of length 3 (found a Tensor torch.int64 of shape (2,))",
+        ),
+        (
+            BatchReader(label_key="y"),
+            {"y": torch.eye(3)},
+            "'y' in a dict batch with keys ['y'] (found a Tensor torch.float32 of shape (3, 3), one-hot: read as its "
+            "argmax)",
+        ),
+        (
+            BatchReader(label_fn=lambda b: b["meta"]),
+            {"meta": [1, 2]},
+            "label_fn in a dict batch with keys ['meta'] (found a list)",
+        ),
+        (
+            BatchReader(),
+            torch.ones(2, 3),
+            "index 1 or one of ['y', 'label', 'labels', 'target', 'targets'] in a batch of type Tensor (found nothing)",
+        ),
+    ],
+    ids=["dict_other_keys", "x_w_y_tuple", "explicit_index", "one_hot", "label_fn", "tensor"],
+)
+def test_label_source_says_where_labels_were_looked_for_and_what_was_found(reader, batch, source):
+    assert reader.label_source(batch) == source
 
 
 def test_batch_reader_errors_on_missing_inputs_and_bad_keys():
@@ -297,3 +410,15 @@ def test_batch_reader_errors_on_missing_inputs_and_bad_keys():
         BatchReader(input_key="img").inputs({"x": torch.ones(1)})
     with pytest.raises(ValueError, match=r"label_key must be None, an index or a key, got 1\.5"):
         BatchReader(label_key=1.5)
+
+
+def test_module_blocks_look_through_a_wrapper_holding_every_parameter():
+    wrapper = nn.Module()  # a user's LightningModule with the network in ``self.net``
+    wrapper.net = _Net()
+    wrapper.loss = nn.CrossEntropyLoss()
+    expected = {"block1": "net.layer1", "block2": "net.layer2", "features": "net.layer2.2"}
+    assert module_blocks(wrapper) == expected
+    assert select_layers(wrapper, ["block*"]) == {"block1": "net.layer1", "block2": "net.layer2"}
+    assert feature_layer(wrapper) == FeatureLayer("features", "net.layer2.2")
+    wrapper.extra_head = nn.Linear(2, 2)  # parameters outside the network: not a wrapper any more
+    assert module_blocks(wrapper) is None

@@ -3,7 +3,7 @@
 Command::
 
     python -m rank_lightning.analysis.report RUN_DIR [RUN_DIR ...] --out OUT_DIR
-        [--namespaces rank rank_train weight] [--final-metrics val/acc]
+        [--namespaces rank rank_train weight] [--final-metrics val/acc] [--quiet]
 
 ``RUN_DIR`` is a run directory (a ``CSVLogger`` version folder holding ``metrics.csv``) or any folder above runs
 (``lightning_logs/`` with its ``version_*`` folders, a sweep folder): every folder below it that holds a
@@ -15,12 +15,16 @@ Logged keys ``<namespace>/<layer>/<metric>`` (``rank/...`` and ``rank_train/...`
 CSV); the layers' depth order comes from the curves file (CSV columns are sorted by name), else from a natural sort
 of the names.
 
-Written to ``OUT_DIR``:
+Written to ``OUT_DIR``, or to a new ``OUT_DIR/run_<n>`` when ``OUT_DIR`` already holds files (nothing is
+overwritten):
 
 * ``<namespace>_<metric>_vs_epoch.png``: one panel per layer, metric against epoch, one line per run;
 * ``<namespace>_<metric>_vs_depth.png``: metric at each run's last epoch against layer depth, one line per run;
 * ``summary.csv`` and ``summary.md``: one row per run, namespace and layer with the last epoch's value of every
   metric, plus the run's final value of each ``--final-metrics`` key (``val/acc`` by default) when it was logged.
+
+On a terminal a progress bar follows the runs being read and the figures being drawn (``--quiet``, or output to a
+file or pipe, turns it off); a short summary of what was written, and where, closes the run.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
 from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
 from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure, save_figure
 
@@ -263,8 +268,21 @@ def _metric_curves(run: RunCurves, namespace: str, metric: str) -> dict[str, dic
     return {layer: metrics.get(metric, {}) for layer, metrics in run.curves.get(namespace, {}).items()}
 
 
-def write_figures(runs: Sequence[RunCurves], out_dir: str | Path) -> list[Path]:
+def figure_count(runs: Sequence[RunCurves]) -> int:
+    """The number of figures :func:`write_figures` writes for ``runs``: two per namespace and metric."""
+    namespaces = _union(run.layers for run in runs)
+    return 2 * sum(len(_union(run.metrics(namespace) for run in runs)) for namespace in namespaces)
+
+
+def write_figures(
+    runs: Sequence[RunCurves], out_dir: str | Path, *, on_figure: Callable[[Path], None] | None = None
+) -> list[Path]:
     """Write, per namespace and metric, the metric-vs-epoch (panel per layer) and metric-vs-depth figures.
+
+    Args:
+        runs: the runs, drawn together.
+        out_dir: the folder of the PNG files.
+        on_figure: called with each file's path once it is written (progress).
 
     Returns:
         Paths of the written PNG files.
@@ -280,9 +298,19 @@ def write_figures(runs: Sequence[RunCurves], out_dir: str | Path) -> list[Path]:
             last = {run.label: (run.last_epoch(namespace), curves[run.label]) for run in runs}
             by_epoch = runs_vs_epoch_figure(namespace, metric, layers, curves)
             written.append(save_figure(by_epoch, out_dir / f"{stem}_vs_epoch.png", dpi=110))
+            if on_figure is not None:
+                on_figure(written[-1])
             by_depth = runs_vs_depth_figure(namespace, metric, layers, last)
             written.append(save_figure(by_depth, out_dir / f"{stem}_vs_depth.png", dpi=110))
+            if on_figure is not None:
+                on_figure(written[-1])
     return written
+
+
+def _labels(runs: Sequence[str], shown: int = 6) -> str:
+    if len(runs) <= shown:
+        return ", ".join(runs)
+    return f"{', '.join(runs[: shown - 1])}, ... ({len(runs) - shown} more), {runs[-1]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,7 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Figures and summary table of the per-layer rank curves of finished runs.",
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories or folders above runs")
-    parser.add_argument("--out", required=True, metavar="OUT_DIR", help="folder for the figures and tables")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT_DIR",
+        help="folder for the figures and tables (a new OUT_DIR/run_<n> when it already holds files)",
+    )
     parser.add_argument(
         "--namespaces",
         nargs="+",
@@ -305,25 +338,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(DEFAULT_FINAL_METRICS),
         help="keys whose final value joins the summary (default: %(default)s)",
     )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn outside a terminal)")
     args = parser.parse_args(argv)
     try:
         found = find_runs(args.runs)
     except FileNotFoundError as error:
         parser.error(str(error))
-    runs = [
-        load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
-        for label, directory in found
-    ]
+    show = show_progress(args.quiet)
+    with progress_bar(show) as progress:
+        runs = [
+            load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
+            for label, directory in progress.track(found, description="reading runs")
+        ]
     empty = [run.label for run in runs if not run.curves]
     if len(empty) == len(runs):
         parser.error(f"no keys with the namespaces {args.namespaces} in the runs {empty}")
     runs = [run for run in runs if run.curves]
-    figures = write_figures(runs, args.out)
-    csv_path, md_path = write_summary(runs, args.out)
-    print(f"{len(runs)} run(s): {', '.join(run.label for run in runs)}")
+    try:
+        out_dir = fresh_directory(args.out)
+    except NotADirectoryError as error:
+        parser.error(str(error))
+    with progress_bar(show) as progress:
+        drawing = progress.add_task("drawing figures", total=figure_count(runs))
+        figures = write_figures(runs, out_dir, on_figure=lambda _: progress.advance(drawing))
+    tables = write_summary(runs, out_dir)
+    print(f"{len(runs)} run(s): {_labels([run.label for run in runs])}")
     if empty:
-        print(f"skipped (no rank curves): {', '.join(empty)}")
-    print(f"wrote {len(figures)} figures, {csv_path} and {md_path}")
+        print(f"skipped (no rank curves): {_labels(empty)}")
+    print_written(out_dir, {"figures": figures, "tables": tables}, requested=args.out)
     return 0
 
 

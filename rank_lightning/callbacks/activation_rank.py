@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -14,22 +14,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import CurveMonitor
+from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
     check_layer_types,
+    eval_mode,
     forward_hooks,
     module_blocks,
     select_layers,
+    train_mode,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.validation import check_choice, check_choices, check_names, check_positive_int
 
-__all__ = ["ACTIVATION_METRICS", "STAGES", "ActivationRankMonitor"]
+__all__ = ["ACTIVATION_METRICS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor", "declared_batch_first"]
 
 STAGES = ("val", "train")
+TOKEN_LAYOUTS = ("auto", "batch_first", "sequence_first")
 
 
 class ActivationRankMonitor(CurveMonitor):
@@ -54,8 +57,18 @@ class ActivationRankMonitor(CurveMonitor):
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
     ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
     reduction is part of the logged key of those layers. Token layers laid out sequence-first, ``(T, B, D)`` (the
-    default of ``nn.Transformer``), are recognised by their second dimension being the batch size and read as
-    ``(B, T, D)``; a layer whose output is of another kind is skipped with a warning.
+    default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout comes from ``token_layout``, else from the
+    ``batch_first`` flag of the layer or its nearest ancestor (:func:`declared_batch_first`), else from a batch whose
+    shape tells it (the batch size in exactly one leading dimension); a batch whose shape cannot tell (``T == B``,
+    e.g. a last partial batch) is skipped with a warning, never guessed. A layer whose output is of another kind is
+    skipped with a warning, and so is, by name, every chosen layer that is not called in the forward pass of the
+    first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children).
+
+    Initial point: with ``log_at_init`` (default), a fresh ``fit`` measures the untrained model before the first
+    training step, over one pass of the first validation loader (``stage="val"``, eval mode) or the first training
+    batches up to ``max_samples`` (``stage="train"``, training mode with BatchNorm statistics restored), calling the
+    module's ``forward`` on the inputs of each batch (``input_key``). It is recorded as epoch ``-1`` and sent to the
+    loggers at step 0.
 
     Non-finite activations never stop training: a layer that gives NaN or Inf in a monitored epoch logs NaN for every
     metric of that epoch, with a warning naming it; the other layers and later epochs are unaffected.
@@ -67,8 +80,10 @@ class ActivationRankMonitor(CurveMonitor):
             ``layers``, every module of these types.
         every_n_epochs: monitor every this many epochs.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``).
-        max_samples: inputs per monitored epoch, the first ones seen; under DDP each of the W processes takes
-            ``ceil(max_samples / W)`` of its own. ``None`` for all.
+        max_samples: inputs per monitored epoch, spread evenly over the epoch's batches (the first rows of every
+            batch), so that a loader sorted by class still gives rows of every class; a warning names the classes
+            that got no row. Under DDP each of the W processes takes ``ceil(max_samples / W)`` of its own. ``None``
+            for all.
         conv_reduction: reduction of conv activations.
         token_reduction: reduction of token activations.
         metrics: which of ``ACTIVATION_METRICS`` to log.
@@ -80,11 +95,19 @@ class ActivationRankMonitor(CurveMonitor):
         num_classes: number of classes of the labels; ``None`` reads ``pl_module.num_classes`` or the datamodule's
             ``num_classes``; class metrics are skipped without it.
         label_key: where the labels are in a batch: an index for tuples/lists, a key for dicts; ``None`` takes
-            ``batch[1]`` or the first of ``y``, ``label``, ``labels``, ``target``, ``targets``.
+            ``batch[1]`` or the first of ``y``, ``label``, ``labels``, ``target``, ``targets``. One-hot labels are
+            read as their argmax. An explicit ``label_key`` that finds no labels raises at the first batch; the
+            default lookup finding none gives a warning saying where it looked, and no class metrics.
         label_fn: a function ``batch -> labels`` overriding ``label_key``.
         log_per_class: also log the class-wise VR of every class, not only their mean.
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
             :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
+        token_layout: ``"auto"`` (see above), ``"batch_first"`` or ``"sequence_first"``: the layout of every
+            monitored ``(., ., D)`` token output.
+        input_key: where the inputs are in a batch, for the initial point (an index or a key; ``None``:
+            ``batch[0]`` or the first of ``x``, ``input``, ``inputs``, ``image``, ``images``, ``pixel_values``,
+            ``input_ids``).
+        log_at_init: measure the untrained model at the start of a fresh ``fit`` (see above).
         figures_every_n_epochs: also redraw the PNG figures after every this many monitored epochs (by default they
             are drawn once, at the end of fit and of ``trainer.validate``).
         verbose: report the monitored layers at setup (rank zero).
@@ -117,7 +140,8 @@ class ActivationRankMonitor(CurveMonitor):
           et al. Sec. 4.3); with ``log_per_class``, ``..._class_<c>`` for every class too.
 
         Class metrics need labels and ``num_classes``. Values pass through ``LightningModule.log``, which stores
-        them in float32; the curve file keeps float64. With a ``WandbLogger``, also the charts
+        them in float32; the curve file keeps float64. The initial point (``log_at_init``) logs the same keys with
+        ``epoch = -1`` at step 0, straight to the loggers. With a ``WandbLogger``, also the charts
         ``rank_curves/<r><metric>_vs_epoch`` and ``rank_curves/<r><metric>_vs_depth`` and the table
         ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``); the charts hold the whole history
         and are sent after the first monitored epoch, every fifth one and at the end of fit.
@@ -144,13 +168,19 @@ class ActivationRankMonitor(CurveMonitor):
         label_fn: Callable[[Any], Tensor] | None = None,
         log_per_class: bool = False,
         max_gram_features: int = 4096,
+        token_layout: Literal["auto", "batch_first", "sequence_first"] = "auto",
+        input_key: int | str | None = None,
+        log_at_init: bool = True,
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,
     ) -> None:
         stage = check_choice("stage", stage, STAGES)
-        namespace = "rank" if stage == "val" else "rank_train"
         super().__init__(
-            namespace, every_n_epochs=every_n_epochs, figures_every_n_epochs=figures_every_n_epochs, verbose=verbose
+            "rank" if stage == "val" else "rank_train",
+            every_n_epochs=every_n_epochs,
+            figures_every_n_epochs=figures_every_n_epochs,
+            log_at_init=log_at_init,
+            verbose=verbose,
         )
         for name, value in (("max_samples", max_samples), ("num_classes", num_classes)):
             check_positive_int(name, value, allow_none=True)
@@ -159,19 +189,13 @@ class ActivationRankMonitor(CurveMonitor):
         self.stage, self.max_samples, self.num_classes = stage, max_samples, num_classes
         conv = check_choice("conv_reduction", conv_reduction, CONV_REDUCTIONS)
         self.reductions = {4: conv, 3: check_choice("token_reduction", token_reduction, TOKEN_REDUCTIONS)}
+        self.token_layout = check_choice("token_layout", token_layout, TOKEN_LAYOUTS)
         self.metrics = check_choices("metrics", metrics, ACTIVATION_METRICS)
         self.center, self.log_per_class = center, log_per_class
-        self.batch_reader = BatchReader(label_key=label_key, label_fn=label_fn)
-        self.spectrum_options: dict[str, Any] = {
-            "center": center,
-            "variance_ratio_ks": tuple(variance_ratio_ks),
-            "soft_rank_tau": soft_rank_tau,
-            "rank_tolerance": rank_tolerance,
-            "tolerance_size": tolerance_size,
-            "classwise": "classwise_variance_ratio" in self.metrics,
-            "max_gram_features": max_gram_features,
-        }
-        ActivationSpectrum(num_classes=num_classes, **self.spectrum_options)  # checks the settings now
+        self.batch_reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
+        self.spectrum_options = _spectrum_options(
+            center, variance_ratio_ks, soft_rank_tau, rank_tolerance, tolerance_size, max_gram_features, self.metrics
+        )
         self._init_state()
 
     def _init_state(self) -> None:
@@ -180,16 +204,20 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._metrics: dict[str, ActivationSpectrum] = {}
         self._layer_reductions: dict[str, str | None] = {}
+        # Token layout per layer: declared by the module (batch_first) or learnt from an unambiguous batch.
+        self._layouts: dict[str, bool] = {}
         self._hooks = ExitStack()
         self._clear_stream()
 
     def _clear_stream(self) -> None:
         self._active = self._in_batch = False
         self._remaining: int | None = None
+        self._batches_left: float = math.inf
         self._batch: int | None = None
         self._take: int | None = None
         self._labels: Tensor | None = None
         self._seen_this_batch: set[str] = set()
+        self._batches_seen = self._inputs_measured = 0
 
     @property
     @override
@@ -209,6 +237,12 @@ class ActivationRankMonitor(CurveMonitor):
             ValueError: a name or pattern that matches no layer (the message lists the valid names).
         """
         self._layers = select_layers(module, self.layers, self.layer_types)
+        self._layouts = {}
+        if self.token_layout != "auto":
+            self._layouts = dict.fromkeys(self._layers, self.token_layout == "batch_first")
+        else:
+            declared = {name: declared_batch_first(module, path) for name, path in self._layers.items()}
+            self._layouts = {name: flag for name, flag in declared.items() if flag is not None}
         return self.monitored
 
     @override
@@ -221,6 +255,13 @@ class ActivationRankMonitor(CurveMonitor):
         if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
             how = " (default choice: the module has no blocks(); pass layers=[...] to choose)"
         self.info(f"monitoring {len(self._layers)} layers{how}, {classes}: {names}")
+        options = self.spectrum_options
+        self.curves.describe(
+            split=self.stage,
+            reduction={"conv maps": self.reductions[4], "tokens": self.reductions[3]},
+            rank_tolerance=options["rank_tolerance"],
+            tolerance_size=options["tolerance_size"],
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -238,7 +279,7 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stage == "val" and self.due(trainer):
-            self._start(trainer, pl_module)
+            self._start(trainer, pl_module, sum(trainer.num_val_batches))
 
     @override
     def on_validation_batch_start(
@@ -259,7 +300,7 @@ class ActivationRankMonitor(CurveMonitor):
     ) -> None:
         # Forward passes made by other callbacks between batches (attacks, Jacobians) are not validation data.
         if self._monitoring("val"):
-            self._take = 0
+            self._batch_end()
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -268,8 +309,9 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
         if self.stage == "train" and self.due(trainer):
-            self._start(trainer, pl_module)
+            self._start(trainer, pl_module, trainer.num_training_batches)
 
     @override
     def on_train_batch_start(
@@ -283,7 +325,7 @@ class ActivationRankMonitor(CurveMonitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._monitoring("train"):
-            self._take = 0
+            self._batch_end()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -298,12 +340,14 @@ class ActivationRankMonitor(CurveMonitor):
 
     # -- an epoch's stream --------------------------------------------------------------------------------------
 
-    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, num_batches: float) -> None:
+        """Hook the layers for a pass of ``num_batches`` batches (``inf`` when unknown)."""
         # An epoch cut short by an exception may have left partial sums behind.
         self._stop()
         for metric in self._metrics.values():
             metric.reset()
         self._remaining = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
+        self._batches_left = num_batches if num_batches > 0 else math.inf
         layers = [FeatureLayer(name, path) for name, path in self._layers.items()]
         self._hooks.enter_context(forward_hooks(pl_module, layers, self._hook))
         self._active = True
@@ -313,7 +357,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._clear_stream()
 
     def _batch_start(self, batch: Any) -> None:
-        self._labels = self.batch_reader.labels(batch) if self._num_classes else None
+        self._labels = self._read_labels(batch) if self._num_classes else None
         self._batch = BatchReader.batch_size(batch)
         if self._batch is None and self._labels is not None:
             self._batch = self._labels.shape[0]
@@ -321,13 +365,44 @@ class ActivationRankMonitor(CurveMonitor):
         self._seen_this_batch = set()
         self._in_batch = True
 
+    def _read_labels(self, batch: Any) -> Tensor | None:
+        # An explicit label_key or label_fn that finds nothing raises here, at the first batch.
+        labels = self.batch_reader.labels(batch)
+        if labels is None:
+            self.warn_once(
+                ("labels",),
+                f"num_classes={self._num_classes} but no class labels at {self.batch_reader.label_source(batch)}; "
+                "the class metrics (TCV, class-wise VR) are not logged. Set label_key or label_fn.",
+            )
+        return labels
+
     def _claim(self, size: int) -> int:
-        """Rows of the current batch to measure; the first monitored layer to run decides for all of them."""
+        """Rows of the current batch to measure; the first monitored layer to run decides for all of them.
+
+        With ``max_samples`` the rows still to take are spread evenly over the batches left in the pass, so a
+        loader sorted by class still gives rows of every class.
+        """
         if self._take is None:
-            self._take = size if self._remaining is None else max(0, min(size, self._remaining))
-            if self._remaining is not None:
+            if self._remaining is None:
+                self._take = size
+            else:
+                share = math.ceil(self._remaining / max(self._batches_left, 1))
+                self._take = max(0, min(size, self._remaining, share))
                 self._remaining -= self._take
+            self._inputs_measured += self._take
         return self._take
+
+    def _batch_end(self) -> None:
+        self._take = 0
+        self._batches_left -= 1
+        self._batches_seen += 1
+        if self._batches_seen == 1:
+            # Containers that are never called (ModuleList, ModuleDict) and unused modules get no hook call.
+            for name in self._layers:
+                if name not in self._seen_this_batch:
+                    path = self._layers[name]
+                    message = f"({path}) was not called in the forward pass of a monitored batch; it is not logged."
+                    self._warn_layer(name, "not called", message + " Name a module that runs (layers=[...]).")
 
     def _hook(self, layer: FeatureLayer, output: Any) -> None:
         name = layer.name
@@ -352,17 +427,32 @@ class ActivationRankMonitor(CurveMonitor):
             self._metric_for(name, activations).update(activations[:take], labels)
 
     def _batch_first(self, name: str, activations: Tensor) -> Tensor | None:
-        batch = self._batch
-        if batch is None or activations.shape[0] == batch:
-            return activations
-        if activations.ndim == 3 and activations.shape[1] == batch:
-            # Sequence-first tokens (T, B, D), the default layout of nn.Transformer and nn.MultiheadAttention.
-            return activations.transpose(0, 1)
-        shape = tuple(activations.shape)
-        self._warn_layer(
-            name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}; it is skipped."
-        )
-        return None
+        """``activations`` with the batch first; tokens may come sequence-first, ``(T, B, D)``."""
+        batch, shape = self._batch, tuple(activations.shape)
+        if activations.ndim != 3 or batch is None:
+            if batch is None or shape[0] == batch:
+                return activations
+            self._warn_layer(name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}.")
+            return None
+        layout = self._layouts.get(name)
+        if layout is None and (shape[0] == batch) != (shape[1] == batch):
+            layout = self._layouts[name] = shape[0] == batch  # unambiguous: remembered for later batches
+        if layout is None:
+            reason = "in both leading dimensions" if shape[0] == batch else "in neither leading dimension"
+            message = f"gives {shape} with the batch size {batch} {reason}: its token layout cannot be told. "
+            self._warn_layer(name, "layout", message + "Set token_layout='batch_first' or 'sequence_first'.")
+            return None
+        if shape[0 if layout else 1] != batch:
+            self._warn_layer(name, "batch", f"gives {shape}, not {'(B, T, D)' if layout else '(T, B, D)'}, B={batch}.")
+            return None
+        return activations if layout else activations.transpose(0, 1)
+
+    def _check_classes(self, name: str, counts: Tensor | None, rows: int) -> None:
+        missing = _missing_classes(counts)
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+            message = f"saw no rows of classes [{shown}] among the {rows} measured; TCV and class-wise VR cover the "
+            self._warn_layer(name, "classes", message + "others only (raise max_samples or shuffle the loader).")
 
     def _warn_layer(self, name: str, kind: str, message: str) -> None:
         self.warn_once((name, kind), f"layer {name!r} {message}")
@@ -381,12 +471,53 @@ class ActivationRankMonitor(CurveMonitor):
     # -- the epoch's values -------------------------------------------------------------------------------------
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop()
-        values = {name: self._values_of(name, trainer.current_epoch) for name in self._measured_everywhere(pl_module)}
-        for metric in self._metrics.values():
-            metric.reset()
+        values = self._pass_values(trainer.current_epoch, pl_module)
         if values:
             self.curves.record_and_log(trainer, pl_module, values)
+
+    def _pass_values(self, epoch: int, pl_module: pl.LightningModule) -> dict[str, dict[str, float]]:
+        """Unhook, compute every layer measured on every process (a collective), and reset the sums."""
+        inputs = torch.tensor(self._inputs_measured, device=pl_module.device)
+        self._stop()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(inputs)
+        self.curves.describe(samples=int(inputs))
+        values = {name: self._values_of(name, epoch) for name in self._measured_everywhere(pl_module)}
+        for metric in self._metrics.values():
+            metric.reset()
+        return values
+
+    # -- the initial point ----------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = first_val_loader(trainer) if self.stage == "val" else trainer.train_dataloader
+        if loader is None or not self.initial_point_due(trainer):
+            return
+        # Validation data pass once over the loader (rows spread over it); training data only up to max_samples.
+        batches = len(loader) if self.stage == "val" and hasattr(loader, "__len__") else math.inf
+        self._start(trainer, pl_module, batches)
+        try:
+            self._initial_pass(trainer, pl_module, loader)
+        except Exception as error:  # an initial point must never stop the fit it precedes
+            self._stop()
+            self.warn_once(("init",), f"no initial point: the forward pass on a batch failed ({error!r}).")
+            return
+        values = self._pass_values(-1, pl_module)
+        if values:
+            self.curves.record_initial(trainer, values)
+
+    def _initial_pass(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> None:
+        # Validation runs in eval mode; training batches in training mode, without touching BatchNorm statistics.
+        mode = eval_mode if self.stage == "val" else train_mode
+        with torch.no_grad(), mode(pl_module), _buffers_kept(pl_module):
+            for batch in loader:
+                if self._remaining == 0:
+                    break
+                batch = trainer.strategy.batch_to_device(batch)
+                self._batch_start(batch)
+                pl_module(self.batch_reader.inputs(batch))
+                self._batch_end()
 
     def _measured_everywhere(self, pl_module: pl.LightningModule) -> list[str]:
         """The layers that every process measured this epoch: ``compute()`` is a collective all of them must join."""
@@ -423,6 +554,7 @@ class ActivationRankMonitor(CurveMonitor):
                 RuntimeWarning,
                 stacklevel=2,
             )
+        self._check_classes(name, result.class_counts, result.num_samples)
         if result.path != "gram":
             message = f"has {result.num_features} features, more than max_gram_features={metric.max_gram_features}; "
             path = f"its spectrum comes from the {result.path!r} path ({result.num_spectrum_samples} rows)."
@@ -431,6 +563,68 @@ class ActivationRankMonitor(CurveMonitor):
         prefix = f"{reduction}/" if reduction else ""
         scalars = result.scalars(self.metrics, centered=self.center, per_class=self.log_per_class)
         return {f"{prefix}{key}": value for key, value in scalars.items()}
+
+
+@contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Restore every buffer (BatchNorm running statistics) of ``module`` when the block ends."""
+    saved = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def _missing_classes(counts: Tensor | None) -> list[int]:
+    """Classes without a row, when some rows carried labels."""
+    if counts is None or not counts.numel() or not int(counts.sum()):
+        return []
+    return [c for c, count in enumerate(counts.tolist()) if count == 0]
+
+
+def _spectrum_options(
+    center: bool,
+    variance_ratio_ks: Sequence[int],
+    soft_rank_tau: float,
+    rank_tolerance: float | None,
+    tolerance_size: str,
+    max_gram_features: int,
+    metrics: Sequence[str],
+) -> dict[str, Any]:
+    """The :class:`~rank_lightning.metrics.ActivationSpectrum` settings every monitored layer shares, checked now
+    rather than at the first monitored batch."""
+    options = {
+        "center": center,
+        "variance_ratio_ks": tuple(variance_ratio_ks),
+        "soft_rank_tau": soft_rank_tau,
+        "rank_tolerance": rank_tolerance,
+        "tolerance_size": tolerance_size,
+        "classwise": "classwise_variance_ratio" in metrics,
+        "max_gram_features": max_gram_features,
+    }
+    ActivationSpectrum(**options)
+    return options
+
+
+def declared_batch_first(model: nn.Module, path: str) -> bool | None:
+    """The token layout that the module at ``path`` declares, or ``None`` when nothing declares one.
+
+    The module itself or its nearest ancestor (the model itself excluded) decides: its own ``batch_first`` flag
+    (``nn.MultiheadAttention``, ``nn.Transformer``), else the flag shared by the attention modules inside it
+    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``).
+    """
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), 0, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        own = getattr(module, "batch_first", None)
+        if isinstance(own, bool):
+            return own
+        flags = {m.batch_first for m in module.modules() if isinstance(m, nn.MultiheadAttention)}
+        if len(flags) == 1:
+            return flags.pop()
+    return None
 
 
 def _num_classes_of(pl_module: nn.Module, trainer: pl.Trainer) -> int | None:

@@ -22,7 +22,7 @@ from rank_lightning.attacks import (
     l2_dissimilarity,
 )
 from rank_lightning.callbacks.base import Cadence, RankCallback, trainer_fn
-from rank_lightning.callbacks.curves import FIGURE_DIR, run_directory, wandb_loggers
+from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure, save_figure
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
@@ -360,7 +360,7 @@ class AdversarialValidation(RankCallback):
         if values is None:
             return
         # Every process holds the reduced values already: logging them unsynchronised lets every process monitor them.
-        pl_module.log_dict(self._namespaced(stage, values), on_step=False, on_epoch=True, sync_dist=False)
+        log_rank_equal(pl_module, self._namespaced(stage, values))
         self.history[stage][trainer.current_epoch] = values
         if trainer.is_global_zero:
             self._write(trainer, stage)

@@ -106,6 +106,8 @@ class CurveMonitor(RankCallback):
         on_validate: also monitor ``trainer.validate`` runs.
         figures_every_n_epochs: also draw the figures after every this many monitored epochs; ``None`` draws them
             at the end of fit only.
+        log_at_init: also measure once before the first training step of a fresh ``fit``, recorded as epoch ``-1``
+            (:meth:`initial_point_due`).
         verbose: print the monitored layers at setup (rank zero).
     """
 
@@ -116,17 +118,34 @@ class CurveMonitor(RankCallback):
         every_n_epochs: int = 1,
         on_validate: bool = True,
         figures_every_n_epochs: int | None = None,
+        log_at_init: bool = False,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)
         check_positive_int("every_n_epochs", every_n_epochs)
         self.every_n_epochs = every_n_epochs
+        self.log_at_init = log_at_init
         self.cadence = Cadence(every_n_epochs, on_validate=on_validate)
         self.curves = LayerCurves(namespace, figures_every_n_epochs=figures_every_n_epochs)
 
     def due(self, trainer: pl.Trainer) -> bool:
         """Whether this epoch (or evaluation run) is monitored (:meth:`Cadence.due`)."""
         return self.cadence.due(trainer)
+
+    def initial_point_due(self, trainer: pl.Trainer) -> bool:
+        """Whether to measure the untrained model now: ``log_at_init``, a ``fit`` before its first optimizer step
+        (not one resumed from a checkpoint), and no initial point recorded yet."""
+        return (
+            self.log_at_init
+            and trainer_fn(trainer) == "fit"
+            and trainer.global_step == 0
+            and -1 not in self.curves.epochs
+        )
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Unmeasured epochs must not show the previous measurement to EarlyStopping and ModelCheckpoint.
+        self.curves.clear_stale_metrics(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader
-from rank_lightning.callbacks.curves import run_directory, wandb_loggers
+from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
 )
@@ -299,7 +299,7 @@ class ClassificationDimension(RankCallback):
         scalars = self._evaluate(trainer, pl_module)
         if scalars:
             # Every process holds the same broadcast values: no reduction needed.
-            pl_module.log_dict(scalars, on_step=False, on_epoch=True, sync_dist=False)
+            log_rank_equal(pl_module, scalars)
 
     # -- collection ---------------------------------------------------------------------------------------------
 

@@ -3,11 +3,16 @@
 A rank callback computes, once per epoch, a value per layer and per metric. :class:`LayerCurves` does everything that
 follows with those numbers, identically for every callback:
 
-1. logs each value as the scalar ``"{namespace}/{layer}/{metric}"`` through ``pl_module.log(on_epoch=True,
-   sync_dist=False)``: the values are already equal on every DDP rank, so every rank logs them and
-   ``ModelCheckpoint`` / ``EarlyStopping`` can monitor them;
+1. logs each value as the scalar ``"{namespace}/{layer}/{metric}"`` through :func:`log_rank_equal`
+   (``pl_module.log_dict(on_epoch=True, sync_dist=False)``): the values are already equal on every DDP rank, so every
+   rank logs them, Lightning's advice to reduce them is silenced, and ``ModelCheckpoint`` / ``EarlyStopping`` can
+   monitor them. A value exists only in the epochs that measured it: :meth:`LayerCurves.clear_stale_metrics`, called
+   at the start of every training epoch, removes the previous measurement from ``trainer.callback_metrics``, so that
+   ``EarlyStopping(strict=False)`` skips the epochs in between instead of counting a repeated value;
 2. keeps the history ``epoch -> layer -> metric -> value`` and saves it in checkpoints through
-   :meth:`LayerCurves.state_dict` / :meth:`LayerCurves.load_state_dict`, so a resumed run continues its curves;
+   :meth:`LayerCurves.state_dict` / :meth:`LayerCurves.load_state_dict`, so a resumed run continues its curves. A
+   fit resumed from a checkpoint older than the curves it finds (in memory or in the run directory's curve file)
+   trains those epochs again: a warning names them, and their values are kept under ``"superseded"``, never lost;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -21,9 +26,14 @@ follows with those numbers, identically for every callback:
    which the owning callback calls in ``on_fit_end``; also after every ``figures_every_n_epochs``-th recorded epoch
    when set), one PNG figure per metric, ``{namespace}_{metric}.png`` (characters other than letters, digits and
    ``_.=-`` become ``_``; :func:`~rank_lightning.plotting.layer_curves_figure`): the metric against epoch, one line
-   per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs).
+   per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in
+   words, with a caption line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance).
 
-Figures are drawn synchronously, once at the end of fit by default: a figure takes matplotlib 0.1-0.3 s, and nothing
+A value measured before the first training step is recorded at epoch ``-1`` (:data:`INITIAL_EPOCH`) by
+:meth:`LayerCurves.record_initial`, which sends it straight to the loggers (``pl_module.log`` is not allowed in
+``on_train_start``); figures draw it as ``init``.
+
+Figures are drawn synchronously, once at the end of fit by default: a figure takes matplotlib 0.1-0.5 s, and nothing
 is left running after ``fit`` returns.
 
 The run directory (:func:`run_directory`) is the folder that holds Lightning's ``checkpoints/``: the first logger's
@@ -35,6 +45,12 @@ Usage inside a callback::
     class MyMonitor(pl.Callback):
         def __init__(self) -> None:
             self.curves = LayerCurves("mine")
+
+        def setup(self, trainer, pl_module, stage) -> None:
+            self.curves.describe(split="val", samples=1024)  # the figures' caption
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.curves.clear_stale_metrics(trainer)
 
         def on_validation_epoch_end(self, trainer, pl_module) -> None:
             values = {"encoder.0": {"stable_rank": 3.1}, "encoder.2": {"stable_rank": 2.4}}  # ordered by depth
@@ -58,20 +74,40 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rank_lightning.plotting import evenly_spaced, figure_filename, layer_curves_figure, save_figure
+from rank_lightning.plotting import (
+    INITIAL_EPOCH,
+    caption_text,
+    epoch_label,
+    evenly_spaced,
+    figure_filename,
+    layer_curves_figure,
+    save_figure,
+)
 from rank_lightning.validation import check_positive_int
 
-__all__ = ["FIGURE_DIR", "LayerCurves", "read_curve_file", "run_directory", "wandb_loggers", "write_curve_file"]
+__all__ = [
+    "FIGURE_DIR",
+    "INITIAL_EPOCH",
+    "LayerCurves",
+    "log_rank_equal",
+    "read_curve_file",
+    "run_directory",
+    "wandb_loggers",
+    "write_curve_file",
+]
 
 FIGURE_DIR = "rank_curves"
 """Name of the folder inside the run directory that receives figures and curve files."""
+
+History = dict[int, dict[str, dict[str, float]]]
 
 
 def run_directory(trainer: Any) -> Path:
@@ -113,6 +149,60 @@ def wandb_loggers(trainer: Any) -> list[Any]:
     ]
 
 
+class _SyncDistAdvice:
+    """The one warnings filter that silences Lightning's ``sync_dist=True`` advice for the keys logged as equal.
+
+    Lightning gives the advice when it computes the epoch's metrics, after the ``log_dict`` call has returned, so a
+    ``catch_warnings`` block around the call would not see it; a filter naming exactly these keys does. It is one
+    filter for all keys, replaced (not added to) when new keys come, and re-inserted at every call because a
+    ``warnings.catch_warnings`` block of the caller (pytest, for one) may have dropped it.
+    """
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.pattern = ""
+
+    def silence(self, keys: Iterable[str]) -> None:
+        new = set(keys) - self.keys
+        if new or not self.pattern:
+            self.keys |= new
+            self._remove()
+            names = "|".join(re.escape(key) for key in sorted(self.keys, key=len, reverse=True))
+            # Lightning's text: It is recommended to use `self.log('<name>', ..., sync_dist=True)` when logging on
+            # epoch level in distributed setting ... (the name gains "/dataloader_idx_<i>" with several loaders).
+            self.pattern = (
+                rf"It is recommended to use `self\.log\('(?:{names})(?:/dataloader_idx_\d+)?', \.\.\., sync_dist"
+            )
+        warnings.filterwarnings("ignore", message=self.pattern, category=UserWarning)
+
+    def _remove(self) -> None:
+        for entry in list(warnings.filters):
+            if entry[0] == "ignore" and getattr(entry[1], "pattern", None) == self.pattern and self.pattern:
+                warnings.filters.remove(entry)
+
+
+_SYNC_DIST_ADVICE = _SyncDistAdvice()
+
+
+def log_rank_equal(pl_module: Any, scalars: Mapping[str, Any]) -> None:
+    """Log epoch-level scalars that are equal on every process: no reduction, and no advice to reduce them.
+
+    Every process logs them (``on_step=False, on_epoch=True, sync_dist=False``), so ``ModelCheckpoint`` and
+    ``EarlyStopping`` can monitor them on any rank. In a distributed run Lightning would warn once per key that
+    ``sync_dist=True`` is recommended; for these keys the values are equal by construction (reduced or broadcast
+    before logging), so exactly that warning, for exactly these keys, is silenced. Call it on every process from an
+    epoch-end hook.
+
+    Args:
+        pl_module: the LightningModule (either Lightning package).
+        scalars: ``key -> value`` (numbers or one-element tensors); nothing is logged when empty.
+    """
+    if not scalars:
+        return
+    _SYNC_DIST_ADVICE.silence(scalars)
+    pl_module.log_dict(dict(scalars), on_step=False, on_epoch=True, sync_dist=False)
+
+
 def _to_float(value: Any) -> float:
     if isinstance(value, torch.Tensor):
         return float(value.detach().to("cpu", torch.float64))
@@ -124,14 +214,68 @@ def _check_name(kind: str, name: str) -> None:
         raise ValueError(f"{kind} must be a non-empty string without '/', got {name!r}")
 
 
-def write_curve_file(path: Path, namespace: str, layers: list[str], metrics: list[str], history: Mapping) -> None:
+def _trainer_fn(trainer: Any) -> str:
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return str(getattr(fn, "value", fn))
+
+
+def _fitting(trainer: Any) -> bool:
+    return _trainer_fn(trainer) == "fit"
+
+
+def _json_ready(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
+def _epoch_ranges(epochs: Iterable[int]) -> str:
+    """``"2-5, 8"`` for epochs 2, 3, 4, 5, 8."""
+    ranges: list[list[int]] = []
+    for epoch in sorted(epochs):
+        if ranges and epoch == ranges[-1][1] + 1:
+            ranges[-1][1] = epoch
+        else:
+            ranges.append([epoch, epoch])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def _epochs_as_text(history: Mapping[int, Any]) -> dict[str, Any]:
+    return {str(epoch): history[epoch] for epoch in sorted(history)}
+
+
+def _epochs_as_int(history: Mapping[Any, Any]) -> dict[int, Any]:
+    return {int(epoch): {layer: dict(m) for layer, m in layers.items()} for epoch, layers in history.items()}
+
+
+def write_curve_file(
+    path: Path,
+    namespace: str,
+    layers: list[str],
+    metrics: list[str],
+    history: Mapping,
+    *,
+    facts: Mapping[str, Any] | None = None,
+    superseded: list[Mapping[str, Any]] | None = None,
+) -> None:
     """Write curves as JSON: ``{"namespace", "layers", "metrics", "history": {epoch: {layer: {metric: value}}}}``.
 
-    NaN and Inf are written as JSON's ``NaN`` / ``Infinity`` literals, which :func:`read_curve_file` reads back.
+    Two keys are added only when there is something to say: ``"facts"`` (how the values were measured,
+    :meth:`LayerCurves.describe`) and ``"superseded"`` (``[{"resumed_at": epoch, "history": {...}}, ...]``: the
+    values of epochs that a resumed fit trained again). NaN and Inf are written as JSON's ``NaN`` / ``Infinity``
+    literals, which :func:`read_curve_file` reads back.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    content = {"namespace": namespace, "layers": layers, "metrics": metrics}
-    content["history"] = {str(epoch): history[epoch] for epoch in sorted(history)}
+    content: dict[str, Any] = {"namespace": namespace, "layers": layers, "metrics": metrics}
+    content["history"] = _epochs_as_text(history)
+    if facts:
+        content["facts"] = dict(facts)
+    if superseded:
+        content["superseded"] = [
+            {"resumed_at": block["resumed_at"], "history": _epochs_as_text(block["history"])} for block in superseded
+        ]
     path.write_text(json.dumps(content))
 
 
@@ -139,10 +283,17 @@ def read_curve_file(path: str | Path) -> dict[str, Any]:
     """Read what :func:`write_curve_file` wrote; epochs come back as ``int``.
 
     Returns:
-        ``{"namespace": str, "layers": [...], "metrics": [...], "history": {epoch: {layer: {metric: value}}}}``.
+        ``{"namespace": str, "layers": [...], "metrics": [...], "history": {epoch: {layer: {metric: value}}},
+        "facts": {...}, "superseded": [{"resumed_at": epoch, "history": {...}}, ...]}`` (the last two empty when the
+        file has none).
     """
     content = json.loads(Path(path).read_text())
-    content["history"] = {int(epoch): layers for epoch, layers in content["history"].items()}
+    content["history"] = _epochs_as_int(content["history"])
+    content.setdefault("facts", {})
+    content["superseded"] = [
+        {"resumed_at": block["resumed_at"], "history": _epochs_as_int(block["history"])}
+        for block in content.get("superseded", [])
+    ]
     return content
 
 
@@ -183,11 +334,18 @@ class LayerCurves:
         self.wandb_charts = wandb_charts
         self.wandb_charts_every_n_epochs = wandb_charts_every_n_epochs
         self.max_depth_curves = max_depth_curves
-        self._history: dict[int, dict[str, dict[str, float]]] = {}
+        self._history: History = {}
         self._layers: list[str] = []
         self._metrics: list[str] = []
+        self._facts: dict[str, Any] = {}
+        self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
         self._charted_epochs: list[int] | None = None
+        self._logged_keys: set[str] = set()
+        # Set by load_state_dict: the epochs that held values before loading, and whether the first recorded epoch of
+        # the fit that follows is still to be checked for a rewind.
+        self._before_loading: History = {}
+        self._rewind_check = False
 
     @property
     def layers(self) -> list[str]:
@@ -201,13 +359,23 @@ class LayerCurves:
 
     @property
     def epochs(self) -> list[int]:
-        """Recorded epochs, ascending."""
+        """Recorded epochs, ascending (:data:`INITIAL_EPOCH`, -1, first when the untrained model was measured)."""
         return sorted(self._history)
 
     @property
-    def history(self) -> dict[int, dict[str, dict[str, float]]]:
+    def history(self) -> History:
         """A copy of the history ``epoch -> layer -> metric -> value``."""
-        return {epoch: {layer: dict(m) for layer, m in layers.items()} for epoch, layers in self._history.items()}
+        return _epochs_as_int(self._history)
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        """What :meth:`describe` was told."""
+        return dict(self._facts)
+
+    @property
+    def superseded(self) -> list[dict[str, Any]]:
+        """Values replaced by resumed fits: ``[{"resumed_at": epoch, "history": {epoch: {layer: {...}}}}, ...]``."""
+        return [{"resumed_at": b["resumed_at"], "history": _epochs_as_int(b["history"])} for b in self._superseded]
 
     def key(self, layer: str, metric: str) -> str:
         """The logged scalar key ``"{namespace}/{layer}/{metric}"``."""
@@ -218,11 +386,29 @@ class LayerCurves:
         epochs = [e for e in self.epochs if metric in self._history[e].get(layer, {})]
         return epochs, [self._history[e][layer][metric] for e in epochs]
 
+    def describe(self, **facts: Any) -> None:
+        """Say how the values are measured; the figures' caption line and the curve file state it.
+
+        Facts are merged with earlier ones (a later call may update ``samples``, for one). Known facts, formatted by
+        :func:`~rank_lightning.plotting.caption_text`: ``split`` (``"val"``, ``"train"``), ``samples`` (N, the number
+        of samples measured), ``reduction`` (a string or ``{kind of activations: reduction}``), ``rank_tolerance``
+        (a float, or ``None`` for the default) and ``tolerance_size`` (``"min"`` / ``"max"``); any other fact is
+        shown as ``"<name>: <value>"``. Values that JSON cannot hold are stored as text.
+
+        Example: ``curves.describe(split="val", samples=4096, reduction={"conv maps": "channel"},
+        rank_tolerance=None, tolerance_size="min")``.
+        """
+        self._facts.update({name: _json_ready(value) for name, value in facts.items()})
+
+    def caption(self) -> str:
+        """The caption line of the figures, from :meth:`describe`'s facts (empty when none were given)."""
+        return caption_text(self._facts)
+
     def record(self, epoch: int, values: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
         """Store one epoch's values (replacing what that epoch held) without logging anything.
 
         Args:
-            epoch: the epoch the values belong to.
+            epoch: the epoch the values belong to (:data:`INITIAL_EPOCH` for the untrained model).
             values: ``layer -> metric -> value``, layers ordered by depth; values are numbers or one-element tensors.
 
         Returns:
@@ -243,9 +429,13 @@ class LayerCurves:
     def record_and_log(self, trainer: Any, pl_module: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record ``values`` at ``trainer.current_epoch`` and log them everywhere (see the module docstring).
 
+        Outside ``fit``, an evaluation of a model that took no optimizer step (``trainer.validate`` before training)
+        is recorded at epoch ``-1``, the initial point, so that the ``fit`` that follows does not overwrite it.
+
         Call it on every rank from an epoch-end hook (``on_validation_epoch_end``, ``on_train_epoch_end``), where
         ``pl_module.log`` accepts epoch-level values. Calls during the sanity check are ignored: Lightning discards
-        what is logged there, and an untrained model would leave an epoch in the history that never happened.
+        what is logged there, and an untrained model would leave an epoch in the history that never happened. The
+        first call of a ``fit`` resumed by :meth:`load_state_dict` checks for a rewind (the module docstring).
 
         Args:
             trainer: the Trainer (either Lightning package).
@@ -254,20 +444,61 @@ class LayerCurves:
         """
         if getattr(trainer, "sanity_checking", False):
             return
-        stored = self.record(trainer.current_epoch, values)
-        scalars = {
-            self.key(layer, metric): value for layer, metrics in stored.items() for metric, value in metrics.items()
-        }
-        if scalars:
-            pl_module.log_dict(scalars, on_step=False, on_epoch=True, sync_dist=False)
+        if self._rewind_check and _fitting(trainer):
+            self._rewind_check = False
+            self._supersede_rewound(trainer, trainer.current_epoch)
+        # trainer.validate() on a model no optimizer step has touched measures the initial point: a later fit must
+        # not overwrite it with its epoch 0.
+        untrained = _trainer_fn(trainer) in ("validate", "test") and trainer.global_step == 0
+        scalars = self._scalars(self.record(INITIAL_EPOCH if untrained else trainer.current_epoch, values))
+        log_rank_equal(pl_module, scalars)
+        self._logged_keys.update(scalars)
         if not trainer.is_global_zero:
             return
         self._write_curve_file(trainer)
-        recorded = len(self._history)
-        if self.wandb_charts and (recorded == 1 or recorded % self.wandb_charts_every_n_epochs == 0):
+        trained = len([epoch for epoch in self._history if epoch != INITIAL_EPOCH])
+        if self.wandb_charts and (trained == 1 or trained % self.wandb_charts_every_n_epochs == 0):
             self._log_wandb_charts(trainer)
-        if self.figures_every_n_epochs is not None and recorded % self.figures_every_n_epochs == 0:
+        if self.figures_every_n_epochs is not None and trained % self.figures_every_n_epochs == 0:
             self.write_figures(trainer)
+
+    def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
+        """Record the untrained model's ``values`` at epoch ``-1`` and send them to the loggers at once.
+
+        For hooks that run before the first training step (``on_train_start``), where ``pl_module.log`` is not
+        allowed: on rank zero every logger receives ``{"<namespace>/<layer>/<metric>": value, ..., "epoch": -1}`` at
+        ``step=trainer.global_step``, and the curve file is written. Figures draw the point as ``init``; it is not
+        counted by the chart and figure cadences, and never reaches ``trainer.callback_metrics``. Call it on every
+        rank (each keeps the same history); calls during the sanity check are ignored.
+
+        Args:
+            trainer: the Trainer (either Lightning package).
+            values: ``layer -> metric -> value``, layers ordered by depth.
+        """
+        if getattr(trainer, "sanity_checking", False):
+            return
+        scalars = self._scalars(self.record(INITIAL_EPOCH, values))
+        if not trainer.is_global_zero:
+            return
+        if scalars:
+            for logger in getattr(trainer, "loggers", None) or []:
+                logger.log_metrics({**scalars, "epoch": INITIAL_EPOCH}, step=trainer.global_step)
+        self._write_curve_file(trainer)
+
+    def clear_stale_metrics(self, trainer: Any) -> None:
+        """Remove the values this object logged from ``trainer.callback_metrics``; call it at every epoch start.
+
+        Lightning keeps the last value of every key in ``trainer.callback_metrics`` for the rest of the fit, so in the
+        epochs between two measurements ``EarlyStopping`` and ``ModelCheckpoint`` would read the previous
+        measurement again (``EarlyStopping`` counting it as an epoch without improvement). Without it they find no
+        value: ``EarlyStopping(strict=False)`` skips the epoch, ``ModelCheckpoint(every_n_epochs=...)`` with the
+        monitor's cadence saves in measured epochs only.
+        """
+        metrics = getattr(trainer, "callback_metrics", None)
+        if metrics is None:
+            return
+        for key in self._logged_keys:
+            metrics.pop(key, None)
 
     def finish(self, trainer: Any) -> None:
         """End of fit: send the W&B charts if they miss recorded epochs, and write the figures (rank zero only)."""
@@ -292,12 +523,17 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        directory = self.figure_dir(trainer)
+        directory, caption = self.figure_dir(trainer), self.caption()
         paths = []
         for metric in self._metrics:
             try:
                 figure = layer_curves_figure(
-                    self.namespace, metric, self._layers, self._history, max_depth_curves=self.max_depth_curves
+                    self.namespace,
+                    metric,
+                    self._layers,
+                    self._history,
+                    max_depth_curves=self.max_depth_curves,
+                    caption=caption,
                 )
                 paths.append(save_figure(figure, directory / f"{figure_filename(self.namespace, metric)}.png"))
             except Exception as error:  # a figure must never take the run down; the curve file keeps the data
@@ -310,11 +546,22 @@ class LayerCurves:
         return paths
 
     def state_dict(self) -> dict[str, Any]:
-        """Namespace, layer order and history, for checkpoints."""
-        return {"namespace": self.namespace, "layers": self.layers, "metrics": self.metrics, "history": self.history}
+        """Namespace, layer order, history, facts and superseded values, for checkpoints."""
+        return {
+            "namespace": self.namespace,
+            "layers": self.layers,
+            "metrics": self.metrics,
+            "history": self.history,
+            "facts": self.facts,
+            "superseded": self.superseded,
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, so a resumed run continues its curves.
+
+        Facts given to :meth:`describe` before loading win over the loaded ones. The first epoch recorded by the
+        ``fit`` that follows is checked for a rewind (module docstring); values held before loading that the loaded
+        state lacks are superseded then, not lost.
 
         Raises:
             ValueError: the state belongs to another namespace.
@@ -323,16 +570,65 @@ class LayerCurves:
             raise ValueError(
                 f"cannot load curves of namespace {state_dict['namespace']!r} into namespace {self.namespace!r}"
             )
-        self._history = {
-            int(epoch): {layer: dict(m) for layer, m in layers.items()}
-            for epoch, layers in state_dict["history"].items()
-        }
+        self._before_loading = self._history
+        self._history = _epochs_as_int(state_dict["history"])
         self._layers = list(state_dict["layers"])
         self._metrics = list(state_dict["metrics"])
+        self._facts = {**state_dict.get("facts", {}), **self._facts}
+        self._superseded = [
+            {"resumed_at": b["resumed_at"], "history": _epochs_as_int(b["history"])}
+            for b in state_dict.get("superseded", [])
+        ]
+        self._rewind_check = True
+
+    def _scalars(self, stored: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+        return {
+            self.key(layer, metric): value for layer, metrics in stored.items() for metric, value in metrics.items()
+        }
+
+    def _supersede_rewound(self, trainer: Any, epoch: int) -> None:
+        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so.
+
+        Rewound are: loaded epochs from ``epoch`` on, and epochs held before loading or found in the run directory's
+        curve file (rank zero) that the loaded state lacks, from its last epoch on.
+        """
+        loaded_last = max((e for e in self._history if e != INITIAL_EPOCH), default=None)
+        cut = epoch if loaded_last is None else min(epoch, loaded_last + 1)
+        rewound = {e: self._history.pop(e) for e in [e for e in self._history if e >= epoch]}
+        found = [self._before_loading]
+        if trainer.is_global_zero:
+            try:
+                found.append(read_curve_file(self._curve_path(trainer))["history"])
+            except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
+                pass
+        for earlier in found:
+            rewound.update({e: v for e, v in earlier.items() if e >= cut and e not in rewound})
+        self._before_loading = {}
+        if not rewound:
+            return
+        self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
+        if trainer.is_global_zero:
+            warnings.warn(
+                f"LayerCurves({self.namespace!r}): this fit resumed at epoch {epoch} from a checkpoint older than the "
+                f"recorded curves; epochs {_epoch_ranges(rewound)} are trained again and their values are replaced. "
+                f"The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in checkpoints.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _curve_path(self, trainer: Any) -> Path:
+        return self.figure_dir(trainer) / f"{self.namespace}_curves.json"
 
     def _write_curve_file(self, trainer: Any) -> None:
-        path = self.figure_dir(trainer) / f"{self.namespace}_curves.json"
-        write_curve_file(path, self.namespace, self._layers, self._metrics, self._history)
+        write_curve_file(
+            self._curve_path(trainer),
+            self.namespace,
+            self._layers,
+            self._metrics,
+            self._history,
+            facts=self._facts,
+            superseded=self._superseded,
+        )
 
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)
@@ -362,7 +658,7 @@ class LayerCurves:
             payload[f"{self.namespace}_curves/{metric}_vs_depth"] = wandb.plot.line_series(
                 xs=list(range(len(self._layers))),
                 ys=[[self._value(e, layer, metric) for layer in self._layers] for e in depth_epochs],
-                keys=[f"epoch {e}" for e in depth_epochs],
+                keys=[epoch_label(e) for e in depth_epochs],
                 title=f"{self.namespace} {metric} vs depth",
                 xname="depth index",
             )

@@ -111,6 +111,9 @@ class WeightRankMonitor(CurveMonitor):
         save_singular_values: also keep every monitored spectrum: one ``.npz`` per monitored epoch in
             ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (one array per layer) and, with a
             ``WandbLogger``, one histogram per layer.
+        log_at_init: also measure the untrained weights at the start of a fresh ``fit`` (before the first optimizer
+            step), recorded as epoch ``-1`` and sent to the loggers at step 0 (rank collapse starts at
+            initialisation, Daneshmand et al.).
         figures_every_n_epochs: also draw the PNG figures after every this many monitored epochs; ``None`` draws
             them at the end of fit only.
         verbose: report the monitored matrices (rank zero) at setup.
@@ -158,6 +161,7 @@ class WeightRankMonitor(CurveMonitor):
         tolerance_size: Literal["min", "max"] = "min",
         decomposition: Literal["auto", "svd", "gram"] = "auto",
         save_singular_values: bool = False,
+        log_at_init: bool = True,
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,
     ) -> None:
@@ -166,6 +170,7 @@ class WeightRankMonitor(CurveMonitor):
             every_n_epochs=every_n_epochs,
             on_validate=False,
             figures_every_n_epochs=figures_every_n_epochs,
+            log_at_init=log_at_init,
             verbose=verbose,
         )
         self.layers = check_names("layers", layers)
@@ -261,6 +266,12 @@ class WeightRankMonitor(CurveMonitor):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.select(pl_module)
         self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
+        self.curves.describe(rank_tolerance=self.rank_tolerance, tolerance_size=self.tolerance_size)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.initial_point_due(trainer):
+            self.curves.record_initial(trainer, self.measure(pl_module))
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

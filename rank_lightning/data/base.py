@@ -31,6 +31,13 @@ def list_datamodules() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def get_datamodule_class(name: str) -> type[RankDataModule]:
+    """The class registered as ``name``, e.g. ``DigitsDataModule`` for ``"digits"``; a config names it by class."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown datamodule {name!r}; datamodules are: {', '.join(list_datamodules())}")
+    return _REGISTRY[name]
+
+
 def create_datamodule(name: str, **kwargs: Any) -> RankDataModule:
     """Create the datamodule registered as ``name`` with the class's keyword arguments.
 
@@ -39,9 +46,7 @@ def create_datamodule(name: str, **kwargs: Any) -> RankDataModule:
         dm = create_datamodule("digits", batch_size=64, flatten=True)
         dm.num_classes, dm.input_shape  # (10, (64,))
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown datamodule {name!r}; datamodules are: {', '.join(list_datamodules())}")
-    return _REGISTRY[name](**kwargs)
+    return get_datamodule_class(name)(**kwargs)
 
 
 def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) -> tuple[np.ndarray, ...]:

@@ -84,6 +84,7 @@ class ActivationSpectrumResult:
         num_spectrum_samples: rows behind the spectra: ``num_samples`` for ``gram`` and ``sketch``, the subsample size
             for ``sample_gram``.
         num_nonfinite_batches: batches that held NaN or Inf; when positive, every metric is NaN.
+        class_counts: ``(num_classes,)`` int64 rows per class over every process; ``None`` without ``num_classes``.
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class ActivationSpectrumResult:
         num_features: int,
         num_spectrum_samples: int,
         num_nonfinite_batches: int,
+        class_counts: Tensor | None = None,
     ) -> None:
         self.uncentered = uncentered
         self.centered = centered
@@ -114,6 +116,7 @@ class ActivationSpectrumResult:
         self.num_features = num_features
         self.num_spectrum_samples = num_spectrum_samples
         self.num_nonfinite_batches = num_nonfinite_batches
+        self.class_counts = class_counts
 
     def scalars(
         self, metrics: Sequence[str] = ACTIVATION_METRICS, *, centered: bool = False, per_class: bool = False
@@ -582,4 +585,5 @@ class ActivationSpectrum(Metric):
             num_features=self._num_features or 0,
             num_spectrum_samples=estimate.num_spectrum_samples,
             num_nonfinite_batches=int(self.num_nonfinite_batches),
+            class_counts=self.class_counts.clone() if self.num_classes else None,
         )

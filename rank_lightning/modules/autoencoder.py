@@ -103,7 +103,8 @@ class AutoEncoder(RankModule):
         x = batch[0]
         loss = F.mse_loss(self(x), x)
         on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=not on_step)
+        # Reduced over processes in every stage: the epoch value is then the mean over all samples, not rank 0's.
+        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=True)
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

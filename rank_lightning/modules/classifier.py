@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
+from rank_lightning.layers import FeatureLayer, eval_mode, forward_hooks
 from rank_lightning.models import create_model, get_model_factory
 from rank_lightning.modules.base import RankModule
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
@@ -99,16 +100,13 @@ class ImageClassifier(RankModule):
         if path not in names:
             raise ValueError(f"unknown lr_layers position {before!r}; positions are: head, {', '.join(names)}")
         widths: list[int] = []
-        handle = self.backbone.get_submodule(path).register_forward_pre_hook(
-            lambda module, args: widths.append(args[0][0].numel())
-        )
-        was_training = self.backbone.training
-        try:
-            with torch.no_grad():
-                self.backbone.eval()(torch.zeros(2, *self.input_shape))
-        finally:
-            handle.remove()
-            self.backbone.train(was_training)
+        layer = FeatureLayer(path, path, "input")
+        with (
+            torch.no_grad(),
+            eval_mode(self.backbone),
+            forward_hooks(self.backbone, [layer], lambda _, x: widths.append(x[0].numel())),
+        ):
+            self.backbone(torch.zeros(2, *self.input_shape))
         insert_lr_layer(self.backbone, path, LRLayer(widths[0], **spec))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +119,8 @@ class ImageClassifier(RankModule):
         accuracy = getattr(self, f"{stage}_acc")
         accuracy(logits, y)
         on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=not on_step)
+        # Reduced over processes in every stage: the epoch value is then the mean over all samples, not rank 0's.
+        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
@@ -130,7 +129,7 @@ class ImageClassifier(RankModule):
         if self.hparams.lr_layers:
             # Sanyal et al. eq. 4: the LR-Layers' reconstruction and norm losses join the task loss.
             aux = collect_auxiliary_losses(self.backbone)
-            self.log("train/lr_layer_loss", aux, on_step=False, on_epoch=True)
+            self.log("train/lr_layer_loss", aux, on_step=False, on_epoch=True, sync_dist=True)
             loss = loss + aux
         return loss
 

@@ -1,7 +1,9 @@
 import csv
+import io
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -107,7 +109,8 @@ def test_runs_without_csv_are_read_from_the_curve_file(tmp_path):
     assert run.layers == {"weight": DEPTH_ORDER}
     assert run.metrics("weight") == METRICS
     history = monitor.curves.history
-    assert run.curves["weight"]["m_mid"]["stable_rank"] == {e: history[e]["m_mid"]["stable_rank"] for e in (0, 1)}
+    # The untrained weights (epoch -1) and the two trained epochs.
+    assert run.curves["weight"]["m_mid"]["stable_rank"] == {e: history[e]["m_mid"]["stable_rank"] for e in (-1, 0, 1)}
     assert run.final == {}
 
 
@@ -166,3 +169,62 @@ def test_command_line_on_a_real_run(sweep, tmp_path):
     assert "1 run(s): version_0" in result.stdout
     assert len(_read(tmp_path / "summary.csv")) == len(DEPTH_ORDER)
     assert (tmp_path / "weight_stable_rank_vs_depth.png").stat().st_size > 1000
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _one_run(root: Path, metrics: Sequence[str] = ("numerical_rank",)) -> Path:
+    rows = [{"epoch": e, "step": e, **{f"weight/fc/{m}": 3 - e for m in metrics}} for e in (0, 1)]
+    _write_csv(root / "version_0", rows)
+    return root / "version_0"
+
+
+def test_a_second_report_never_overwrites_the_first(tmp_path, capsys):
+    run, out = _one_run(tmp_path / "logs"), tmp_path / "report"
+    assert main([str(run), "--out", str(out)]) == 0
+    first = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert set(first) == {
+        "summary.csv",
+        "summary.md",
+        "weight_numerical_rank_vs_epoch.png",
+        "weight_numerical_rank_vs_depth.png",
+    }
+    capsys.readouterr()
+
+    assert main([str(run), "--out", str(out)]) == 0
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == first
+    assert {path.name for path in (out / "run_2").iterdir()} == set(first)
+    assert f"written to {out / 'run_2'}" in capsys.readouterr().out
+
+
+def test_summary_of_what_was_written_fits_one_screen(tmp_path, capsys):
+    metrics = ("numerical_rank", "stable_rank", "soft_rank")
+    run, out = _one_run(tmp_path / "logs", metrics), tmp_path / "report"
+    assert main([str(run), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 8
+    text = "\n".join(lines)
+    assert "1 run(s): version_0" in text
+    assert f"written to {out}" in text
+    assert "6 figures" in text and "weight_numerical_rank_vs_epoch.png" in text
+    assert "summary.csv, summary.md" in text
+    assert (out / "weight_soft_rank_vs_depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("terminal", "quiet", "shown"),
+    [(True, False, True), (True, True, False), (False, False, False)],
+    ids=["terminal", "quiet", "pipe"],
+)
+def test_progress_only_on_a_terminal_unless_quiet(tmp_path, monkeypatch, terminal, quiet, shown):
+    run = _one_run(tmp_path / "logs")
+    stdout = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main([str(run), "--out", str(tmp_path / "report"), *(["--quiet"] if quiet else [])]) == 0
+    text = stdout.getvalue()
+    assert ("reading runs" in text) is shown
+    assert ("drawing figures" in text) is shown
+    assert "1 run(s): version_0" in text

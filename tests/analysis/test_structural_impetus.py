@@ -1,7 +1,19 @@
+import csv
+import io
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from rank_lightning.analysis.structural_impetus import COMPONENTS, build_component, main, structural_impetus
+from rank_lightning.analysis.structural_impetus import (
+    COMPONENT_LABELS,
+    COMPONENTS,
+    build_component,
+    main,
+    structural_impetus,
+    structural_impetus_figure,
+)
 
 CHANNELS, SIZE, GROUPS = 4, 4, 2
 DIM = CHANNELS * SIZE * SIZE
@@ -61,3 +73,87 @@ def test_command_line_prints_a_markdown_table(capsys):
     assert "| relu |" in out
     with pytest.raises(SystemExit):
         main(["--channels", "4", "--size", "4", "--samples", "10"])
+
+
+SMALL = ["--channels", "4", "--size", "4", "--samples", "64", "--groups", "2", "--heads", "2"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+COUNTS = ["feature_rank_before", "feature_rank_after", "jacobian_rank_before", "jacobian_rank_after"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_out_writes_the_figure_the_plotted_numbers_and_the_table(tmp_path, capsys):
+    out = tmp_path / "fig3"
+    rows = main([*SMALL, "--components", "layernorm", "relu", "--out", str(out)])
+    stdout = capsys.readouterr().out
+
+    assert (out / "structural_impetus.png").read_bytes()[:8] == PNG_SIGNATURE
+    records = _read_csv(out / "structural_impetus.csv")
+    assert [(r["component"], r["label"]) for r in records] == [("layernorm", "LN"), ("relu", "ReLU")]
+    for row, record in zip(rows, records, strict=True):
+        assert {key: int(record[key]) for key in COUNTS} == {key: getattr(row, key) for key in COUNTS}
+        assert int(record["dim_before"]) == int(record["dim_after"]) == DIM
+        assert int(record["feature_rank_lost"]) == row.feature_rank_before - row.feature_rank_after
+        assert int(record["jacobian_rank_lost"]) == row.jacobian_rank_before - row.jacobian_rank_after
+    table = (out / "structural_impetus.md").read_text()
+    assert "| layernorm | 64 | 64 | 63 | 1 | 64 | 63 | 1 |" in table
+    assert "N = 64 samples" in table
+    # The summary names the folder and every file in it.
+    for name in ("structural_impetus.png", "structural_impetus.csv", "structural_impetus.md"):
+        assert name in stdout
+    assert str(out) in stdout
+
+
+def test_the_figure_draws_the_numbers_of_the_csv(rows):
+    measured = list(rows.values())
+    figure = structural_impetus_figure(measured, caption="N = 128")
+    features, jacobians = figure.axes
+    for axes, kind in ((features, "feature"), (jacobians, "jacobian")):
+        before, after = axes.containers
+        assert [bar.get_height() for bar in before] == [getattr(r, f"{kind}_rank_before") for r in measured]
+        assert [bar.get_height() for bar in after] == [getattr(r, f"{kind}_rank_after") for r in measured]
+        assert [t.get_text() for t in axes.get_xticklabels()] == [COMPONENT_LABELS[r.component] for r in measured]
+    (legend,) = figure.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        f"FC width d = {DIM}",
+        "before: Gaussian input → FC",
+        "after: Gaussian input → FC → component",
+    ]
+    assert features.get_title() == "(a) PCA dimension of the feature space"
+    assert jacobians.get_title() == "(b) Rank of the Jacobian matrix"
+    assert features.get_ylabel() == "feature dimension (numerical rank)"
+    assert jacobians.get_ylabel() == "rank of the Jacobian"
+    assert figure.texts[-1].get_text() == "N = 128"
+
+
+def test_a_second_run_never_overwrites_the_first(tmp_path, capsys):
+    out = tmp_path / "fig3"
+    main([*SMALL, "--components", "relu", "--out", str(out)])
+    first = {path.name: path.read_bytes() for path in out.iterdir()}
+    main([*SMALL, "--components", "gelu", "--out", str(out)])
+
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == first
+    assert [r["component"] for r in _read_csv(out / "run_2" / "structural_impetus.csv")] == ["gelu"]
+    assert str(out / "run_2") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("terminal", "quiet", "shown"),
+    [(True, False, True), (True, True, False), (False, False, False)],
+    ids=["terminal", "quiet", "pipe"],
+)
+def test_progress_only_on_a_terminal_unless_quiet(monkeypatch, terminal, quiet, shown):
+    stdout = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    main([*SMALL, "--components", "relu", *(["--quiet"] if quiet else [])])
+    text = stdout.getvalue()
+    assert ("measuring components" in text) is shown
+    assert "| relu |" in text

@@ -27,6 +27,7 @@ from rank_lightning.functional import (
     variance_ratio,
 )
 from rank_lightning.layers import default_layers
+from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import quiet_trainer
 from tests.callbacks.wandb_helpers import offline_run_history
 
@@ -166,7 +167,7 @@ def test_logged_values_equal_the_functional_metrics(tmp_path, conv_reduction, to
     _assert_close({k: float(v) for k, v in row.items() if k.startswith("rank/")}, expected)
     # The history holds the same values (in float64: the tiny singular values of a rank-deficient layer that the Gram
     # gives, ~1e-8 s_1 instead of the SVD's, still move the effective rank by ~1e-7).
-    history = monitor.curves.history[0]
+    history = monitor.curves.history[-1]  # validate() of an untrained model records the initial point
     _assert_close({f"rank/{layer}/{m}": v for layer, ms in history.items() for m, v in ms.items()}, expected)
 
 
@@ -224,7 +225,7 @@ def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, callbac
     assert "no class metrics (num_classes unknown): net.1, net.3" in printed
     assert "WeightRankMonitor: monitoring 3 weight matrices: net.0, net.2, net.4" in printed
     assert monitor.monitored == {"net.1": "net.1", "net.3": "net.3"}
-    assert monitor.curves.epochs == [0, 1]
+    assert monitor.curves.epochs == [-1, 0, 1]  # -1: the untrained model
 
     outputs, _ = _collect(model, ["net.1", "net.3"], _loader(x, y))
     for layer, output in outputs.items():
@@ -239,7 +240,7 @@ def test_a_plain_module_gets_default_layers_curves_and_figures(tmp_path, callbac
         assert (directory / figure).read_bytes()[:8] == PNG_MAGIC
     curves = json.loads((directory / "rank_curves.json").read_text())
     assert curves["layers"] == ["net.1", "net.3"]
-    assert sorted(curves["history"]) == ["0", "1"]
+    assert sorted(curves["history"], key=int) == ["-1", "0", "1"]
 
 
 def test_default_layer_choice_for_foreign_networks():
@@ -257,11 +258,12 @@ def test_default_layer_choice_for_foreign_networks():
     resnet.model.fc = nn.Linear(4, 2)
     assert list(default_layers(resnet)) == ["model.layer1", "model.layer2"]
 
-    # VGG-like: features and classifier containers; the classifier holds the head.
+    # VGG-like: the hidden activations of features and classifier (the classifier holds the head), not the one
+    # features container, which gave rank vs depth a single point.
     vgg = nn.Sequential()
     vgg.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     vgg.classifier = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    assert list(default_layers(vgg)) == ["features"]
+    assert list(default_layers(vgg)) == ["features.1", "classifier.1"]
 
     # No activation modules (functional relu): the parameterised children except the head.
     linear = nn.Module()
@@ -294,17 +296,17 @@ def test_resuming_from_a_checkpoint_continues_the_curves(tmp_path):
         tmp_path, [first, checkpoint], max_epochs=2, enable_checkpointing=True, logger=CSVLogger(tmp_path, version=0)
     )
     trainer.fit(_PlainModel(), _loader(x, y), _loader(x, y))
-    assert first.curves.epochs == [0, 1]
+    assert first.curves.epochs == [-1, 0, 1]
 
     second = ActivationRankMonitor(**options)
     logger = CSVLogger(tmp_path, version=1)
     resumed = _trainer(tmp_path, [second], max_epochs=4, logger=logger)
     resumed.fit(_PlainModel(), _loader(x, y), _loader(x, y), ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
 
-    assert second.curves.epochs == [0, 1, 2, 3]
-    assert {e: second.curves.history[e] for e in (0, 1)} == first.curves.history
+    assert second.curves.epochs == [-1, 0, 1, 2, 3]  # a resumed run measures no second initial point
+    assert {e: second.curves.history[e] for e in (-1, 0, 1)} == first.curves.history
     curves = json.loads((Path(logger.log_dir) / FIGURE_DIR / "rank_curves.json").read_text())
-    assert sorted(curves["history"], key=int) == ["0", "1", "2", "3"]
+    assert sorted(curves["history"], key=int) == ["-1", "0", "1", "2", "3"]
     assert curves["history"]["3"]["net.1"]["numerical_rank"] == second.curves.history[3]["net.1"]["numerical_rank"]
     # The resumed run logged only its own epochs.
     logged = [int(r["epoch"]) for r in _csv_rows(logger.log_dir) if r.get("rank/net.1/numerical_rank")]
@@ -359,7 +361,7 @@ def test_nan_activations_are_logged_as_nan_with_a_warning_and_training_goes_on(t
     with pytest.warns(RuntimeWarning, match="layer 'poison' gave NaN or Inf activations in 2 batch\\(es\\) at epoch 1"):
         trainer.fit(_PoisonedModel(poison_epoch=1), _loader(x, y), _loader(x, y))
 
-    assert monitor.curves.epochs == [0, 1, 2]
+    assert monitor.curves.epochs == [-1, 0, 1, 2]
     history = monitor.curves.history
     assert history[1]["poison"].keys() == {"numerical_rank", "variance_ratio_1", "variance_ratio_10", "tcv"}
     assert all(math.isnan(v) for v in history[1]["poison"].values())
@@ -392,10 +394,10 @@ def test_offline_wandb_run_holds_the_rank_keys_and_charts(tmp_path, monkeypatch)
         wandb.finish()
 
     history = offline_run_history(tmp_path)
-    for epoch in (0, 1):
-        for layer, metric in (("conv", "channel/numerical_rank"), ("hidden", "numerical_rank")):
-            logged = [float(v) for v in history[f"rank/{layer}/{metric}"]]
-            assert logged[epoch] == monitor.curves.history[epoch][layer][metric]
+    for layer, metric in (("conv", "channel/numerical_rank"), ("hidden", "numerical_rank")):
+        logged = [float(v) for v in history[f"rank/{layer}/{metric}"]]
+        # The untrained model first (epoch -1), then the two trained epochs.
+        assert logged == [monitor.curves.history[epoch][layer][metric] for epoch in (-1, 0, 1)]
     for metric in ("numerical_rank", "channel/numerical_rank"):
         for chart in ("vs_epoch", "vs_depth"):
             assert json.loads(history[f"rank_curves/{metric}_{chart}_table/_type"][-1]) == "table-file"
@@ -498,7 +500,9 @@ def test_max_samples_caps_the_inputs_per_epoch(tmp_path):
     (results,) = trainer.validate(model, _loader(x, y, batch_size=16), verbose=False)
 
     outputs, labels = _collect(model, ["wide"], _loader(x, y))
-    capped = _reference(outputs["wide"][:50], labels[:50], num_classes=4)
+    # 50 rows spread over the six batches of 16: 9, 9, 8, 8, 8, 8 first rows of each.
+    rows = torch.cat([torch.arange(16 * b, 16 * b + take) for b, take in enumerate([9, 9, 8, 8, 8, 8])])
+    capped = _reference(outputs["wide"][rows], labels[rows], num_classes=4)
     assert capped["numerical_rank"] == 50
     assert _reference(outputs["wide"], labels, num_classes=4)["numerical_rank"] == 64
     _assert_close({k.removeprefix("rank/wide/"): v for k, v in results.items() if k.startswith("rank/")}, capped)
@@ -533,7 +537,7 @@ def test_every_n_epochs_and_hooks_exist_only_while_an_epoch_is_monitored(tmp_pat
     trainer = _trainer(tmp_path, [monitor, probe], max_epochs=4, num_sanity_val_steps=1)
     trainer.fit(model, _loader(x, y), _loader(x, y))
 
-    assert monitor.curves.epochs == [1, 3]
+    assert monitor.curves.epochs == [-1, 1, 3]
     assert probe.val[0] == (0, True, 0)  # sanity check: not monitored
     assert [(epoch, hooks) for epoch, sanity, hooks in probe.val[1:]] == [
         (epoch, 2 if epoch % 2 else 0) for epoch in range(4) for _ in range(2)
@@ -590,7 +594,8 @@ def test_sequence_first_token_layers_are_read_batch_first(tmp_path):
     monitor = ActivationRankMonitor(layers=["encoder"], max_samples=6, metrics=["participation_ratio"], verbose=False)
     (results,) = _trainer(tmp_path, [monitor]).validate(model, _loader(x, torch.zeros(24), batch_size=4), verbose=False)
     with torch.no_grad():
-        tokens = model.eval()(x).transpose(0, 1)[:6].reshape(-1, 8).double().numpy()  # the first six sequences
+        # Six sequences spread over the six batches of four: the first of each.
+        tokens = model.eval()(x).transpose(0, 1)[::4].reshape(-1, 8).double().numpy()
     s2 = np.linalg.svd(tokens, compute_uv=False) ** 2
     expected = s2.sum() ** 2 / (s2**2).sum()
     assert results["rank/encoder/token/participation_ratio"] == pytest.approx(expected, rel=2e-6)
@@ -630,3 +635,192 @@ def test_labels_are_found_in_dict_batches(tmp_path, options, num_classes, relabe
     expected = _reference(outputs["wide"], relabel(labels), num_classes=num_classes)
     assert results["rank/wide/tcv"] == pytest.approx(expected["tcv"], rel=2e-6)
     assert results["rank/wide/tcv_normalized"] == pytest.approx(expected["tcv_normalized"], rel=2e-6)
+
+
+# -- 9. token layout, spread sampling, uncalled layers, labels, initial point -----------------------------------------
+
+
+class _Tokens(pl.LightningModule):
+    """A module whose (B, T, D) inputs reach the monitored layer as (T, B, D)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.transpose(0, 1))
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+
+class _SequenceFirstLinear(nn.Module):
+    """A plain linear map on (T, B, D) tokens: nothing in it declares a layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _token_reference(model: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        tokens = model.eval()(x).transpose(0, 1).reshape(-1, 8).double()
+    return float(participation_ratio(tokens))
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["batch_first_flag", "token_layout_argument"])
+def test_sequence_first_tokens_are_read_right_when_the_sequence_is_as_long_as_the_batch(tmp_path, declared):
+    torch.manual_seed(0)
+    if declared:
+        inner = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)  # batch_first=False
+        options = {}
+    else:
+        inner = _SequenceFirstLinear()
+        options = {"token_layout": "sequence_first"}
+    model = _Tokens(inner)
+    x = torch.randn(12, 4, 8)  # 12 sequences of 4 tokens, batches of 4: T == B in every batch
+    monitor = ActivationRankMonitor(
+        layers=["inner"], max_samples=None, metrics=["participation_ratio"], verbose=False, **options
+    )
+    (results,) = _trainer(tmp_path, [monitor]).validate(model, _loader(x, torch.zeros(12), batch_size=4), verbose=False)
+    assert results["rank/inner/token/participation_ratio"] == pytest.approx(_token_reference(model, x), rel=2e-6)
+
+
+def test_a_token_layout_the_shapes_cannot_tell_is_never_guessed(tmp_path):
+    torch.manual_seed(0)
+    model = _Tokens(_SequenceFirstLinear())
+    x = torch.randn(8, 4, 8)
+    monitor = ActivationRankMonitor(layers=["inner"], max_samples=None, metrics=["participation_ratio"], verbose=False)
+    with pytest.warns(UserWarning, match=r"layer 'inner' gives \(4, 4, 8\) with the batch size 4 in both leading"):
+        (results,) = _trainer(tmp_path, [monitor]).validate(
+            model, _loader(x, torch.zeros(8), batch_size=4), verbose=False
+        )
+    assert not [key for key in results if key.startswith("rank/")]
+
+
+def _class_sorted(n_per_class: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, _ = _gaussian(n_per_class * classes, WIDE_INPUT, seed=seed)
+    y = torch.arange(classes).repeat_interleave(n_per_class)
+    return x + 3.0 * y[:, None].float(), y
+
+
+def test_max_samples_spreads_over_a_class_sorted_loader(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide()
+    x, y = _class_sorted(16, 4, seed=11)  # 64 rows sorted by class, 8 batches of 8
+    monitor = ActivationRankMonitor(layers=["wide"], max_samples=16, num_classes=4, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (results,) = _trainer(tmp_path, [monitor]).validate(model, _loader(x, y, batch_size=8), verbose=False)
+    assert not [w for w in caught if "ActivationRankMonitor" in str(w.message)]  # no class is missing
+    outputs, labels = _collect(model, ["wide"], _loader(x, y))
+    rows = torch.cat([torch.arange(8 * b, 8 * b + 2) for b in range(8)])  # two rows of each batch
+    assert sorted(set(labels[rows].tolist())) == [0, 1, 2, 3]
+    expected = _reference(outputs["wide"][rows], labels[rows], num_classes=4)
+    _assert_close({k.removeprefix("rank/wide/"): v for k, v in results.items() if k.startswith("rank/")}, expected)
+
+
+def test_classes_missing_from_the_measured_rows_are_named(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide()
+    x, y = _class_sorted(16, 4, seed=12)
+    monitor = ActivationRankMonitor(layers=["wide"], max_samples=2, num_classes=4, verbose=False)
+    with pytest.warns(UserWarning, match=r"layer 'wide' saw no rows of classes \[1, 2, 3\] among the 2 measured"):
+        _trainer(tmp_path, [monitor]).validate(model, _loader(x, y, batch_size=8), verbose=False)
+
+
+class _Blocks(_Wide):
+    """``wide`` again, and two blocks in a ModuleList that the forward pass calls one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64)])
+
+    def forward(self, x):
+        h = self.wide(x)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h)
+
+
+def test_a_chosen_layer_that_is_never_called_is_named_in_a_warning(tmp_path):
+    torch.manual_seed(0)
+    x, y = _gaussian(16, WIDE_INPUT, seed=13)
+    monitor = ActivationRankMonitor(layers=["blocks", "blocks.1"], metrics=["numerical_rank"], verbose=False)
+    with pytest.warns(UserWarning, match=r"layer 'blocks' \(blocks\) was not called in the forward pass"):
+        (results,) = _trainer(tmp_path, [monitor]).validate(_Blocks(), _loader(x, y), verbose=False)
+    assert [key for key in results if key.startswith("rank/")] == ["rank/blocks.1/numerical_rank"]
+
+
+class _DictWide(_Wide):
+    def validation_step(self, batch, batch_idx):
+        self(batch["x"])
+
+
+class _Dicts(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "cls": self.y[i]}
+
+
+def test_labels_that_cannot_be_found_are_reported(tmp_path):
+    torch.manual_seed(0)
+    x, y = _gaussian(16, WIDE_INPUT, seed=14)
+    loader = torch.utils.data.DataLoader(_Dicts(x, y), batch_size=8)
+    quiet = ActivationRankMonitor(layers=["wide"], num_classes=4, verbose=False)
+    with pytest.warns(UserWarning, match=r"num_classes=4 but no class labels at .*'y', 'label'.*keys \['x', 'cls'\]"):
+        (results,) = _trainer(tmp_path, [quiet]).validate(_DictWide(), loader, verbose=False)
+    assert "rank/wide/tcv" not in results and "rank/wide/numerical_rank" in results
+    explicit = ActivationRankMonitor(layers=["wide"], num_classes=4, label_key="label", verbose=False)
+    with pytest.raises(ValueError, match="'label'"):
+        _trainer(tmp_path, [explicit]).validate(_DictWide(), loader, verbose=False)
+    found = ActivationRankMonitor(layers=["wide"], num_classes=4, label_key="cls", verbose=False)
+    (results,) = _trainer(tmp_path, [found]).validate(_DictWide(), loader, verbose=False)
+    assert "rank/wide/tcv" in results
+
+
+def test_the_untrained_model_is_the_first_point_of_the_curves(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide(lr=0.05)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x, y = _gaussian(32, WIDE_INPUT, seed=15, classes=4)
+    activations = ActivationRankMonitor(layers=["wide"], metrics=["participation_ratio"], verbose=False)
+    weights = WeightRankMonitor(layers=["wide"], metrics=["stable_rank"], verbose=False)
+    recorder = RecordingLogger()
+    _trainer(tmp_path, [activations, weights], max_epochs=2, logger=recorder).fit(model, _loader(x, y), _loader(x, y))
+    assert activations.curves.epochs == weights.curves.epochs == [-1, 0, 1]
+
+    untrained = _Wide()
+    untrained.load_state_dict(initial)
+    outputs, _ = _collect(untrained, ["wide"], _loader(x, y))
+    initial_r = float(participation_ratio(outputs["wide"]))
+    assert activations.curves.history[-1]["wide"]["participation_ratio"] == pytest.approx(initial_r, rel=1e-9)
+    assert weights.curves.history[-1]["wide"]["stable_rank"] == pytest.approx(
+        float(stable_rank(initial["wide.weight"])), rel=1e-9
+    )
+    sent = [metrics for step, metrics in recorder.calls if metrics.get("epoch") == -1]
+    assert any("rank/wide/participation_ratio" in m for m in sent) and any("weight/wide/stable_rank" in m for m in sent)
+    trained_r = activations.curves.history[1]["wide"]["participation_ratio"]
+    assert trained_r != pytest.approx(initial_r, rel=1e-6)
+
+
+def test_a_validation_before_fit_is_the_initial_point_and_is_kept(tmp_path):
+    torch.manual_seed(0)
+    x, y = _gaussian(32, WIDE_INPUT, seed=16)
+    monitor = ActivationRankMonitor(layers=["wide"], metrics=["participation_ratio"], verbose=False)
+    trainer = _trainer(tmp_path, [monitor], max_epochs=1)
+    model = _Wide(lr=0.05)
+    (before,) = trainer.validate(model, _loader(x, y), verbose=False)
+    trainer.fit(model, _loader(x, y), _loader(x, y))
+    assert monitor.curves.epochs == [-1, 0]
+    initial = monitor.curves.history[-1]["wide"]["participation_ratio"]
+    assert before["rank/wide/participation_ratio"] == pytest.approx(initial, rel=1e-6)
+    assert monitor.curves.history[0]["wide"]["participation_ratio"] != pytest.approx(initial, rel=1e-6)

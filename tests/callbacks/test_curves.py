@@ -2,19 +2,24 @@ import csv
 import json
 import math
 import threading
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from torch import nn
 
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks import curves as curves_module
 from rank_lightning.callbacks.curves import (
     FIGURE_DIR,
+    INITIAL_EPOCH,
     LayerCurves,
+    log_rank_equal,
     read_curve_file,
     run_directory,
     wandb_loggers,
@@ -65,7 +70,7 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def _trainer(tmp_path: Path, callback: pl.Callback, **kwargs) -> pl.Trainer:
+def _trainer(tmp_path: Path, *callbacks: pl.Callback, **kwargs) -> pl.Trainer:
     options = dict(
         max_epochs=2,
         default_root_dir=tmp_path,
@@ -73,7 +78,7 @@ def _trainer(tmp_path: Path, callback: pl.Callback, **kwargs) -> pl.Trainer:
         enable_model_summary=False,
         num_sanity_val_steps=1,
         enable_checkpointing=False,
-        callbacks=[callback],
+        callbacks=list(callbacks),
     )
     options.update(kwargs)
     return pl.Trainer(**options)
@@ -287,3 +292,338 @@ def test_wandb_loggers_of_both_lightning_packages_are_found(tmp_path):
 def test_max_depth_curves_is_validated(bad):
     with pytest.raises(ValueError, match="max_depth_curves"):
         LayerCurves("rank", max_depth_curves=bad)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_gives_no_sync_dist_advice_for_values_equal_on_every_rank(tmp_path):
+    from tests.callbacks.curves_ddp_helpers import ADVICE, fit_and_validate
+
+    caught = fit_and_validate(tmp_path)
+    assert set(caught) == {f"{stage}_rank{rank}" for stage in ("fit", "validate") for rank in (0, 1)}
+    advice = [text for texts in caught.values() for text in texts if text.startswith(ADVICE)]
+    # The model's own unreduced key is still advised about (so the warnings were recorded); none of the callbacks'.
+    assert any("'val/probe'" in text for text in advice)
+    assert [text for text in advice if "'val/probe'" not in text] == []
+
+
+def _advice(key: str) -> str:
+    """Lightning's advice, word for word, for an unreduced epoch-level key in a distributed run."""
+    return (
+        f"It is recommended to use `self.log({key!r}, ..., sync_dist=True)` when logging on epoch level in "
+        "distributed setting to accumulate the metric across devices."
+    )
+
+
+def test_log_rank_equal_logs_unreduced_and_silences_the_advice_for_its_keys_only():
+    calls = []
+    module = SimpleNamespace(log_dict=lambda scalars, **options: calls.append((scalars, options)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log_rank_equal(module, {"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)})
+        log_rank_equal(module, {})
+        for key in ("rank/a/m", "rank/b/m", "rank/a/m/dataloader_idx_1", "val/loss", "rank/a/mx", "x/rank/a/m"):
+            warnings.warn(_advice(key), UserWarning, stacklevel=1)
+    assert calls == [
+        ({"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)}, dict(on_step=False, on_epoch=True, sync_dist=False))
+    ]
+    assert [str(w.message) for w in caught] == [_advice(k) for k in ("val/loss", "rank/a/mx", "x/rank/a/m")]
+
+
+def test_log_rank_equal_keeps_one_filter_however_many_calls():
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    with warnings.catch_warnings():
+        before = len(warnings.filters)
+        for epoch in range(5):
+            log_rank_equal(module, {"rank/a/m": 1.0, f"rank/a/epoch_{epoch % 2}": 2.0})
+        assert len(warnings.filters) == before + 1
+        assert warnings.filters[0][0] == "ignore"
+
+
+class _EveryOtherEpoch(pl.Callback):
+    """Logs ``test/first/m`` in every second epoch (1, 3, 5, ...), as a monitor with ``every_n_epochs=2`` would."""
+
+    def __init__(self, values: dict[int, float]) -> None:
+        self.curves = LayerCurves("test", wandb_charts=False)
+        self.values = values
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.curves.clear_stale_metrics(trainer)
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and (trainer.current_epoch + 1) % 2 == 0:
+            self.curves.record_and_log(trainer, pl_module, {"first": {"m": self.values[trainer.current_epoch]}})
+
+
+def _rank_keyed_tools(tmp_path: Path, key: str) -> tuple[EarlyStopping, ModelCheckpoint]:
+    """EarlyStopping and ModelCheckpoint on a rank key, configured as the README says."""
+    stopping = EarlyStopping(monitor=key, mode="max", patience=2, strict=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints",
+        monitor=key,
+        mode="max",
+        every_n_epochs=2,
+        save_top_k=-1,
+        filename=f"epoch={{epoch}}-rank={{{key}:.1f}}",
+        auto_insert_metric_name=False,
+    )
+    return stopping, checkpoints
+
+
+def test_early_stopping_on_a_key_logged_every_other_epoch_counts_measured_epochs_only(tmp_path):
+    # Best at epoch 3, no improvement at 5 and 7: patience 2 runs out at epoch 7. A stale value repeated in the epochs
+    # between would count as no improvement at epoch 4 and stop the fit at epoch 5.
+    callback = _EveryOtherEpoch({1: 1.0, 3: 2.0, 5: 2.0, 7: 2.0, 9: 3.0, 11: 3.0})
+    stopping, checkpoints = _rank_keyed_tools(tmp_path, "test/first/m")
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(
+        tmp_path, callback, stopping, checkpoints, max_epochs=12, logger=logger, enable_checkpointing=True
+    )
+    trainer.fit(_Net(), _loader(), _loader())
+
+    assert stopping.stopped_epoch == 7
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "epoch=1-rank=1.0.ckpt",
+        "epoch=3-rank=2.0.ckpt",
+        "epoch=5-rank=2.0.ckpt",
+        "epoch=7-rank=2.0.ckpt",
+    ]
+    # metrics.csv holds the measurements, not repeated copies of them.
+    rows = _read_csv(Path(logger.log_dir) / "metrics.csv")
+    assert [(int(r["epoch"]), float(r["test/first/m"])) for r in rows if r["test/first/m"]] == [
+        (1, 1.0),
+        (3, 2.0),
+        (5, 2.0),
+        (7, 2.0),
+    ]
+
+
+class _FrozenMLP(pl.LightningModule):
+    """An MLP that never changes (learning rate 0): its ranks are the same in every epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.fc(x)))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(
+    ("monitor", "key"),
+    [
+        (lambda: ActivationRankMonitor(layers=["act"], every_n_epochs=2, verbose=False), "rank/act/numerical_rank"),
+        (lambda: WeightRankMonitor(layers=["fc"], every_n_epochs=2, verbose=False), "weight/fc/numerical_rank"),
+    ],
+    ids=["activations", "weights"],
+)
+def test_rank_monitors_drive_early_stopping_and_checkpoint_names_every_other_epoch(tmp_path, monitor, key):
+    # The rank never changes: measured in epochs 1, 3, 5, it improves once (epoch 1), then patience 2 runs out at
+    # epoch 5. Without a value, epochs 0, 2 and 4 are skipped (strict=False) rather than raising or counting.
+    stopping, checkpoints = _rank_keyed_tools(tmp_path, key)
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(
+        tmp_path, monitor(), stopping, checkpoints, max_epochs=10, logger=logger, enable_checkpointing=True
+    )
+    trainer.fit(_FrozenMLP(), _loader(), _loader())
+
+    assert stopping.stopped_epoch == 5
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert [name.split("-rank=")[0] for name in names] == ["epoch=1", "epoch=3", "epoch=5"]
+    assert all(p.is_file() for p in (tmp_path / "checkpoints").iterdir())  # no folders made of the key's "/"
+    rows = _read_csv(Path(logger.log_dir) / "metrics.csv")
+    assert sorted({int(r["epoch"]) for r in rows if r[key]} - {INITIAL_EPOCH}) == [1, 3, 5]
+
+
+class _Offset(_EpochCurves):
+    """``_EpochCurves`` with every value shifted by ``offset``, to tell two runs of the same epochs apart."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.offset = offset
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.calls += 1
+        epoch = trainer.current_epoch
+        self.curves.record_and_log(trainer, pl_module, {"z_first": {"m": self.offset + epoch}})
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_fit_resumed_from_an_older_checkpoint_reports_the_rewind_and_keeps_the_old_values(tmp_path):
+    first = _Offset(100.0)
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    _trainer(tmp_path, first, saving, max_epochs=4, logger=False, enable_checkpointing=True).fit(
+        _Net(), _loader(), _loader()
+    )
+    curve_file = tmp_path / FIGURE_DIR / "test_curves.json"
+    assert sorted(read_curve_file(curve_file)["history"]) == [0, 1, 2, 3]
+
+    # Resumed after epoch 1 into the same run directory: epochs 2 and 3 are trained again.
+    resumed = _Offset(200.0)
+    with pytest.warns(UserWarning, match=r"resumed at epoch 2 .* epochs 2-3 are trained again") as caught:
+        _trainer(tmp_path, resumed, max_epochs=4, logger=False).fit(
+            _Net(), _loader(), _loader(), ckpt_path=tmp_path / "ckpt" / "epoch=1.ckpt"
+        )
+    [rewind] = [str(w.message) for w in caught if "LayerCurves" in str(w.message)]
+    assert str(curve_file) in rewind
+    content = read_curve_file(curve_file)
+    assert {e: v["z_first"]["m"] for e, v in content["history"].items()} == {0: 100.0, 1: 101.0, 2: 202.0, 3: 203.0}
+    [block] = content["superseded"]
+    assert block["resumed_at"] == 2
+    assert {e: v["z_first"]["m"] for e, v in block["history"].items()} == {2: 102.0, 3: 103.0}
+    assert resumed.curves.superseded == content["superseded"]
+    assert resumed.curves.state_dict()["superseded"] == content["superseded"]
+
+
+def test_a_resumed_fit_that_continues_where_its_checkpoint_ended_reports_nothing(tmp_path):
+    first = _Offset(100.0)
+    trainer = _trainer(tmp_path, first, max_epochs=2, logger=False)
+    trainer.fit(_Net(), _loader(), _loader())
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed = _Offset(200.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, resumed, max_epochs=3, logger=False).fit(
+            _Net(), _loader(), _loader(), ckpt_path=tmp_path / "last.ckpt"
+        )
+    assert not [w for w in caught if "LayerCurves" in str(w.message)]
+    assert resumed.curves.superseded == []
+    assert "superseded" not in json.loads((tmp_path / FIGURE_DIR / "test_curves.json").read_text())
+
+
+def test_loading_older_curves_into_curves_that_went_further_supersedes_the_later_epochs(tmp_path):
+    curves = LayerCurves("test", wandb_charts=False)
+    for epoch in range(4):
+        curves.record(epoch, {"a": {"m": float(epoch)}})
+    older = LayerCurves("test")
+    older.record(0, {"a": {"m": 0.0}})
+    curves.load_state_dict(older.state_dict())
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        loggers=[],
+        default_root_dir=str(tmp_path),
+        sanity_checking=False,
+        current_epoch=1,
+        state=SimpleNamespace(fn="fit"),
+    )
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    with pytest.warns(UserWarning, match="epochs 1-3 are trained again"):
+        curves.record_and_log(trainer, module, {"a": {"m": 10.0}})
+    assert curves.history == {0: {"a": {"m": 0.0}}, 1: {"a": {"m": 10.0}}}
+    assert curves.superseded == [{"resumed_at": 1, "history": {e: {"a": {"m": float(e)}} for e in (1, 2, 3)}}]
+    trainer.current_epoch = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the check is made once, at the first epoch after loading
+        curves.record_and_log(trainer, module, {"a": {"m": 20.0}})
+
+
+class _WithInitialPoint(_EpochCurves):
+    """``_EpochCurves`` that also measures the untrained model, at the start of training."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.curves.record_initial(trainer, {"z_first": {"m": 5.0}, "a_second": {"m": torch.tensor(6.0)}})
+
+
+def test_the_initial_point_is_recorded_at_epoch_minus_one_and_sent_to_the_loggers(tmp_path):
+    callback = _WithInitialPoint()
+    logger = CSVLogger(tmp_path)
+    _trainer(tmp_path, callback, logger=logger).fit(_Net(), _loader(), _loader())
+
+    assert callback.curves.epochs == [INITIAL_EPOCH, 0, 1]
+    rows = [row for row in _read_csv(Path(logger.log_dir) / "metrics.csv") if row["test/z_first/m"]]
+    assert [(int(r["epoch"]), int(r["step"]), float(r["test/a_second/m"])) for r in rows] == [
+        (-1, 0, 6.0),
+        (0, 1, 20.0),
+        (1, 3, 21.0),
+    ]
+    content = read_curve_file(Path(logger.log_dir) / FIGURE_DIR / "test_curves.json")
+    assert content["history"][INITIAL_EPOCH] == {"z_first": {"m": 5.0}, "a_second": {"m": 6.0}}
+    assert (Path(logger.log_dir) / FIGURE_DIR / "test_m.png").is_file()
+
+
+def test_the_initial_point_reaches_the_loggers_of_rank_zero_only_and_not_the_cadences(tmp_path):
+    class Logger:
+        def __init__(self) -> None:
+            self.log_dir = str(tmp_path)
+            self.calls: list[tuple[dict, int]] = []
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            self.calls.append((metrics, step))
+
+    logger = Logger()
+    trainer = SimpleNamespace(is_global_zero=False, loggers=[logger], default_root_dir=str(tmp_path), global_step=0)
+    curves = LayerCurves("test", figures_every_n_epochs=1)
+    curves.record_initial(trainer, {"first": {"m": 1.0}})
+    assert logger.calls == [] and curves.epochs == [INITIAL_EPOCH]
+    trainer.is_global_zero = True
+    curves.record_initial(trainer, {"first": {"m": 1.0}})
+    assert logger.calls == [({"test/first/m": 1.0, "epoch": INITIAL_EPOCH}, 0)]
+    assert not list((tmp_path / FIGURE_DIR).glob("*.png"))  # the figure cadence counts trained epochs only
+
+
+def test_wandb_chart_cadence_does_not_count_the_initial_point(tmp_path):
+    class WandbLogger:
+        def __init__(self) -> None:
+            self.log_dir = str(tmp_path)
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            if "test_curves/m_vs_epoch" in metrics:
+                self.steps.append(step)
+
+    logger = WandbLogger()
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[logger], sanity_checking=False, global_step=0)
+    curves = LayerCurves("test", wandb_charts_every_n_epochs=3)
+    curves.record_initial(trainer, {"first": {"m": -1.0}})
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    for epoch in range(4):
+        trainer.current_epoch = trainer.global_step = epoch
+        curves.record_and_log(trainer, module, {"first": {"m": float(epoch)}})
+    assert logger.steps == [0, 2]
+
+
+def test_described_facts_caption_the_figures_and_travel_in_state_and_curve_file(tmp_path, monkeypatch):
+    captions = []
+    original = curves_module.layer_curves_figure
+
+    def recording(*args, caption=None, **kwargs):
+        captions.append(caption)
+        return original(*args, caption=caption, **kwargs)
+
+    monkeypatch.setattr(curves_module, "layer_curves_figure", recording)
+    curves = LayerCurves("rank")
+    curves.describe(split="val", samples=512, reduction={"conv maps": "channel"})
+    curves.describe(samples=4096, rank_tolerance=None, tolerance_size="min", dtype=torch.float64)
+    trainer = SimpleNamespace(
+        is_global_zero=True, loggers=[], default_root_dir=str(tmp_path), sanity_checking=False, current_epoch=0
+    )
+    curves.record_and_log(trainer, SimpleNamespace(log_dict=lambda *a, **k: None), {"fc": {"numerical_rank": 3}})
+    curves.write_figures(trainer)
+    assert captions == [
+        "split: validation set · N = 4,096 samples · reduction: channel (conv maps) · "
+        "rank tolerance: float32 eps \u00d7 min(rows, columns) (default) · dtype: torch.float64"
+    ]
+    facts = read_curve_file(tmp_path / FIGURE_DIR / "rank_curves.json")["facts"]
+    assert facts == {
+        "split": "val",
+        "samples": 4096,
+        "reduction": {"conv maps": "channel"},
+        "rank_tolerance": None,
+        "tolerance_size": "min",
+        "dtype": "torch.float64",
+    }
+    restored = LayerCurves("rank")
+    restored.describe(samples=100)  # described at setup, before the checkpoint is loaded: the run's own facts win
+    restored.load_state_dict(curves.state_dict())
+    assert restored.facts == facts | {"samples": 100}

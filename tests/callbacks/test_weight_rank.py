@@ -109,8 +109,9 @@ def test_logged_values_equal_numpy_svd_of_the_trained_weights(tmp_path):
 
     with (Path(logger.log_dir) / "metrics.csv").open(newline="") as file:
         rows = [row for row in csv.DictReader(file) if row.get("weight/head/stable_rank")]
-    assert len(rows) == 1
-    logged = {key: float(value) for key, value in rows[0].items() if key.startswith("weight/")}
+    # The untrained weights (epoch -1, sent at step 0), then the one trained epoch.
+    assert [row["epoch"] for row in rows] == ["-1", "0"]
+    logged = {key: float(value) for key, value in rows[1].items() if key.startswith("weight/")}
     matrices = _expected_matrices(model)
     expected = {f"weight/{name}/{m}": v for name, w in matrices.items() for m, v in _reference(w).items()}
     assert logged.keys() == expected.keys()
@@ -316,7 +317,7 @@ def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path)
     monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], every_n_epochs=2, verbose=False)
     trainer = quiet_trainer([monitor], max_epochs=4, default_root_dir=tmp_path)
     trainer.fit(_Model(), _loader(16))
-    assert monitor.curves.epochs == [1, 3]
+    assert monitor.curves.epochs == [-1, 1, 3]
     assert monitor.curves.layers == ["head"]
 
 

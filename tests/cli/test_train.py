@@ -2,6 +2,8 @@
 
 import csv
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -81,8 +83,8 @@ def test_two_lr_overlay_adds_the_layer_before_the_last_block(capsys):
     assert "before: layer4" in out and "rank: 1000" in out and "before: head" in out
 
 
-def test_unknown_backbone_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"unknown model 'mlpp'; models are: .*resnet18"):
+def test_unknown_backbone_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         main(
             [
                 "--config",
@@ -92,6 +94,8 @@ def test_unknown_backbone_is_a_clear_error():
             ],
             run=False,
         )
+    assert exit_info.value.code == 1
+    assert re.search(r"^error: unknown model 'mlpp'; models are: .*resnet18", capsys.readouterr().err, re.M)
 
 
 @pytest.mark.slow
@@ -133,3 +137,18 @@ def test_fit_ddp_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = _last_metrics(tmp_path / "runs")
     assert "val/acc" in metrics
+    # The modules reduce what they log over the processes: Lightning has no reason to ask for sync_dist.
+    assert not re.findall(r"self\.log\('(?:train|val)/[a-z_]*loss'", result.stderr)
+
+
+def test_readme_documents_the_rank_lightning_command_and_it_runs(tmp_path):
+    assert '\n[project.scripts]\nrank-lightning = "rank_lightning.cli:main"\n' in (ROOT / "pyproject.toml").read_text()
+    section = (ROOT / "README.md").read_text().split("\n## Training from the CLI\n", 1)[1].split("\n## ", 1)[0]
+    [command] = [shlex.split(line.split("#")[0]) for line in section.splitlines() if line.startswith("rank-lightning ")]
+    script = Path(sys.executable).with_name("rank-lightning")
+    args = [str(ROOT / a) if a.startswith("configs/") else a for a in command[1:]]
+    result = subprocess.run(
+        [script, *args, "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "class_path: rank_lightning.modules.ImageClassifier" in result.stdout

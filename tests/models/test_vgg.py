@@ -5,7 +5,9 @@ import torch
 import torchvision
 from torch import nn
 
+from rank_lightning.layers import FeatureLayer, capture_features, default_layers
 from rank_lightning.models import VGG, create_model
+from tests.models.block_helpers import count_block_calls
 
 CHANNELS = (64, 128, 256, 512, 512)
 
@@ -65,3 +67,21 @@ def test_relus_are_not_in_place():
 def test_unknown_architecture_lists_valid_ones():
     with pytest.raises(ValueError, match=r"unknown VGG architecture 'vgg16'; architectures are: vgg11, vgg11_bn"):
         VGG("vgg16")
+
+
+@pytest.mark.parametrize("name", ["vgg11", "vgg19_bn"])
+def test_one_block_per_stage_each_run_once_ending_with_the_features(name, make_small):
+    model = make_small(name).eval()
+    assert list(model.blocks()) == ["stage1", "stage2", "stage3", "stage4", "stage5", "fc1", "fc2"]
+    x = torch.randn(2, 1, 8, 8)
+    assert count_block_calls(model, model.blocks(), x) == dict.fromkeys(model.blocks(), 1)
+    with torch.no_grad(), capture_features(model, [FeatureLayer("fc2", model.blocks()["fc2"])]) as captured:
+        features = model.forward_features(x)
+    torch.testing.assert_close(captured["fc2"], features, rtol=0, atol=0)
+
+
+def test_a_user_lightning_module_wrapping_the_vgg_monitors_every_stage(make_small):
+    wrapper = nn.Module()  # what a user's LightningModule with ``self.net = create_model(...)`` looks like
+    wrapper.net = make_small("vgg11").eval()
+    wrapper.criterion = nn.CrossEntropyLoss()
+    assert default_layers(wrapper) == {name: f"net.{path}" for name, path in wrapper.net.blocks().items()}

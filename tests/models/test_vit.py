@@ -5,7 +5,9 @@ import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
+from rank_lightning.layers import FeatureLayer, capture_features, default_layers
 from rank_lightning.models import ViT, create_model
+from tests.models.block_helpers import count_block_calls
 
 
 @pytest.mark.parametrize(
@@ -50,3 +52,22 @@ def test_invalid_configurations_are_rejected():
         ViT(image_size=30)
     with pytest.raises(ValueError, match="hidden_dim 100 is not a multiple of num_heads 3"):
         ViT(hidden_dim=100)
+
+
+def test_one_block_per_encoder_layer_each_run_once_ending_with_the_features(make_small):
+    model = make_small("vit_tiny", num_layers=3).eval()
+    assert list(model.blocks()) == ["block0", "block1", "block2", "cls"]
+    x = torch.randn(2, 1, 8, 8)
+    assert count_block_calls(model, model.blocks(), x) == dict.fromkeys(model.blocks(), 1)
+    with torch.no_grad(), capture_features(model, [FeatureLayer("cls", model.blocks()["cls"])]) as captured:
+        features = model.forward_features(x)
+    torch.testing.assert_close(captured["cls"], features, rtol=0, atol=0)
+
+
+def test_a_user_lightning_module_wrapping_the_vit_monitors_every_block(make_small):
+    wrapper = nn.Module()  # what a user's LightningModule with ``self.net = create_model(...)`` looks like
+    wrapper.net = make_small("vit_tiny", num_layers=3).eval()
+    wrapper.criterion = nn.CrossEntropyLoss()
+    expected = {name: f"net.{path}" for name, path in wrapper.net.blocks().items()}
+    assert default_layers(wrapper) == expected
+    assert count_block_calls(wrapper.net, wrapper.net.blocks(), torch.randn(2, 1, 8, 8)) == dict.fromkeys(expected, 1)

@@ -1,0 +1,92 @@
+"""Where the analysis commands write and what they show while they work.
+
+* :func:`fresh_directory`: the output folder of a run, never one that already holds files (a numbered ``run_<n>``
+  folder inside the requested one instead), so a second run cannot overwrite the first one's results.
+* :func:`progress_bar`: a ``rich`` progress bar on standard output, drawn only on a terminal and when not asked to be
+  quiet (a log file or a pipe gets no control characters).
+* :func:`print_written`: the closing summary, one line per group of files, short whatever the number of files.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+__all__ = ["fresh_directory", "print_written", "progress_bar", "show_progress"]
+
+# Files of a group named in full in the summary; longer groups show their first and last file.
+_NAMED_FILES = 3
+
+
+def fresh_directory(target: str | Path) -> Path:
+    """The folder a run writes into, chosen before the work starts and created by the writer (a run that fails
+    leaves no empty folder behind).
+
+    Args:
+        target: the requested folder.
+
+    Returns:
+        ``target`` when it does not exist or is empty, else the first ``target/run_<n>`` (``n = 2, 3, ...``) that
+        does not exist: ``target`` itself holds the first run.
+
+    Raises:
+        NotADirectoryError: ``target`` is an existing file.
+    """
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"output folder {str(target)!r} is an existing file")
+    if not target.exists() or not any(target.iterdir()):
+        return target
+    number = 2
+    while (target / f"run_{number}").exists():
+        number += 1
+    return target / f"run_{number}"
+
+
+def show_progress(quiet: bool, stream: TextIO | None = None) -> bool:
+    """Whether to draw progress: not ``quiet`` and ``stream`` (standard output by default) is a terminal."""
+    stream = sys.stdout if stream is None else stream
+    return not quiet and stream.isatty()
+
+
+def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
+    """A progress bar (description, bar, ``done/total``, elapsed time) that vanishes when it stops.
+
+    Args:
+        enabled: draw it (see :func:`show_progress`); a disabled bar accepts every call and draws nothing.
+        stream: where to draw; standard output by default.
+
+    Returns:
+        The ``rich`` progress, to use as a context manager.
+    """
+    console = Console(file=sys.stdout if stream is None else stream, force_terminal=enabled or None)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, disable=not enabled, transient=True)
+
+
+def _file_list(paths: Sequence[Path]) -> str:
+    names = [path.name for path in paths]
+    if len(names) <= _NAMED_FILES:
+        return ", ".join(names)
+    return f"{names[0]}, ..., {names[-1]}"
+
+
+def print_written(directory: Path, groups: Mapping[str, Sequence[Path]], *, requested: str | Path) -> None:
+    """Print where a run wrote and, per group, how many files and which.
+
+    Args:
+        directory: the folder written into (from :func:`fresh_directory`).
+        groups: ``group name -> files``, e.g. ``{"figures": [...], "tables": [...]}``; empty groups are left out.
+        requested: the folder that was asked for, named when the run went into a ``run_<n>`` folder inside it.
+    """
+    note = "" if Path(requested) == directory else f" ({requested} already held a run's files)"
+    print(f"written to {directory}{note}:")
+    width = max(len(name) for name in groups)
+    for name, paths in groups.items():
+        if paths:
+            print(f"  {len(paths):>3} {name:<{width}}  {_file_list(paths)}")

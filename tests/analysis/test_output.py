@@ -1,0 +1,61 @@
+import io
+from pathlib import Path
+
+import pytest
+
+from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_missing_or_empty_folder_is_used_as_it_is(tmp_path):
+    assert fresh_directory(tmp_path / "new" / "out") == tmp_path / "new" / "out"
+    assert not (tmp_path / "new").exists(), "the writer creates the folder, not the choice"
+    (tmp_path / "empty").mkdir()
+    assert fresh_directory(tmp_path / "empty") == tmp_path / "empty"
+
+
+def test_a_folder_with_files_gets_the_next_free_numbered_subfolder(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "summary.csv").write_text("first run")
+    assert fresh_directory(tmp_path / "out") == tmp_path / "out" / "run_2"
+    (tmp_path / "out" / "run_2").mkdir()
+    (tmp_path / "out" / "run_3").mkdir()
+    assert fresh_directory(tmp_path / "out") == tmp_path / "out" / "run_4"
+
+
+def test_a_file_is_no_output_folder(tmp_path):
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"output folder '.*taken' is an existing file"):
+        fresh_directory(tmp_path / "taken")
+
+
+def test_progress_is_drawn_only_on_a_terminal():
+    assert show_progress(False, _Terminal())
+    assert not show_progress(True, _Terminal())
+    assert not show_progress(False, io.StringIO())
+    for enabled in (True, False):
+        stream = _Terminal()
+        with progress_bar(enabled, stream) as progress:
+            list(progress.track(range(3), description="counting"))
+        assert ("counting" in stream.getvalue()) is enabled
+
+
+def test_the_summary_names_the_folder_and_shortens_long_lists(tmp_path, capsys):
+    figures = [tmp_path / "run_2" / f"figure_{i}.png" for i in range(9)]
+    tables = [tmp_path / "run_2" / "summary.csv"]
+    print_written(tmp_path / "run_2", {"figures": figures, "tables": tables, "logs": []}, requested=tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"written to {tmp_path / 'run_2'} ({tmp_path} already held a run's files):",
+        "    9 figures  figure_0.png, ..., figure_8.png",
+        "    1 tables   summary.csv",
+    ]
+
+
+def test_the_summary_of_the_requested_folder_has_no_note(tmp_path, capsys):
+    print_written(tmp_path, {"files": [Path(tmp_path / "a.png")]}, requested=str(tmp_path))
+    assert capsys.readouterr().out.splitlines()[0] == f"written to {tmp_path}:"

@@ -1,0 +1,59 @@
+"""``last.ckpt`` of every config is the model after the last finished epoch, not after the best one."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rank_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"loggers", "overlays", "sweeps"} & set(p.parts))
+
+
+def _checkpoint_arguments(config: Path) -> list[dict]:
+    callbacks = (yaml.safe_load(config.read_text()).get("trainer") or {}).get("callbacks") or []
+    return [c.get("init_args") or {} for c in callbacks if c["class_path"].endswith(".ModelCheckpoint")]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_the_checkpoint_writing_last_ckpt_saves_every_epoch(config):
+    # Lightning 2.6 writes `save_last` only alongside a checkpoint the same callback saves: with a monitor, that is
+    # an epoch that improved the monitored value, so last.ckpt would lag behind the last epoch.
+    for arguments in _checkpoint_arguments(config):
+        if arguments.get("save_last") or arguments.get("filename") == "last":
+            assert arguments.get("monitor") is None, arguments
+            assert arguments.get("save_top_k", 1) != 0, arguments
+            assert arguments.get("every_n_epochs", 1) == 1 and arguments.get("every_n_train_steps") is None, arguments
+
+
+def test_configs_with_a_monitored_checkpoint_also_write_last_ckpt():
+    monitored = [c for c in CONFIGS if any(a.get("monitor") for a in _checkpoint_arguments(c))]
+    assert monitored
+    for config in monitored:
+        assert any(a.get("filename") == "last" for a in _checkpoint_arguments(config)), config
+
+
+def test_quickstart_last_ckpt_is_the_last_epoch_when_val_acc_stops_improving(tmp_path, monkeypatch):
+    # A learning rate too small to move any weight keeps val/acc at its epoch-0 value, so the val/acc checkpoint is
+    # never replaced after epoch 0; last.ckpt must still hold epoch 2.
+    monkeypatch.chdir(tmp_path)
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs/quickstart.yaml"),
+            "--trainer.max_epochs=3",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=2",
+            "--trainer.enable_model_summary=false",
+            "--model.init_args.lr=1e-12",
+        ]
+    )
+    [run] = (tmp_path / "runs" / "quickstart").glob("version_*")
+    checkpoints = {p.name: torch.load(p, map_location="cpu", weights_only=False) for p in run.glob("checkpoints/*")}
+    last = checkpoints.pop("last.ckpt")
+    assert (last["epoch"], last["global_step"]) == (2, 6)
+    [best] = checkpoints.values()
+    assert (best["epoch"], best["global_step"]) == (0, 2)

@@ -1,0 +1,105 @@
+"""CLI errors: the message alone (the traceback on request), valid choices listed, no empty run folder left."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+
+from rank_lightning.cli import DEBUG_ENV, main
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs/quickstart.yaml")
+FAST = ["--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.enable_model_summary=false"]
+
+
+class FailInSecondEpoch(pl.Callback):
+    """Raises once the first epoch has been logged, as a crash in the middle of training would."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            raise ValueError("stopped in epoch 1")
+
+
+def test_unknown_optimizer_is_one_message_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "fit", "--config", QUICKSTART, "--model.init_args.optimizer=sgdd"],
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != DEBUG_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "error: unknown optimizer 'sgdd'; optimizers are: sgd, adam, adamw\n" in result.stderr
+    assert len(result.stderr.splitlines()) <= 4, result.stderr
+
+
+def test_debug_variable_raises_the_error_with_its_traceback(monkeypatch):
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match=r"unknown model 'mlpp'; models are: .*resnet18"):
+        main(["--config", QUICKSTART, "--model.init_args.backbone=mlpp", "--trainer.logger=false"], run=False)
+
+
+@pytest.mark.parametrize(
+    "argument", ["--data=digits", "--data.class_path=rank_lightning.data.DigitsDataModul"], ids=["name", "class_path"]
+)
+def test_unknown_datamodule_lists_the_valid_ones(argument, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, argument, "--print_config"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert argument.split("=")[1] in err
+    names = (
+        "CIFAR10DataModule, CIFAR100DataModule, DigitsDataModule, FashionMNISTDataModule, GaussianMixtureDataModule, "
+        "GaussianNoiseDataModule, ImageFolderDataModule, MNISTDataModule"
+    )
+    assert f"valid --data values: {names}, or the import path of any LightningDataModule\n" in err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # Fails in the callbacks' setup, before the config is saved.
+        (
+            [
+                "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitor",
+                "--trainer.callbacks.init_args.layers=[layer9]",
+            ],
+            "unknown layer 'layer9'",
+        ),
+        # Fails in configure_optimizers, after the config is saved into the run's folder.
+        (["--trainer.max_epochs=-1"], "scheduler 'cosine' needs trainer.max_epochs"),
+    ],
+    ids=["callback_setup", "configure_optimizers"],
+)
+def test_a_setup_error_leaves_no_version_folder(arguments, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, *FAST, *arguments])
+    assert exit_info.value.code == 1
+    assert message in capsys.readouterr().err
+    assert sorted((tmp_path / "runs").rglob("version_*")) == []
+
+
+def test_an_error_after_the_first_logged_epoch_keeps_the_run_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, *FAST, f"--trainer.callbacks+={__name__}.FailInSecondEpoch"])
+    assert "error: stopped in epoch 1" in capsys.readouterr().err
+    run = tmp_path / "runs" / "quickstart" / "version_0"
+    assert (run / "metrics.csv").is_file() and (run / "config.yaml").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs" / "quickstart" / "tensorboard").iterdir()) == ["version_0"]
+
+
+def test_logger_less_runs_never_overwrite_each_others_config(tmp_path, monkeypatch):
+    # Without a logger every run's folder is trainer.default_root_dir: Lightning's own config callback refuses the
+    # second run there; each run keeps its own file instead.
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        main(["fit", "--config", QUICKSTART, *FAST, "--trainer.max_epochs=1", "--trainer.logger=false"])
+    assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config-v1.yaml", "config.yaml"]
+    assert "backbone: mlp" in (tmp_path / "config-v1.yaml").read_text()

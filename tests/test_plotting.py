@@ -1,0 +1,233 @@
+"""Figures a researcher can show: titles in words, units, legible ticks, dark distinguishable lines, a caption."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+from matplotlib.transforms import Bbox
+
+from rank_lightning.plotting import (
+    INITIAL_EPOCH,
+    axis_label,
+    caption_text,
+    contrast_on_white,
+    epoch_label,
+    figure_title,
+    layer_curves_figure,
+    line_styles,
+    runs_vs_depth_figure,
+    runs_vs_epoch_figure,
+)
+
+CHANNELS = "(channels: every spatial position a sample)"
+
+
+@pytest.mark.parametrize(
+    ("namespace", "metric", "title"),
+    [
+        ("rank", "channel/numerical_rank", f"Numerical rank of the activations {CHANNELS}"),
+        ("rank", "participation_ratio", "Participation ratio r(H) of the activations"),
+        (
+            "rank_train",
+            "token/soft_rank",
+            "Soft rank of the activations on training batches (tokens: every token a sample)",
+        ),
+        (
+            "rank",
+            "flatten/variance_ratio_10",
+            "Variance ratio VR$_{10}$ of the activations (flattened: one vector per sample)",
+        ),
+        (
+            "rank",
+            "mean/tcv_normalized",
+            "Normalised total cluster variation of the activations (mean over positions or tokens)",
+        ),
+        (
+            "rank",
+            "cls/classwise_variance_ratio_1_mean",
+            "Class-wise variance ratio VR$_{1}$, mean over classes of the activations (first (CLS) token)",
+        ),
+        (
+            "rank",
+            "classwise_variance_ratio_10_class_3",
+            "Class-wise variance ratio VR$_{10}$ of class 3 of the activations",
+        ),
+        ("rank", "centered_effective_rank", "Effective rank, centred of the activations"),
+        ("weight", "stable_rank", "Stable rank of the weight matrices"),
+        ("weight", "spectral_norm", "Spectral norm of the weight matrices"),
+        ("weight", "tail_error_k50", "Tail error beyond rank 50 of the weight matrices"),
+        ("jacobian", "rank", "Partial Jacobian rank of the network up to each block"),
+        ("jacobian", "rank_input_2", "Partial Jacobian rank at input 2 of the network up to each block"),
+        ("mine", "odd/name", "odd/name (mine)"),
+    ],
+)
+def test_titles_say_in_words_what_is_drawn(namespace, metric, title):
+    assert figure_title(namespace, metric) == title
+
+
+@pytest.mark.parametrize(
+    ("metric", "label"),
+    [
+        ("channel/numerical_rank", "numerical rank (dimensions)"),
+        ("participation_ratio", "r(H) (dimensions)"),
+        ("variance_ratio_1", "VR$_{1}$ (fraction of the variance)"),
+        ("tcv", "TCV (squared distance to the class means)"),
+        ("tcv_normalized", "TCV / total sum of squares (fraction)"),
+        ("spectral_norm", "largest singular value $s_1$"),
+        ("tail_error_k10", "relative Frobenius error of the best rank-10 approximation"),
+        ("something_else", "something_else"),
+    ],
+)
+def test_value_axes_carry_units(metric, label):
+    assert axis_label(metric) == label
+
+
+def test_the_caption_states_split_samples_reduction_and_tolerance():
+    facts = {"split": "val", "samples": 4096, "reduction": "channel", "rank_tolerance": 1e-6, "seed": 3, "note": None}
+    assert caption_text(facts) == (
+        "split: validation set · N = 4,096 samples · reduction: channel · rank tolerance: eps = 1e-06 (relative to "
+        "$s_1$) · seed: 3"
+    )
+    assert caption_text({"split": "train", "rank_tolerance": None}) == (
+        "split: training batches · rank tolerance: default"
+    )
+    assert caption_text({"tolerance_size": "max"}) == "rank tolerance: float32 eps \u00d7 max(rows, columns) (default)"
+    assert caption_text({}) == ""
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 24, 60])
+def test_layer_lines_are_dark_and_neighbours_differ(count):
+    styles = line_styles(count)
+    assert len(styles) == count
+    assert min(contrast_on_white(style["color"]) for style in styles) >= 3.0
+    for before, after in itertools.pairwise(styles):
+        assert before["marker"] != after["marker"] and before["color"] != after["color"]
+    pairs = {(style["marker"], style["linestyle"]) for style in styles[:24]}
+    assert len(pairs) == min(count, 24)
+
+
+def test_run_lines_are_dark_and_distinct():
+    styles = line_styles(25, ordered=False)
+    assert min(contrast_on_white(style["color"]) for style in styles) >= 3.0
+    assert len({(tuple(style["color"]), style["linestyle"]) for style in styles}) == 25
+    assert len({tuple(style["color"]) for style in styles[:10]}) == 10
+
+
+def test_contrast_on_white_matches_the_wcag_formula():
+    assert contrast_on_white((1.0, 1.0, 1.0)) == pytest.approx(1.0)
+    assert contrast_on_white((0.0, 0.0, 0.0)) == pytest.approx(21.0)
+    assert contrast_on_white((0.5, 0.5, 0.5, 1.0)) == pytest.approx(3.98, abs=0.01)
+
+
+def _history(layers: list[str], epochs: range, metric: str = "m") -> dict[int, dict[str, dict[str, float]]]:
+    return {e: {layer: {metric: 10 + math.sin(e + i)} for i, layer in enumerate(layers)} for e in epochs}
+
+
+def _drawn(figure: Figure) -> Figure:
+    FigureCanvasAgg(figure).draw()
+    return figure
+
+
+def _extent(artist) -> Bbox:
+    return artist.get_window_extent(artist.figure.canvas.get_renderer())
+
+
+def _assert_readable(figure: Figure) -> None:
+    """Every text lies inside the figure, no smaller than 9 points; tick labels overlap no axis label or caption."""
+    frame = figure.bbox
+    texts = [t for t in figure.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_fontsize")) if t.get_text()]
+    texts = [t for t in texts if t.get_visible()]
+    for text in texts:
+        box = _extent(text)
+        assert frame.x0 - 1 <= box.x0 and box.x1 <= frame.x1 + 1, text.get_text()
+        assert frame.y0 - 1 <= box.y0 and box.y1 <= frame.y1 + 1, text.get_text()
+        assert text.get_fontsize() >= 9, text.get_text()
+    captions = [t for t in figure.texts if t.get_text()]
+    for axes in figure.axes:
+        labels = [_extent(t) for t in axes.get_xticklabels() if t.get_text()]
+        below = [_extent(axes.xaxis.label), *(_extent(c) for c in captions)]
+        for label in labels:
+            assert not any(label.overlaps(box) for box in below if box.width > 0)
+
+
+@pytest.mark.parametrize(
+    ("layers", "rotation"),
+    [
+        (["fc1", "fc2", "act"], 0),
+        ([f"layer{i}" for i in range(1, 9)], 0),
+        ([f"backbone.layer{i // 3 + 1}.{i % 3}.conv2" for i in range(24)], 45),
+        ([f"encoder.layers.{i}.self_attention.out_proj" for i in range(60)], 45),
+    ],
+    ids=["3-short", "8-blocks", "24-long", "60-longer"],
+)
+def test_one_run_figure_is_titled_in_words_readable_and_captioned(layers, rotation):
+    caption = caption_text({"split": "val", "samples": 4096, "reduction": "channel", "tolerance_size": "min"})
+    figure = _drawn(
+        layer_curves_figure("rank", "channel/m", layers, _history(layers, range(12), "channel/m"), caption=caption)
+    )
+    assert figure.get_suptitle() == "m of the activations " + CHANNELS
+    by_epoch, by_depth = figure.axes
+    assert by_epoch.get_ylabel() == by_depth.get_ylabel() == "m"
+    assert by_epoch.get_xlabel() == "epoch"
+    assert [t.get_text() for t in by_depth.get_xticklabels()] == layers
+    assert {t.get_rotation() for t in by_depth.get_xticklabels()} == {rotation}
+    assert [t.get_text() for t in by_epoch.get_legend().get_texts()] == layers
+    assert caption in [text.get_text().replace("\n", " ") for text in figure.texts]
+    lines = by_epoch.get_lines() + by_depth.get_lines()
+    assert len(lines) == len(layers) + 8
+    assert min(contrast_on_white(to_rgba(line.get_color())) for line in lines) >= 3.0
+    _assert_readable(figure)
+    renderer = figure.canvas.get_renderer()
+    assert not _extent(by_epoch.get_legend()).overlaps(by_depth.get_tightbbox(renderer))
+
+
+def test_the_initial_point_starts_the_epoch_axis_as_init():
+    layers = ["a", "b"]
+    figure = _drawn(layer_curves_figure("weight", "m", layers, _history(layers, range(-1, 30))))
+    by_epoch, by_depth = figure.axes
+    ticks = [(tick, label.get_text()) for tick, label in zip(by_epoch.get_xticks(), by_epoch.get_xticklabels())]
+    assert ticks[0] == (INITIAL_EPOCH, "init")
+    assert "0" not in [text for _, text in ticks]  # beside "init" on a long axis, "0" would overlap it
+    assert by_epoch.get_xlim()[0] <= INITIAL_EPOCH
+    assert by_depth.get_legend().get_texts()[0].get_text() == "init"
+    assert epoch_label(INITIAL_EPOCH) == "init" and epoch_label(3) == "epoch 3"
+    short = _drawn(layer_curves_figure("weight", "m", layers, _history(layers, range(-1, 3))))
+    assert [label.get_text() for label in short.axes[0].get_xticklabels()][:2] == ["init", "0"]
+
+
+def test_runs_figures_are_titled_in_words_readable_and_dark():
+    layers = [f"layer{i}" for i in range(1, 6)]
+    runs = {
+        f"lr={lr}": {layer: {e: float(e + i) for e in range(-1, 8)} for i, layer in enumerate(layers)}
+        for lr in (1, 2, 3)
+    }
+    caption = caption_text({"split": "val", "samples": 512})
+    by_epoch = _drawn(runs_vs_epoch_figure("rank", "channel/numerical_rank", layers, runs, caption=caption))
+    assert by_epoch.get_suptitle() == f"Numerical rank of the activations {CHANNELS}, per layer"
+    assert by_epoch.get_supylabel() == "numerical rank (dimensions)"
+    assert [t.get_text() for t in by_epoch.texts if t.get_text() == caption] == [caption]
+    for lowest in (by_epoch.axes[2], by_epoch.axes[4]):  # layer3 (nothing below it) and layer5 (below layer1)
+        assert lowest.get_xticklabels()[0].get_text() == "init"
+        assert lowest.get_xlabel() == "epoch"
+    lines = [line for axes in by_epoch.axes for line in axes.get_lines()]
+    assert len(lines) == 3 * len(layers) and min(contrast_on_white(to_rgba(line.get_color())) for line in lines) >= 3.0
+    _assert_readable(by_epoch)
+
+    last = {label: (7, curves) for label, curves in runs.items()}
+    by_depth = _drawn(runs_vs_depth_figure("weight", "tail_error_k10", layers, last))
+    title = "Tail error beyond rank 10 of the weight matrices, against depth at each run's last epoch"
+    assert by_depth.get_suptitle().replace("\n", " ") == title  # wrapped to the figure's width
+    [axes] = by_depth.axes
+    assert axes.get_ylabel() == "relative Frobenius error of the best rank-10 approximation"
+    assert [t.get_text() for t in axes.get_xticklabels()] == layers
+    assert [t.get_text() for t in axes.get_legend().get_texts()] == [
+        "lr=1 (epoch 7)",
+        "lr=2 (epoch 7)",
+        "lr=3 (epoch 7)",
+    ]
+    _assert_readable(by_depth)
