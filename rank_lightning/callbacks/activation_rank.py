@@ -204,6 +204,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._metrics: dict[str, ActivationSpectrum] = {}
         self._layer_reductions: dict[str, str | None] = {}
+        self._layer_ndims: dict[str, int] = {}
         # Token layout per layer: declared by the module (batch_first) or learnt from an unambiguous batch.
         self._layouts: dict[str, bool] = {}
         self._hooks = ExitStack()
@@ -257,10 +258,7 @@ class ActivationRankMonitor(CurveMonitor):
         self.info(f"monitoring {len(self._layers)} layers{how}, {classes}: {names}")
         options = self.spectrum_options
         self.curves.describe(
-            split=self.stage,
-            reduction={"conv maps": self.reductions[4], "tokens": self.reductions[3]},
-            rank_tolerance=options["rank_tolerance"],
-            tolerance_size=options["tolerance_size"],
+            split=self.stage, rank_tolerance=options["rank_tolerance"], tolerance_size=options["tolerance_size"]
         )
 
     @override
@@ -461,7 +459,7 @@ class ActivationRankMonitor(CurveMonitor):
         metric = self._metrics.get(name)
         if metric is None:
             reduction = self.reductions.get(activations.ndim)
-            self._layer_reductions[name] = reduction
+            self._layer_reductions[name], self._layer_ndims[name] = reduction, activations.ndim
             metric = ActivationSpectrum(
                 num_classes=self._num_classes, reduction=reduction or "flatten", **self.spectrum_options
             ).to(activations.device)
@@ -481,8 +479,13 @@ class ActivationRankMonitor(CurveMonitor):
         self._stop()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(inputs)
-        self.curves.describe(samples=int(inputs))
         values = {name: self._values_of(name, epoch) for name in self._measured_everywhere(pl_module)}
+        # The caption states the reductions the measured layers actually used (none for (B, d) layers).
+        kinds = {4: "conv maps", 3: "tokens"}
+        used = {
+            kinds[n]: self.reductions[n] for n in sorted(set(self._layer_ndims.values()), reverse=True) if n in kinds
+        }
+        self.curves.describe(samples=int(inputs), **({"reduction": used} if used else {}))
         for metric in self._metrics.values():
             metric.reset()
         return values
