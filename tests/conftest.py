@@ -1,5 +1,6 @@
 """Suite-wide settings."""
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,20 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def restore_environment() -> Iterator[None]:
+    """Give every test the environment it started with.
+
+    An in-process DDP fit sets ``LOCAL_RANK``, ``MASTER_PORT`` and friends in ``os.environ``; a training subprocess
+    started later with a copy of that environment would then believe its processes are launched externally and wait
+    for a second process that never comes.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture

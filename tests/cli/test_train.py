@@ -18,6 +18,9 @@ CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"loggers"
 
 def _run_train(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    # Left over from a distributed run in this process, these would make the script wait for processes it must start.
+    for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
