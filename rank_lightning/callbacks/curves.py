@@ -4,9 +4,9 @@ A rank callback computes, once per epoch, a value per layer and per metric. :cla
 follows with those numbers, identically for every callback:
 
 1. logs each value as the scalar ``"{namespace}/{layer}/{metric}"`` through :func:`log_rank_equal`
-   (``pl_module.log_dict(on_epoch=True, sync_dist=False)``): the values are already equal on every DDP rank, so every
-   rank logs them, Lightning's advice to reduce them is silenced, and ``ModelCheckpoint`` / ``EarlyStopping`` can
-   monitor them. A value exists only in the epochs that measured it: :meth:`LayerCurves.clear_stale_metrics`, called
+   (``pl_module.log_dict(on_epoch=True, sync_dist=True, reduce_fx="max")``): the values are already equal on every
+   DDP rank, so the maximum over ranks keeps them exactly, every rank logs them, and ``ModelCheckpoint`` /
+   ``EarlyStopping`` can monitor them. A value exists only in the epochs that measured it: :meth:`LayerCurves.clear_stale_metrics`, called
    at the start of every training epoch, removes the previous measurement from ``trainer.callback_metrics``, so that
    ``EarlyStopping(strict=False)`` skips the epochs in between instead of counting a repeated value;
 2. keeps the history ``epoch -> layer -> metric -> value`` and saves it in checkpoints through
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -149,58 +148,20 @@ def wandb_loggers(trainer: Any) -> list[Any]:
     ]
 
 
-class _SyncDistAdvice:
-    """The one warnings filter that silences Lightning's ``sync_dist=True`` advice for the keys logged as equal.
-
-    Lightning gives the advice when it computes the epoch's metrics, after the ``log_dict`` call has returned, so a
-    ``catch_warnings`` block around the call would not see it; a filter naming exactly these keys does. It is one
-    filter for all keys, replaced (not added to) when new keys come, and re-inserted at every call because a
-    ``warnings.catch_warnings`` block of the caller (pytest, for one) may have dropped it.
-    """
-
-    def __init__(self) -> None:
-        self.keys: set[str] = set()
-        self.pattern = ""
-
-    def silence(self, keys: Iterable[str]) -> None:
-        new = set(keys) - self.keys
-        if new or not self.pattern:
-            self.keys |= new
-            self._remove()
-            names = "|".join(re.escape(key) for key in sorted(self.keys, key=len, reverse=True))
-            # Lightning's text: It is recommended to use `self.log('<name>', ..., sync_dist=True)` when logging on
-            # epoch level in distributed setting ... (the name gains "/dataloader_idx_<i>" with several loaders).
-            self.pattern = (
-                rf"It is recommended to use `self\.log\('(?:{names})(?:/dataloader_idx_\d+)?', \.\.\., sync_dist"
-            )
-        warnings.filterwarnings("ignore", message=self.pattern, category=UserWarning)
-
-    def _remove(self) -> None:
-        for entry in list(warnings.filters):
-            if entry[0] == "ignore" and getattr(entry[1], "pattern", None) == self.pattern and self.pattern:
-                warnings.filters.remove(entry)
-
-
-_SYNC_DIST_ADVICE = _SyncDistAdvice()
-
-
 def log_rank_equal(pl_module: Any, scalars: Mapping[str, Any]) -> None:
-    """Log epoch-level scalars that are equal on every process: no reduction, and no advice to reduce them.
+    """Log epoch-level scalars that are equal on every process, through ``pl_module.log_dict``.
 
-    Every process logs them (``on_step=False, on_epoch=True, sync_dist=False``), so ``ModelCheckpoint`` and
-    ``EarlyStopping`` can monitor them on any rank. In a distributed run Lightning would warn once per key that
-    ``sync_dist=True`` is recommended; for these keys the values are equal by construction (reduced or broadcast
-    before logging), so exactly that warning, for exactly these keys, is silenced. Call it on every process from an
-    epoch-end hook.
+    Every process logs them, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them on any rank. They are
+    synchronised with the maximum over processes: the values are equal by construction (reduced or broadcast before
+    logging), so the maximum returns each one bit for bit, and Lightning has no reason to advise ``sync_dist=True``.
+    Call it on every process from an epoch-end hook, with the same keys.
 
     Args:
         pl_module: the LightningModule (either Lightning package).
         scalars: ``key -> value`` (numbers or one-element tensors); nothing is logged when empty.
     """
-    if not scalars:
-        return
-    _SYNC_DIST_ADVICE.silence(scalars)
-    pl_module.log_dict(dict(scalars), on_step=False, on_epoch=True, sync_dist=False)
+    if scalars:
+        pl_module.log_dict(dict(scalars), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
 
 def _to_float(value: Any) -> float:

@@ -306,37 +306,13 @@ def test_two_process_ddp_gives_no_sync_dist_advice_for_values_equal_on_every_ran
     assert [text for text in advice if "'val/probe'" not in text] == []
 
 
-def _advice(key: str) -> str:
-    """Lightning's advice, word for word, for an unreduced epoch-level key in a distributed run."""
-    return (
-        f"It is recommended to use `self.log({key!r}, ..., sync_dist=True)` when logging on epoch level in "
-        "distributed setting to accumulate the metric across devices."
-    )
-
-
-def test_log_rank_equal_logs_unreduced_and_silences_the_advice_for_its_keys_only():
+def test_log_rank_equal_logs_every_value_synchronised_by_the_exact_maximum():
     calls = []
     module = SimpleNamespace(log_dict=lambda scalars, **options: calls.append((scalars, options)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        log_rank_equal(module, {"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)})
-        log_rank_equal(module, {})
-        for key in ("rank/a/m", "rank/b/m", "rank/a/m/dataloader_idx_1", "val/loss", "rank/a/mx", "x/rank/a/m"):
-            warnings.warn(_advice(key), UserWarning, stacklevel=1)
-    assert calls == [
-        ({"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)}, dict(on_step=False, on_epoch=True, sync_dist=False))
-    ]
-    assert [str(w.message) for w in caught] == [_advice(k) for k in ("val/loss", "rank/a/mx", "x/rank/a/m")]
-
-
-def test_log_rank_equal_keeps_one_filter_however_many_calls():
-    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
-    with warnings.catch_warnings():
-        before = len(warnings.filters)
-        for epoch in range(5):
-            log_rank_equal(module, {"rank/a/m": 1.0, f"rank/a/epoch_{epoch % 2}": 2.0})
-        assert len(warnings.filters) == before + 1
-        assert warnings.filters[0][0] == "ignore"
+    log_rank_equal(module, {"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)})
+    log_rank_equal(module, {})
+    options = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+    assert calls == [({"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)}, options)]
 
 
 class _EveryOtherEpoch(pl.Callback):
