@@ -38,8 +38,10 @@ __all__ = [
     "BatchReader",
     "FeatureLayer",
     "LayerType",
+    "buffers_kept",
     "capture_features",
     "check_layer_types",
+    "declared_batch_first",
     "default_layers",
     "eval_mode",
     "feature_layer",
@@ -534,6 +536,37 @@ def eval_mode(module: nn.Module) -> AbstractContextManager[nn.Module]:
 def train_mode(module: nn.Module) -> AbstractContextManager[nn.Module]:
     """Put ``module`` in training mode for the block; afterwards every submodule gets back its own training flag."""
     return _mode(module, True)
+
+
+@contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Restore every buffer (BatchNorm running statistics) of ``module`` when the block ends."""
+    saved = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def declared_batch_first(model: nn.Module, path: str) -> bool | None:
+    """The token layout that the module at ``path`` declares, or ``None`` when nothing declares one.
+
+    The module itself or its nearest ancestor (the model itself excluded) decides: its own ``batch_first`` flag
+    (``nn.MultiheadAttention``, ``nn.Transformer``), else the flag shared by the attention modules inside it
+    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``).
+    """
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), 0, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        own = getattr(module, "batch_first", None)
+        if isinstance(own, bool):
+            return own
+        flags = {m.batch_first for m in module.modules() if isinstance(m, nn.MultiheadAttention)}
+        if len(flags) == 1:
+            return flags.pop()
+    return None
 
 
 # -- batches ---------------------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -19,7 +19,9 @@ from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIO
 from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
+    buffers_kept,
     check_layer_types,
+    declared_batch_first,
     eval_mode,
     forward_hooks,
     module_blocks,
@@ -29,7 +31,7 @@ from rank_lightning.layers import (
 from rank_lightning.metrics import ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.validation import check_choice, check_choices, check_names, check_positive_int
 
-__all__ = ["ACTIVATION_METRICS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor", "declared_batch_first"]
+__all__ = ["ACTIVATION_METRICS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor"]
 
 STAGES = ("val", "train")
 TOKEN_LAYOUTS = ("auto", "batch_first", "sequence_first")
@@ -58,8 +60,9 @@ class ActivationRankMonitor(CurveMonitor):
     ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
     reduction is part of the logged key of those layers. Token layers laid out sequence-first, ``(T, B, D)`` (the
     default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout comes from ``token_layout``, else from the
-    ``batch_first`` flag of the layer or its nearest ancestor (:func:`declared_batch_first`), else from a batch whose
-    shape tells it (the batch size in exactly one leading dimension); a batch whose shape cannot tell (``T == B``,
+    ``batch_first`` flag of the layer or its nearest ancestor
+    (:func:`~rank_lightning.layers.declared_batch_first`), else from a batch whose shape tells it (the batch size in
+    exactly one leading dimension); a batch whose shape cannot tell (``T == B``,
     e.g. a last partial batch) is skipped with a warning, never guessed. A layer whose output is of another kind is
     skipped with a warning, and so is, by name, every chosen layer that is not called in the forward pass of the
     first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children).
@@ -366,7 +369,7 @@ class ActivationRankMonitor(CurveMonitor):
     def _read_labels(self, batch: Any) -> Tensor | None:
         # An explicit label_key or label_fn that finds nothing raises here, at the first batch.
         labels = self.batch_reader.labels(batch)
-        if labels is None:
+        if labels is None and ("labels",) not in self._warned:
             self.warn_once(
                 ("labels",),
                 f"num_classes={self._num_classes} but no class labels at {self.batch_reader.label_source(batch)}; "
@@ -513,7 +516,7 @@ class ActivationRankMonitor(CurveMonitor):
     def _initial_pass(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> None:
         # Validation runs in eval mode; training batches in training mode, without touching BatchNorm statistics.
         mode = eval_mode if self.stage == "val" else train_mode
-        with torch.no_grad(), mode(pl_module), _buffers_kept(pl_module):
+        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module):
             for batch in loader:
                 if self._remaining == 0:
                     break
@@ -568,18 +571,6 @@ class ActivationRankMonitor(CurveMonitor):
         return {f"{prefix}{key}": value for key, value in scalars.items()}
 
 
-@contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    """Restore every buffer (BatchNorm running statistics) of ``module`` when the block ends."""
-    saved = [(buffer, buffer.clone()) for buffer in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
 def _missing_classes(counts: Tensor | None) -> list[int]:
     """Classes without a row, when some rows carried labels."""
     if counts is None or not counts.numel() or not int(counts.sum()):
@@ -609,25 +600,6 @@ def _spectrum_options(
     }
     ActivationSpectrum(**options)
     return options
-
-
-def declared_batch_first(model: nn.Module, path: str) -> bool | None:
-    """The token layout that the module at ``path`` declares, or ``None`` when nothing declares one.
-
-    The module itself or its nearest ancestor (the model itself excluded) decides: its own ``batch_first`` flag
-    (``nn.MultiheadAttention``, ``nn.Transformer``), else the flag shared by the attention modules inside it
-    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``).
-    """
-    parts = path.split(".") if path else []
-    for depth in range(len(parts), 0, -1):
-        module = model.get_submodule(".".join(parts[:depth]))
-        own = getattr(module, "batch_first", None)
-        if isinstance(own, bool):
-            return own
-        flags = {m.batch_first for m in module.modules() if isinstance(m, nn.MultiheadAttention)}
-        if len(flags) == 1:
-            return flags.pop()
-    return None
 
 
 def _num_classes_of(pl_module: nn.Module, trainer: pl.Trainer) -> int | None:

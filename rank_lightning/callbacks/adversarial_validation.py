@@ -311,25 +311,10 @@ class AdversarialValidation(RankCallback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer, pl_module)
 
-    @override
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer)
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._collect(batch, dataloader_idx)
-
-    @override
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(trainer, pl_module)
+    # trainer.test() is measured exactly like validation, under the keys of its own stage.
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_batch_end = on_validation_batch_end
+    on_test_epoch_end = on_validation_epoch_end
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -6,8 +6,9 @@ follows with those numbers, identically for every callback:
 1. logs each value as the scalar ``"{namespace}/{layer}/{metric}"`` through :func:`log_rank_equal`
    (``pl_module.log_dict(on_epoch=True, sync_dist=True, reduce_fx="max")``): the values are already equal on every
    DDP rank, so the maximum over ranks keeps them exactly, every rank logs them, and ``ModelCheckpoint`` /
-   ``EarlyStopping`` can monitor them. A value exists only in the epochs that measured it: :meth:`LayerCurves.clear_stale_metrics`, called
-   at the start of every training epoch, removes the previous measurement from ``trainer.callback_metrics``, so that
+   ``EarlyStopping`` can monitor them. A value exists only in the epochs that measured it:
+   :meth:`LayerCurves.clear_stale_metrics`, called at the start of every training epoch, removes the previous
+   measurement from ``trainer.callback_metrics``, so that
    ``EarlyStopping(strict=False)`` skips the epochs in between instead of counting a repeated value;
 2. keeps the history ``epoch -> layer -> metric -> value`` and saves it in checkpoints through
    :meth:`LayerCurves.state_dict` / :meth:`LayerCurves.load_state_dict`, so a resumed run continues its curves. A

@@ -13,7 +13,15 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import RankCallback
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.functional.spectral import participation_ratio
-from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer, module_blocks, train_mode
+from rank_lightning.layers import (
+    BatchReader,
+    FeatureLayer,
+    buffers_kept,
+    capture_features,
+    feature_layer,
+    module_blocks,
+    train_mode,
+)
 from rank_lightning.validation import check_choice, check_positive, check_positive_int
 
 __all__ = ["RankPretraining"]
@@ -152,14 +160,11 @@ class RankPretraining(RankCallback):
         self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batches: Sequence[Any]
     ) -> dict[str, float]:
         """Mean ``r(H)`` of each layer over ``batches``, in training mode, leaving weights and buffers unchanged."""
-        buffers = {name: buffer.clone() for name, buffer in pl_module.named_buffers()}
         totals = dict.fromkeys((layer.name for layer in layers), 0.0)
-        with torch.no_grad(), train_mode(pl_module):
+        with torch.no_grad(), train_mode(pl_module), buffers_kept(pl_module):
             for batch in batches:
                 for name, features in self._features(pl_module, layers, batch).items():
                     totals[name] += float(participation_ratio(features))
-            for name, buffer in pl_module.named_buffers():
-                buffer.copy_(buffers[name])
         return {name: total / len(batches) for name, total in totals.items()}
 
     def _ascend(

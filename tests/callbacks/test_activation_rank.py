@@ -824,3 +824,24 @@ def test_a_validation_before_fit_is_the_initial_point_and_is_kept(tmp_path):
     initial = monitor.curves.history[-1]["wide"]["participation_ratio"]
     assert before["rank/wide/participation_ratio"] == pytest.approx(initial, rel=1e-6)
     assert monitor.curves.history[0]["wide"]["participation_ratio"] != pytest.approx(initial, rel=1e-6)
+
+
+def test_an_initial_point_that_cannot_be_measured_is_reported_and_training_goes_on(tmp_path):
+    class TwoInputs(_Wide):
+        """A forward pass that needs more than the batch's inputs: the initial pass cannot call it."""
+
+        def forward(self, x, scale):
+            return super().forward(x * scale)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self(batch[0], 1.0), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self(batch[0], 1.0)
+
+    torch.manual_seed(0)
+    x, y = _gaussian(16, WIDE_INPUT, seed=17)
+    monitor = ActivationRankMonitor(layers=["wide"], metrics=["numerical_rank"], verbose=False)
+    with pytest.warns(UserWarning, match=r"ActivationRankMonitor: no initial point: the forward pass .*TypeError"):
+        _trainer(tmp_path, [monitor], max_epochs=1).fit(TwoInputs(lr=0.01), _loader(x, y), _loader(x, y))
+    assert monitor.curves.epochs == [0]
