@@ -24,13 +24,19 @@ Run (a GPU machine, the repository as working directory)::
     PYTHONPATH=. python benchmarks/bench_gpu.py --device cpu --quick          # tiny sizes: checks the script
 
 Writes ``bench_gpu.json`` (every number), ``bench_gpu.md`` (the summary) and ``sync_audit.txt`` (every recorded
-synchronisation inside ``rank_lightning``, by source line) into ``--out``.
+synchronisation inside ``rank_lightning``, by source line) into ``--out``. ``--profile`` adds one monitored fit of
+each case under ``cProfile`` and writes its largest entries (by cumulative time, the package's functions first) to
+``profile_<case>.txt``: on a GPU the time of asynchronous work shows up at the next synchronisation, so read it
+together with the audit.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -308,6 +314,20 @@ def sync_audit(case: Case, device: str) -> dict[str, Any]:
     return out
 
 
+def profile(case: Case, device: str, out: Path, tag: str) -> None:
+    """One monitored fit under cProfile; its top entries go to ``out / f"profile_{tag}.txt"``."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fit(case, True, device)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    stats.print_stats("rank_lightning", 60)
+    stats.sort_stats("tottime").print_stats(40)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{tag}.txt").write_text(text.getvalue())
+
+
 def _markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Monitoring on {report['device']} (torch {report['torch']}, Lightning {report['lightning']})",
@@ -337,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=None, help="timed fits of each kind (default 3, --quick 1)")
     parser.add_argument("--parts", nargs="+", default=["resnet18", "gpt2"], choices=("resnet18", "gpt2"))
     parser.add_argument("--out", type=Path, default=Path("."), help="directory of the result files")
+    parser.add_argument("--profile", action="store_true", help="also profile one monitored fit of each case")
+    parser.add_argument("--no-audit", action="store_true", help="skip the synchronisation audit")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -355,7 +377,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for part in args.parts:
         report["overhead"].append(overhead(cases[part](args.quick), args.device, repeats))
         _write(args.out, report, package_lines)
-    if args.device == "cuda":
+    if args.profile:
+        for part in args.parts:
+            profile(cases[part](args.quick), args.device, args.out, part)
+    if args.device == "cuda" and not args.no_audit:
         for part in args.parts:
             audit = sync_audit(cases[part](args.quick, audit=True), args.device)
             package_lines[audit["case"]] = audit.pop("package_lines")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import check_token_mask
+from rank_lightning.functional.streaming import ClassGrouping, group_by_class
 from rank_lightning.layers import BatchReader, FeatureLayer, OutputSelector, forward_hooks, hidden_state
 from rank_lightning.metrics import ActivationSpectrum
 
@@ -105,6 +106,7 @@ class ActivationStream:
         self._batch: int | None = None
         self._take: int | None = None
         self._labels: Tensor | None = None
+        self._groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
         self._seen_this_batch: set[str] = set()
         self.batches_seen = self.inputs_measured = 0
@@ -151,6 +153,7 @@ class ActivationStream:
             if self._batch is None and known is not None:
                 self._batch = known.shape[0]
         self._take = None
+        self._groupings = {}
         self._seen_this_batch = set()
         self._in_batch = True
 
@@ -224,12 +227,23 @@ class ActivationStream:
         take = 0 if activations is None else self._claim(activations.shape[0])
         if not take:
             return
-        labels = None if self._labels is None else self._labels[:take].to(activations.device)
+        labels = None if self._labels is None else self._grouping(take, activations.device)
         mask = self._mask_of(name, activations)
         mask = None if mask is None else mask[:take].to(activations.device)
         metric = self._metric_for(name, activations)
         if metric is not None:
             metric.update(activations[:take], labels, mask=mask)
+
+    def _grouping(self, take: int, device: torch.device) -> ClassGrouping | Tensor:
+        """The batch's labels (its first ``take``) grouped by class on ``device``: once per batch for all layers, so
+        that a GPU synchronises once per batch, not once per layer."""
+        grouping = self._groupings.get(device)
+        if grouping is None:
+            labels = self._labels[:take].to(device)
+            if labels.ndim != 1 or labels.shape[0] != take:
+                return labels  # the metric names the shape mismatch
+            grouping = self._groupings[device] = group_by_class(labels, self.num_classes)
+        return grouping
 
     def _mask_of(self, name: str, activations: Tensor) -> Tensor | None:
         """The batch's attention mask when it fits this token layer's ``(B, T)``; else ``None`` with a warning."""

@@ -18,6 +18,8 @@ import torch
 from sklearn.linear_model import Lasso
 from torch import Tensor
 
+from rank_lightning.functional.spectral import serial_if_small
+
 __all__ = [
     "ClassificationDimension",
     "classification_dimension",
@@ -128,7 +130,8 @@ def classification_dimension(
     f64 = features.detach().to(torch.float64)
     mean = f64.mean(dim=0)
     centered = f64 - mean
-    eigenvalues, eigenvectors = torch.linalg.eigh(centered.T @ centered / num_samples)
+    with serial_if_small(centered, dim):
+        eigenvalues, eigenvectors = torch.linalg.eigh(centered.T @ centered / num_samples)
     eigenvalues, basis = eigenvalues.flip(0), eigenvectors.flip(1)  # (d,), (d, d): columns q_1, q_2, ...
 
     correct = torch.zeros(len(grid), dtype=torch.float64)

@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from rank_lightning.functional.spectral import serial_if_small
+
 __all__ = ["PROJECTION_METHODS", "exact_projection", "nystrom_projection", "rank_projection"]
 
 PROJECTION_METHODS = ("exact", "nystrom")
@@ -84,7 +86,8 @@ def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Genera
     shift = 0.0
     for _ in range(_MAX_FAILED_DECOMPOSITIONS):
         try:
-            eigenvalues, eigenvectors = torch.linalg.eigh(core + shift * identity)  # ascending
+            with serial_if_small(core, core.shape[0]):
+                eigenvalues, eigenvectors = torch.linalg.eigh(core + shift * identity)  # ascending
             break
         except torch.linalg.LinAlgError:
             shift += jitter
@@ -167,7 +170,8 @@ def nystrom_projection(
     if truncate and factor.shape[1] > k:
         # The top-k eigenvectors V_k of F^T F give the best rank-k approximation (F V_k)(F V_k)^T of F F^T.
         gram = (factor.T @ factor).to(torch.float64)
-        _, vectors = torch.linalg.eigh(gram)
+        with serial_if_small(gram, gram.shape[0]):
+            _, vectors = torch.linalg.eigh(gram)
         factor = factor @ vectors[:, -k:].to(factor.dtype)
     return factor @ factor.T
 

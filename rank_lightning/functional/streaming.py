@@ -29,6 +29,7 @@ the work of the full product); :func:`symmetrize_lower` gives the full matrices.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ from torch import Tensor
 from rank_lightning.functional.spectral import (
     Spectrum,
     classwise_variance_ratio,
+    serial_if_small,
     spectra_from_grams,
     spectrum_from_gram,
     variance_ratio,
@@ -51,6 +53,7 @@ __all__ = [
     "AUTO_GRAM_PRECISION",
     "GRAM_PRECISIONS",
     "BatchMoments",
+    "ClassGrouping",
     "SketchUpdate",
     "Subsample",
     "channel_gram_moments",
@@ -58,6 +61,7 @@ __all__ = [
     "classwise_variance_ratio_from_sample",
     "count_sketch",
     "gram_product_dtype",
+    "group_by_class",
     "merge_subsamples",
     "move_reference",
     "reference_point",
@@ -72,10 +76,19 @@ __all__ = [
 # Float64 blocks of about 2^18 values (2 MiB) stay in cache between the conversion and the product: 40% faster than
 # 16 MiB blocks for 64 x 32 x 32 maps.
 _BLOCK_VALUES = 1 << 18
+# On a GPU the blocks only bound the copy's memory (128 MiB of float64): small blocks would be thousands of kernel
+# launches per batch (a 512 x 64 x 32 x 32 batch in 2^18-value blocks: 128 blocks of about six kernels each).
+_CUDA_BLOCK_VALUES = 1 << 24
 # Gram products of at least this many features compute only the blocks on and below the diagonal, in this many row
 # blocks (a symmetric rank-k update): fewer features gain nothing from it.
 _TRIANGLE_MIN_FEATURES = 128
 _TRIANGLE_PARTS = 4
+# ... and only with at least this many rows: a product of a few rows (one class's share of a batch) costs less than
+# the calls it would be split into (40 calls of 6 rows each took 0.1 ms apiece for 10 classes at d = 128).
+_TRIANGLE_MIN_ROWS = 256
+# Row updates of fewer multiply-adds (N d^2) than this run on one thread (see serial_if_small): 64 rows of 128
+# features 0.18 ms on 2 threads and 0.09 ms on one; from about 256 rows of 128 on, two threads are as fast or faster.
+_SERIAL_UPDATE_BELOW = 1 << 22
 # At least this many rows per block product, so that reading and writing the C x C Gram is amortised over the
 # product (a 512 x 512 Gram of 4 x 4 maps, one input at a time, is as much memory traffic as arithmetic).
 _MIN_BLOCK_ROWS = 512
@@ -102,6 +115,61 @@ AUTO_GRAM_PRECISION: dict[str, str] = {
     "cuda": "float64",
 }
 """The precision ``"auto"`` stands for, per ``torch.device.type`` (``"float64"`` for any type not listed)."""
+
+
+class ClassGrouping(NamedTuple):
+    """A batch's labels grouped by class, made once per batch and shared by the updates of every layer.
+
+    Grouping needs the class counts on the host (to cut each class's rows out of the batch); on a GPU reading them is
+    a synchronisation. :func:`group_by_class` reads them, and checks the labels, in one transfer per batch instead of
+    several per layer.
+
+    Attributes:
+        labels: ``(B,)`` int64 labels in input order.
+        order: ``(B,)`` stable order that sorts them (inputs of class 0 first).
+        sorted_labels: ``labels[order]``.
+        counts: inputs per class (``num_classes`` entries), host integers.
+    """
+
+    labels: Tensor
+    order: Tensor
+    sorted_labels: Tensor
+    counts: tuple[int, ...]
+
+    def to(self, device: torch.device | str) -> ClassGrouping:
+        """The same grouping with its tensors on ``device``."""
+        return self._replace(
+            labels=self.labels.to(device), order=self.order.to(device), sorted_labels=self.sorted_labels.to(device)
+        )
+
+    def head(self, count: int) -> ClassGrouping:
+        """The grouping of the first ``count`` inputs (``labels[:count]``); regrouped only when it differs."""
+        if count >= self.labels.shape[0]:
+            return self
+        return group_by_class(self.labels[:count], len(self.counts))
+
+
+def group_by_class(labels: Tensor, num_classes: int) -> ClassGrouping:
+    """Check ``labels`` and group them by class (see :class:`ClassGrouping`), with one device-to-host transfer.
+
+    Raises:
+        ValueError: ``labels`` is not a 1-D tensor of integer class indices in ``[0, num_classes)``.
+    """
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be 1-D, got shape {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    labels = labels.long()
+    if labels.numel() == 0:
+        empty = labels.new_zeros(0)
+        return ClassGrouping(labels, empty, empty, (0,) * num_classes)
+    low, high = labels.min(), labels.max()
+    counts = torch.bincount(labels.clamp(0, num_classes - 1), minlength=num_classes)
+    summary = torch.cat([low.view(1), high.view(1), counts]).tolist()  # the one synchronisation
+    if summary[0] < 0 or summary[1] >= num_classes:
+        raise ValueError(f"labels must lie in [0, {num_classes}), got values in [{summary[0]}, {summary[1]}]")
+    order = torch.argsort(labels, stable=True)
+    return ClassGrouping(labels, order, labels.index_select(0, order), tuple(summary[2:]))
 
 
 class BatchMoments(NamedTuple):
@@ -233,6 +301,7 @@ def row_moments(
     class_grams: Tensor | None = None,
     reference: Tensor | None = None,
     precision: str = "float64",
+    class_counts: Sequence[int] | None = None,
 ) -> BatchMoments:
     """First moments of a batch of rows; with ``gram``, also adds the batch's Gram into its lower triangle.
 
@@ -255,22 +324,27 @@ def row_moments(
         class_grams: running float64 ``(C, d, d)`` class Grams, added into in place likewise (with ``labels`` only).
         reference: ``(d,)`` float64 point the moments are taken around.
         precision: ``"float64"``, ``"float32"`` or ``"tf32"`` (resolved, see :func:`resolve_gram_precision`).
+        class_counts: rows per class, on the host, when ``labels`` are known to be sorted (from a
+            :class:`ClassGrouping`): the class Grams then need no synchronisation to find each class's rows.
 
     Returns:
         The batch's :class:`BatchMoments` (of ``x - r``).
     """
-    shifted = rows.to(torch.float64) if reference is None else torch.sub(rows, reference.to(torch.float64))
-    feature_sum = shifted.sum(dim=0)
-    counts, class_sums = _class_moments(labels, num_classes, shifted)
-    with gram_product_dtype(precision) as dtype:
-        factor = shifted.to(dtype)
-        if class_grams is not None and labels is not None:
-            _add_class_grams(class_grams, factor, labels)
-        elif gram is not None:
-            _add_product(gram, factor.T)
-    # The norm reduces without the N x d temporary of rows.square().
-    sum_squares = torch.linalg.vector_norm(shifted).square()
-    return BatchMoments(rows.shape[0], _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
+    num_rows, num_features = rows.shape
+    # A batch of a few rows is a handful of small operations: one thread does them several times faster.
+    with serial_if_small(rows, num_rows * num_features * num_features, _SERIAL_UPDATE_BELOW):
+        shifted = rows.to(torch.float64) if reference is None else torch.sub(rows, reference.to(torch.float64))
+        feature_sum = shifted.sum(dim=0)
+        counts, class_sums = _class_moments(labels, num_classes, shifted)
+        with gram_product_dtype(precision) as dtype:
+            factor = shifted.to(dtype)
+            if class_grams is not None and labels is not None:
+                _add_class_grams(class_grams, factor, labels, class_counts)
+            elif gram is not None:
+                _add_product(gram, factor.T)
+        # The norm reduces without the N x d temporary of rows.square().
+        sum_squares = torch.linalg.vector_norm(shifted).square()
+    return BatchMoments(num_rows, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
 
 
 def _add_product(target: Tensor, columns: Tensor) -> None:
@@ -278,10 +352,12 @@ def _add_product(target: Tensor, columns: Tensor) -> None:
 
     Row block ``i`` multiplies only the columns up to its own last one: the blocks on and below the diagonal, about
     ``(p + 1) / 2p`` of the full product's work (5/8 for p = 4: 20-30% faster for d >= 128 on a CPU). Entries above the
-    diagonal blocks are left as they are; :func:`symmetrize_lower` makes the full Gram from the lower triangle.
+    diagonal blocks are left as they are; :func:`symmetrize_lower` makes the full Gram from the lower triangle. On a
+    GPU, and for few rows, the product is one call: launches and call overhead would cost more than the saved work.
     """
-    d = columns.shape[0]
-    step = d if d < _TRIANGLE_MIN_FEATURES else -(-d // _TRIANGLE_PARTS)
+    d, k = columns.shape
+    whole = d < _TRIANGLE_MIN_FEATURES or k < _TRIANGLE_MIN_ROWS or columns.device.type != "cpu"
+    step = d if whole else -(-d // _TRIANGLE_PARTS)
     for start in range(0, d, step):
         stop = min(start + step, d)
         block, left, right = target[start:stop, :stop], columns[start:stop], columns[:stop]
@@ -300,13 +376,19 @@ def symmetrize_lower(gram: Tensor) -> Tensor:
     return gram.tril() + gram.tril(-1).mT
 
 
-def _add_class_grams(class_grams: Tensor, rows: Tensor, labels: Tensor) -> None:
-    """``class_grams[c] += X_c^T X_c``, one matrix product per class on its rows made contiguous."""
-    if labels.shape[0] > 1 and not bool((labels[1:] >= labels[:-1]).all()):
-        labels, order = torch.sort(labels, stable=True)
-        rows = rows.index_select(0, order)
+def _add_class_grams(class_grams: Tensor, rows: Tensor, labels: Tensor, counts: Sequence[int] | None = None) -> None:
+    """``class_grams[c] += X_c^T X_c``, one matrix product per class on its rows made contiguous.
+
+    ``counts`` (rows per class) says that the rows are already sorted by class; without it they are checked and
+    sorted here, and the counts read from the device.
+    """
+    if counts is None:
+        if labels.shape[0] > 1 and not bool((labels[1:] >= labels[:-1]).all()):
+            labels, order = torch.sort(labels, stable=True)
+            rows = rows.index_select(0, order)
+        counts = torch.bincount(labels, minlength=class_grams.shape[0]).tolist()
     start = 0
-    for c, count in enumerate(torch.bincount(labels, minlength=class_grams.shape[0]).tolist()):
+    for c, count in enumerate(counts):
         if count:
             _add_product(class_grams[c], rows[start : start + count].T)
             start += count
@@ -314,7 +396,7 @@ def _add_class_grams(class_grams: Tensor, rows: Tensor, labels: Tensor) -> None:
 
 def channel_gram_moments(
     maps: Tensor,
-    labels: Tensor | None = None,
+    labels: Tensor | ClassGrouping | None = None,
     *,
     num_classes: int | None = None,
     gram: Tensor,
@@ -334,7 +416,7 @@ def channel_gram_moments(
 
     Args:
         maps: ``(B, C, H, W)`` activations of any floating dtype.
-        labels: ``(B,)`` int64 class of each input, in ``[0, num_classes)``.
+        labels: ``(B,)`` int64 class of each input, in ``[0, num_classes)``, or their :class:`ClassGrouping`.
         num_classes: C; class counts and sums are returned when given together with ``labels``.
         gram: running float64 ``(C, C)`` feature Gram, added into its lower triangle in place (see
             :func:`symmetrize_lower`).
@@ -347,22 +429,36 @@ def channel_gram_moments(
     """
     batch, channels, height, width = maps.shape
     flat = maps.reshape(batch, channels, height * width)
+    grouping = labels if isinstance(labels, ClassGrouping) else None
+    labels = grouping.labels if grouping is not None else labels
     by_class = class_grams is not None and labels is not None
-    groups = _class_groups(labels, class_grams.shape[0]) if by_class else [(-1, None, batch)]
-    feature_sum = torch.zeros(channels, dtype=torch.float64, device=maps.device)
-    sum_squares = torch.zeros((), dtype=torch.float64, device=maps.device)
-    class_sums = feature_sum.new_zeros(num_classes or 0, channels) if by_class and num_classes else None
+    groups = _class_groups(labels, class_grams.shape[0], grouping) if by_class else [(-1, None, batch)]
+    # Per-block sums and norms are combined once at the end: a few kernels per block instead of ten (on a GPU, the
+    # launches of a batch's blocks cost more host time than the products take on the device).
+    block_sums: list[Tensor] = []
+    block_norms: list[Tensor] = []
+    block_classes: list[int] = []
     with gram_product_dtype(precision) as dtype:
         shift = flat.new_zeros((), dtype=dtype) if reference is None else reference.to(dtype).view(channels, 1, 1)
         for c, index, count in groups:
             target = gram if c < 0 else class_grams[c]
             for block in _channel_blocks(flat, index, count, shift, dtype):
                 _add_product(target, block)
-                block_sum = block.sum(dim=1, dtype=torch.float64)
-                feature_sum += block_sum
-                sum_squares += torch.linalg.vector_norm(block, dtype=torch.float64).square()
-                if class_sums is not None:
-                    class_sums[c] += block_sum
+                block_sums.append(block.sum(dim=1, dtype=torch.float64))
+                block_norms.append(torch.linalg.vector_norm(block, dtype=torch.float64))
+                block_classes.append(c)
+    sums = torch.stack(block_sums)  # (blocks, C)
+    feature_sum = sums.sum(dim=0)
+    sum_squares = torch.linalg.vector_norm(torch.stack(block_norms)).square()
+    class_sums = None
+    if by_class and num_classes:
+        # The blocks of a class are consecutive: one reduction per class present, no index sent to the device.
+        class_sums = sums.new_zeros(num_classes, channels)
+        start = 0
+        for c, blocks in itertools.groupby(block_classes):
+            stop = start + len(list(blocks))
+            class_sums[c] = sums[start:stop].sum(dim=0)
+            start = stop
     counts = None
     if labels is not None and num_classes is not None:
         counts = torch.bincount(labels, minlength=num_classes) * (height * width)
@@ -371,11 +467,15 @@ def channel_gram_moments(
     return BatchMoments(batch * height * width, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
 
 
-def _class_groups(labels: Tensor, num_classes: int) -> list[tuple[int, Tensor, int]]:
-    """``(class, input indices, count)`` of every class present in ``labels``."""
-    order = torch.argsort(labels, stable=True)
+def _class_groups(
+    labels: Tensor, num_classes: int, grouping: ClassGrouping | None = None
+) -> list[tuple[int, Tensor, int]]:
+    """``(class, input indices, count)`` of every class present in ``labels`` (from ``grouping`` when given)."""
+    if grouping is None:
+        grouping = group_by_class(labels, num_classes)
+    order = grouping.order
     groups, start = [], 0
-    for c, count in enumerate(torch.bincount(labels, minlength=num_classes).tolist()):
+    for c, count in enumerate(grouping.counts):
         if count:
             groups.append((c, order[start : start + count], count))
             start += count
@@ -385,7 +485,8 @@ def _class_groups(labels: Tensor, num_classes: int) -> list[tuple[int, Tensor, i
 def _channel_blocks(flat: Tensor, index: Tensor | None, count: int, shift: Tensor, dtype: torch.dtype) -> Iterator:
     """The ``(C, b*HW)`` shifted channel-major blocks of ``flat[index]`` (``flat[:count]`` without an index)."""
     channels, positions = flat.shape[1], flat.shape[2]
-    step = max(1, _BLOCK_VALUES // (channels * positions), -(-_MIN_BLOCK_ROWS // positions))
+    values = _BLOCK_VALUES if flat.device.type == "cpu" else _CUDA_BLOCK_VALUES
+    step = max(1, values // (channels * positions), -(-_MIN_BLOCK_ROWS // positions))
     for start in range(0, count, step):
         part = flat[start : start + step] if index is None else flat.index_select(0, index[start : start + step])
         block = torch.empty((channels, part.shape[0], positions), dtype=dtype, device=flat.device)

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rank_lightning.functional.spectral import Spectrum, spectra_from_grams
+from rank_lightning.functional.spectral import SERIAL_SVD_BELOW, Spectrum, serial_if_small, spectra_from_grams
 from rank_lightning.validation import check_choice
 
 __all__ = ["DECOMPOSITIONS", "needs_exact_svd", "weight_spectra", "weight_spectra_from_grams"]
@@ -166,7 +166,8 @@ def _svdvals(batch: Tensor) -> Tensor:
         return _jordan_wielandt_svdvals(batch)
     # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its transpose (conv
     # kernels are wide: out < in * kh * kw).
-    return torch.linalg.svdvals(batch.mT if rows < cols else batch)
+    with serial_if_small(batch, min(rows, cols), SERIAL_SVD_BELOW):
+        return torch.linalg.svdvals(batch.mT if rows < cols else batch)
 
 
 # Bytes of the augmented matrices decomposed at once on CUDA.

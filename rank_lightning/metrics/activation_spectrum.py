@@ -27,11 +27,13 @@ from rank_lightning.functional.spectral import (
 from rank_lightning.functional.streaming import (
     GRAM_PRECISIONS,
     BatchMoments,
+    ClassGrouping,
     Subsample,
     channel_gram_moments,
     classwise_variance_ratio_from_grams,
     classwise_variance_ratio_from_sample,
     count_sketch,
+    group_by_class,
     merge_subsamples,
     move_reference,
     reference_point,
@@ -485,13 +487,18 @@ class ActivationSpectrum(Metric):
             self._generator = torch.Generator().manual_seed(self.seed + 1_000_003 * rank)
         return self._generator
 
-    def update(self, activations: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None) -> None:
+    def update(
+        self, activations: Tensor, labels: Tensor | ClassGrouping | None = None, *, mask: Tensor | None = None
+    ) -> None:
         """Add a batch of raw layer outputs.
 
         Args:
             activations: ``(B, d)``, ``(B, T, D)`` or ``(B, C, H, W)``; any floating dtype.
             labels: ``(B,)`` integer class labels in ``[0, num_classes)``; ignored when ``num_classes`` is ``None``.
-                With the ``"channel"`` and ``"token"`` reductions every row inherits its input's label.
+                With the ``"channel"`` and ``"token"`` reductions every row inherits its input's label. A
+                :class:`~rank_lightning.functional.streaming.ClassGrouping` of them (``group_by_class``), made once
+                per batch and passed to the metrics of every layer, saves each its own grouping (on a GPU, its own
+                synchronisation).
             mask: ``(B, T)`` attention mask of token activations (true / 1 at real tokens): padded positions never
                 reach the sums (see :func:`~rank_lightning.functional.reduce_activations`); ignored for other
                 shapes.
@@ -507,11 +514,11 @@ class ActivationSpectrum(Metric):
             self._ensure_reference(lambda: activations.mean(dim=(0, 2, 3), dtype=torch.float64))
             moments = channel_gram_moments(activations, labels, reference=self.reference, **options)
         else:
-            rows, labels = self._rows(activations, labels, mask)
+            rows, labels, counts = self._rows(activations, labels, mask)
             if rows.shape[0] == 0:
                 return
             self._ensure_reference(lambda: rows.mean(dim=0, dtype=torch.float64))
-            moments = row_moments(rows, labels, reference=self.reference, **options)
+            moments = row_moments(rows, labels, reference=self.reference, class_counts=counts, **options)
             if self.path == "sketch":
                 self._add_to_sketch(rows)
             elif self.path == "sample_gram":
@@ -523,22 +530,39 @@ class ActivationSpectrum(Metric):
         if self.reference.numel() == 0:
             self.reference = reference_point(mean())
 
-    def _rows(self, activations: Tensor, labels: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The batch as ``(N, d)`` rows and their labels: in their own precision, except ``"mean"`` in float64."""
-        if labels is not None and self.uses_class_grams:
-            # Inputs sorted by class give each class contiguous rows, with no float64 copy of the rows to group them.
-            labels, order = torch.sort(labels, stable=True)
-            activations = activations.index_select(0, order)
-            mask = mask.index_select(0, order) if mask is not None else None
+    def _rows(
+        self, activations: Tensor, grouping: ClassGrouping | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, list[int] | None]:
+        """The batch as ``(N, d)`` rows, their labels and, when the rows are sorted by class, the rows per class.
+
+        Rows are in their own precision, except ``"mean"`` in float64.
+        """
+        if grouping is None:
+            return self._reduce(activations, mask), None, None
+        if not self.uses_class_grams:
+            rows = self._reduce(activations, mask)
+            return rows, self._row_labels(grouping.labels, rows, activations, mask), None
+        # Inputs sorted by class give each class contiguous rows, with no float64 copy of the rows to group them.
+        activations = activations.index_select(0, grouping.order)
+        mask = mask.index_select(0, grouping.order) if mask is not None else None
+        rows = self._reduce(activations, mask)
+        labels = self._row_labels(grouping.sorted_labels, rows, activations, mask)
+        per_input = rows.shape[0] // max(activations.shape[0], 1)
+        counts = None if mask is not None and activations.ndim == 3 else [n * per_input for n in grouping.counts]
+        return rows, labels, counts
+
+    def _reduce(self, activations: Tensor, mask: Tensor | None) -> Tensor:
         # A mean over half-precision values is taken in float64 (a bf16 mean loses 3 digits); reshapes are exact.
         dtype = torch.float64 if self.reduction == "mean" and activations.ndim > 2 else None
-        rows = reduce_activations(activations, self.reduction, dtype=dtype, mask=mask)
-        if labels is not None and mask is not None and activations.ndim == 3:
-            labels = labels.repeat_interleave(token_rows_per_sample(mask, self.reduction))
-        elif labels is not None and rows.shape[0] > labels.shape[0]:
-            # Every position or token inherits its input's label.
-            labels = labels.repeat_interleave(rows.shape[0] // labels.shape[0])
-        return rows, labels
+        return reduce_activations(activations, self.reduction, dtype=dtype, mask=mask)
+
+    def _row_labels(self, labels: Tensor, rows: Tensor, activations: Tensor, mask: Tensor | None) -> Tensor:
+        """The label of every row: each position or token inherits its input's label."""
+        if mask is not None and activations.ndim == 3:
+            return labels.repeat_interleave(token_rows_per_sample(mask, self.reduction))
+        if rows.shape[0] > labels.shape[0]:
+            return labels.repeat_interleave(rows.shape[0] // labels.shape[0])
+        return labels
 
     def _prepare(
         self, activations: Tensor, labels: Tensor | None, mask: Tensor | None
@@ -556,7 +580,7 @@ class ActivationSpectrum(Metric):
         if self.num_classes is None or labels is None:
             labels = None
         else:
-            labels = self._input_labels(labels, activations.shape[0])
+            labels = self._input_grouping(labels, activations.shape[0])
         # Before anything is accumulated the states follow the activations' device; afterwards the batch follows them.
         fresh = self._update_count <= 1
         device = activations.device if fresh else self.feature_sum.device
@@ -564,16 +588,15 @@ class ActivationSpectrum(Metric):
         moved = [None if t is None else t.to(device) for t in (labels, mask if activations.ndim == 3 else None)]
         return activations.to(device), moved[0], moved[1]
 
-    def _input_labels(self, labels: Tensor, batch: int) -> Tensor:
-        if labels.ndim != 1 or labels.shape[0] != batch:
-            raise ValueError(f"labels must have shape ({batch},) to match the activations, got {tuple(labels.shape)}")
-        if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-            raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
-        if batch and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
-            raise ValueError(
-                f"labels must lie in [0, {self.num_classes}), got values in [{int(labels.min())}, {int(labels.max())}]"
-            )
-        return labels.long()
+    def _input_grouping(self, labels: Tensor | ClassGrouping, batch: int) -> ClassGrouping:
+        given = labels.labels if isinstance(labels, ClassGrouping) else labels
+        if given.ndim != 1 or given.shape[0] != batch:
+            raise ValueError(f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}")
+        if isinstance(labels, ClassGrouping):
+            if len(labels.counts) != self.num_classes:
+                raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
+            return labels
+        return group_by_class(labels, self.num_classes)
 
     def _grams(self) -> dict[str, Tensor | None]:
         """The running Grams a batch is added into (gram path only); labelled rows go into their class Gram if kept."""

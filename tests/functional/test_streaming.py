@@ -365,12 +365,13 @@ def test_gram_precision_choices_and_the_tf32_flag_is_restored() -> None:
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-@pytest.mark.parametrize("features", [7, 130, 300])
-def test_gram_products_keep_the_lower_triangle(features: int) -> None:
-    # From 128 features only the blocks on and below the diagonal are multiplied; the lower triangle is exact.
+@pytest.mark.parametrize(("features", "rows"), [(7, 300), (130, 300), (300, 300), (130, 40)])
+def test_gram_products_keep_the_lower_triangle(features: int, rows: int) -> None:
+    # From 128 features and 256 rows only the blocks on and below the diagonal are multiplied; the lower triangle is
+    # exact. A product of fewer rows is one call, so the whole Gram is exact.
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(40, features, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 2, (40,), generator=g)
+    x = torch.randn(rows, features, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 2, (rows,), generator=g)
     gram = torch.zeros(features, features, dtype=torch.float64)
     class_grams = torch.zeros(2, features, features, dtype=torch.float64)
     row_moments(x, gram=gram)
@@ -379,4 +380,4 @@ def test_gram_products_keep_the_lower_triangle(features: int) -> None:
     torch.testing.assert_close(gram.tril(), expected.tril(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(symmetrize_lower(gram), expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(symmetrize_lower(class_grams).sum(0), expected, rtol=1e-12, atol=1e-12)
-    assert bool((gram.triu(1) != expected.triu(1)).any()) is (features >= 128)  # partial sums above
+    assert bool((gram.triu(1) != expected.triu(1)).any()) is (features >= 128 and rows >= 256)  # partial sums above

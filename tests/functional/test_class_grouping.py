@@ -1,0 +1,136 @@
+"""Labels grouped once per batch (``group_by_class``) and small CPU work on one thread (``serial_if_small``)."""
+
+import math
+
+import pytest
+import torch
+
+from rank_lightning.functional.spectral import SERIAL_EIGH_BELOW, serial_if_small
+from rank_lightning.functional.streaming import ClassGrouping, channel_gram_moments, group_by_class, row_moments
+from rank_lightning.metrics import ActivationSpectrum
+from rank_lightning.tracker import RankTracker
+
+
+def test_grouping_sorts_stably_and_counts_on_the_host() -> None:
+    labels = torch.tensor([2, 0, 2, 1, 0, 2])
+    grouping = group_by_class(labels, 4)
+    assert grouping.counts == (2, 1, 3, 0)
+    assert all(isinstance(n, int) for n in grouping.counts)
+    assert grouping.order.tolist() == [1, 4, 3, 0, 2, 5]  # stable: equal labels keep their input order
+    assert grouping.sorted_labels.tolist() == [0, 0, 1, 2, 2, 2]
+    assert grouping.head(3).counts == (1, 0, 2, 0)
+    assert grouping.head(6) is grouping
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (torch.tensor([0, 3]), r"labels must lie in \[0, 3\), got values in \[0, 3\]"),
+        (torch.tensor([-1, 2]), r"labels must lie in \[0, 3\), got values in \[-1, 2\]"),
+        (torch.tensor([0.0, 1.0]), "labels must be integer class indices, got dtype torch.float32"),
+        (torch.tensor([[0, 1]]), r"labels must be 1-D, got shape \(1, 2\)"),
+    ],
+)
+def test_grouping_names_bad_labels(labels: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        group_by_class(labels, 3)
+
+
+def _class_grams(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    return torch.stack([rows[labels == c].T @ rows[labels == c] for c in range(classes)])
+
+
+def test_row_moments_with_host_counts_equal_the_direct_class_grams() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(300, 130, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 5, (300,), generator=g)
+    grouping = group_by_class(labels, 5)
+    class_grams = torch.zeros(5, 130, 130, dtype=torch.float64)
+    moments = row_moments(
+        rows[grouping.order],
+        grouping.sorted_labels,
+        num_classes=5,
+        class_grams=class_grams,
+        class_counts=grouping.counts,
+    )
+    expected = _class_grams(rows, labels, 5)
+    torch.testing.assert_close(class_grams.tril(), expected.tril(), rtol=1e-12, atol=1e-10)
+    assert moments.class_counts.tolist() == list(grouping.counts)
+
+
+def test_channel_moments_take_a_grouping_or_labels_alike() -> None:
+    g = torch.Generator().manual_seed(1)
+    maps = torch.randn(12, 6, 5, 5, generator=g)
+    labels = torch.randint(0, 3, (12,), generator=g)
+    results = []
+    for given in (labels, group_by_class(labels, 3)):
+        gram = torch.zeros(6, 6, dtype=torch.float64)
+        class_grams = torch.zeros(3, 6, 6, dtype=torch.float64)
+        moments = channel_gram_moments(maps, given, num_classes=3, gram=gram, class_grams=class_grams)
+        results.append((class_grams, moments.class_sums, moments.class_counts))
+    for first, second in zip(*results):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    rows = maps.permute(0, 2, 3, 1).reshape(-1, 6).double()
+    expected = _class_grams(rows, labels.repeat_interleave(25), 3)
+    torch.testing.assert_close(results[0][0].tril(), expected.tril(), rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("reduction", ["flatten", "channel"])
+def test_metric_values_are_the_same_with_a_grouping(reduction: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 4, 3, 3, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(3)]
+    by_labels = ActivationSpectrum(reduction=reduction, num_classes=4)
+    by_grouping = ActivationSpectrum(reduction=reduction, num_classes=4)
+    for x, y in batches:
+        by_labels.update(x, y)
+        by_grouping.update(x, group_by_class(y, 4))
+    first, second = by_labels.compute().scalars(), by_grouping.compute().scalars()
+    assert first.keys() == second.keys() and len(first) > 10
+    for key, value in first.items():
+        assert value == pytest.approx(second[key], rel=1e-12, abs=1e-12, nan_ok=True), key
+
+
+def test_metric_rejects_a_grouping_of_another_batch_or_class_count() -> None:
+    metric = ActivationSpectrum(num_classes=4)
+    with pytest.raises(ValueError, match=r"labels must have shape \(8,\)"):
+        metric.update(torch.randn(8, 5), group_by_class(torch.zeros(6, dtype=torch.long), 4))
+    with pytest.raises(ValueError, match="grouped into 3 classes, not 4"):
+        metric.update(torch.randn(8, 5), group_by_class(torch.zeros(8, dtype=torch.long), 3))
+
+
+def test_stream_groups_each_batch_once_for_all_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rank_lightning.streams as streams
+
+    calls = []
+
+    def counting(labels: torch.Tensor, num_classes: int) -> ClassGrouping:
+        calls.append(labels.shape[0])
+        return group_by_class(labels, num_classes)
+
+    monkeypatch.setattr(streams, "group_by_class", counting)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(3)
+    with RankTracker(model, layers=["0", "2", "3"], num_classes=3) as tracker:
+        for _ in range(2):
+            with tracker.batch(torch.randint(0, 3, (10,), generator=g)):
+                model(torch.randn(10, 6, generator=g))
+    assert calls == [10, 10]  # one grouping per batch, shared by the three layers
+    values = tracker.compute()
+    assert len(values) == 3 and all(math.isfinite(v["tcv"]) for v in values.values())
+
+
+def test_serial_if_small_runs_small_cpu_work_on_one_thread() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpu = torch.zeros(1)
+        with serial_if_small(cpu, 64):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with serial_if_small(cpu, SERIAL_EIGH_BELOW):  # large: torch's count
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"), serial_if_small(cpu, 8):
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2  # restored after an error too
+    finally:
+        torch.set_num_threads(before)
