@@ -92,6 +92,12 @@ def _shape_groups(matrices: Sequence[Tensor]) -> list[tuple[torch.device, list[i
 
 def _group_spectra(matrices: list[Tensor], device: torch.device, route: str) -> list[Spectrum]:
     """Spectra of same-shape matrices in one batched decomposition by ``route``."""
+    rows, cols = matrices[0].shape
+    with serial_if_small(torch.empty(0, device=device), min(rows, cols), SERIAL_SVD_BELOW):
+        return _decomposed(matrices, device, route)
+
+
+def _decomposed(matrices: list[Tensor], device: torch.device, route: str) -> list[Spectrum]:
     batch = torch.stack([w.detach().to(device=device, dtype=torch.float64) for w in matrices])  # (B, out, fan_in)
     finite = torch.isfinite(batch).flatten(1).all(dim=1)
     # LAPACK fails on non-finite input: decompose zeros there and mark the result NaN.
@@ -166,8 +172,7 @@ def _svdvals(batch: Tensor) -> Tensor:
         return _jordan_wielandt_svdvals(batch)
     # Same singular values, but LAPACK's SVD of a wide matrix is several times slower than of its transpose (conv
     # kernels are wide: out < in * kh * kw).
-    with serial_if_small(batch, min(rows, cols), SERIAL_SVD_BELOW):
-        return torch.linalg.svdvals(batch.mT if rows < cols else batch)
+    return torch.linalg.svdvals(batch.mT if rows < cols else batch)
 
 
 # Bytes of the augmented matrices decomposed at once on CUDA.

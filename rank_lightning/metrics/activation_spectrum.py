@@ -20,6 +20,7 @@ from rank_lightning.functional.spectral import (
     SpectralSummary,
     Spectrum,
     default_rank_tolerance,
+    serial_if_small,
     spectrum_from_gram,
     summarize,
     total_cluster_variation_from_moments,
@@ -671,13 +672,15 @@ class ActivationSpectrum(Metric):
             problem = f"{bad} batch(es) of activations contained NaN or Inf" if bad else "no activations were streamed"
             warnings.warn(f"ActivationSpectrum: {problem}; every metric is NaN", RuntimeWarning, stacklevel=2)
             return self._nan_result(n)
-        if self.path == "gram":
-            estimate = self._gram_estimate(n)
-        elif self.path == "sketch":
-            estimate = self._sketch_estimate(n)
-        else:
-            estimate = self._sample_estimate(n)
-        return self._result(estimate, tcv=self._tcv(n), n=n)
+        # Element-wise work on a few d x d matrices is too small to share between threads (see serial_if_small).
+        with serial_if_small(self.feature_sum, self.feature_sum.shape[-1]):
+            if self.path == "gram":
+                estimate = self._gram_estimate(n)
+            elif self.path == "sketch":
+                estimate = self._sketch_estimate(n)
+            else:
+                estimate = self._sample_estimate(n)
+            return self._result(estimate, tcv=self._tcv(n), n=n)
 
     @property
     def _centers(self) -> list[bool]:
