@@ -177,12 +177,17 @@ class SyncAudit(pl.Callback):
             self._original(message, category, filename, lineno, *args)
 
     def __enter__(self) -> SyncAudit:
+        # Python shows a warning once per source line unless told otherwise: every synchronisation must be counted.
+        self._filters = warnings.catch_warnings()
+        self._filters.__enter__()
+        warnings.filterwarnings("always", message=".*synchroniz.*")
         warnings.showwarning = self._record
         torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc: Any) -> None:
         torch.cuda.set_sync_debug_mode(0)
+        self._filters.__exit__(*exc)
         warnings.showwarning = self._original
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:

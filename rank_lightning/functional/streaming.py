@@ -57,6 +57,7 @@ __all__ = [
     "SketchUpdate",
     "Subsample",
     "channel_gram_moments",
+    "class_counts",
     "classwise_variance_ratio_from_grams",
     "classwise_variance_ratio_from_sample",
     "count_sketch",
@@ -149,6 +150,17 @@ class ClassGrouping(NamedTuple):
         return group_by_class(self.labels[:count], len(self.counts))
 
 
+def class_counts(labels: Tensor, num_classes: int) -> Tensor:
+    """Rows per class, ``(num_classes,)`` int64, of labels in ``[0, num_classes)``, without a host synchronisation.
+
+    ``torch.bincount`` on a GPU reads the largest label back to size its output: a synchronisation per call. Adding
+    ones at the labels into ``num_classes`` zeros gives the same counts on the device. Out-of-range labels raise.
+    """
+    return torch.zeros(num_classes, dtype=torch.int64, device=labels.device).index_add_(
+        0, labels, torch.ones_like(labels, dtype=torch.int64)
+    )
+
+
 def group_by_class(labels: Tensor, num_classes: int) -> ClassGrouping:
     """Check ``labels`` and group them by class (see :class:`ClassGrouping`), with one device-to-host transfer.
 
@@ -164,7 +176,7 @@ def group_by_class(labels: Tensor, num_classes: int) -> ClassGrouping:
         empty = labels.new_zeros(0)
         return ClassGrouping(labels, empty, empty, (0,) * num_classes)
     low, high = labels.min(), labels.max()
-    counts = torch.bincount(labels.clamp(0, num_classes - 1), minlength=num_classes)
+    counts = class_counts(labels.clamp(0, num_classes - 1), num_classes)
     summary = torch.cat([low.view(1), high.view(1), counts]).tolist()  # the one synchronisation
     if summary[0] < 0 or summary[1] >= num_classes:
         raise ValueError(f"labels must lie in [0, {num_classes}), got values in [{summary[0]}, {summary[1]}]")
@@ -207,7 +219,7 @@ def _class_moments(
     """Rows per class (each label counting ``repeats`` rows) and per-class sums of ``sums`` (one row per label)."""
     if labels is None or num_classes is None:
         return None, None
-    counts = torch.bincount(labels, minlength=num_classes) * repeats
+    counts = class_counts(labels, num_classes) * repeats
     class_sums = sums.new_zeros(num_classes, sums.shape[1]).index_add_(0, labels, sums)
     return counts, class_sums
 
@@ -461,7 +473,7 @@ def channel_gram_moments(
             start = stop
     counts = None
     if labels is not None and num_classes is not None:
-        counts = torch.bincount(labels, minlength=num_classes) * (height * width)
+        counts = class_counts(labels, num_classes) * (height * width)
         if class_sums is None:
             class_sums = _channel_class_sums(flat, labels, num_classes, reference)
     return BatchMoments(batch * height * width, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)

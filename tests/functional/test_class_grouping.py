@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from rank_lightning.functional.spectral import SERIAL_EIGH_BELOW, serial_if_small
-from rank_lightning.functional.streaming import ClassGrouping, channel_gram_moments, group_by_class, row_moments
+from rank_lightning.functional.streaming import (
+    ClassGrouping,
+    channel_gram_moments,
+    class_counts,
+    group_by_class,
+    row_moments,
+)
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.tracker import RankTracker
 
@@ -134,3 +140,11 @@ def test_serial_if_small_runs_small_cpu_work_on_one_thread() -> None:
         assert torch.get_num_threads() == 2  # restored after an error too
     finally:
         torch.set_num_threads(before)
+
+
+def test_class_counts_equal_bincount_and_reject_labels_out_of_range() -> None:
+    labels = torch.tensor([3, 0, 3, 1, 3])
+    assert class_counts(labels, 5).tolist() == torch.bincount(labels, minlength=5).tolist() == [1, 1, 0, 3, 0]
+    assert class_counts(labels, 5).dtype == torch.int64
+    with pytest.raises(IndexError):
+        class_counts(labels, 3)
