@@ -143,12 +143,6 @@ class ClassGrouping(NamedTuple):
             labels=self.labels.to(device), order=self.order.to(device), sorted_labels=self.sorted_labels.to(device)
         )
 
-    def head(self, count: int) -> ClassGrouping:
-        """The grouping of the first ``count`` inputs (``labels[:count]``); regrouped only when it differs."""
-        if count >= self.labels.shape[0]:
-            return self
-        return group_by_class(self.labels[:count], len(self.counts))
-
 
 def class_counts(labels: Tensor, num_classes: int) -> Tensor:
     """Rows per class, ``(num_classes,)`` int64, of labels in ``[0, num_classes)``, without a host synchronisation.
@@ -313,7 +307,7 @@ def row_moments(
     class_grams: Tensor | None = None,
     reference: Tensor | None = None,
     precision: str = "float64",
-    class_counts: Sequence[int] | None = None,
+    sorted_counts: Sequence[int] | None = None,
 ) -> BatchMoments:
     """First moments of a batch of rows; with ``gram``, also adds the batch's Gram into its lower triangle.
 
@@ -336,7 +330,7 @@ def row_moments(
         class_grams: running float64 ``(C, d, d)`` class Grams, added into in place likewise (with ``labels`` only).
         reference: ``(d,)`` float64 point the moments are taken around.
         precision: ``"float64"``, ``"float32"`` or ``"tf32"`` (resolved, see :func:`resolve_gram_precision`).
-        class_counts: rows per class, on the host, when ``labels`` are known to be sorted (from a
+        sorted_counts: rows per class, on the host, when ``labels`` are known to be sorted (from a
             :class:`ClassGrouping`): the class Grams then need no synchronisation to find each class's rows.
 
     Returns:
@@ -351,7 +345,7 @@ def row_moments(
         with gram_product_dtype(precision) as dtype:
             factor = shifted.to(dtype)
             if class_grams is not None and labels is not None:
-                _add_class_grams(class_grams, factor, labels, class_counts)
+                _add_class_grams(class_grams, factor, labels, sorted_counts)
             elif gram is not None:
                 _add_product(gram, factor.T)
         # The norm reduces without the N x d temporary of rows.square().

@@ -519,7 +519,7 @@ class ActivationSpectrum(Metric):
             if rows.shape[0] == 0:
                 return
             self._ensure_reference(lambda: rows.mean(dim=0, dtype=torch.float64))
-            moments = row_moments(rows, labels, reference=self.reference, class_counts=counts, **options)
+            moments = row_moments(rows, labels, reference=self.reference, sorted_counts=counts, **options)
             if self.path == "sketch":
                 self._add_to_sketch(rows)
             elif self.path == "sample_gram":
