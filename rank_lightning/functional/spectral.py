@@ -24,8 +24,10 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,6 +43,7 @@ __all__ = [
     "classwise_variance_ratio",
     "default_rank_tolerance",
     "effective_rank",
+    "gram_variance_ratios",
     "numerical_rank",
     "participation_ratio",
     "singular_values",
@@ -280,6 +283,132 @@ def serial_if_small(tensor: Tensor, size: int, serial_below: int = SERIAL_EIGH_B
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+class ScipyBlas:
+    """SciPy's own OpenBLAS, run on one thread, where torch too runs on one thread.
+
+    SciPy's OpenBLAS keeps a thread pool of its own, whose threads spin after every call (on a 2-core machine they
+    took a core from the training loop, half of it in ``sched_yield``). The package therefore calls it on one thread
+    only (:meth:`single_threaded`), and only where torch runs on at most :data:`SCIPY_MAX_TORCH_THREADS` thread
+    (:meth:`usable`): the small work of :func:`serial_if_small` and one-thread runs. There one thread of ``dsyrk`` was
+    1.2-1.9x faster than torch's Gram product, while torch's product on two threads beat it by 1.05-1.5x for 256 and
+    more features (``benchmarks/bench_gram_update.py``, two cores). The library is found once through
+    ``threadpoolctl`` among the BLAS libraries loaded from SciPy's own folder; where SciPy's BLAS is not such a library
+    (a system or conda BLAS shared with other code), ``available`` is false and the work stays torch's.
+    """
+
+    def __init__(self) -> None:
+        self.libraries: list[Any] | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether SciPy's own OpenBLAS was found (looked up on first use)."""
+        if self.libraries is None:
+            self.libraries = self._find()
+        return bool(self.libraries)
+
+    def usable(self) -> bool:
+        """Available, and torch runs on at most :data:`SCIPY_MAX_TORCH_THREADS` threads here and now."""
+        return torch.get_num_threads() <= SCIPY_MAX_TORCH_THREADS and self.available
+
+    @staticmethod
+    def _find() -> list[Any]:
+        try:
+            import scipy
+            import scipy.linalg.blas  # loads SciPy's BLAS, so that threadpoolctl lists it
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            return []
+        root = Path(scipy.__file__).resolve().parent
+        folders = (root, root.parent / "scipy.libs")
+        libraries = [
+            library
+            for library in ThreadpoolController().select(internal_api="openblas").lib_controllers
+            if any(folder in Path(library.filepath).resolve().parents for folder in folders)
+        ]
+        return libraries
+
+    @contextmanager
+    def single_threaded(self) -> Iterator[None]:
+        """Inside, SciPy's OpenBLAS runs on one thread; its own count is restored after."""
+        before = [library.num_threads for library in self.libraries or ()]
+        for library, count in zip(self.libraries or (), before):
+            if count != 1:
+                library.set_num_threads(1)
+        try:
+            yield
+        finally:
+            for library, count in zip(self.libraries or (), before):
+                if count != 1:
+                    library.set_num_threads(count)
+
+
+SCIPY_MAX_TORCH_THREADS = 1
+"""SciPy's one-thread kernels replace torch's only where torch runs on at most this many threads (see
+:class:`ScipyBlas`)."""
+
+# Below this size every eigenvalue by torch is as fast as the leading ones by LAPACK (0.83-0.89x at d = 64,
+# 1.0-1.2x at 128, 1.6-2.3x from 256 on: benchmarks/bench_gram_update.py).
+_LEADING_EIGEN_MIN = 128
+
+SCIPY_BLAS = ScipyBlas()
+"""The one instance: the package's SciPy BLAS and LAPACK calls run inside ``SCIPY_BLAS.single_threaded()``."""
+
+
+def gram_variance_ratios(
+    grams: Tensor,
+    k: int,
+    *,
+    num_samples: Sequence[int],
+    feature_sums: Tensor | None = None,
+) -> Tensor | None:
+    """``VR_k`` of each Gram: the sum of its ``k`` largest eigenvalues over its trace, by LAPACK's selected-eigenvalue
+    solver (Sanyal et al. eq. 7 with ``s_i^2`` the eigenvalues of ``X^T X``); ``None`` where it does not apply.
+
+    The variance ratio needs the ``k`` leading eigenvalues and the total ``sum_i s_i^2 = trace(X^T X)``, not the whole
+    spectrum. SciPy's ``eigh(subset_by_index=...)`` (``?syevr``: the same tridiagonal reduction, then only the wanted
+    eigenvalues, each to full accuracy) on one thread took 0.4-1.0x the time of torch's ``eigvalsh`` of every
+    eigenvalue for d = 128-512 (``benchmarks/bench_gram_update.py``), and longer below d = 128, where ``None`` is
+    returned; from d = 1024 on, where torch's eigensolver runs on all of its threads, only if those are one
+    (:meth:`ScipyBlas.usable`). The trace is the exact sum the eigenvalues would add up to, without their rounding.
+
+    Args:
+        grams: ``(B, d, d)`` symmetric float64 Grams (both triangles set).
+        k: number of leading eigenvalues.
+        num_samples: the rows ``N_b`` behind each Gram.
+        feature_sums: ``(B, d)`` ``X_b^T 1``: centre each Gram first (``X^T X - s s^T / N``).
+
+    Returns:
+        float64 ``(B,)`` on the Grams' device, or ``None`` (nothing computed) for a non-CPU or non-float64 batch, a
+        non-finite Gram, ``k`` not below ``min(N_b, d)`` for some Gram, the sizes above, or without SciPy's own BLAS
+        (:class:`ScipyBlas`): then the whole spectra are needed.
+    """
+    d = grams.shape[-1]
+    if (
+        grams.device.type != "cpu"
+        or grams.dtype != torch.float64
+        or any(k >= min(int(n), d) for n in num_samples)
+        or d < _LEADING_EIGEN_MIN
+        or not (d < SERIAL_EIGH_BELOW or SCIPY_BLAS.usable())
+        or not SCIPY_BLAS.available
+    ):
+        return None
+    g = grams.detach()
+    if feature_sums is not None:
+        n = torch.tensor([float(n) for n in num_samples], dtype=torch.float64).view(-1, 1, 1)
+        g = _center_feature_gram(g, feature_sums.detach().to(torch.float64), n)
+    if not bool(torch.isfinite(g.sum(dim=(1, 2))).all()):
+        return None
+    from scipy.linalg import eigh
+
+    totals = g.diagonal(dim1=1, dim2=2).sum(-1)
+    leading = torch.empty_like(totals)
+    with SCIPY_BLAS.single_threaded():
+        for b, matrix in enumerate(g.numpy()):
+            values = eigh(matrix, eigvals_only=True, subset_by_index=[d - k, d - 1], driver="evr", check_finite=False)
+            leading[b] = float(np.clip(values, 0.0, None).sum())
+    return leading / totals
 
 
 def _gram_singular_values(gram: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import rank_lightning.functional as F
+from rank_lightning.functional.spectral import SCIPY_BLAS
 from rank_lightning.functional.streaming import (
     AUTO_GRAM_PRECISION,
     GRAM_PRECISIONS,
@@ -48,8 +49,8 @@ def test_row_moments_match_direct_sums() -> None:
     np.testing.assert_array_equal(moments.class_counts.numpy(), np.bincount(labels, minlength=5))
     for c in range(5):
         np.testing.assert_allclose(moments.class_sums[c].numpy(), a[labels == c].sum(0), rtol=1e-13, atol=1e-13)
-    # The Gram is added into the running sum.
-    np.testing.assert_allclose(gram.numpy(), 2.0 + a.T @ a, rtol=1e-13)
+    # The Gram is added into the running sum (its lower triangle, which symmetrize_lower mirrors).
+    np.testing.assert_allclose(symmetrize_lower(gram).numpy(), 2.0 + a.T @ a, rtol=1e-13)
     plain = row_moments(x)
     assert plain.class_counts is None and plain.class_sums is None
 
@@ -67,11 +68,11 @@ def test_row_moments_route_labelled_rows_into_their_class_gram(presorted: bool) 
     assert float(gram.abs().sum()) == 0.0  # labelled rows go to their class Gram only
     for c in range(4):
         rows = a[labels == c]
-        np.testing.assert_allclose(class_grams[c].numpy(), 1.0 + rows.T @ rows, rtol=1e-13)
-    np.testing.assert_allclose((class_grams - 1).sum(0).numpy(), a.T @ a, rtol=1e-12)
+        np.testing.assert_allclose(symmetrize_lower(class_grams[c]).numpy(), 1.0 + rows.T @ rows, rtol=1e-13)
+    np.testing.assert_allclose(symmetrize_lower(class_grams - 1).sum(0).numpy(), a.T @ a, rtol=1e-12)
     # Without labels, class Grams are left alone and the rows go to the Gram.
     row_moments(x, None, num_classes=4, gram=gram, class_grams=class_grams)
-    np.testing.assert_allclose(gram.numpy(), a.T @ a, rtol=1e-13)
+    np.testing.assert_allclose(symmetrize_lower(gram).numpy(), a.T @ a, rtol=1e-13)
 
 
 def test_row_moments_flag_non_finite_batches() -> None:
@@ -290,11 +291,12 @@ def test_moments_around_a_reference_keep_the_spread_of_offset_data(offset: float
     reference = reference_point(x[:20].mean(0))
     gram = torch.zeros(5, 5, dtype=torch.float64)
     moments = row_moments(x, gram=gram, reference=reference)
-    found = gram - torch.outer(moments.feature_sum, moments.feature_sum) / 200
+    found = symmetrize_lower(gram) - torch.outer(moments.feature_sum, moments.feature_sum) / 200
     torch.testing.assert_close(found, expected, rtol=1e-9, atol=1e-9 * float(expected.abs().max()))
     plain = torch.zeros(5, 5, dtype=torch.float64)
     plain_sum = row_moments(x, gram=plain).feature_sum
-    lost = (plain - torch.outer(plain_sum, plain_sum) / 200 - expected).abs().max() / expected.abs().max()
+    lost = (symmetrize_lower(plain) - torch.outer(plain_sum, plain_sum) / 200 - expected).abs().max()
+    lost = lost / expected.abs().max()
     assert float(lost) > 1e-3  # what the reference point prevents
 
 
@@ -339,7 +341,7 @@ def test_float32_gram_products_add_into_float64_sums(route: str) -> None:
     exact, exact_moments = grams["float64"]
     for precision in ("float32", "tf32"):  # TF32 is float32 on a CPU
         approx, moments = grams[precision]
-        error = float((approx - exact).abs().max() / exact.abs().max())
+        error = float((symmetrize_lower(approx) - symmetrize_lower(exact)).abs().max() / exact.abs().max())
         assert 1e-10 < error < 1e-6, precision
         # The first moments are float64 sums of the same shifted values in both cases.
         torch.testing.assert_close(moments.feature_sum, exact_moments.feature_sum, rtol=1e-6, atol=1e-5)
@@ -365,19 +367,32 @@ def test_gram_precision_choices_and_the_tf32_flag_is_restored() -> None:
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+@pytest.mark.parametrize("precision", ["float64", "float32"])
 @pytest.mark.parametrize(("features", "rows"), [(7, 300), (130, 300), (300, 300), (130, 40)])
-def test_gram_products_keep_the_lower_triangle(features: int, rows: int) -> None:
-    # From 128 features and 256 rows only the blocks on and below the diagonal are multiplied; the lower triangle is
-    # exact. A product of fewer rows is one call, so the whole Gram is exact.
+def test_gram_products_keep_the_lower_triangle(features: int, rows: int, precision: str) -> None:
+    # Only the lower triangle is kept up to date. In float64 on a CPU it is BLAS's symmetric rank-k update, which never
+    # writes above the diagonal. Float32 products from 128 features and 256 rows multiply only the blocks on and below
+    # the diagonal (partial sums above it); a float32 product of fewer rows or features is one call, exact everywhere.
     g = torch.Generator().manual_seed(5)
     x = torch.randn(rows, features, generator=g, dtype=torch.float64)
     y = torch.randint(0, 2, (rows,), generator=g)
     gram = torch.zeros(features, features, dtype=torch.float64)
     class_grams = torch.zeros(2, features, features, dtype=torch.float64)
-    row_moments(x, gram=gram)
-    row_moments(x, y, num_classes=2, class_grams=class_grams)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # where SciPy's dsyrk is taken (SCIPY_BLAS.usable)
+        row_moments(x, gram=gram, precision=precision)
+        row_moments(x, y, num_classes=2, class_grams=class_grams, precision=precision)
+        syrk = precision == "float64" and SCIPY_BLAS.usable()
+    finally:
+        torch.set_num_threads(threads)
     expected = x.T @ x
-    torch.testing.assert_close(gram.tril(), expected.tril(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(symmetrize_lower(gram), expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(symmetrize_lower(class_grams).sum(0), expected, rtol=1e-12, atol=1e-12)
-    assert bool((gram.triu(1) != expected.triu(1)).any()) is (features >= 128 and rows >= 256)  # partial sums above
+    tol = 1e-12 if precision == "float64" else 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(gram.tril(), expected.tril(), rtol=tol, atol=tol)
+    torch.testing.assert_close(symmetrize_lower(gram), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(symmetrize_lower(class_grams).sum(0), expected, rtol=tol, atol=tol)
+    if syrk:
+        assert bool((gram.triu(1) == 0).all()) and bool((class_grams.triu(1) == 0).all())  # never written
+    else:
+        partial = not torch.allclose(gram.triu(1), expected.triu(1), rtol=tol, atol=tol)  # partial sums above
+        assert partial is (features >= 128 and rows >= 256)
