@@ -49,6 +49,7 @@ format: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_metrics.py
 	$(BIN)/python benchmarks/bench_overhead.py
+	$(BIN)/python benchmarks/bench_gram_update.py
 
 clean:
 	rm -rf $(VENV) $(TOOLS) runs wandb build dist docs/_build .pytest_cache .ruff_cache

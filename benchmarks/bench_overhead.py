@@ -16,7 +16,9 @@
    The PNG figures are drawn synchronously at the end of fit (the callbacks' ``on_fit_end``), inside the timed fit;
    the wall time spent in the rank callbacks' ``on_fit_end`` (the figures, plus the last W&B charts: none here) is
    reported on its own, in seconds, as a fraction of the monitored fit and per PNG file written, and so is the
-   overhead of the per-epoch monitoring without it.
+   overhead of the per-epoch monitoring without it. So is the initial point (``on_train_start``, the untrained
+   model measured by one more pass over the validation loader, ``log_at_init``): fixed costs that a short benchmark
+   fit magnifies (on ResNet-18's two epochs, the initial pass is a third more validation).
 2. ``WeightRankMonitor.measure``, with each of its decompositions (``auto``, the default, ``svd``, ``gram``), on
    torchvision's ResNet-50 (seeded random weights: nothing is downloaded) against ``WeightWatcher(model).analyze()``
    with its defaults, both on the same number of threads (``--threads``, else torch's default); medians of several
@@ -91,6 +93,9 @@ class FitTime:
     """Seconds spent inside the rank callbacks (their Lightning hooks and the forward hooks they register)."""
     fit_end: float
     """Seconds spent inside the rank callbacks' ``on_fit_end`` (the figures; part of ``inside`` and of ``wall``)."""
+    train_start: float
+    """Seconds spent inside the rank callbacks' ``on_train_start``: the initial point (``log_at_init``), one more
+    pass over the validation loader before the first step (part of ``inside`` and of ``wall``)."""
     figures: int
     """PNG files written into the run directory."""
     peak_memory: float = 0.0
@@ -233,7 +238,8 @@ def _fit(case: Case, monitored: bool, device: str) -> FitTime:
         wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
         figures = sum(1 for _ in Path(directory).rglob("*.png"))
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
-        return FitTime(wall, cpu, clock.seconds, clock.by_hook["on_fit_end"], figures, peak)
+        by_hook = clock.by_hook
+        return FitTime(wall, cpu, clock.seconds, by_hook["on_fit_end"], by_hook["on_train_start"], figures, peak)
 
 
 def _overhead(case: Case, repeats: int, device: str) -> None:
@@ -263,6 +269,10 @@ def _overhead(case: Case, repeats: int, device: str) -> None:
     print(f"  PNG files drawn                  {figures:8g}   -> {per_figure:.3f} s per figure")
     without = statistics.median(t.inside - t.fit_end for t in monitored)
     print(f"  inside, without the figures      {without:8.2f} s -> {1 + without / plain_wall:.3f} x the plain fit")
+    initial = statistics.median(t.train_start for t in monitored)
+    print(f"  initial point (on_train_start)   {initial:8.2f} s, one more pass over the validation loader")
+    per_epoch = statistics.median(t.inside - t.fit_end - t.train_start for t in monitored)
+    print(f"  inside, per measurement only     {per_epoch:8.2f} s -> {1 + per_epoch / plain_wall:.3f} x the plain fit")
     print(f"  CPU-time ratio                   {cpu_ratio:8.3f}")
     if device == "cuda":
         peak_plain = statistics.median(t.peak_memory for t in plain)

@@ -348,8 +348,8 @@ SCIPY_MAX_TORCH_THREADS = 1
 """SciPy's one-thread kernels replace torch's only where torch runs on at most this many threads (see
 :class:`ScipyBlas`)."""
 
-# Below this size every eigenvalue by torch is as fast as the leading ones by LAPACK (0.83-0.89x at d = 64,
-# 1.0-1.2x at 128, 1.6-2.3x from 256 on: benchmarks/bench_gram_update.py).
+# Below this size the leading eigenvalues gain little on every eigenvalue by torch (1.5-2.0x from d = 128 on, one or
+# two threads: benchmarks/bench_gram_update.py).
 _LEADING_EIGEN_MIN = 128
 
 SCIPY_BLAS = ScipyBlas()
@@ -367,9 +367,9 @@ def gram_variance_ratios(
     solver (Sanyal et al. eq. 7 with ``s_i^2`` the eigenvalues of ``X^T X``); ``None`` where it does not apply.
 
     The variance ratio needs the ``k`` leading eigenvalues and the total ``sum_i s_i^2 = trace(X^T X)``, not the whole
-    spectrum. SciPy's ``eigh(subset_by_index=...)`` (``?syevr``: the same tridiagonal reduction, then only the wanted
-    eigenvalues, each to full accuracy) on one thread took 0.4-1.0x the time of torch's ``eigvalsh`` of every
-    eigenvalue for d = 128-512 (``benchmarks/bench_gram_update.py``), and longer below d = 128, where ``None`` is
+    spectrum. LAPACK's ``dsyevr`` with an index range (through SciPy: the same tridiagonal reduction, then only the
+    wanted eigenvalues, each to full accuracy) on one thread took 0.5-0.7x the time of torch's ``eigvalsh`` of every
+    eigenvalue for d = 128-512 (``benchmarks/bench_gram_update.py``); below d = 128 it gains little and ``None`` is
     returned; from d = 1024 on, where torch's eigensolver runs on all of its threads, only if those are one
     (:meth:`ScipyBlas.usable`). The trace is the exact sum the eigenvalues would add up to, without their rounding.
 
@@ -400,14 +400,17 @@ def gram_variance_ratios(
         g = _center_feature_gram(g, feature_sums.detach().to(torch.float64), n)
     if not bool(torch.isfinite(g.sum(dim=(1, 2))).all()):
         return None
-    from scipy.linalg import eigh
+    from scipy.linalg.lapack import dsyevr
 
     totals = g.diagonal(dim1=1, dim2=2).sum(-1)
     leading = torch.empty_like(totals)
     with SCIPY_BLAS.single_threaded():
         for b, matrix in enumerate(g.numpy()):
-            values = eigh(matrix, eigvals_only=True, subset_by_index=[d - k, d - 1], driver="evr", check_finite=False)
-            leading[b] = float(np.clip(values, 0.0, None).sum())
+            # LAPACK's own call (the eigh wrapper's checks and workspace query cost 10-20% at d = 128); indices 1-based.
+            values, _, found, _, info = dsyevr(matrix, compute_v=0, range="I", il=d - k + 1, iu=d)
+            if info != 0 or found != k:
+                return None
+            leading[b] = float(np.clip(values[:k], 0.0, None).sum())
     return leading / totals
 
 
