@@ -390,8 +390,8 @@ def gram_variance_ratios(
         or grams.dtype != torch.float64
         or any(k >= min(int(n), d) for n in num_samples)
         or d < _LEADING_EIGEN_MIN
-        or not (d < SERIAL_EIGH_BELOW or SCIPY_BLAS.usable())
         or not SCIPY_BLAS.available
+        or (d >= SERIAL_EIGH_BELOW and not SCIPY_BLAS.usable())
     ):
         return None
     g = grams.detach()

@@ -363,12 +363,12 @@ def row_moments(
 def _add_product(target: Tensor, columns: Tensor) -> None:
     """``tril(target) += tril(Y Y^T)`` for ``Y = columns`` (d x K).
 
-    A float64 product on a CPU is BLAS's symmetric rank-k update (:func:`_cpu_syrk`), which computes the lower
-    triangle alone. Otherwise the product runs in :data:`_TRIANGLE_PARTS` row blocks: row block ``i`` multiplies only
-    the columns up to its own last one, the blocks on and below the diagonal, about ``(p + 1) / 2p`` of the full
-    product's work (5/8 for p = 4). Entries above the diagonal are not kept up to date; :func:`symmetrize_lower` makes
-    the full Gram from the lower triangle. On a GPU, and for few rows, the product is one call: launches and call
-    overhead would cost more than the saved work.
+    A float64 product on a CPU where torch runs on one thread is BLAS's symmetric rank-k update
+    (:func:`_cpu_syrk`), which computes the lower triangle alone. Otherwise the product runs in
+    :data:`_TRIANGLE_PARTS` row blocks: row block ``i`` multiplies only the columns up to its own last one, the blocks
+    on and below the diagonal, about ``(p + 1) / 2p`` of the full product's work (5/8 for p = 4). Entries above the
+    diagonal are not kept up to date; :func:`symmetrize_lower` makes the full Gram from the lower triangle. On a GPU,
+    and for few rows, the product is one call: launches and call overhead would cost more than the saved work.
     """
     if _cpu_syrk(target, columns):
         return
@@ -388,8 +388,9 @@ def _cpu_syrk(target: Tensor, columns: Tensor) -> bool:
     """``tril(target) += tril(Y Y^T)`` by SciPy's ``dsyrk`` for float64 CPU tensors; ``False`` if not applicable.
 
     BLAS's symmetric rank-k update computes the lower triangle alone (half the multiply-adds of the full product) at
-    the full product's rate: on one thread 1.3-2.4x faster than torch's triangle blocks for 64-512 features and
-    64-100,000 rows, and as fast as those on two threads (``benchmarks/bench_gram_update.py``). Same float64
+    the full product's rate: on one thread 1.2-1.9x faster than torch's triangle blocks for 64-512 features and
+    64-100,000 rows; torch's blocks on two threads beat it from 256 features on (``benchmarks/bench_gram_update.py``),
+    hence one thread only. Same float64
     arithmetic, another order of summation. ``target`` must be a contiguous ``(d, d)`` float64 CPU tensor and ``Y`` a
     float64 CPU matrix with unit stride along one dimension, read in place. Returns ``False`` (nothing added)
     otherwise, and where :meth:`~rank_lightning.functional.spectral.ScipyBlas.usable` is false (no SciPy OpenBLAS of
@@ -427,7 +428,8 @@ def symmetrize_lower(gram: Tensor) -> Tensor:
     """The symmetric matrix (or batch of matrices) whose lower triangle is that of ``gram``.
 
     The running Grams of :func:`row_moments` and :func:`channel_gram_moments` are kept up to date in their lower
-    triangle only (the upper one holds partial sums); this gives the full Gram.
+    triangle only (the upper one holds partial sums, or nothing added where BLAS's ``dsyrk`` ran); this gives the
+    full Gram.
     """
     d = gram.shape[-1]
     lower = torch.ones(d, d, dtype=torch.bool, device=gram.device).tril_()
@@ -729,8 +731,8 @@ def classwise_variance_ratio_from_grams(
 ) -> Tensor:
     """``VR_k`` of each class (Sanyal et al. eq. 7, Sec. 4.3) from its Gram ``X_c^T X_c``.
 
-    On a CPU the ``k`` leading eigenvalues of each Gram and its trace (:func:`gram_variance_ratios`); elsewhere, and
-    for ``k`` not below a class's rank bound ``min(N_c, d)``, every eigenvalue in one batched ``eigh``.
+    On a CPU, for d >= 128, the ``k`` leading eigenvalues of each Gram and its trace (:func:`gram_variance_ratios`);
+    elsewhere, and for ``k`` not below a class's rank bound ``min(N_c, d)``, every eigenvalue in one batched ``eigh``.
 
     Args:
         class_grams: ``(C, d, d)`` class Grams.
