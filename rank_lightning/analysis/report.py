@@ -41,7 +41,8 @@ from pathlib import Path
 
 from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
 from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
-from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure, save_figure
+from rank_lightning.figure_workers import FigureJob, draw_figures
+from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure
 
 __all__ = ["RunCurves", "find_runs", "load_run", "main", "summary_rows", "write_figures", "write_summary"]
 
@@ -279,6 +280,9 @@ def write_figures(
 ) -> list[Path]:
     """Write, per namespace and metric, the metric-vs-epoch (panel per layer) and metric-vs-depth figures.
 
+    The figures are shared between this process and worker processes where the machine has idle cores
+    (:func:`~rank_lightning.figure_workers.draw_figures`).
+
     Args:
         runs: the runs, drawn together.
         out_dir: the folder of the PNG files.
@@ -286,25 +290,33 @@ def write_figures(
 
     Returns:
         Paths of the written PNG files.
+
+    Raises:
+        Exception: the error of the first figure that could not be drawn (after the others are written).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    jobs = []
     for namespace in _union(run.layers for run in runs):
         layers = _union(run.layers.get(namespace, []) for run in runs)
         for metric in _union(run.metrics(namespace) for run in runs):
             stem = figure_filename(namespace, metric)
             curves = {run.label: _metric_curves(run, namespace, metric) for run in runs}
             last = {run.label: (run.last_epoch(namespace), curves[run.label]) for run in runs}
-            by_epoch = runs_vs_epoch_figure(namespace, metric, layers, curves)
-            written.append(save_figure(by_epoch, out_dir / f"{stem}_vs_epoch.png", dpi=110))
-            if on_figure is not None:
-                on_figure(written[-1])
-            by_depth = runs_vs_depth_figure(namespace, metric, layers, last)
-            written.append(save_figure(by_depth, out_dir / f"{stem}_vs_depth.png", dpi=110))
-            if on_figure is not None:
-                on_figure(written[-1])
-    return written
+            by_epoch = (namespace, metric, layers, curves)
+            jobs.append(FigureJob(out_dir / f"{stem}_vs_epoch.png", runs_vs_epoch_figure, by_epoch, dpi=110))
+            by_depth = (namespace, metric, layers, last)
+            jobs.append(FigureJob(out_dir / f"{stem}_vs_depth.png", runs_vs_depth_figure, by_depth, dpi=110))
+
+    def report(index: int, result: Path | Exception) -> None:
+        if on_figure is not None and not isinstance(result, Exception):
+            on_figure(result)
+
+    written = draw_figures(jobs, on_figure=report)
+    for result in written:
+        if isinstance(result, Exception):
+            raise result
+    return [path for path in written if isinstance(path, Path)]
 
 
 def _labels(runs: Sequence[str], shown: int = 6) -> str:

@@ -16,6 +16,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
+from rank_lightning.figure_workers import start_figure_workers
 from rank_lightning.validation import check_positive_int
 
 __all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "trainer_fn"]
@@ -153,7 +154,8 @@ class CurveMonitor(RankCallback):
 
     Subclasses measure and call ``self.curves.record_and_log(trainer, pl_module, values)``; the base sends the last
     W&B charts and draws the figures at the end of fit (and of ``trainer.validate`` when it is monitored), and saves
-    the history in checkpoints so a resumed run continues its curves.
+    the history in checkpoints so a resumed run continues its curves. When a fit starts it starts the processes that
+    help draw the figures (:func:`~rank_lightning.figure_workers.start_figure_workers`, on global rank zero).
 
     Args:
         namespace: first part of every logged key (``"rank"``, ``"weight"``, ``"jacobian"``).
@@ -216,6 +218,12 @@ class CurveMonitor(RankCallback):
             and trainer.global_step == 0
             and self.curves.initial_point not in self.curves.epochs
         )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The processes that help draw the figures at the end of fit import matplotlib while the model trains.
+        if trainer.is_global_zero:
+            start_figure_workers()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

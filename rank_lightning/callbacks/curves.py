@@ -85,6 +85,7 @@ from typing import Any
 
 import torch
 
+from rank_lightning.figure_workers import FigureJob, draw_figures
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -93,7 +94,6 @@ from rank_lightning.plotting import (
     evenly_spaced,
     figure_filename,
     layer_curves_figure,
-    save_figure,
 )
 from rank_lightning.validation import check_choice, check_positive_int
 
@@ -556,6 +556,9 @@ class LayerCurves:
     def write_figures(self, trainer: Any) -> list[Path]:
         """Draw, on rank zero, one PNG per metric: metric vs epoch (line per layer) beside metric vs depth.
 
+        The figures are shared between this process and worker processes where the machine has idle cores
+        (:func:`~rank_lightning.figure_workers.draw_figures`); the files are written when this returns.
+
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
 
@@ -565,29 +568,32 @@ class LayerCurves:
         if not trainer.is_global_zero or not self._history:
             return []
         directory, caption = self.figure_dir(trainer), self.caption()
+        drawn = [metric for metric in self._metrics if metric.rsplit("/", 1)[-1] not in UNDRAWN_METRICS]
+        jobs = [
+            FigureJob(
+                directory / f"{figure_filename(self.namespace, metric)}.png",
+                layer_curves_figure,
+                (self.namespace, metric, self._layers, self._history),
+                {
+                    "max_depth_curves": self.max_depth_curves,
+                    "x_label": self.x_axis,
+                    "caption": caption,
+                    "reference": self._references.get(metric),
+                },
+            )
+            for metric in drawn
+        ]
         paths = []
-        for metric in self._metrics:
-            if metric.rsplit("/", 1)[-1] in UNDRAWN_METRICS:
-                continue
-            try:
-                figure = layer_curves_figure(
-                    self.namespace,
-                    metric,
-                    self._layers,
-                    self._history,
-                    max_depth_curves=self.max_depth_curves,
-                    x_label=self.x_axis,
-                    caption=caption,
-                    reference=self._references.get(metric),
-                )
-                paths.append(save_figure(figure, directory / f"{figure_filename(self.namespace, metric)}.png"))
-            except Exception as error:  # a figure must never take the run down; the curve file keeps the data
+        for metric, result in zip(drawn, draw_figures(jobs)):
+            if isinstance(result, Exception):  # a figure must never take the run down; the curve file keeps the data
                 warnings.warn(
-                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({error!r}); the curves are in "
+                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({result!r}); the curves are in "
                     f"{self.namespace}_curves.json and python -m rank_lightning.analysis.report can draw them",
                     RuntimeWarning,
                     stacklevel=2,
                 )
+            else:
+                paths.append(result)
         return paths
 
     def state_dict(self) -> dict[str, Any]:

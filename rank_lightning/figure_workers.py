@@ -1,0 +1,386 @@
+"""PNG figures drawn by worker processes, on the cores a finished fit leaves idle.
+
+Drawing is matplotlib's work in Python, one core per figure (0.15-0.3 s for a figure of
+:func:`~rank_lightning.plotting.layer_curves_figure`), and the figures of a run are independent: :func:`draw_figures`
+shares them between the calling process and a few worker processes, and returns when every file is written, as
+drawing them in place does. Figures come out the same, byte for byte: the workers draw with the caller's matplotlib
+settings (``rcParams``) and the same :func:`~rank_lightning.plotting.save_figure`.
+
+The workers:
+
+- are fresh interpreters (``python -c``) that import this module and, with it, matplotlib, then draw what they are
+  sent through a pipe. Nothing is forked from the training process (whose torch thread pools and logger threads a
+  fork would copy in an unknown state), and the caller's ``__main__`` module is never imported again (as
+  ``multiprocessing``'s spawn and fork-server methods do, which would run an unguarded training script twice).
+- stay, idle, for the next figures of the process, and exit with it (or at :func:`shutdown_figure_workers`); one
+  whose parent dies exits at the end of its input.
+- are started ahead of time by :func:`start_figure_workers`: the rank callbacks call it when a fit starts, on global
+  rank zero, so matplotlib's import (about a second of CPU per worker) is done while the model trains.
+- number one less than the cores this process may run on (``os.sched_getaffinity``; the caller draws too), at most
+  :data:`MAX_WORKERS`, and one less than the figures; none for fewer than :data:`MIN_PARALLEL_FIGURES` figures or on
+  one core. The environment variable ``RANK_LIGHTNING_FIGURE_WORKERS`` sets the number (``0``: every figure is drawn
+  in the calling process).
+
+A figure whose drawing fails is returned with its error, and the others are still written. If a worker fails (killed,
+or the package not importable by a fresh interpreter), the figures it did not write are drawn in the calling process,
+with a warning: none is lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+import matplotlib
+from matplotlib import rc_context
+from matplotlib.figure import Figure
+
+from rank_lightning.plotting import save_figure
+
+__all__ = [
+    "MAX_WORKERS",
+    "MIN_PARALLEL_FIGURES",
+    "WORKERS_ENV",
+    "FigureJob",
+    "draw_figures",
+    "figure_workers",
+    "shutdown_figure_workers",
+    "start_figure_workers",
+]
+
+WORKERS_ENV = "RANK_LIGHTNING_FIGURE_WORKERS"
+"""Environment variable with the number of worker processes; ``0`` draws every figure in the calling process."""
+
+MAX_WORKERS = 7
+"""At most this many workers (each holds matplotlib, about 100 MiB); with the caller, eight figures at a time."""
+
+MIN_PARALLEL_FIGURES = 4
+"""Fewer figures than this are drawn in the calling process alone."""
+
+# rcParams that select or configure a GUI backend; workers draw on Agg whatever the caller displays with.
+_RC_NOT_SENT = ("backend", "interactive", "macosx.", "tk.", "webagg.")
+
+
+class FigureJob(NamedTuple):
+    """One PNG file to draw: ``save_figure(draw(*args, **kwargs), path, dpi)``.
+
+    Attributes:
+        path: where the file goes (made absolute before it is handed to a worker).
+        draw: a module-level function (one a fresh interpreter can import by name, such as those of
+            :mod:`rank_lightning.plotting`) that returns the figure.
+        args: its positional arguments (sent to a worker by pickle).
+        kwargs: its keyword arguments.
+        dpi: resolution of the file.
+    """
+
+    path: Path
+    draw: Callable[..., Figure]
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = {}
+    dpi: int = 100
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _setting() -> int | None:
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{WORKERS_ENV}={value!r} is not a number of worker processes; use 0 (none) or more")
+    return int(value)
+
+
+def figure_workers(count: int, workers: int | None = None) -> int:
+    """How many worker processes help the calling process draw ``count`` figures (``0``: it draws them alone).
+
+    Args:
+        count: the number of figures.
+        workers: the number asked for; ``None`` for ``RANK_LIGHTNING_FIGURE_WORKERS`` or, without it, one less than
+            the available cores (at most :data:`MAX_WORKERS`; none below :data:`MIN_PARALLEL_FIGURES` figures).
+
+    Raises:
+        ValueError: a negative ``workers``, or an environment variable that is not a non-negative integer.
+    """
+    if workers is not None and workers < 0:
+        raise ValueError(f"workers={workers} is not a number of worker processes; use 0 (none) or more")
+    if workers is None:
+        workers = _setting()
+        if workers is None:
+            workers = 0 if count < MIN_PARALLEL_FIGURES else min(_available_cores() - 1, MAX_WORKERS)
+    return max(0, min(workers, count - 1))
+
+
+class _Worker:
+    """One worker interpreter and the pipe ends that talk to it."""
+
+    def __init__(self) -> None:
+        # sys.path as the caller's, so that a package run from a source checkout is found too.
+        code = f"import sys; sys.path[:] = {list(sys.path)!r}; from {__name__} import _serve; _serve()"
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def draw(self, request: bytes) -> tuple[str, Any]:
+        """Send a pickled ``(job, rc)`` and wait for the worker's answer (:func:`_serve`). Raises ``OSError`` or
+        ``EOFError`` when the worker is gone."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        _write_message(self.process.stdin, request)
+        return pickle.loads(_read_message(self.process.stdout))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End of input: the worker exits after its current figure (killed after ``timeout`` seconds)."""
+        try:
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+            self.process.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+class _Pool:
+    """The process's figure workers, started on first use and kept. One drawing call uses them at a time."""
+
+    def __init__(self) -> None:
+        self.busy = threading.Lock()  # held while a call draws with the workers
+        self._lock = threading.Lock()  # guards the list
+        self._workers: list[_Worker] = []
+
+    def get(self, size: int) -> list[_Worker]:
+        """``size`` live workers, started where fewer are running."""
+        with self._lock:
+            for worker in [worker for worker in self._workers if not worker.alive]:
+                self._workers.remove(worker)
+                worker.close()
+            while len(self._workers) < size:
+                self._workers.append(_Worker())
+            return self._workers[:size]
+
+    def discard(self, worker: _Worker) -> None:
+        with self._lock:
+            if worker in self._workers:
+                self._workers.remove(worker)
+        worker.close(timeout=1.0)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.close()
+
+
+_POOL = _Pool()
+atexit.register(_POOL.shutdown)
+
+
+def start_figure_workers(count: int = 2 * MAX_WORKERS) -> int:
+    """Start now the workers that :func:`draw_figures` will use for ``count`` figures, so that their import of
+    matplotlib is done by then. Returns at once, with the number of workers (``0`` where the caller draws alone).
+
+    Raises:
+        ValueError: ``RANK_LIGHTNING_FIGURE_WORKERS`` is not a non-negative integer.
+    """
+    workers = figure_workers(count)
+    if workers:
+        try:
+            _POOL.get(workers)
+        except OSError:
+            return 0  # draw_figures tries again and falls back to the caller, with a warning
+    return workers
+
+
+def shutdown_figure_workers() -> None:
+    """Stop the worker processes (after the figures they are drawing); later figures start new ones."""
+    _POOL.shutdown()
+
+
+def _draw(job: FigureJob, rc: Mapping[str, Any] | None = None) -> Path:
+    """Draw and write one job (under ``rc`` in a worker)."""
+    if rc is None:
+        return save_figure(job.draw(*job.args, **job.kwargs), job.path, dpi=job.dpi)
+    with rc_context(rc):
+        return save_figure(job.draw(*job.args, **job.kwargs), job.path, dpi=job.dpi)
+
+
+def _sendable(error: Exception) -> Exception:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # any error that does not survive the pipe is sent as its text
+        return RuntimeError(repr(error))
+    return error
+
+
+def _write_message(stream: IO[bytes], message: bytes) -> None:
+    stream.write(len(message).to_bytes(8, "little") + message)
+    stream.flush()
+
+
+def _read_message(stream: IO[bytes]) -> bytes:
+    """One length-prefixed message; ``EOFError`` at the end of the stream or within a message."""
+    header = stream.read(8)
+    size = int.from_bytes(header, "little") if len(header) == 8 else -1
+    message = stream.read(size) if size >= 0 else b""
+    if size < 0 or len(message) != size:
+        raise EOFError("the other end closed the pipe")
+    return message
+
+
+# A worker's answers: the path written, the error drawing raised, or a job it cannot even load (a function of the
+# caller's __main__ module, say), which the caller then draws itself.
+_WRITTEN, _FAILED, _UNLOADABLE = "written", "failed", "unloadable"
+_HERE = object()  # in the queue of results: a job the caller draws
+
+
+def _serve() -> None:
+    """A worker's loop: read pickled ``(job, rc)`` messages from standard input, draw each, write each answer."""
+    answers: IO[bytes] = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything printed, by Python or a library, goes to standard error rather than into the answers
+    sys.stdout = sys.stderr
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            request = _read_message(requests)
+        except EOFError:
+            return
+        try:
+            job, rc = pickle.loads(request)
+        except Exception as error:  # the caller draws this job itself
+            answer: tuple[str, Any] = (_UNLOADABLE, repr(error))
+        else:
+            try:
+                answer = (_WRITTEN, _draw(job, rc))
+            except Exception as error:  # reported by the caller, like an error drawn in place
+                answer = (_FAILED, _sendable(error))
+        _write_message(answers, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def draw_figures(
+    jobs: Sequence[FigureJob],
+    *,
+    workers: int | None = None,
+    on_figure: Callable[[int, Path | Exception], None] | None = None,
+) -> list[Path | Exception]:
+    """Draw and write every job, helped by worker processes where there are cores for them (module docstring).
+
+    Args:
+        jobs: the figures.
+        workers: worker processes to use (see :func:`figure_workers`); ``0`` draws in this process alone.
+        on_figure: called in this process with each job's index and result as it completes (progress).
+
+    Returns:
+        In job order, the path written or the exception its drawing raised.
+
+    Raises:
+        ValueError: a negative ``workers`` (or ``RANK_LIGHTNING_FIGURE_WORKERS``).
+    """
+    jobs = [job._replace(path=Path(os.path.abspath(job.path))) for job in jobs]
+    results: dict[int, Path | Exception] = {}
+
+    def finish(index: int, result: Path | Exception) -> None:
+        results[index] = result
+        if on_figure is not None:
+            on_figure(index, result)
+
+    count = figure_workers(len(jobs), workers)
+    if count and _POOL.busy.acquire(blocking=False):  # another thread drawing with the workers: draw here alone
+        try:
+            _draw_with_workers(jobs, count, finish)
+        finally:
+            _POOL.busy.release()
+    for index, job in enumerate(jobs):  # all of them without workers; those a failed worker left with them
+        if index not in results:
+            finish(index, _draw_here(job))
+    return [results[index] for index in range(len(jobs))]
+
+
+def _draw_here(job: FigureJob) -> Path | Exception:
+    try:
+        return _draw(job)
+    except Exception as error:  # returned to the caller, who reports it
+        return error
+
+
+def _draw_with_workers(jobs: Sequence[FigureJob], count: int, finish: Callable[[int, Path | Exception], None]) -> None:
+    """Share ``jobs`` between this thread and ``count`` workers (a thread feeds each); jobs a failed worker held are
+    left out of ``finish``, with a warning, for the caller to draw."""
+    try:
+        workers = _POOL.get(count)
+    except OSError as error:
+        _warn_fallback(error)
+        return
+    rc = {key: value for key, value in matplotlib.rcParams.items() if not key.startswith(_RC_NOT_SENT)}
+    todo: collections.deque[tuple[int, FigureJob]] = collections.deque(enumerate(jobs))
+    done: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
+
+    def feed(worker: _Worker) -> None:
+        while True:
+            try:
+                index, job = todo.popleft()
+            except IndexError:
+                return
+            try:
+                request = pickle.dumps((job, rc), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # a job that cannot be sent (a local function) is drawn by the caller
+                done.put((index, _HERE, None))
+                continue
+            try:
+                kind, answer = worker.draw(request)
+            except (OSError, EOFError, pickle.UnpicklingError) as error:
+                done.put((index, _HERE, error))  # this worker is done for; its job goes back to the caller
+                _POOL.discard(worker)
+                return
+            done.put((index, _HERE if kind == _UNLOADABLE else answer, None))
+
+    threads = [threading.Thread(target=feed, args=(worker,), daemon=True) for worker in workers]
+    for thread in threads:
+        thread.start()
+    while True:  # this thread draws too, and reports the workers' figures between its own
+        while not done.empty():
+            _report(done.get(), finish)
+        try:
+            index, job = todo.popleft()
+        except IndexError:
+            break
+        finish(index, _draw_here(job))
+    for thread in threads:
+        thread.join()
+    while not done.empty():
+        _report(done.get(), finish)
+
+
+def _report(item: tuple[int, Any, BaseException | None], finish: Callable[[int, Path | Exception], None]) -> None:
+    """A worker's result to ``finish``; a job it could not draw stays for the caller (with a warning if it failed)."""
+    index, result, failure = item
+    if failure is not None:
+        _warn_fallback(failure)
+    if result is not _HERE:
+        finish(index, result)
+
+
+def _warn_fallback(error: BaseException) -> None:
+    warnings.warn(
+        f"a figure worker process failed ({error!r}); its figures are drawn in this process instead (set "
+        f"{WORKERS_ENV}=0 to draw every figure here)",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -1,0 +1,148 @@
+"""Figures drawn by worker processes: the same bytes as drawn in place, errors reported, nothing lost."""
+
+import os
+import random
+import sys
+import warnings
+
+import pytest
+from matplotlib import rc_context
+
+from rank_lightning import figure_workers
+from rank_lightning.figure_workers import (
+    MAX_WORKERS,
+    MIN_PARALLEL_FIGURES,
+    WORKERS_ENV,
+    FigureJob,
+    draw_figures,
+    shutdown_figure_workers,
+    start_figure_workers,
+)
+from rank_lightning.figure_workers import (
+    figure_workers as workers_for,
+)
+from rank_lightning.plotting import layer_curves_figure
+
+LAYERS = ["blocks.0", "blocks.1", "blocks.2", "head"]
+
+
+def _history(seed: int) -> dict:
+    generator = random.Random(seed)
+    return {epoch: {layer: {"m": generator.uniform(0, 50)} for layer in LAYERS} for epoch in range(-1, 6)}
+
+
+def _jobs(directory, count: int = 5) -> list[FigureJob]:
+    return [
+        FigureJob(
+            directory / f"figure_{i}.png",
+            layer_curves_figure,
+            ("rank", "m", LAYERS, _history(i)),
+            {"caption": f"validation split, {100 + i} samples"},
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_setting(monkeypatch):
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+
+
+def test_workers_draw_the_same_bytes_as_the_caller_in_job_order(tmp_path):
+    here = draw_figures(_jobs(tmp_path / "here"), workers=0)
+    progress = []
+    shared = draw_figures(_jobs(tmp_path / "shared"), workers=2, on_figure=lambda i, result: progress.append(i))
+    assert here == [tmp_path / "here" / f"figure_{i}.png" for i in range(5)]
+    assert shared == [tmp_path / "shared" / f"figure_{i}.png" for i in range(5)]
+    assert sorted(progress) == list(range(5))
+    assert [path.read_bytes() for path in shared] == [path.read_bytes() for path in here]
+    assert len({path.read_bytes() for path in here}) == 5  # five different figures, not one drawn five times
+    # The workers drew some of them: they are running, and the pool keeps them for the next figures.
+    assert all(worker.alive for worker in figure_workers._POOL.get(2))
+
+
+def test_workers_draw_with_the_callers_matplotlib_settings(tmp_path):
+    plain = draw_figures(_jobs(tmp_path / "plain"), workers=0)
+    with rc_context({"lines.linewidth": 4.0, "axes.facecolor": "#eeeeee"}):
+        here = draw_figures(_jobs(tmp_path / "here"), workers=0)
+        shared = draw_figures(_jobs(tmp_path / "shared"), workers=2)
+    assert [path.read_bytes() for path in shared] == [path.read_bytes() for path in here]
+    assert all(a.read_bytes() != b.read_bytes() for a, b in zip(here, plain))
+
+
+def test_a_failing_figure_is_returned_with_its_error_and_the_others_are_written(tmp_path):
+    jobs = _jobs(tmp_path)
+    jobs[2] = jobs[2]._replace(args=("rank", "m", LAYERS, None))  # no history: fails inside the drawing
+    results = draw_figures(jobs, workers=2)
+    assert isinstance(results[2], (TypeError, AttributeError, RuntimeError))
+    assert not (tmp_path / "figure_2.png").exists()
+    assert [results[i] for i in (0, 1, 3, 4)] == [tmp_path / f"figure_{i}.png" for i in (0, 1, 3, 4)]
+
+
+def test_a_job_a_worker_cannot_load_is_drawn_by_the_caller(tmp_path):
+    def local_figure(*args, **kwargs):  # a local function cannot be sent to another process
+        return layer_curves_figure(*args, **kwargs)
+
+    jobs = [job._replace(draw=local_figure) for job in _jobs(tmp_path / "local")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: nothing failed
+        results = draw_figures(jobs, workers=2)
+    here = draw_figures(_jobs(tmp_path / "here"), workers=0)
+    assert [path.read_bytes() for path in results] == [path.read_bytes() for path in here]
+
+
+def _exits_in_a_worker(*args, **kwargs):
+    """``layer_curves_figure``, except in a worker process (``python -c``), which it ends at once."""
+    if sys.argv[0] == "-c":
+        os._exit(3)
+    return layer_curves_figure(*args, **kwargs)
+
+
+def test_figures_of_a_worker_that_dies_are_drawn_by_the_caller_with_a_warning(tmp_path):
+    shutdown_figure_workers()
+    assert start_figure_workers() == workers_for(2 * MAX_WORKERS)
+    jobs = [job._replace(draw=_exits_in_a_worker) for job in _jobs(tmp_path / "shared", count=8)]
+    with pytest.warns(RuntimeWarning, match=rf"figure worker process failed.*EOFError.*{WORKERS_ENV}=0"):
+        results = draw_figures(jobs, workers=2)
+    here = draw_figures(_jobs(tmp_path / "here", count=8), workers=0)
+    assert [path.read_bytes() for path in results] == [path.read_bytes() for path in here]
+    # The next call starts new workers in place of the dead ones.
+    assert all(worker.alive for worker in figure_workers._POOL.get(2))
+    shutdown_figure_workers()
+    assert figure_workers._POOL.get(0) == []
+
+
+def test_dead_workers_are_replaced_before_drawing(tmp_path):
+    for worker in figure_workers._POOL.get(2):
+        worker.process.kill()
+        worker.process.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = draw_figures(_jobs(tmp_path), workers=2)
+    assert results == [tmp_path / f"figure_{i}.png" for i in range(5)]
+
+
+def test_how_many_workers(monkeypatch):
+    monkeypatch.setattr(figure_workers, "_available_cores", lambda: 16)
+    assert workers_for(MIN_PARALLEL_FIGURES - 1) == 0  # too few figures to share
+    assert workers_for(MIN_PARALLEL_FIGURES) == MIN_PARALLEL_FIGURES - 1  # the caller draws one of them
+    assert workers_for(40) == MAX_WORKERS
+    assert workers_for(40, workers=3) == 3
+    assert workers_for(2, workers=5) == 1
+    monkeypatch.setattr(figure_workers, "_available_cores", lambda: 1)
+    assert workers_for(40) == 0  # one core: the caller draws alone
+    monkeypatch.setenv(WORKERS_ENV, "0")
+    monkeypatch.setattr(figure_workers, "_available_cores", lambda: 16)
+    assert workers_for(40) == 0
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    assert workers_for(40) == 2
+    assert workers_for(40, workers=4) == 4  # the argument wins over the environment
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_worker_setting_is_named(monkeypatch, value):
+    monkeypatch.setenv(WORKERS_ENV, value)
+    with pytest.raises(ValueError, match=rf"{WORKERS_ENV}='{value}' is not a number of worker processes"):
+        workers_for(10)
+    with pytest.raises(ValueError, match="workers=-2 is not a number of worker processes"):
+        workers_for(10, workers=-2)
