@@ -3,6 +3,8 @@
 1. The same fit with and without monitoring (``ActivationRankMonitor`` on every block plus ``WeightRankMonitor``, both
    every epoch), for
    * ResNet-18 on CIFAR-shaped random data (3 x 32 x 32, 10 classes, 2,000 validation samples, a small training set);
+     with ``--parts resnet18-cifar-split``, also in CIFAR's proportions (1,500 training and 300 validation images,
+     five to one as CIFAR's 50,000 and 10,000), where the validation pass is the share of a fit it is in real runs;
    * the quickstart MLP (depth 3, width 128) on scikit-learn's digits;
    * a GPT-2-shaped language model (``transformers``' ``GPT2LMHeadModel`` built from a config with random weights:
      6 layers, width 384, sequence 128, dict batches with an attention mask) trained in ``bf16-mixed`` on a GPU
@@ -149,9 +151,15 @@ class _CallbackClock:
             stream._hook.__wrapped_by_clock__ = True
 
 
-def _resnet_case(quick: bool) -> Case:
+def _resnet_case(quick: bool, *, cifar_split: bool = False) -> Case:
+    """ResNet-18 on CIFAR-shaped data: a validation-heavy split (four validation images per training image, so that
+    the monitored validation pass is most of the fit), or with ``cifar_split`` CIFAR's own proportions (50,000
+    training and 10,000 validation images: five training images per validation image)."""
     generator = torch.Generator().manual_seed(0)
-    num_train, num_val = (256, 500) if quick else (512, 2000)
+    if cifar_split:
+        num_train, num_val = (500, 100) if quick else (1500, 300)
+    else:
+        num_train, num_val = (256, 500) if quick else (512, 2000)
     train = TensorDataset(torch.randn(num_train, 3, 32, 32, generator=generator), torch.randint(0, 10, (num_train,)))
     val = TensorDataset(torch.randn(num_val, 3, 32, 32, generator=generator), torch.randint(0, 10, (num_val,)))
 
@@ -323,7 +331,7 @@ def _weightwatcher_comparison(repeats: int) -> None:
         )
 
 
-PARTS = ("mlp", "resnet18", "gpt2", "gpt2-small", "weightwatcher")
+PARTS = ("mlp", "resnet18", "resnet18-cifar-split", "gpt2", "gpt2-small", "weightwatcher")
 """Measurements by name; ``gpt2-small`` (12 layers, width 768, sequence 512) is meant for a GPU."""
 
 
@@ -349,8 +357,8 @@ def main() -> None:
         "--parts",
         nargs="+",
         choices=PARTS,
-        default=[part for part in PARTS if part != "gpt2-small"],
-        help="which measurements to run (default: all but gpt2-small)",
+        default=[part for part in PARTS if part not in ("gpt2-small", "resnet18-cifar-split")],
+        help="which measurements to run (default: all but gpt2-small and resnet18-cifar-split)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -363,6 +371,8 @@ def main() -> None:
         _overhead(_digits_case(args.quick), repeats, args.device)
     if "resnet18" in args.parts:
         _overhead(_resnet_case(args.quick), repeats, args.device)
+    if "resnet18-cifar-split" in args.parts:
+        _overhead(_resnet_case(args.quick, cifar_split=True), repeats, args.device)
     precision = args.gpt2_precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
     if "gpt2" in args.parts:
         _overhead(_gpt2_case(args.quick, precision=precision), repeats, args.device)

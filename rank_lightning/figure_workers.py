@@ -204,7 +204,7 @@ def start_figure_workers(count: int = 2 * MAX_WORKERS) -> int:
     if workers:
         try:
             _POOL.get(workers)
-        except OSError:
+        except Exception:  # no interpreter to start (an embedded Python), no processes left: never fail a fit here
             return 0  # draw_figures tries again and falls back to the caller, with a warning
     return workers
 
@@ -325,7 +325,7 @@ def _draw_with_workers(jobs: Sequence[FigureJob], count: int, finish: Callable[[
     left out of ``finish``, with a warning, for the caller to draw."""
     try:
         workers = _POOL.get(count)
-    except OSError as error:
+    except Exception as error:  # the caller draws every figure
         _warn_fallback(error)
         return
     rc = {key: value for key, value in matplotlib.rcParams.items() if not key.startswith(_RC_NOT_SENT)}

@@ -146,3 +146,12 @@ def test_a_bad_worker_setting_is_named(monkeypatch, value):
         workers_for(10)
     with pytest.raises(ValueError, match="workers=-2 is not a number of worker processes"):
         workers_for(10, workers=-2)
+
+
+def test_workers_that_cannot_start_leave_every_figure_to_the_caller(tmp_path, monkeypatch):
+    shutdown_figure_workers()
+    monkeypatch.setattr(figure_workers.sys, "executable", "")  # an embedded interpreter: nothing to start
+    assert start_figure_workers() == 0
+    with pytest.warns(RuntimeWarning, match="figure worker process failed"):
+        results = draw_figures(_jobs(tmp_path), workers=2)
+    assert results == [tmp_path / f"figure_{i}.png" for i in range(5)]

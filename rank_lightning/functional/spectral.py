@@ -20,6 +20,7 @@ through it.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -300,6 +301,7 @@ class ScipyBlas:
 
     def __init__(self) -> None:
         self.libraries: list[Any] | None = None
+        self._depth = threading.local()  # single_threaded() blocks entered on this thread
 
     @property
     def available(self) -> bool:
@@ -331,15 +333,27 @@ class ScipyBlas:
 
     @contextmanager
     def single_threaded(self) -> Iterator[None]:
-        """Inside, SciPy's OpenBLAS runs on one thread; its own count is restored after."""
-        before = [library.num_threads for library in self.libraries or ()]
-        for library, count in zip(self.libraries or (), before):
+        """Inside, SciPy's OpenBLAS runs on one thread; its own count is restored after. Blocks nested on one thread
+        cost nothing: the outermost sets and restores the count (a loop of small calls enters one block around it)."""
+        depth = getattr(self._depth, "value", 0)
+        if depth:
+            self._depth.value = depth + 1
+            try:
+                yield
+            finally:
+                self._depth.value = depth
+            return
+        libraries = self.libraries or () if self.available else ()  # looked up here, not inside a nested block
+        before = [library.num_threads for library in libraries]
+        for library, count in zip(libraries, before):
             if count != 1:
                 library.set_num_threads(1)
+        self._depth.value = 1
         try:
             yield
         finally:
-            for library, count in zip(self.libraries or (), before):
+            self._depth.value = 0
+            for library, count in zip(libraries, before):
                 if count != 1:
                     library.set_num_threads(count)
 

@@ -96,6 +96,9 @@ _SERIAL_UPDATE_BELOW = 1 << 22
 # At least this many rows per block product, so that reading and writing the C x C Gram is amortised over the
 # product (a 512 x 512 Gram of 4 x 4 maps, one input at a time, is as much memory traffic as arithmetic).
 _MIN_BLOCK_ROWS = 512
+# Padded class blocks (see _batched_class_products) may hold at most this many times the batch's inputs: classes of
+# very unequal size in a batch, or more classes than inputs, go one product per class.
+_MAX_PADDING = 2.0
 
 GRAM_PRECISIONS: tuple[str, ...] = ("float64", "float32", "tf32", "auto")
 """How the per-batch Gram products are computed; the running sums are float64 in every case.
@@ -133,17 +136,23 @@ class ClassGrouping(NamedTuple):
         order: ``(B,)`` stable order that sorts them (inputs of class 0 first).
         sorted_labels: ``labels[order]``.
         counts: inputs per class (``num_classes`` entries), host integers.
+        slots: ``(B,)`` int64 position of each input among the inputs of its class, in input order (``None`` where it
+            was not made): where :func:`channel_gram_moments` puts it in its class's block of a batched product.
     """
 
     labels: Tensor
     order: Tensor
     sorted_labels: Tensor
     counts: tuple[int, ...]
+    slots: Tensor | None = None
 
     def to(self, device: torch.device | str) -> ClassGrouping:
         """The same grouping with its tensors on ``device``."""
         return self._replace(
-            labels=self.labels.to(device), order=self.order.to(device), sorted_labels=self.sorted_labels.to(device)
+            labels=self.labels.to(device),
+            order=self.order.to(device),
+            sorted_labels=self.sorted_labels.to(device),
+            slots=None if self.slots is None else self.slots.to(device),
         )
 
 
@@ -178,7 +187,19 @@ def group_by_class(labels: Tensor, num_classes: int) -> ClassGrouping:
     if summary[0] < 0 or summary[1] >= num_classes:
         raise ValueError(f"labels must lie in [0, {num_classes}), got values in [{summary[0]}, {summary[1]}]")
     order = torch.argsort(labels, stable=True)
-    return ClassGrouping(labels, order, labels.index_select(0, order), tuple(summary[2:]))
+    sorted_labels = labels.index_select(0, order)
+    return ClassGrouping(labels, order, sorted_labels, tuple(summary[2:]), _slots(sorted_labels, order, counts))
+
+
+def _slots(sorted_labels: Tensor, order: Tensor | None, counts: Tensor) -> Tensor:
+    """Each row's position among the rows of its class, stable, on the rows' device (no synchronisation): in input
+    order given the sorting ``order``, in sorted order without one."""
+    starts = torch.cumsum(counts, 0) - counts
+    positions = torch.arange(sorted_labels.shape[0], device=sorted_labels.device)
+    in_sorted = positions - starts.index_select(0, sorted_labels)
+    if order is None:
+        return in_sorted
+    return torch.empty_like(in_sorted).index_copy_(0, order, in_sorted)
 
 
 class BatchMoments(NamedTuple):
@@ -440,18 +461,31 @@ def _add_class_grams(class_grams: Tensor, rows: Tensor, labels: Tensor, counts: 
     """``class_grams[c] += X_c^T X_c``, one matrix product per class on its rows made contiguous.
 
     ``counts`` (rows per class) says that the rows are already sorted by class; without it they are checked and
-    sorted here, and the counts read from the device.
+    sorted here, and the counts read from the device. Off the CPU, sorted rows go into every class Gram by one batched
+    product over zero-padded class blocks (:func:`_batched_class_products`) where padding at most doubles the rows.
     """
+    num_classes = class_grams.shape[0]
+    if (
+        counts is not None
+        and any(counts)
+        and _batched_class_products(rows.device)
+        and num_classes * max(counts) <= _MAX_PADDING * rows.shape[0]
+    ):
+        slots = _slots(labels, None, class_counts(labels, num_classes))
+        blocks = _padded_class_blocks(rows.unsqueeze(-1), labels, slots, num_classes, max(counts))
+        _add_batched_products(class_grams, blocks)
+        return
     if counts is None:
         if labels.shape[0] > 1 and not bool((labels[1:] >= labels[:-1]).all()):
             labels, order = torch.sort(labels, stable=True)
             rows = rows.index_select(0, order)
-        counts = torch.bincount(labels, minlength=class_grams.shape[0]).tolist()
+        counts = torch.bincount(labels, minlength=num_classes).tolist()
     start = 0
-    for c, count in enumerate(counts):
-        if count:
-            _add_product(class_grams[c], rows[start : start + count].T)
-            start += count
+    with SCIPY_BLAS.single_threaded():  # entered once for every class's dsyrk (see _cpu_syrk)
+        for c, count in enumerate(counts):
+            if count:
+                _add_product(class_grams[c], rows[start : start + count].T)
+                start += count
 
 
 def channel_gram_moments(
@@ -492,39 +526,123 @@ def channel_gram_moments(
     grouping = labels if isinstance(labels, ClassGrouping) else None
     labels = grouping.labels if grouping is not None else labels
     by_class = class_grams is not None and labels is not None
-    groups = _class_groups(labels, class_grams.shape[0], grouping) if by_class else [(-1, None, batch)]
-    # Per-block sums and norms are combined once at the end: a few kernels per block instead of ten (on a GPU, the
-    # launches of a batch's blocks cost more host time than the products take on the device).
-    block_sums: list[Tensor] = []
-    block_norms: list[Tensor] = []
-    block_classes: list[int] = []
+    if by_class and grouping is None:
+        grouping = group_by_class(labels, class_grams.shape[0])
     with gram_product_dtype(precision) as dtype:
         shift = flat.new_zeros((), dtype=dtype) if reference is None else reference.to(dtype).view(channels, 1, 1)
-        for c, index, count in groups:
-            target = gram if c < 0 else class_grams[c]
-            for block in _channel_blocks(flat, index, count, shift, dtype):
-                _add_product(target, block)
-                block_sums.append(block.sum(dim=1, dtype=torch.float64))
-                block_norms.append(torch.linalg.vector_norm(block, dtype=torch.float64))
-                block_classes.append(c)
-    sums = torch.stack(block_sums)  # (blocks, C)
-    feature_sum = sums.sum(dim=0)
-    sum_squares = torch.linalg.vector_norm(torch.stack(block_norms)).square()
-    class_sums = None
-    if by_class and num_classes:
-        # The blocks of a class are consecutive: one reduction per class present, no index sent to the device.
-        class_sums = sums.new_zeros(num_classes, channels)
-        start = 0
-        for c, blocks in itertools.groupby(block_classes):
-            stop = start + len(list(blocks))
-            class_sums[c] = sums[start:stop].sum(dim=0)
-            start = stop
+        positions = _padded_positions(flat, grouping, class_grams) if by_class else None
+        if positions is not None:
+            feature_sum, sum_squares, class_sums = _padded_channel_moments(
+                flat, grouping, class_grams, shift.view(-1, 1), dtype, positions
+            )
+        else:
+            groups = _class_groups(labels, class_grams.shape[0], grouping) if by_class else [(-1, None, batch)]
+            feature_sum, sum_squares, class_sums = _blockwise_channel_moments(
+                flat, groups, gram, class_grams, shift, dtype, num_classes if by_class else None
+            )
     counts = None
     if labels is not None and num_classes is not None:
         counts = class_counts(labels, num_classes) * (height * width)
         if class_sums is None:
             class_sums = _channel_class_sums(flat, labels, num_classes, reference)
     return BatchMoments(batch * height * width, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
+
+
+def _blockwise_channel_moments(
+    flat: Tensor,
+    groups: list[tuple[int, Tensor | None, int]],
+    gram: Tensor,
+    class_grams: Tensor | None,
+    shift: Tensor,
+    dtype: torch.dtype,
+    num_classes: int | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Feature sum, sum of squares and class sums (with ``num_classes``) of ``flat``'s shifted positions, adding the
+    Gram of each class's blocks (:func:`_channel_blocks`) into its Gram, ``gram`` for the class ``-1`` of all inputs.
+    """
+    # Per-block sums and norms are combined once at the end: a few kernels per block instead of ten.
+    block_sums: list[Tensor] = []
+    block_norms: list[Tensor] = []
+    block_classes: list[int] = []
+    for c, index, count in groups:
+        target = gram if c < 0 or class_grams is None else class_grams[c]
+        for block in _channel_blocks(flat, index, count, shift, dtype):
+            _add_product(target, block)
+            block_sums.append(block.sum(dim=1, dtype=torch.float64))
+            block_norms.append(torch.linalg.vector_norm(block, dtype=torch.float64))
+            block_classes.append(c)
+    sums = torch.stack(block_sums)  # (blocks, C)
+    feature_sum = sums.sum(dim=0)
+    sum_squares = torch.linalg.vector_norm(torch.stack(block_norms)).square()
+    class_sums = None
+    if num_classes:
+        # The blocks of a class are consecutive: one reduction per class present, no index sent to the device.
+        class_sums = sums.new_zeros(num_classes, flat.shape[1])
+        start = 0
+        for c, blocks in itertools.groupby(block_classes):
+            stop = start + len(list(blocks))
+            class_sums[c] = sums[start:stop].sum(dim=0)
+            start = stop
+    return feature_sum, sum_squares, class_sums
+
+
+def _batched_class_products(device: torch.device) -> bool:
+    """Whether the class Grams of a batch are updated by one batched product over zero-padded class blocks
+    (:func:`_padded_class_blocks`) rather than a product per class: off the CPU, where each kernel launch costs more
+    host time than these products take on the device. On a CPU the per-class products (BLAS's ``dsyrk`` on the
+    lower triangle, cache-sized blocks) do less arithmetic."""
+    return device.type != "cpu"
+
+
+def _padded_class_blocks(values: Tensor, labels: Tensor, slots: Tensor, num_classes: int, max_count: int) -> Tensor:
+    """``(num_classes, F, max_count * M)`` blocks: input ``i``'s ``(F, M)`` values ``values[i]`` at columns
+    ``slots[i] * M ...`` of block ``labels[i]``, zeros elsewhere; block ``c``'s Gram is ``sum_{i in c} V_i V_i^T``."""
+    _, features, samples = values.shape
+    blocks = values.new_zeros(num_classes, features, max_count, samples)
+    blocks.permute(0, 2, 1, 3)[labels, slots] = values  # one scatter of every input into its class's block
+    return blocks.view(num_classes, features, max_count * samples)
+
+
+def _add_batched_products(targets: Tensor, blocks: Tensor) -> None:
+    """``targets[c] += blocks[c] blocks[c]^T`` for every ``c``, one batched product (added in float64)."""
+    if blocks.dtype == targets.dtype:
+        targets.baddbmm_(blocks, blocks.mT)
+    else:
+        targets += torch.bmm(blocks, blocks.mT)
+
+
+def _padded_positions(flat: Tensor, grouping: ClassGrouping, class_grams: Tensor) -> int | None:
+    """Map positions per padded product for ``flat``'s class Grams (:func:`_padded_channel_moments`), or ``None``
+    where the class blocks go one by one: on a CPU, without slots, where padding would more than double the work
+    (classes of very unequal size in the batch), or where a product would be narrower than one position per class."""
+    if not _batched_class_products(flat.device) or grouping.slots is None or not any(grouping.counts):
+        return None
+    batch, channels, positions = flat.shape
+    num_classes, max_count = class_grams.shape[0], max(grouping.counts)
+    if num_classes * max_count > _MAX_PADDING * batch:
+        return None
+    step = _CUDA_BLOCK_VALUES // (num_classes * channels * max_count)
+    if step < 1 or -(-positions // step) > num_classes:
+        return None
+    return min(step, positions)
+
+
+def _padded_channel_moments(
+    flat: Tensor, grouping: ClassGrouping, class_grams: Tensor, shift: Tensor, dtype: torch.dtype, step: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Feature sum, sum of squares and class sums of ``flat``'s shifted positions, adding every class's Gram by one
+    batched product per ``step`` positions of the maps (the blocks' memory stays within ``_CUDA_BLOCK_VALUES``)."""
+    num_classes, max_count = class_grams.shape[0], max(grouping.counts)
+    class_sums = flat.new_zeros(num_classes, flat.shape[1], dtype=torch.float64)
+    norms = []
+    for start in range(0, flat.shape[2], step):
+        values = torch.sub(flat[:, :, start : start + step], shift).to(dtype)
+        blocks = _padded_class_blocks(values, grouping.labels, grouping.slots, num_classes, max_count)
+        _add_batched_products(class_grams, blocks)
+        class_sums += blocks.sum(dim=2, dtype=torch.float64)
+        norms.append(torch.linalg.vector_norm(values, dtype=torch.float64))
+    sum_squares = torch.linalg.vector_norm(torch.stack(norms)).square()
+    return class_sums.sum(dim=0), sum_squares, class_sums
 
 
 def _class_groups(

@@ -146,3 +146,120 @@ def test_class_counts_equal_bincount_and_reject_labels_out_of_range() -> None:
     assert class_counts(labels, 5).dtype == torch.int64
     with pytest.raises(IndexError):
         class_counts(labels, 3)
+
+
+def test_grouping_slots_give_each_input_its_place_within_its_class() -> None:
+    labels = torch.tensor([2, 0, 2, 1, 0, 2])
+    assert group_by_class(labels, 4).slots.tolist() == [0, 0, 1, 0, 1, 2]
+    moved = group_by_class(labels, 4).to("cpu")
+    assert moved.slots.tolist() == [0, 0, 1, 0, 1, 2]
+    assert ClassGrouping(labels, labels, labels, (1,)).to("cpu").slots is None  # made without slots
+
+
+def _batched_everywhere(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Take the padded batched product of the class Grams (the path off the CPU) on the CPU; record its blocks."""
+    import rank_lightning.functional.streaming as streaming
+
+    shapes: list[tuple] = []
+    original = streaming._padded_class_blocks
+
+    def recording(values, labels, slots, num_classes, max_count):
+        blocks = original(values, labels, slots, num_classes, max_count)
+        shapes.append(tuple(blocks.shape))
+        return blocks
+
+    monkeypatch.setattr(streaming, "_batched_class_products", lambda device: True)
+    monkeypatch.setattr(streaming, "_padded_class_blocks", recording)
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_class_products_equal_the_class_by_class_products(monkeypatch, dtype) -> None:
+    import rank_lightning.functional.streaming as streaming
+
+    g = torch.Generator().manual_seed(4)
+    maps = torch.randn(40, 6, 5, 5, generator=g).to(dtype)
+    labels = torch.randint(0, 4, (40,), generator=g)
+    reference = torch.randn(6, generator=g, dtype=torch.float64)
+
+    def run() -> tuple:
+        class_grams = torch.zeros(4, 6, 6, dtype=torch.float64)
+        moments = channel_gram_moments(
+            maps,
+            group_by_class(labels, 4),
+            num_classes=4,
+            gram=torch.zeros(6, 6, dtype=torch.float64),
+            class_grams=class_grams,
+            reference=reference,
+        )
+        return class_grams, moments
+
+    looped_grams, looped = run()
+    shapes = _batched_everywhere(monkeypatch)
+    most = max(group_by_class(labels, 4).counts)
+    monkeypatch.setattr(streaming, "_CUDA_BLOCK_VALUES", 4 * 6 * most * 10)  # blocks of 10 positions: three products
+    batched_grams, batched = run()
+    assert shapes == [(4, 6, most * 10)] * 2 + [(4, 6, most * 5)]
+    rows = maps.permute(0, 2, 3, 1).reshape(-1, 6).double() - reference
+    expected = _class_grams(rows, labels.repeat_interleave(25), 4)
+    torch.testing.assert_close(batched_grams.tril(), expected.tril(), rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(batched_grams.tril(), looped_grams.tril(), rtol=1e-12, atol=1e-10)
+    for name in ("feature_sum", "sum_squares", "class_sums"):
+        torch.testing.assert_close(getattr(batched, name), getattr(looped, name), rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(batched.class_counts, looped.class_counts, rtol=0, atol=0)
+
+
+def test_batched_row_class_products_equal_the_direct_class_grams(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(90, 7, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 3, (90,), generator=g)
+    grouping = group_by_class(labels, 3)
+    shapes = _batched_everywhere(monkeypatch)
+    class_grams = torch.zeros(3, 7, 7, dtype=torch.float64)
+    row_moments(
+        rows[grouping.order],
+        grouping.sorted_labels,
+        num_classes=3,
+        class_grams=class_grams,
+        sorted_counts=grouping.counts,
+    )
+    assert shapes == [(3, 7, max(grouping.counts))]
+    torch.testing.assert_close(class_grams.tril(), _class_grams(rows, labels, 3).tril(), rtol=1e-12, atol=1e-10)
+
+
+def test_classes_of_very_unequal_size_go_class_by_class(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(6)
+    maps = torch.randn(20, 3, 4, 4, generator=g)
+    labels = torch.zeros(20, dtype=torch.long)
+    labels[0] = 1  # ten classes, one holding 19 of the 20 inputs: padding would be 10 x 19 inputs
+    shapes = _batched_everywhere(monkeypatch)
+    class_grams = torch.zeros(10, 3, 3, dtype=torch.float64)
+    channel_gram_moments(
+        maps,
+        group_by_class(labels, 10),
+        num_classes=10,
+        gram=torch.zeros(3, 3, dtype=torch.float64),
+        class_grams=class_grams,
+    )
+    assert shapes == []
+    rows = maps.permute(0, 2, 3, 1).reshape(-1, 3).double()
+    expected = _class_grams(rows, labels.repeat_interleave(16), 10)
+    torch.testing.assert_close(class_grams.tril(), expected.tril(), rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("reduction", ["flatten", "channel"])
+def test_metric_values_are_the_same_with_batched_class_products(monkeypatch, reduction: str) -> None:
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(24, 4, 3, 3, generator=g), torch.randint(0, 3, (24,), generator=g)) for _ in range(3)]
+    looped = ActivationSpectrum(reduction=reduction, num_classes=3)
+    for x, y in batches:
+        looped.update(x, y)
+    shapes = _batched_everywhere(monkeypatch)
+    batched = ActivationSpectrum(reduction=reduction, num_classes=3)
+    for x, y in batches:
+        batched.update(x, y)
+    assert len(shapes) == 3  # one batched product per batch
+    first, second = looped.compute().scalars(), batched.compute().scalars()
+    assert first.keys() == second.keys() and any("classwise" in key or "vr" in key.lower() for key in first)
+    for key, value in first.items():
+        assert value == pytest.approx(second[key], rel=1e-10, abs=1e-12, nan_ok=True), key

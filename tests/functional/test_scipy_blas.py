@@ -54,7 +54,15 @@ def test_scipy_blas_runs_on_one_thread_and_only_where_torch_runs_on_few() -> Non
             library.set_num_threads(2)
         with SCIPY_BLAS.single_threaded():
             assert [library.num_threads for library in SCIPY_BLAS.libraries] == [1] * len(before)
+            with SCIPY_BLAS.single_threaded():  # nested: still one thread, and leaving it restores nothing yet
+                assert [library.num_threads for library in SCIPY_BLAS.libraries] == [1] * len(before)
+            assert [library.num_threads for library in SCIPY_BLAS.libraries] == [1] * len(before)
         assert [library.num_threads for library in SCIPY_BLAS.libraries] == [2] * len(before)
+        with pytest.raises(RuntimeError, match="inside"), SCIPY_BLAS.single_threaded():
+            raise RuntimeError("inside")
+        assert [library.num_threads for library in SCIPY_BLAS.libraries] == [2] * len(before)  # after an error too
+        with SCIPY_BLAS.single_threaded():  # and the next block sets one thread again
+            assert [library.num_threads for library in SCIPY_BLAS.libraries] == [1] * len(before)
         torch.set_num_threads(SCIPY_MAX_TORCH_THREADS + 1)
         assert not SCIPY_BLAS.usable()
         target = torch.zeros(20, 20, dtype=torch.float64)
