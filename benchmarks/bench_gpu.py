@@ -53,6 +53,7 @@ from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.figure_workers import shutdown_figure_workers
 from rank_lightning.modules import ImageClassifier
 
 PACKAGE_DIR = str(Path(__file__).resolve().parents[1] / "rank_lightning")
@@ -243,7 +244,12 @@ class _FitEndClock:
 
 
 def fit(case: Case, monitored: bool, device: str, audit: SyncAudit | None = None) -> dict[str, float]:
-    """One fit: wall seconds, seconds in the monitors' ``on_fit_end`` and peak GPU memory (MiB; 0 on a CPU)."""
+    """One fit: wall seconds, seconds in the monitors' ``on_fit_end`` and peak GPU memory (MiB; 0 on a CPU).
+
+    Each fit starts without figure worker processes (``rank_lightning.figure_workers``), as a fresh process would: a
+    monitored fit starts them and they draw beside it at the end.
+    """
+    shutdown_figure_workers()
     torch.manual_seed(0)
     module = case.make_module()
     callbacks = case.make_callbacks() if monitored else []

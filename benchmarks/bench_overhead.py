@@ -36,7 +36,9 @@ Run::
     python benchmarks/bench_overhead.py --parts gpt2 resnet18 --device cuda   # on a GPU: also peak memory
 
 Both wall time and process CPU time are reported: on a machine shared with other jobs the CPU-time ratio is the
-steadier of the two.
+steadier of the two. The process CPU time is the training process's alone: the figure worker processes
+(``rank_lightning.figure_workers``, started when a monitored fit starts, drawing beside it at the end of fit) are not
+in it, while their effect on the wall time is. Each fit starts without workers, as a fresh process would.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.weight_rank import DECOMPOSITIONS
 from rank_lightning.data import DigitsDataModule
+from rank_lightning.figure_workers import shutdown_figure_workers
 from rank_lightning.modules import ImageClassifier
 
 
@@ -218,6 +221,7 @@ def _gpt2_case(quick: bool, *, small: bool = False, every: int = 50, precision: 
 
 
 def _fit(case: Case, monitored: bool, device: str) -> FitTime:
+    shutdown_figure_workers()  # every fit starts its own, as a fresh process would
     torch.manual_seed(0)
     module = case.make_module()
     clock = _CallbackClock()

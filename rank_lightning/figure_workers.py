@@ -13,17 +13,19 @@ The workers:
   fork would copy in an unknown state), and the caller's ``__main__`` module is never imported again (as
   ``multiprocessing``'s spawn and fork-server methods do, which would run an unguarded training script twice).
 - stay, idle, for the next figures of the process, and exit with it (or at :func:`shutdown_figure_workers`); one
-  whose parent dies exits at the end of its input.
+  whose parent dies exits at the end of its input. They ignore Ctrl-C, which the training process handles.
 - are started ahead of time by :func:`start_figure_workers`: the rank callbacks call it when a fit starts, on global
   rank zero, so matplotlib's import (about a second of CPU per worker) is done while the model trains.
 - number one less than the cores this process may run on (``os.sched_getaffinity``; the caller draws too), at most
   :data:`MAX_WORKERS`, and one less than the figures; none for fewer than :data:`MIN_PARALLEL_FIGURES` figures or on
-  one core. The environment variable ``RANK_LIGHTNING_FIGURE_WORKERS`` sets the number (``0``: every figure is drawn
-  in the calling process).
+  one core, and none in a frozen application (PyInstaller), whose interpreter is the application itself. The
+  environment variable ``RANK_LIGHTNING_FIGURE_WORKERS`` sets the number (``0``: every figure is drawn in the calling
+  process); a value that is not a number of workers is an error when a fit starts.
 
 A figure whose drawing fails is returned with its error, and the others are still written. If a worker fails (killed,
-or the package not importable by a fresh interpreter), the figures it did not write are drawn in the calling process,
-with a warning: none is lost.
+the package not importable by a fresh interpreter, or no answer for :data:`STALL_SECONDS` once the calling process has
+drawn its share: it is then killed), the figures it did not write are drawn in the calling process, with a warning:
+none is lost.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import collections
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -66,6 +70,15 @@ MAX_WORKERS = 7
 
 MIN_PARALLEL_FIGURES = 4
 """Fewer figures than this are drawn in the calling process alone."""
+
+STALL_SECONDS = 120.0
+"""Once the calling process has drawn its share, a worker without an answer for this long is killed and its figure
+drawn by the caller (one figure takes well under a second)."""
+
+# Every message on the pipes: this tag, the length of the pickle (8 bytes, little-endian), the pickle; length 0 asks a
+# worker to exit. A message longer than _MAX_MESSAGE is garbage (bytes some import printed before the redirect, say).
+_TAG = b"rlfw"
+_MAX_MESSAGE = 1 << 30
 
 # rcParams that select or configure a GUI backend; workers draw on Agg whatever the caller displays with.
 _RC_NOT_SENT = ("backend", "interactive", "macosx.", "tk.", "webagg.")
@@ -123,6 +136,8 @@ def figure_workers(count: int, workers: int | None = None) -> int:
         workers = _setting()
         if workers is None:
             workers = 0 if count < MIN_PARALLEL_FIGURES else min(_available_cores() - 1, MAX_WORKERS)
+    if getattr(sys, "frozen", False):
+        return 0
     return max(0, min(workers, count - 1))
 
 
@@ -130,8 +145,12 @@ class _Worker:
     """One worker interpreter and the pipe ends that talk to it."""
 
     def __init__(self) -> None:
-        # sys.path as the caller's, so that a package run from a source checkout is found too.
-        code = f"import sys; sys.path[:] = {list(sys.path)!r}; from {__name__} import _serve; _serve()"
+        # Standard output is moved aside before anything is imported, so that nothing an import prints can reach the
+        # answers; sys.path is the caller's, so that a package run from a source checkout is found too.
+        code = (
+            "import os, sys; answers = os.dup(1); os.dup2(2, 1); sys.stdout = sys.stderr; "
+            f"sys.path[:] = {list(sys.path)!r}; from {__name__} import _serve; _serve(answers)"
+        )
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     @property
@@ -145,13 +164,30 @@ class _Worker:
         _write_message(self.process.stdin, request)
         return pickle.loads(_read_message(self.process.stdout))
 
-    def close(self, timeout: float = 10.0) -> None:
-        """End of input: the worker exits after its current figure (killed after ``timeout`` seconds)."""
+    def kill(self) -> None:
+        """End the worker now (a thread waiting for its answer sees the end of the pipe)."""
+        self.process.kill()
+
+    def ask_to_exit(self) -> None:
+        """Send the exit message and close the input: the worker exits after its current figure."""
+        stdin = self.process.stdin
+        if stdin is None or stdin.closed:
+            return  # asked already
         try:
-            if self.process.stdin is not None:
-                self.process.stdin.close()
+            _write_message(stdin, b"")
+        except OSError:
+            pass  # already gone
+        try:
+            stdin.close()
+        except OSError:
+            pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit and wait for it (killed after ``timeout`` seconds)."""
+        self.ask_to_exit()
+        try:
             self.process.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
         if self.process.stdout is not None:
@@ -182,11 +218,15 @@ class _Pool:
                 self._workers.remove(worker)
         worker.close(timeout=1.0)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask every worker to exit, then wait for them together (``timeout`` seconds in all, then killed)."""
         with self._lock:
             workers, self._workers = self._workers, []
         for worker in workers:
-            worker.close()
+            worker.ask_to_exit()
+        deadline = time.monotonic() + timeout
+        for worker in workers:
+            worker.close(max(0.0, deadline - time.monotonic()))
 
 
 _POOL = _Pool()
@@ -231,16 +271,21 @@ def _sendable(error: Exception) -> Exception:
 
 
 def _write_message(stream: IO[bytes], message: bytes) -> None:
-    stream.write(len(message).to_bytes(8, "little") + message)
+    stream.write(_TAG + len(message).to_bytes(8, "little") + message)
     stream.flush()
 
 
 def _read_message(stream: IO[bytes]) -> bytes:
-    """One length-prefixed message; ``EOFError`` at the end of the stream or within a message."""
-    header = stream.read(8)
-    size = int.from_bytes(header, "little") if len(header) == 8 else -1
-    message = stream.read(size) if size >= 0 else b""
-    if size < 0 or len(message) != size:
+    """One message (see ``_TAG``); ``EOFError`` at the end of the stream, within a message or on bytes that are not
+    one."""
+    header = stream.read(len(_TAG) + 8)
+    if len(header) != len(_TAG) + 8:
+        raise EOFError("the other end closed the pipe")
+    size = int.from_bytes(header[len(_TAG) :], "little")
+    if header[: len(_TAG)] != _TAG or size > _MAX_MESSAGE:
+        raise EOFError(f"not a message of the figure workers: {header!r}")
+    message = stream.read(size)
+    if len(message) != size:
         raise EOFError("the other end closed the pipe")
     return message
 
@@ -251,16 +296,18 @@ _WRITTEN, _FAILED, _UNLOADABLE = "written", "failed", "unloadable"
 _HERE = object()  # in the queue of results: a job the caller draws
 
 
-def _serve() -> None:
-    """A worker's loop: read pickled ``(job, rc)`` messages from standard input, draw each, write each answer."""
-    answers: IO[bytes] = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything printed, by Python or a library, goes to standard error rather than into the answers
-    sys.stdout = sys.stderr
+def _serve(answers_fd: int) -> None:
+    """A worker's loop: read pickled ``(job, rc)`` messages from standard input, draw each, write each answer to
+    ``answers_fd`` (the original standard output; standard output itself goes to standard error)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    answers: IO[bytes] = os.fdopen(answers_fd, "wb")
     requests = sys.stdin.buffer
     while True:
         try:
             request = _read_message(requests)
         except EOFError:
+            return
+        if not request:  # the exit message
             return
         try:
             job, rc = pickle.loads(request)
@@ -320,6 +367,12 @@ def _draw_here(job: FigureJob) -> Path | Exception:
         return error
 
 
+def _caller_rc() -> dict[str, Any]:
+    """The caller's matplotlib settings that the workers draw with (no backend settings). Keys are filtered before
+    values are read: reading ``rcParams["backend"]`` resolves the backend, which imports pyplot."""
+    return {key: matplotlib.rcParams[key] for key in matplotlib.rcParams if not key.startswith(_RC_NOT_SENT)}
+
+
 def _draw_with_workers(jobs: Sequence[FigureJob], count: int, finish: Callable[[int, Path | Exception], None]) -> None:
     """Share ``jobs`` between this thread and ``count`` workers (a thread feeds each); jobs a failed worker held are
     left out of ``finish``, with a warning, for the caller to draw."""
@@ -328,7 +381,7 @@ def _draw_with_workers(jobs: Sequence[FigureJob], count: int, finish: Callable[[
     except Exception as error:  # the caller draws every figure
         _warn_fallback(error)
         return
-    rc = {key: value for key, value in matplotlib.rcParams.items() if not key.startswith(_RC_NOT_SENT)}
+    rc = _caller_rc()
     todo: collections.deque[tuple[int, FigureJob]] = collections.deque(enumerate(jobs))
     done: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
 
@@ -354,18 +407,41 @@ def _draw_with_workers(jobs: Sequence[FigureJob], count: int, finish: Callable[[
     threads = [threading.Thread(target=feed, args=(worker,), daemon=True) for worker in workers]
     for thread in threads:
         thread.start()
-    while True:  # this thread draws too, and reports the workers' figures between its own
-        while not done.empty():
-            _report(done.get(), finish)
+    try:
+        while True:  # this thread draws too, and reports the workers' figures between its own
+            while not done.empty():
+                _report(done.get(), finish)
+            try:
+                index, job = todo.popleft()
+            except IndexError:
+                break
+            finish(index, _draw_here(job))
+        _collect(threads, workers, done, lambda item: _report(item, finish))
+    finally:
+        todo.clear()  # after an error here: the workers take nothing more, and finish before the pool is released
+        _collect(threads, workers, done, lambda item: None)
+
+
+def _collect(threads: Sequence[threading.Thread], workers: Sequence[_Worker], done: queue.Queue, report: Any) -> None:
+    """Report what the workers send until their threads end; kill the workers after :data:`STALL_SECONDS` without
+    an answer (their threads then return their jobs to the caller)."""
+    last = time.monotonic()
+    while any(thread.is_alive() for thread in threads):
         try:
-            index, job = todo.popleft()
-        except IndexError:
-            break
-        finish(index, _draw_here(job))
+            item = done.get(timeout=0.05)
+        except queue.Empty:
+            if time.monotonic() - last > STALL_SECONDS:
+                for worker, thread in zip(workers, threads):
+                    if thread.is_alive():
+                        worker.kill()
+                last = time.monotonic()
+            continue
+        last = time.monotonic()
+        report(item)
     for thread in threads:
         thread.join()
     while not done.empty():
-        _report(done.get(), finish)
+        report(done.get())
 
 
 def _report(item: tuple[int, Any, BaseException | None], finish: Callable[[int, Path | Exception], None]) -> None:

@@ -2,8 +2,11 @@
 
 import os
 import random
+import subprocess
 import sys
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 from matplotlib import rc_context
@@ -48,17 +51,29 @@ def no_setting(monkeypatch):
     monkeypatch.delenv(WORKERS_ENV, raising=False)
 
 
+def _noting_its_process(*args, pids: str, **kwargs):
+    """``layer_curves_figure``, leaving a file named after the process that drew it in ``pids``."""
+    (Path(pids) / str(os.getpid())).touch()
+    return layer_curves_figure(*args, **kwargs)
+
+
 def test_workers_draw_the_same_bytes_as_the_caller_in_job_order(tmp_path):
-    here = draw_figures(_jobs(tmp_path / "here"), workers=0)
+    here = draw_figures(_jobs(tmp_path / "here", count=8), workers=0)
     progress = []
-    shared = draw_figures(_jobs(tmp_path / "shared"), workers=2, on_figure=lambda i, result: progress.append(i))
-    assert here == [tmp_path / "here" / f"figure_{i}.png" for i in range(5)]
-    assert shared == [tmp_path / "shared" / f"figure_{i}.png" for i in range(5)]
-    assert sorted(progress) == list(range(5))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    jobs = [
+        job._replace(draw=_noting_its_process, kwargs={**job.kwargs, "pids": str(pids)})
+        for job in _jobs(tmp_path / "shared", count=8)
+    ]
+    shared = draw_figures(jobs, workers=2, on_figure=lambda i, result: progress.append(i))
+    assert here == [tmp_path / "here" / f"figure_{i}.png" for i in range(8)]
+    assert shared == [tmp_path / "shared" / f"figure_{i}.png" for i in range(8)]
+    assert sorted(progress) == list(range(8))
     assert [path.read_bytes() for path in shared] == [path.read_bytes() for path in here]
-    assert len({path.read_bytes() for path in here}) == 5  # five different figures, not one drawn five times
-    # The workers drew some of them: they are running, and the pool keeps them for the next figures.
-    assert all(worker.alive for worker in figure_workers._POOL.get(2))
+    assert len({path.read_bytes() for path in here}) == 8  # eight different figures, not one drawn eight times
+    drawers = {int(path.name) for path in pids.iterdir()}
+    assert os.getpid() in drawers and len(drawers) >= 2  # the caller and at least one worker drew
 
 
 def test_workers_draw_with_the_callers_matplotlib_settings(tmp_path):
@@ -68,6 +83,65 @@ def test_workers_draw_with_the_callers_matplotlib_settings(tmp_path):
         shared = draw_figures(_jobs(tmp_path / "shared"), workers=2)
     assert [path.read_bytes() for path in shared] == [path.read_bytes() for path in here]
     assert all(a.read_bytes() != b.read_bytes() for a, b in zip(here, plain))
+
+
+def _fails_in_a_worker(*args, **kwargs):
+    """``layer_curves_figure`` in the calling process; an error in a worker (``python -c``)."""
+    if sys.argv[0] == "-c":
+        raise ValueError("no figure in a worker")
+    return layer_curves_figure(*args, **kwargs)
+
+
+def test_an_error_raised_in_a_worker_is_returned_for_its_figure(tmp_path):
+    jobs = [job._replace(draw=_fails_in_a_worker) for job in _jobs(tmp_path, count=8)]
+    results = draw_figures(jobs, workers=2)
+    failed = [i for i, result in enumerate(results) if isinstance(result, Exception)]
+    assert failed  # the workers drew (and failed) some
+    assert all(str(results[i]) == "no figure in a worker" and isinstance(results[i], ValueError) for i in failed)
+    assert all(results[i] == tmp_path / f"figure_{i}.png" for i in range(8) if i not in failed)
+    assert all(not (tmp_path / f"figure_{i}.png").exists() for i in failed)
+
+
+def _sleeps_in_a_worker(*args, **kwargs):
+    """``layer_curves_figure`` in the calling process; a worker (``python -c``) never answers."""
+    if sys.argv[0] == "-c":
+        time.sleep(3600)
+    return layer_curves_figure(*args, **kwargs)
+
+
+def test_a_worker_that_never_answers_is_killed_and_its_figure_drawn_by_the_caller(tmp_path, monkeypatch):
+    monkeypatch.setattr(figure_workers, "STALL_SECONDS", 1.0)
+    jobs = [job._replace(draw=_sleeps_in_a_worker) for job in _jobs(tmp_path / "shared", count=6)]
+    with pytest.warns(RuntimeWarning, match="figure worker process failed"):
+        results = draw_figures(jobs, workers=2)
+    here = draw_figures(_jobs(tmp_path / "here", count=6), workers=0)
+    assert [path.read_bytes() for path in results] == [path.read_bytes() for path in here]
+
+
+def test_a_function_of_the_callers_main_module_is_drawn_by_the_caller(tmp_path, monkeypatch):
+    def main_figure(*args, **kwargs):
+        return layer_curves_figure(*args, **kwargs)
+
+    main_figure.__module__, main_figure.__qualname__ = "__main__", "main_figure"
+    monkeypatch.setattr(sys.modules["__main__"], "main_figure", main_figure, raising=False)
+    jobs = [job._replace(draw=main_figure) for job in _jobs(tmp_path / "main", count=6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a worker cannot load it: not a failure, the caller draws it
+        results = draw_figures(jobs, workers=2)
+    here = draw_figures(_jobs(tmp_path / "here", count=6), workers=0)
+    assert [path.read_bytes() for path in results] == [path.read_bytes() for path in here]
+    assert all(worker.alive for worker in figure_workers._POOL.get(2))  # the workers lived on
+
+
+def test_garbage_on_a_pipe_is_not_read_as_a_message():
+    import io
+
+    with pytest.raises(EOFError, match="not a message of the figure workers"):
+        figure_workers._read_message(io.BytesIO(b"Loading plugin...\n" + b"x" * 40))
+    stream = io.BytesIO()
+    figure_workers._write_message(stream, b"payload")
+    stream.seek(0)
+    assert figure_workers._read_message(stream) == b"payload"
 
 
 def test_a_failing_figure_is_returned_with_its_error_and_the_others_are_written(tmp_path):
@@ -155,3 +229,12 @@ def test_workers_that_cannot_start_leave_every_figure_to_the_caller(tmp_path, mo
     with pytest.warns(RuntimeWarning, match="figure worker process failed"):
         results = draw_figures(_jobs(tmp_path), workers=2)
     assert results == [tmp_path / f"figure_{i}.png" for i in range(5)]
+
+
+def test_handing_the_settings_over_imports_no_pyplot():
+    code = (
+        "import sys; from rank_lightning.figure_workers import _caller_rc; rc = _caller_rc(); "
+        "print('matplotlib.pyplot' in sys.modules, 'lines.linewidth' in rc, 'backend' in rc)"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.split() == ["False", "True", "False"]

@@ -79,7 +79,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -567,24 +567,19 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        directory, caption = self.figure_dir(trainer), self.caption()
         drawn = [metric for metric in self._metrics if metric.rsplit("/", 1)[-1] not in UNDRAWN_METRICS]
-        jobs = [
-            FigureJob(
-                directory / f"{figure_filename(self.namespace, metric)}.png",
-                layer_curves_figure,
-                (self.namespace, metric, self._layers, self._history),
-                {
-                    "max_depth_curves": self.max_depth_curves,
-                    "x_label": self.x_axis,
-                    "caption": caption,
-                    "reference": self._references.get(metric),
-                },
+        jobs = self._figure_jobs(self.figure_dir(trainer), drawn)
+        try:
+            results = draw_figures(jobs)
+        except Exception as error:  # the workers' setting or machinery: draw here instead, never fail the run
+            warnings.warn(
+                f"LayerCurves: figure workers failed ({error!r}); drawing the figures in this process",
+                RuntimeWarning,
+                stacklevel=2,
             )
-            for metric in drawn
-        ]
+            results = draw_figures(jobs, workers=0)
         paths = []
-        for metric, result in zip(drawn, draw_figures(jobs)):
+        for metric, result in zip(drawn, results):
             if isinstance(result, Exception):  # a figure must never take the run down; the curve file keeps the data
                 warnings.warn(
                     f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({result!r}); the curves are in "
@@ -595,6 +590,19 @@ class LayerCurves:
             else:
                 paths.append(result)
         return paths
+
+    def _figure_jobs(self, directory: Path, metrics: Sequence[str]) -> list[FigureJob]:
+        """One :func:`~rank_lightning.plotting.layer_curves_figure` per metric, into ``directory``."""
+        options = {"max_depth_curves": self.max_depth_curves, "x_label": self.x_axis, "caption": self.caption()}
+        return [
+            FigureJob(
+                directory / f"{figure_filename(self.namespace, metric)}.png",
+                layer_curves_figure,
+                (self.namespace, metric, self._layers, self._history),
+                {**options, "reference": self._references.get(metric)},
+            )
+            for metric in metrics
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """Namespace, layer order, history, facts and superseded values, for checkpoints."""

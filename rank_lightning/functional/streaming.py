@@ -29,6 +29,7 @@ the work of the full product); :func:`symmetrize_lower` gives the full matrices.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -465,12 +466,7 @@ def _add_class_grams(class_grams: Tensor, rows: Tensor, labels: Tensor, counts: 
     product over zero-padded class blocks (:func:`_batched_class_products`) where padding at most doubles the rows.
     """
     num_classes = class_grams.shape[0]
-    if (
-        counts is not None
-        and any(counts)
-        and _batched_class_products(rows.device)
-        and num_classes * max(counts) <= _MAX_PADDING * rows.shape[0]
-    ):
+    if counts is not None and _padded_rows_fit(rows, counts, class_grams):
         slots = _slots(labels, None, class_counts(labels, num_classes))
         blocks = _padded_class_blocks(rows.unsqueeze(-1), labels, slots, num_classes, max(counts))
         _add_batched_products(class_grams, blocks)
@@ -481,7 +477,8 @@ def _add_class_grams(class_grams: Tensor, rows: Tensor, labels: Tensor, counts: 
             rows = rows.index_select(0, order)
         counts = torch.bincount(labels, minlength=num_classes).tolist()
     start = 0
-    with SCIPY_BLAS.single_threaded():  # entered once for every class's dsyrk (see _cpu_syrk)
+    # Entered once for every class's dsyrk (see _cpu_syrk) rather than per class.
+    with SCIPY_BLAS.single_threaded() if rows.device.type == "cpu" else contextlib.nullcontext():
         for c, count in enumerate(counts):
             if count:
                 _add_product(class_grams[c], rows[start : start + count].T)
@@ -530,11 +527,12 @@ def channel_gram_moments(
         grouping = group_by_class(labels, class_grams.shape[0])
     with gram_product_dtype(precision) as dtype:
         shift = flat.new_zeros((), dtype=dtype) if reference is None else reference.to(dtype).view(channels, 1, 1)
-        positions = _padded_positions(flat, grouping, class_grams) if by_class else None
+        positions = _padded_positions(flat, grouping, class_grams, dtype) if by_class else None
         if positions is not None:
             feature_sum, sum_squares, class_sums = _padded_channel_moments(
                 flat, grouping, class_grams, shift.view(-1, 1), dtype, positions
             )
+            class_sums = class_sums if num_classes else None
         else:
             groups = _class_groups(labels, class_grams.shape[0], grouping) if by_class else [(-1, None, batch)]
             feature_sum, sum_squares, class_sums = _blockwise_channel_moments(
@@ -611,15 +609,30 @@ def _add_batched_products(targets: Tensor, blocks: Tensor) -> None:
         targets += torch.bmm(blocks, blocks.mT)
 
 
-def _padded_positions(flat: Tensor, grouping: ClassGrouping, class_grams: Tensor) -> int | None:
+def _padded_rows_fit(rows: Tensor, counts: Sequence[int], class_grams: Tensor) -> bool:
+    """Whether sorted ``rows`` go into their class Grams by one padded product (:func:`_add_class_grams`): off the
+    CPU, where padding at most doubles the rows and the padded blocks (and a float32 product's ``(C, d, d)`` result)
+    stay within ``_CUDA_BLOCK_VALUES``."""
+    if not _batched_class_products(rows.device) or not any(counts):
+        return False
+    num_classes, features = class_grams.shape[0], rows.shape[1]
+    padded = num_classes * max(counts)
+    product = 0 if rows.dtype == class_grams.dtype else num_classes * features * features
+    return padded <= _MAX_PADDING * rows.shape[0] and max(padded * features, product) <= _CUDA_BLOCK_VALUES
+
+
+def _padded_positions(flat: Tensor, grouping: ClassGrouping, class_grams: Tensor, dtype: torch.dtype) -> int | None:
     """Map positions per padded product for ``flat``'s class Grams (:func:`_padded_channel_moments`), or ``None``
     where the class blocks go one by one: on a CPU, without slots, where padding would more than double the work
-    (classes of very unequal size in the batch), or where a product would be narrower than one position per class."""
+    (classes of very unequal size in the batch), where the blocks of a single position exceed ``_CUDA_BLOCK_VALUES``
+    or would take more products than there are classes, and where a float32 product's ``(C, d, d)`` result would."""
     if not _batched_class_products(flat.device) or grouping.slots is None or not any(grouping.counts):
         return None
     batch, channels, positions = flat.shape
     num_classes, max_count = class_grams.shape[0], max(grouping.counts)
     if num_classes * max_count > _MAX_PADDING * batch:
+        return None
+    if dtype != class_grams.dtype and num_classes * channels * channels > _CUDA_BLOCK_VALUES:
         return None
     step = _CUDA_BLOCK_VALUES // (num_classes * channels * max_count)
     if step < 1 or -(-positions // step) > num_classes:

@@ -263,3 +263,56 @@ def test_metric_values_are_the_same_with_batched_class_products(monkeypatch, red
     assert first.keys() == second.keys() and any("classwise" in key or "vr" in key.lower() for key in first)
     for key, value in first.items():
         assert value == pytest.approx(second[key], rel=1e-10, abs=1e-12, nan_ok=True), key
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+@pytest.mark.parametrize("centred", [False, True])
+def test_batched_class_products_in_either_precision_with_or_without_a_reference(monkeypatch, precision, centred):
+    g = torch.Generator().manual_seed(8)
+    maps = torch.randn(30, 5, 3, 3, generator=g) + 2.0
+    labels = torch.randint(0, 3, (30,), generator=g)
+    reference = torch.full((5,), 2.0, dtype=torch.float64) if centred else None
+
+    def run() -> tuple:
+        class_grams = torch.zeros(3, 5, 5, dtype=torch.float64)
+        moments = channel_gram_moments(
+            maps,
+            group_by_class(labels, 3),
+            num_classes=3,
+            gram=torch.zeros(5, 5, dtype=torch.float64),
+            class_grams=class_grams,
+            reference=reference,
+            precision=precision,
+        )
+        return class_grams, moments
+
+    looped_grams, looped = run()
+    shapes = _batched_everywhere(monkeypatch)
+    batched_grams, batched = run()
+    assert len(shapes) == 1
+    rows = maps.permute(0, 2, 3, 1).reshape(-1, 5).double() - (0.0 if reference is None else reference)
+    expected = _class_grams(rows, labels.repeat_interleave(9), 3)
+    tolerance = 1e-12 if precision == "float64" else 1e-6  # float32 products: about 1e-7 of the Gram
+    for grams in (looped_grams, batched_grams):
+        torch.testing.assert_close(grams.tril(), expected.tril(), rtol=tolerance, atol=tolerance * expected.abs().max())
+    for name in ("feature_sum", "sum_squares", "class_sums"):
+        torch.testing.assert_close(getattr(batched, name), getattr(looped, name), rtol=1e-6, atol=1e-6)
+
+
+def test_rows_of_very_unequal_classes_go_class_by_class(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    labels = torch.zeros(40, dtype=torch.long)
+    labels[:2] = torch.tensor([3, 5])  # 38 of 40 rows in one of eight classes
+    grouping = group_by_class(labels, 8)
+    shapes = _batched_everywhere(monkeypatch)
+    class_grams = torch.zeros(8, 6, 6, dtype=torch.float64)
+    row_moments(
+        rows[grouping.order],
+        grouping.sorted_labels,
+        num_classes=8,
+        class_grams=class_grams,
+        sorted_counts=grouping.counts,
+    )
+    assert shapes == []
+    torch.testing.assert_close(class_grams.tril(), _class_grams(rows, labels, 8).tril(), rtol=1e-12, atol=1e-10)
