@@ -173,6 +173,16 @@ def _batched_everywhere(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     return shapes
 
 
+def _channel_class_grams(maps: torch.Tensor, labels: torch.Tensor, classes: int, **options) -> tuple:
+    """Fresh class Grams of ``maps`` (channel reduction) and the batch's moments."""
+    channels = maps.shape[1]
+    class_grams = torch.zeros(classes, channels, channels, dtype=torch.float64)
+    gram = torch.zeros(channels, channels, dtype=torch.float64)
+    grouping = group_by_class(labels, classes)
+    moments = channel_gram_moments(maps, grouping, num_classes=classes, gram=gram, class_grams=class_grams, **options)
+    return class_grams, moments
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_batched_class_products_equal_the_class_by_class_products(monkeypatch, dtype) -> None:
     import rank_lightning.functional.streaming as streaming
@@ -183,16 +193,7 @@ def test_batched_class_products_equal_the_class_by_class_products(monkeypatch, d
     reference = torch.randn(6, generator=g, dtype=torch.float64)
 
     def run() -> tuple:
-        class_grams = torch.zeros(4, 6, 6, dtype=torch.float64)
-        moments = channel_gram_moments(
-            maps,
-            group_by_class(labels, 4),
-            num_classes=4,
-            gram=torch.zeros(6, 6, dtype=torch.float64),
-            class_grams=class_grams,
-            reference=reference,
-        )
-        return class_grams, moments
+        return _channel_class_grams(maps, labels, 4, reference=reference)
 
     looped_grams, looped = run()
     shapes = _batched_everywhere(monkeypatch)
@@ -207,24 +208,6 @@ def test_batched_class_products_equal_the_class_by_class_products(monkeypatch, d
     for name in ("feature_sum", "sum_squares", "class_sums"):
         torch.testing.assert_close(getattr(batched, name), getattr(looped, name), rtol=1e-12, atol=1e-10)
     torch.testing.assert_close(batched.class_counts, looped.class_counts, rtol=0, atol=0)
-
-
-def test_batched_row_class_products_equal_the_direct_class_grams(monkeypatch) -> None:
-    g = torch.Generator().manual_seed(5)
-    rows = torch.randn(90, 7, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, 3, (90,), generator=g)
-    grouping = group_by_class(labels, 3)
-    shapes = _batched_everywhere(monkeypatch)
-    class_grams = torch.zeros(3, 7, 7, dtype=torch.float64)
-    row_moments(
-        rows[grouping.order],
-        grouping.sorted_labels,
-        num_classes=3,
-        class_grams=class_grams,
-        sorted_counts=grouping.counts,
-    )
-    assert shapes == [(3, 7, max(grouping.counts))]
-    torch.testing.assert_close(class_grams.tril(), _class_grams(rows, labels, 3).tril(), rtol=1e-12, atol=1e-10)
 
 
 def test_classes_of_very_unequal_size_go_class_by_class(monkeypatch) -> None:
@@ -274,17 +257,7 @@ def test_batched_class_products_in_either_precision_with_or_without_a_reference(
     reference = torch.full((5,), 2.0, dtype=torch.float64) if centred else None
 
     def run() -> tuple:
-        class_grams = torch.zeros(3, 5, 5, dtype=torch.float64)
-        moments = channel_gram_moments(
-            maps,
-            group_by_class(labels, 3),
-            num_classes=3,
-            gram=torch.zeros(5, 5, dtype=torch.float64),
-            class_grams=class_grams,
-            reference=reference,
-            precision=precision,
-        )
-        return class_grams, moments
+        return _channel_class_grams(maps, labels, 3, reference=reference, precision=precision)
 
     looped_grams, looped = run()
     shapes = _batched_everywhere(monkeypatch)
@@ -299,20 +272,21 @@ def test_batched_class_products_in_either_precision_with_or_without_a_reference(
         torch.testing.assert_close(getattr(batched, name), getattr(looped, name), rtol=1e-6, atol=1e-6)
 
 
-def test_rows_of_very_unequal_classes_go_class_by_class(monkeypatch) -> None:
-    g = torch.Generator().manual_seed(9)
-    rows = torch.randn(40, 6, generator=g, dtype=torch.float64)
-    labels = torch.zeros(40, dtype=torch.long)
-    labels[:2] = torch.tensor([3, 5])  # 38 of 40 rows in one of eight classes
-    grouping = group_by_class(labels, 8)
+@pytest.mark.parametrize("unequal", [False, True])
+def test_batched_row_class_products_equal_the_direct_class_grams(monkeypatch, unequal: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(90, 7, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 3, (90,), generator=g)
+    if unequal:
+        labels = torch.zeros(90, dtype=torch.long)
+        labels[:2] = torch.tensor([3, 5])  # 88 of 90 rows in one of eight classes: padding would be 8 x 88 rows
+    classes = 8 if unequal else 3
+    grouping = group_by_class(labels, classes)
     shapes = _batched_everywhere(monkeypatch)
-    class_grams = torch.zeros(8, 6, 6, dtype=torch.float64)
-    row_moments(
-        rows[grouping.order],
-        grouping.sorted_labels,
-        num_classes=8,
-        class_grams=class_grams,
-        sorted_counts=grouping.counts,
-    )
-    assert shapes == []
-    torch.testing.assert_close(class_grams.tril(), _class_grams(rows, labels, 8).tril(), rtol=1e-12, atol=1e-10)
+    class_grams = torch.zeros(classes, 7, 7, dtype=torch.float64)
+    sorted_rows = rows[grouping.order]
+    options = {"num_classes": classes, "class_grams": class_grams, "sorted_counts": grouping.counts}
+    row_moments(sorted_rows, grouping.sorted_labels, **options)
+    assert shapes == ([] if unequal else [(3, 7, max(grouping.counts))])  # unequal classes: class by class
+    expected = _class_grams(rows, labels, classes)
+    torch.testing.assert_close(class_grams.tril(), expected.tril(), rtol=1e-12, atol=1e-10)
