@@ -343,7 +343,7 @@ class ScipyBlas:
             finally:
                 self._depth.value = depth
             return
-        libraries = self.libraries or () if self.available else ()  # looked up here, not inside a nested block
+        libraries = (self.libraries or []) if self.available else []  # looked up here, not inside a nested block
         before = [library.num_threads for library in libraries]
         for library, count in zip(libraries, before):
             if count != 1:
