@@ -512,7 +512,7 @@ class ActivationSpectrum(Metric):
         precision = resolve_gram_precision(self.gram_precision, activations.device)
         options = {"num_classes": self.num_classes, "precision": precision, **self._grams()}
         if self.path == "gram" and self.reduction == "channel" and activations.ndim == 4:
-            self._ensure_reference(lambda: activations.mean(dim=(0, 2, 3), dtype=torch.float64))
+            self._ensure_reference(lambda: _channel_mean(activations))
             moments = channel_gram_moments(activations, labels, reference=self.reference, **options)
         else:
             rows, labels, counts = self._rows(activations, labels, mask)
@@ -811,6 +811,18 @@ class ActivationSpectrum(Metric):
             class_counts=self.class_counts.clone() if self.num_classes else None,
             spectrum_rows=estimate.spectrum_rows,
         )
+
+
+def _channel_mean(maps: Tensor) -> Tensor:
+    """The float64 mean of every channel of ``(B, C, H, W)`` maps, the first batch's reference point.
+
+    Each input's map is summed in (at least) float32 first, then the ``(B, C)`` sums in float64: a float64 mean over
+    ``(0, 2, 3)`` converts every value and reduces across strides, 20-25x slower for 250 maps of 64 x 32 x 32 on a
+    CPU. The point is rounded to float32 anyway (:func:`~rank_lightning.functional.streaming.reference_point`): the
+    sums are exact around any point, and one near the data keeps them free of cancellation.
+    """
+    sums = maps.sum(dim=(2, 3), dtype=torch.promote_types(maps.dtype, torch.float32))
+    return sums.mean(dim=0, dtype=torch.float64) / (maps.shape[2] * maps.shape[3])
 
 
 def _check_tolerance_dtype(value: Any, rank_tolerance: float | None) -> str | torch.dtype | None:

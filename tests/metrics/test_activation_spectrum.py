@@ -771,3 +771,16 @@ def test_planned_bytes_match_the_allocated_states() -> None:
     assert big.planned_bytes(4096) == big.planned_bytes(4096)  # nothing allocated: d stays unknown
     assert big.path is None
     assert big.planned_bytes(1024) == (1024 + 1024**2 + 10 + 10 * 1024 + 10 * 1024**2 + 1024 + 4) * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_channel_reference_is_the_first_batchs_channel_mean(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(21)
+    maps = (torch.randn(12, 5, 6, 6, generator=g, dtype=torch.float64) + 100.0).to(dtype)
+    metric = ActivationSpectrum(reduction="channel")
+    metric.update(maps)
+    metric.update(maps + 7.0)  # later batches leave the reference alone
+    exact = maps.to(torch.float64).mean(dim=(0, 2, 3))
+    assert metric.reference.dtype == torch.float64
+    torch.testing.assert_close(metric.reference, exact, rtol=1e-6, atol=0)  # to float32's rounding
+    assert torch.equal(metric.reference, metric.reference.float().double())
