@@ -14,8 +14,10 @@ The workers:
   ``multiprocessing``'s spawn and fork-server methods do, which would run an unguarded training script twice).
 - stay, idle, for the next figures of the process, and exit with it (or at :func:`shutdown_figure_workers`); one
   whose parent dies exits at the end of its input. They ignore Ctrl-C, which the training process handles.
-- are started ahead of time by :func:`start_figure_workers`: the rank callbacks call it when a fit starts, on global
-  rank zero, so matplotlib's import (about a second of CPU per worker) is done while the model trains.
+- are started ahead of time by :func:`start_figure_workers`: the rank callbacks' curves call it on global rank zero
+  when they record values, with the number of figures the run's curves will draw (none start for a run of fewer
+  than :data:`MIN_PARALLEL_FIGURES`), so matplotlib's import (about a second of CPU per worker) is done while the
+  model trains.
 - number one less than the cores this process may run on (``os.sched_getaffinity``; the caller draws too), at most
   :data:`MAX_WORKERS`, and one less than the figures; none for fewer than :data:`MIN_PARALLEL_FIGURES` figures or on
   one core, and none in a frozen application (PyInstaller), whose interpreter is the application itself. The

@@ -9,9 +9,16 @@ import warnings
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
+import torch
 from matplotlib import rc_context
+from pytorch_lightning.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+import rank_lightning.callbacks.curves as curves_module
 from rank_lightning import figure_workers
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.figure_workers import (
     MAX_WORKERS,
     MIN_PARALLEL_FIGURES,
@@ -238,3 +245,66 @@ def test_handing_the_settings_over_imports_no_pyplot():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.split() == ["False", "True", "False"]
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tiny_fit(directory: Path, callbacks: list) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g))
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=CSVLogger(directory),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(_Tiny(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+
+
+def test_a_fit_starts_workers_at_its_first_record_only_for_enough_figures(tmp_path, monkeypatch):
+    counts: list[int] = []
+    start = curves_module.start_figure_workers
+    monkeypatch.setattr(curves_module, "start_figure_workers", lambda count: counts.append(count) or start(count))
+    monkeypatch.setattr(figure_workers, "_available_cores", lambda: 2)
+    shutdown_figure_workers()
+    few = WeightRankMonitor(metrics=("stable_rank",), verbose=False)
+    _tiny_fit(tmp_path / "few", [few])
+    assert counts == [1] * len(few.curves.epochs) and len(counts) >= 2  # one figure, at every record: no worker
+    assert figure_workers._POOL.get(0) == [] and not figure_workers._POOL._workers
+    counts.clear()
+    monitors = [ActivationRankMonitor(log_at_init=True, verbose=False), WeightRankMonitor(verbose=False)]
+    _tiny_fit(tmp_path / "many", monitors)
+    drawn = sum(len(monitor.curves.drawn_metrics) for monitor in monitors)
+    assert drawn >= MIN_PARALLEL_FIGURES
+    # The initial point of the first monitor already asks for its own figures; later records for the run's.
+    assert counts[0] == len(monitors[0].curves.drawn_metrics) and counts[-1] == drawn
+    assert len(figure_workers._POOL._workers) == 1  # two cores: one worker beside the caller
+    assert len(list((tmp_path / "many").rglob("*.png"))) == drawn
+    shutdown_figure_workers()
+
+
+def test_a_bad_worker_setting_stops_a_fit_at_its_start(tmp_path, monkeypatch):
+    monkeypatch.setenv(WORKERS_ENV, "many")
+    monitor = WeightRankMonitor(verbose=False)
+    with pytest.raises(ValueError, match=rf"{WORKERS_ENV}='many' is not a number of worker processes"):
+        _tiny_fit(tmp_path, [monitor])
+    assert not monitor.curves.epochs  # nothing was measured

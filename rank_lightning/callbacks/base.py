@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
-from rank_lightning.figure_workers import start_figure_workers
+from rank_lightning.figure_workers import figure_workers
 from rank_lightning.validation import check_positive_int
 
 __all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "trainer_fn"]
@@ -154,8 +154,9 @@ class CurveMonitor(RankCallback):
 
     Subclasses measure and call ``self.curves.record_and_log(trainer, pl_module, values)``; the base sends the last
     W&B charts and draws the figures at the end of fit (and of ``trainer.validate`` when it is monitored), and saves
-    the history in checkpoints so a resumed run continues its curves. When a fit starts it starts the processes that
-    help draw the figures (:func:`~rank_lightning.figure_workers.start_figure_workers`, on global rank zero).
+    the history in checkpoints so a resumed run continues its curves. The processes that help draw the figures are
+    started at the first record, on global rank zero, when the run has enough figures
+    (:func:`~rank_lightning.figure_workers.start_figure_workers`).
 
     Args:
         namespace: first part of every logged key (``"rank"``, ``"weight"``, ``"jacobian"``).
@@ -221,9 +222,10 @@ class CurveMonitor(RankCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The processes that help draw the figures at the end of fit import matplotlib while the model trains.
+        # RANK_LIGHTNING_FIGURE_WORKERS is read now: a bad value is an error when the fit starts, not at its end. The
+        # workers themselves are started at the first record (LayerCurves), when the number of figures is known.
         if trainer.is_global_zero:
-            start_figure_workers()
+            figure_workers(0)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -85,7 +85,7 @@ from typing import Any
 
 import torch
 
-from rank_lightning.figure_workers import FigureJob, draw_figures
+from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -211,6 +211,16 @@ def log_step(trainer: Any) -> int:
     epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     stepped = getattr(epoch_loop, "_batches_that_stepped", None)
     return int(stepped) if isinstance(stepped, int) else int(getattr(trainer, "global_step", 0))
+
+
+def _start_figure_workers(trainer: Any, curves: LayerCurves) -> None:
+    """Start the processes that help draw the run's figures, once their number is known: the metrics recorded so far
+    by ``curves`` and by the curves of the trainer's other callbacks (:func:`~rank_lightning.figure_workers.
+    start_figure_workers`; none for a run of few figures). Called on rank zero after each record: workers that run
+    already are kept, so matplotlib's import is done in them while the model trains."""
+    others = (getattr(callback, "curves", None) for callback in getattr(trainer, "callbacks", None) or [])
+    run = {id(c): c for c in (curves, *others) if isinstance(c, LayerCurves)}
+    start_figure_workers(sum(len(c.drawn_metrics) for c in run.values()))
 
 
 def _to_float(value: Any) -> float:
@@ -374,6 +384,11 @@ class LayerCurves:
         return list(self._metrics)
 
     @property
+    def drawn_metrics(self) -> list[str]:
+        """The recorded metrics that get a figure: all but :data:`UNDRAWN_METRICS`."""
+        return [metric for metric in self._metrics if metric.rsplit("/", 1)[-1] not in UNDRAWN_METRICS]
+
+    @property
     def epochs(self) -> list[int]:
         """Recorded epochs, ascending (:data:`INITIAL_EPOCH`, -1, first when the untrained model was measured)."""
         return sorted(self._history)
@@ -496,6 +511,7 @@ class LayerCurves:
         if not trainer.is_global_zero:
             return
         self._write_curve_file(trainer)
+        _start_figure_workers(trainer, self)
         trained = len([epoch for epoch in self._history if epoch != self.initial_point])
         if self.wandb_charts and (trained == 1 or trained % self.wandb_charts_every_n_epochs == 0):
             self._log_wandb_charts(trainer)
@@ -525,6 +541,7 @@ class LayerCurves:
             for logger in getattr(trainer, "loggers", None) or []:
                 logger.log_metrics({**scalars, "epoch": INITIAL_EPOCH}, step=trainer.global_step)
         self._write_curve_file(trainer)
+        _start_figure_workers(trainer, self)
 
     def clear_stale_metrics(self, trainer: Any) -> None:
         """Remove the values this object logged from ``trainer.callback_metrics``; call it at every epoch start.
@@ -567,7 +584,7 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        drawn = [metric for metric in self._metrics if metric.rsplit("/", 1)[-1] not in UNDRAWN_METRICS]
+        drawn = self.drawn_metrics
         jobs = self._figure_jobs(self.figure_dir(trainer), drawn)
         try:
             results = draw_figures(jobs)
