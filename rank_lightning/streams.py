@@ -193,13 +193,15 @@ class ActivationStream:
         """Rows of the current batch to measure; the first monitored layer to run decides for all of them.
 
         With ``max_samples`` the rows still to take are spread evenly over the batches left in the pass, so a
-        loader sorted by class still gives rows of every class.
+        loader sorted by class still gives rows of every class; when the pass's length is unknown (``inf``: an
+        iterable dataset), the first ``max_samples`` rows are taken.
         """
         if self._take is None:
             if self.remaining is None:
                 self._take = size
             else:
-                share = math.ceil(self.remaining / max(self._batches_left, 1))
+                left = self._batches_left
+                share = self.remaining if math.isinf(left) else math.ceil(self.remaining / max(left, 1))
                 self._take = max(0, min(size, self.remaining, share))
                 self.remaining -= self._take
             self.inputs_measured += self._take

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
+from rank_lightning.callbacks.base import CurveMonitor
+from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
     BatchReader,
@@ -77,8 +78,9 @@ class ActivationRankMonitor(CurveMonitor):
     first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children).
 
     Initial point: with ``log_at_init`` (default), a fresh ``fit`` measures the untrained model before the first
-    training step, over one pass of the first validation loader (``stage="val"``, eval mode) or the first training
-    batches up to ``max_samples`` (``stage="train"``, training mode with BatchNorm statistics restored), calling the
+    training step, over the batches a monitored epoch streams: one pass of every validation loader within
+    ``limit_val_batches`` (``stage="val"``, eval mode), or the training batches within ``limit_train_batches`` (one
+    window with a step cadence; ``stage="train"``, training mode with BatchNorm statistics restored), calling the
     module's ``forward`` on the inputs of each batch (``input_key``). It is recorded as epoch ``-1`` and sent to the
     loggers at step 0.
 
@@ -101,6 +103,10 @@ class ActivationRankMonitor(CurveMonitor):
             ``accumulate_grad_batches``.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
             ``None`` is ``"train"`` with ``every_n_train_steps`` (which needs it) and ``"val"`` otherwise.
+        namespace: first part of the logged keys and of the curve file and figure names; ``None`` for ``"rank"``
+            (``"rank_train"`` for ``stage="train"``). Two monitors of one Trainer need two namespaces (a second one
+            with other layers, a reduction or centring: ``namespace="rank_channel"``); the same one is an error at
+            setup.
         max_samples: inputs per monitored epoch, spread evenly over the epoch's batches (the first rows of every
             batch), so that a loader sorted by class still gives rows of every class; a warning names the classes
             that got no row. Under DDP each of the W processes takes ``ceil(max_samples / W)`` of its own. ``None``
@@ -200,6 +206,7 @@ class ActivationRankMonitor(CurveMonitor):
         every_n_train_steps: int | None = None,
         window_batches: int = 1,
         stage: Literal["val", "train"] | None = None,
+        namespace: str | None = None,
         max_samples: int | None = 4096,
         conv_reduction: str = "channel",
         token_reduction: str = "token",
@@ -236,8 +243,9 @@ class ActivationRankMonitor(CurveMonitor):
     def _configure(self, options: dict[str, Any]) -> None:
         o = options
         stage = _stage(o["stage"], o["every_n_train_steps"])
+        self.namespace = None if o["namespace"] is None else check_namespace(o["namespace"])
         super().__init__(
-            "rank" if stage == "val" else "rank_train",
+            self.namespace or ("rank" if stage == "val" else "rank_train"),
             every_n_epochs=o["every_n_epochs"],
             every_n_train_steps=o["every_n_train_steps"],
             window_batches=o["window_batches"],
@@ -271,7 +279,10 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def state_key(self) -> str:
         # A list, as before layers became a tuple: checkpoints saved then still find their state.
-        return self._generate_state_key(layers=None if self.layers is None else list(self.layers), stage=self.stage)
+        named = {} if self.namespace is None else {"namespace": self.namespace}
+        return self._generate_state_key(
+            layers=None if self.layers is None else list(self.layers), stage=self.stage, **named
+        )
 
     @property
     def monitored(self) -> dict[str, str]:
@@ -294,6 +305,7 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_distinct_namespaces(trainer, self)
         self.cadence.check_window(trainer)
         self.select(pl_module)
         self._num_classes = self.num_classes or _num_classes_of(pl_module, trainer)
@@ -452,17 +464,12 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loader = first_val_loader(trainer) if self.stage == "val" else trainer.train_dataloader
-        if loader is None or self._stream is None or not self.initial_point_due(trainer):
+        loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
+        if not loaders or self._stream is None or not self.initial_point_due(trainer):
             return
-        # Validation data pass once over the loader (rows spread over it); training data only up to max_samples, or
-        # over one window's batches with the step cadence.
-        batches = len(loader) if self.stage == "val" and hasattr(loader, "__len__") else math.inf
-        if self.cadence.by_step:
-            batches = self.cadence.window_batches
-        self._start(trainer, pl_module, batches)
+        self._start(trainer, pl_module, sum(batches for _, batches in loaders))
         try:
-            self._initial_pass(trainer, pl_module, loader, batches)
+            self._initial_pass(trainer, pl_module, loaders)
         except Exception as error:  # an initial point must never stop the fit it precedes
             self._stop()
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
@@ -473,17 +480,52 @@ class ActivationRankMonitor(CurveMonitor):
         if values:
             self.curves.record_initial(trainer, values)
 
-    def _initial_pass(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any, batches: float) -> None:
+    def _initial_pass(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list[tuple[Any, float]]
+    ) -> None:
         # Validation runs in eval mode; training batches in training mode, without touching BatchNorm statistics.
         mode = eval_mode if self.stage == "val" else train_mode
         with torch.no_grad(), mode(pl_module), buffers_kept(pl_module):
-            for index, batch in enumerate(loader):
-                if self._stream.done or index >= batches:
-                    break
-                batch = trainer.strategy.batch_to_device(batch)
-                self._stream.batch_start(batch)
-                _forward_batch(pl_module, batch, self.batch_reader)
-                self._stream.batch_end()
+            for loader, batches in loaders:
+                for index, batch in enumerate(loader):
+                    if self._stream.done or index >= batches:
+                        break
+                    batch = trainer.strategy.batch_to_device(batch)
+                    self._stream.batch_start(batch)
+                    _forward_batch(pl_module, batch, self.batch_reader)
+                    self._stream.batch_end()
+
+
+def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> list[tuple[Any, float]]:
+    """The loaders of the initial pass and the batches to take from each, as the monitored passes take them: every
+    validation loader within ``limit_val_batches``; the training loader within ``limit_train_batches``, or over one
+    step window (``window``); ``inf`` for a loader of unknown length (rows then stop at ``max_samples``)."""
+    if stage == "train":
+        loader = trainer.train_dataloader
+        if loader is None:
+            return []
+        batches = window if window is not None else _limited(loader, trainer.limit_train_batches)
+        return [(loader, batches)] if batches > 0 else []
+    loaders = trainer.val_dataloaders
+    loaders = [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    limited = [(loader, _limited(loader, trainer.limit_val_batches)) for loader in loaders]
+    return [(loader, batches) for loader, batches in limited if batches > 0]
+
+
+def _limited(loader: Any, limit: int | float | None) -> float:
+    """The batches Lightning takes from ``loader`` under ``limit_*_batches`` (an int: at most that many; a float: that
+    fraction of its length, at least one batch); ``inf`` for a loader without a length."""
+    try:
+        length: float = len(loader)
+    except TypeError:  # an iterable dataset: DataLoader has __len__, which raises
+        length = math.inf
+    if limit is None:
+        return length
+    if limit == 0:
+        return 0
+    if isinstance(limit, int):
+        return min(length, limit)
+    return length if math.isinf(length) or limit >= 1.0 else max(1, int(length * limit))
 
 
 def _forward_batch(module: nn.Module, batch: Any, reader: BatchReader) -> None:

@@ -7,6 +7,7 @@ the figures at the end of fit.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,18 @@ def first_val_loader(trainer: pl.Trainer) -> Any:
     return loaders
 
 
+def _steps_before(batches: int, num_batches: float, accumulate: int, step_on_last: bool) -> int:
+    """The optimizer steps taken within the first ``batches`` training batches counted from the start of an epoch,
+    over epochs of ``num_batches`` batches (``inf`` when unknown): one after every ``accumulate``-th batch of an
+    epoch and, when ``step_on_last``, one after an epoch's last batch that ends a shorter accumulation."""
+    if math.isinf(num_batches) or num_batches < 1:
+        return batches // accumulate
+    per_epoch = int(num_batches)
+    epochs, rest = divmod(batches, per_epoch)
+    partial = 1 if step_on_last and per_epoch % accumulate else 0
+    return epochs * (per_epoch // accumulate + partial) + rest // accumulate
+
+
 @dataclass(frozen=True)
 class Cadence:
     """When a measurement is due: the one rule every rank callback follows.
@@ -50,8 +63,11 @@ class Cadence:
     (``trainer.global_step`` reaching a multiple of N), over a window of the last ``window_batches`` training
     batches before that step: :meth:`window_opens` says at which batch to start streaming, :meth:`window_closes`
     when the step is reached. Steps count optimizer steps, so with gradient accumulation over k batches a window of
-    W batches covers the last W micro-batches before the step, and N steps are N * k batches. ``batch_idx`` and
-    ``global_step`` are equal on every DDP process, so every process opens and closes the same windows.
+    W batches covers the last W micro-batches before the step, whichever accumulations they belong to. Lightning
+    takes a step after every k-th batch of an epoch and after the epoch's last batch, so when an epoch's batches
+    (after ``limit_train_batches``) are not a multiple of k its last step takes fewer; N steps are then fewer than
+    N * k batches (:meth:`steps_taken_within`). ``batch_idx``, ``num_training_batches`` and ``global_step`` are equal
+    on every DDP process, so every process opens and closes the same windows.
 
     Attributes:
         every_n_epochs: epochs between measurements during ``fit``; ``None`` for none.
@@ -88,7 +104,10 @@ class Cadence:
         return (fn == "validate" and self.on_validate) or (fn == "test" and self.on_test)
 
     def check_window(self, trainer: pl.Trainer) -> None:
-        """Raise when ``window_batches`` exceeds the batches between two step measurements.
+        """Raise when ``window_batches`` exceeds the batches between two step measurements with full
+        accumulations: ``every_n_train_steps * accumulate_grad_batches``. (An epoch's shorter last accumulation can
+        bring two measurements closer; then the later window opens once the earlier has closed, and streams fewer
+        batches.)
 
         Raises:
             ValueError: naming both numbers and ``accumulate_grad_batches``.
@@ -110,13 +129,28 @@ class Cadence:
         return (trainer.global_step // n + 1) * n
 
     def window_opens(self, trainer: pl.Trainer, batch_idx: int) -> bool:
-        """Whether training batch ``batch_idx`` is among the last ``window_batches`` before :meth:`next_step`."""
+        """Whether training batch ``batch_idx`` is among the last ``window_batches`` before :meth:`next_step`: whether
+        the optimizer steps taken within the ``window_batches`` batches from it on reach that step."""
         if not self.by_step or trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return False
+        steps_needed = self.next_step(trainer) - trainer.global_step
+        return self.steps_taken_within(trainer, batch_idx, self.window_batches) >= steps_needed
+
+    @staticmethod
+    def steps_taken_within(trainer: pl.Trainer, batch_idx: int, count: int) -> int:
+        """The optimizer steps Lightning takes within the ``count`` training batches from ``batch_idx`` (of the current
+        epoch) on, continuing into the next epochs: each right after the batch that ends its accumulation.
+
+        As Lightning's training epoch loop decides (``_should_accumulate``): a step after every
+        ``accumulate_grad_batches``-th batch of an epoch, and after the epoch's last batch (the
+        ``num_training_batches``-th) unless the strategy accumulates gradients itself. With
+        ``num_training_batches`` unknown (``inf``) the epoch's end cannot be foreseen: every step is taken as full.
+        """
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
-        steps_after_this = self.next_step(trainer) - trainer.global_step - 1
-        batches_left = steps_after_this * accumulate + accumulate - batch_idx % accumulate
-        return batches_left <= self.window_batches
+        num_batches = float(getattr(trainer, "num_training_batches", math.inf))
+        step_on_last = not getattr(getattr(trainer, "strategy", None), "handles_gradient_accumulation", False)
+        before_window = _steps_before(batch_idx, num_batches, accumulate, step_on_last)
+        return _steps_before(batch_idx + count, num_batches, accumulate, step_on_last) - before_window
 
     @staticmethod
     def window_closes(trainer: pl.Trainer, target_step: int) -> bool:
@@ -240,6 +274,13 @@ class CurveMonitor(RankCallback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.curves.finish(trainer)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
+        self.curves.note_checkpoint(checkpoint.get("epoch"), checkpoint.get("global_step"))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -76,8 +76,10 @@ are and never raise.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -102,6 +104,8 @@ __all__ = [
     "INITIAL_EPOCH",
     "X_AXES",
     "LayerCurves",
+    "check_distinct_namespaces",
+    "check_namespace",
     "log_rank_equal",
     "log_step",
     "publish_scalars",
@@ -211,6 +215,43 @@ def log_step(trainer: Any) -> int:
     epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     stepped = getattr(epoch_loop, "_batches_that_stepped", None)
     return int(stepped) if isinstance(stepped, int) else int(getattr(trainer, "global_step", 0))
+
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` if it can name keys, curve files and figures: letters, digits and ``_.-``, a letter or digit first.
+
+    Raises:
+        ValueError: another value, named.
+    """
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        raise ValueError(
+            f"namespace={namespace!r} cannot name logged keys and files; use letters, digits and '_', '.', '-' "
+            "(a letter or digit first), e.g. 'rank_channel'"
+        )
+    return namespace
+
+
+def check_distinct_namespaces(trainer: Any, callback: Any) -> None:
+    """Raise if another callback of ``trainer`` logs under ``callback``'s namespace: their keys, curve files and
+    figures would overwrite each other's.
+
+    Raises:
+        ValueError: naming both callbacks and the namespace.
+    """
+    namespace = callback.curves.namespace
+    for other in getattr(trainer, "callbacks", None) or []:
+        curves = getattr(other, "curves", None)
+        if other is callback or not isinstance(curves, LayerCurves) or curves.namespace != namespace:
+            continue
+        takes = [type(c).__name__ for c in (callback, other) if "namespace" in inspect.signature(type(c)).parameters]
+        remedy = f"pass namespace='...' to one {' or '.join(dict.fromkeys(takes))}" if takes else "keep one of them"
+        raise ValueError(
+            f"{type(callback).__name__} and {type(other).__name__} both log under namespace {namespace!r}: their keys, "
+            f"{namespace}_curves.json and figures would overwrite each other; {remedy}"
+        )
 
 
 def _start_figure_workers(trainer: Any, curves: LayerCurves) -> None:
@@ -362,6 +403,7 @@ class LayerCurves:
         self._history: History = {}
         self._layers: list[str] = []
         self._metrics: list[str] = []
+        self._checkpoint_point: tuple[int, int] | None = None
         self._facts: dict[str, Any] = {} if x_axis == "epoch" else {"x_axis": x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
@@ -479,7 +521,9 @@ class LayerCurves:
         everywhere (see the module docstring).
 
         Outside ``fit``, an evaluation of a model that took no optimizer step (``trainer.validate`` before training)
-        is recorded at epoch ``-1``, the initial point, so that the ``fit`` that follows does not overwrite it.
+        is recorded at epoch ``-1``, the initial point, so that the ``fit`` that follows does not overwrite it; an
+        evaluation of a checkpoint (``trainer.validate(ckpt_path=...)``) is recorded at the checkpoint's epoch (or
+        step), where its ``fit`` recorded the same weights (:meth:`note_checkpoint`).
 
         Call it on every rank, with the same values (they are written without synchronisation). Calls during the sanity
         check are ignored: Lightning discards
@@ -497,10 +541,7 @@ class LayerCurves:
         if self._rewind_check and _fitting(trainer):
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
-        # trainer.validate() on a model no optimizer step has touched measures the initial point: a later fit must
-        # not overwrite it with its epoch 0.
-        untrained = _trainer_fn(trainer) in ("validate", "test") and trainer.global_step == 0
-        scalars = self._scalars(self.record(self.initial_point if untrained else at, values))
+        scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
         if _fitting(trainer):
             publish_scalars(trainer, scalars)
         else:
@@ -517,6 +558,22 @@ class LayerCurves:
             self._log_wandb_charts(trainer)
         if self.figures_every_n_epochs is not None and trained % self.figures_every_n_epochs == 0:
             self.write_figures(trainer)
+
+    def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
+        """Note the epoch and step of the checkpoint being loaded (the monitors call it from ``on_load_checkpoint``):
+        an evaluation of it is recorded there."""
+        self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
+
+    def _evaluated_point(self, trainer: Any, at: int) -> int:
+        """Where values measured now are recorded: ``at`` during ``fit``; for ``validate`` / ``test``, the loaded
+        checkpoint's epoch or step, else the initial point for a model no optimizer step has touched (a later fit must
+        not overwrite it with its epoch 0)."""
+        if _trainer_fn(trainer) not in ("validate", "test"):
+            return at
+        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+        if loaded is not None and loaded[1] > 0:
+            return loaded[1] if self.x_axis == "step" else loaded[0]
+        return self.initial_point if trainer.global_step == 0 else at
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
+from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
 from rank_lightning.layers import BatchReader, check_layer_types, select_layers
 from rank_lightning.validation import check_choice, check_names, check_positive, check_positive_int
@@ -208,6 +209,7 @@ class JacobianRankMonitor(CurveMonitor):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_distinct_namespaces(trainer, self)
         self.select(pl_module)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
         self.info(f"{len(self._layers)} blocks, {self.num_inputs} inputs, patch {self._patch_text()}: {names}")

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
+from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import BatchReader, FeatureLayer, classifier_head, eval_mode, forward_hooks
 from rank_lightning.metrics import NeuralCollapseStatistics
@@ -139,6 +140,7 @@ class NeuralCollapseMonitor(CurveMonitor):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_distinct_namespaces(trainer, self)
         self._head_path = self.find_head(pl_module)
         self.info(f"neural collapse of the input of {self._head_path!r} (two passes over the validation data)")
         self.curves.describe(split="val")

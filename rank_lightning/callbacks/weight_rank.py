@@ -11,7 +11,7 @@ from torch import nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import CurveMonitor
-from rank_lightning.callbacks.curves import wandb_loggers
+from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, wandb_loggers
 from rank_lightning.distributed import SHARDINGS, weight_matrix_spectra
 from rank_lightning.functional.spectral import Spectrum, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
@@ -71,7 +71,8 @@ class WeightRankMonitor(CurveMonitor):
     Spectra are computed in float64 with one batched decomposition per distinct matrix shape
     (:func:`~rank_lightning.functional.weights.weight_spectra`, see ``decomposition``); the metrics come from
     :func:`~rank_lightning.functional.spectral.summarize`. Values are computed identically on every rank and logged on
-    every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
+    every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them. A matrix holding NaN or Inf never stops
+    training: its metrics are NaN while it does, with a warning naming the layer (once); the others are unaffected.
 
     Timing: during ``fit``, after validation in every ``every_n_epochs``-th epoch (``(epoch + 1) % every_n_epochs ==
     0``), or at the end of that training epoch when no validation ran; with ``every_n_train_steps=N``, right after
@@ -122,6 +123,8 @@ class WeightRankMonitor(CurveMonitor):
             initialisation, Daneshmand et al.).
         figures_every_n_epochs: also draw the PNG figures after every this many monitored epochs; ``None`` draws
             them at the end of fit only.
+        namespace: first part of the logged keys and of the curve file and figure names; ``None`` for
+            ``"weight"``. Two weight monitors of one Trainer need two namespaces; the same one is an error at setup.
         verbose: report the monitored matrices (rank zero) at setup.
 
     Raises:
@@ -178,10 +181,12 @@ class WeightRankMonitor(CurveMonitor):
         save_singular_values: bool = False,
         log_at_init: bool = True,
         figures_every_n_epochs: int | None = None,
+        namespace: str | None = None,
         verbose: bool = True,
     ) -> None:
+        self.namespace = None if namespace is None else check_namespace(namespace)
         super().__init__(
-            "weight",
+            self.namespace or "weight",
             every_n_epochs=every_n_epochs,
             every_n_train_steps=every_n_train_steps,
             on_validate=False,
@@ -207,6 +212,7 @@ class WeightRankMonitor(CurveMonitor):
         self._resolved_for: int | None = None
         self._last_monitored_epoch: int | None = None
         self._last_monitored_step: int | None = None
+        self._step_at_batch_start: int | None = None
 
     @property
     @override
@@ -215,7 +221,8 @@ class WeightRankMonitor(CurveMonitor):
         types = (
             None if self.layer_types is None else [t if isinstance(t, str) else t.__name__ for t in self.layer_types]
         )
-        return self._generate_state_key(layers=layers, layer_types=types)
+        named = {} if self.namespace is None else {"namespace": self.namespace}
+        return self._generate_state_key(layers=layers, layer_types=types, **named)
 
     @property
     def monitored(self) -> list[str]:
@@ -291,6 +298,7 @@ class WeightRankMonitor(CurveMonitor):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_distinct_namespaces(trainer, self)
         names = self.select(pl_module)
         self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
         self.curves.describe(rank_tolerance=self.rank_tolerance, tolerance_size=self.tolerance_size)
@@ -298,7 +306,8 @@ class WeightRankMonitor(CurveMonitor):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.initial_point_due(trainer):
-            self.curves.record_initial(trainer, self.measure(pl_module))
+            spectra = self._checked_spectra(pl_module, "before training")
+            self.curves.record_initial(trainer, {name: self._metrics_of(s) for name, s in spectra.items()})
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -312,19 +321,37 @@ class WeightRankMonitor(CurveMonitor):
             self._monitor(trainer, pl_module)
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # Step cadence: right after every every_n_train_steps-th optimizer step (not after the micro-batches that
-        # accumulate gradients towards it).
+        # Step cadence: right after every every_n_train_steps-th optimizer step, in the batch that took it (not after
+        # the micro-batches that accumulate gradients towards it, nor those of a fit resumed at such a step).
         step, every = trainer.global_step, self.cadence.every_n_train_steps
-        if every is None or step == 0 or step % every or step == self._last_monitored_step:
+        if every is None or step == 0 or step % every or step == self._step_at_batch_start:
+            return
+        if step == self._last_monitored_step:
             return
         self._last_monitored_step = step
         self._monitor(trainer, pl_module)
 
-    def _monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _checked_spectra(self, pl_module: pl.LightningModule, when: str) -> dict[str, Spectrum]:
+        """:meth:`spectra`, with a warning (once per layer) naming every matrix that holds NaN or Inf."""
         spectra = self.spectra(pl_module)
+        for name, spectrum in spectra.items():
+            if not spectrum.is_finite:
+                message = f"layer {name!r} has NaN or Inf weights ({when}): its metrics are NaN while it does; the "
+                self.warn_once(("nonfinite", name), message + "other layers are measured as usual.", RuntimeWarning)
+        return spectra
+
+    def _monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        when = f"at step {trainer.global_step}" if self.cadence.by_step else f"at epoch {trainer.current_epoch}"
+        spectra = self._checked_spectra(pl_module, when)
         self.curves.record_and_log(trainer, pl_module, {name: self._metrics_of(s) for name, s in spectra.items()})
         self._last_monitored_epoch = trainer.current_epoch
         if self.save_singular_values and trainer.is_global_zero:

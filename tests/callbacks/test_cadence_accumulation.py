@@ -1,0 +1,160 @@
+"""Step windows under gradient accumulation: an epoch whose batches are not a multiple of ``accumulate_grad_batches``
+ends with a shorter accumulation, and the window still streams the W batches before every N-th optimizer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks.base import Cadence
+from rank_lightning.functional import participation_ratio, total_cluster_variation
+from tests.callbacks.trainer_helpers import quiet_trainer
+
+NUM_CLASSES = 3
+BATCH_SIZE = 4
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, NUM_CLASSES))
+        self.num_classes = NUM_CLASSES
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Batches(pl.Callback):
+    """Every training batch in order: the first layer's output, its labels, and the optimizer steps taken after it."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, Any]] = []
+        self._handle = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+            if pl_module.training and self.batches and "output" not in self.batches[-1]:
+                self.batches[-1]["output"] = output.detach().double().clone()
+
+        self._handle = pl_module.net[0].register_forward_hook(hook)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.batches.append({"labels": batch[1].clone()})
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.batches[-1]["step_after"] = trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._handle.remove()
+
+    def window(self, step: int, size: int) -> list[int]:
+        """The numbers of the ``size`` batches up to the one after which Lightning took optimizer step ``step``."""
+        last = next(i for i, b in enumerate(self.batches) if b["step_after"] == step)
+        return list(range(last - size + 1, last + 1))
+
+
+def _fit(tmp_path: Path, every: int, window: int, *, batches: int, **kwargs: Any) -> tuple[Any, _Batches, int]:
+    generator = torch.Generator().manual_seed(1)
+    n = batches * BATCH_SIZE
+    x, y = torch.randn(n, 5, generator=generator), torch.arange(n) % NUM_CLASSES
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH_SIZE)
+    monitor = ActivationRankMonitor(
+        layers=["net.0"], every_n_train_steps=every, window_batches=window, log_at_init=False, verbose=False
+    )
+    record = _Batches()
+    trainer = quiet_trainer(
+        [record, monitor], max_epochs=2, num_sanity_val_steps=0, default_root_dir=tmp_path, **kwargs
+    )
+    trainer.fit(_Net(), train_dataloaders=loader)
+    return monitor, record, trainer.global_step
+
+
+def _check_windows(monitor: Any, record: _Batches, every: int, window: int, expected_steps: list[int]) -> None:
+    assert monitor.curves.epochs == expected_steps
+    for step in expected_steps:
+        chosen = [record.batches[i] for i in record.window(step, window)]
+        rows = torch.cat([b["output"] for b in chosen])
+        labels = torch.cat([b["labels"] for b in chosen])
+        logged = monitor.curves.history[step]["net.0"]
+        assert logged["spectrum_rows"] == window * BATCH_SIZE, step
+        assert logged["participation_ratio"] == pytest.approx(float(participation_ratio(rows)), rel=1e-9), step
+        assert logged["tcv"] == pytest.approx(float(total_cluster_variation(rows, labels)), rel=1e-9), step
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_partial_last_accumulation_of_an_epoch(tmp_path: Path, window: int) -> None:
+    # 5 batches, 2 per step: steps end after batches 1, 3 and 4 (the last one alone); 3 steps per epoch, 6 in all.
+    monitor, record, last_step = _fit(tmp_path, 3, window, batches=5, accumulate_grad_batches=2)
+    assert last_step == 6
+    _check_windows(monitor, record, 3, window, [3, 6])
+
+
+def test_window_longer_than_an_accumulation_across_the_epoch_boundary(tmp_path: Path) -> None:
+    # Steps end after batches 1, 3, 4 of each epoch; step 4's window of 3 is epoch 0's batch 4 and epoch 1's 0 and 1.
+    monitor, record, last_step = _fit(tmp_path, 2, 3, batches=5, accumulate_grad_batches=2)
+    assert last_step == 6
+    _check_windows(monitor, record, 2, 3, [2, 4, 6])
+
+
+def test_limit_train_batches_not_a_multiple_of_the_accumulation(tmp_path: Path) -> None:
+    # 8 batches limited to 7, 3 per step: steps end after batches 2, 5 and 6 of each epoch; windows of 4 batches.
+    monitor, record, last_step = _fit(tmp_path, 2, 4, batches=8, accumulate_grad_batches=3, limit_train_batches=7)
+    assert last_step == 6
+    _check_windows(monitor, record, 2, 4, [2, 4, 6])
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_no_accumulation(tmp_path: Path, window: int) -> None:
+    monitor, record, last_step = _fit(tmp_path, 2, window, batches=5)
+    assert last_step == 10
+    _check_windows(monitor, record, 2, window, [2, 4, 6, 8, 10])
+
+
+def _opening_batches(cadence: Cadence, num_batches: float, accumulate: int, epochs: int) -> list[tuple[int, int]]:
+    """Simulate Lightning's loop (a step after every ``accumulate`` batches and after an epoch's last batch) and
+    return the ``(epoch, batch_idx)`` at which the window opens, with a window open until its step is taken."""
+    trainer = SimpleNamespace(
+        sanity_checking=False,
+        state=SimpleNamespace(fn="fit"),
+        accumulate_grad_batches=accumulate,
+        num_training_batches=num_batches,
+        global_step=0,
+        strategy=SimpleNamespace(handles_gradient_accumulation=False),
+    )
+    opened, target = [], None
+    for epoch in range(epochs):
+        for batch_idx in range(int(num_batches)):
+            if target is None and cadence.window_opens(trainer, batch_idx):
+                target = cadence.next_step(trainer)
+                opened.append((epoch, batch_idx))
+            if (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches:
+                trainer.global_step += 1
+            if target is not None and cadence.window_closes(trainer, target):
+                target = None
+    return opened
+
+
+def test_window_opens_from_the_shared_loop_counters() -> None:
+    # 5 batches, 2 per step: steps 1-3 in epoch 0, 4-6 in epoch 1. Step 3 (epoch 0, batch 4) takes one batch.
+    assert _opening_batches(Cadence(every_n_train_steps=3, window_batches=1), 5, 2, 2) == [(0, 4), (1, 4)]
+    assert _opening_batches(Cadence(every_n_train_steps=3, window_batches=2), 5, 2, 2) == [(0, 3), (1, 3)]
+    assert _opening_batches(Cadence(every_n_train_steps=2, window_batches=3), 5, 2, 2) == [(0, 1), (0, 4), (1, 2)]
+    assert _opening_batches(Cadence(every_n_train_steps=1, window_batches=1), 3, 1, 1) == [(0, 0), (0, 1), (0, 2)]

@@ -1,0 +1,82 @@
+"""Two monitors of one kind in one Trainer: distinct namespaces keep their keys, curve files and figures apart; the
+same namespace is an error at setup instead of files overwritten without a word."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(root, callbacks) -> pl.Trainer:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g))
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=CSVLogger(root, name="run", version=0),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(_Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ns, layer: ActivationRankMonitor(layers=[("net.1", "net.3")[layer]], namespace=ns, verbose=False),
+        lambda ns, layer: WeightRankMonitor(layers=[("net.0", "net.2")[layer]], namespace=ns, verbose=False),
+    ],
+    ids=["activation", "weight"],
+)
+def test_two_monitors_of_a_kind_need_two_namespaces(tmp_path, make):
+    # Other layers: Lightning accepts both states, but every key and file would be written twice.
+    with pytest.raises(ValueError, match=r"both log under namespace '(rank|weight)'.*namespace='\.\.\.'"):
+        _fit(tmp_path / "same", [make(None, 0), make(None, 1)])
+    first, second = make(None, 0), make("second", 1)
+    _fit(tmp_path / "apart", [first, second])
+    directory = tmp_path / "apart" / "run" / "version_0" / FIGURE_DIR
+    default = first.curves.namespace
+    files = {path.name for path in directory.glob("*_curves.json")}
+    assert files == {f"{default}_curves.json", "second_curves.json"}
+    assert read_curve_file(directory / "second_curves.json")["history"] == second.curves.history
+    assert read_curve_file(directory / f"{default}_curves.json")["layers"] == first.curves.layers
+    assert first.curves.layers != second.curves.layers
+    assert len(list(directory.glob("second_*.png"))) == len(second.curves.drawn_metrics)
+    header = (tmp_path / "apart" / "run" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert any(key.startswith(f"{default}/") for key in header) and any(key.startswith("second/") for key in header)
+    # The same layers apart by namespace: Lightning keeps both states in checkpoints.
+    assert make(None, 0).state_key != make("second", 0).state_key
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "_rank", "rank train"])
+def test_a_namespace_that_cannot_name_keys_is_named(bad):
+    with pytest.raises(ValueError, match=rf"namespace={bad!r} cannot name logged keys and files"):
+        ActivationRankMonitor(namespace=bad)
+    with pytest.raises(ValueError, match=rf"namespace={bad!r} cannot name logged keys and files"):
+        WeightRankMonitor(namespace=bad)
