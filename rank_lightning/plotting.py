@@ -279,16 +279,21 @@ def axis_label(metric: str) -> str:
 
 
 _SPLITS = {"val": "validation set", "train": "training batches", "test": "test set"}
-_KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size")
+_KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size", "tolerance_dtype")
 
 
-def _tolerance_text(rank_tolerance: Any, tolerance_size: Any) -> str:
+def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: Any = None) -> str:
     if rank_tolerance is not None:
         value = f"{rank_tolerance:.3g}" if isinstance(rank_tolerance, float) else str(rank_tolerance)
         return f"rank tolerance: eps = {value} (relative to $s_1$)"
+    if tolerance_dtype == "input":
+        eps = "eps of the activations' dtype"
+    else:
+        eps = f"{str(tolerance_dtype or 'float32').removeprefix('torch.')} eps"
+    default = "" if tolerance_dtype is not None else " (default)"
     if tolerance_size in ("min", "max"):
-        return f"rank tolerance: float32 eps \u00d7 {tolerance_size}(rows, columns) (default)"
-    return "rank tolerance: default"
+        return f"rank tolerance: {eps} \u00d7 {tolerance_size}(rows, columns){default}"
+    return f"rank tolerance: {eps}" if tolerance_dtype is not None else "rank tolerance: default"
 
 
 def caption_text(facts: Mapping[str, Any]) -> str:
@@ -298,9 +303,10 @@ def caption_text(facts: Mapping[str, Any]) -> str:
         facts: any of ``split`` (``"val"``, ``"train"``, ``"test"`` or words), ``samples`` (N, the number of samples
             measured), ``reduction`` (a string, or a mapping from the kind of activations to its reduction, such as
             ``{"conv maps": "channel", "tokens": "token"}``),
-            ``rank_tolerance`` (a float, or ``None`` for the default) and ``tolerance_size`` (``"min"``/``"max"``, the
-            ``K`` of the default tolerance); any other key is shown as ``"<key>: <value>"``. ``None`` values are left
-            out, except ``rank_tolerance=None``, which means the default tolerance.
+            ``rank_tolerance`` (a float, or ``None`` for the default), ``tolerance_size`` (``"min"``/``"max"``, the
+            ``K`` of the default tolerance) and ``tolerance_dtype`` (whose ``eps`` the default tolerance takes:
+            ``None`` for float32, ``"input"`` or a dtype name); any other key is shown as ``"<key>: <value>"``.
+            ``None`` values are left out, except ``rank_tolerance=None``, which means the default tolerance.
 
     Returns:
         The parts joined by ``" · "``; an empty string when nothing is known.
@@ -317,7 +323,9 @@ def caption_text(facts: Mapping[str, Any]) -> str:
     if reduction:
         parts.append(f"reduction: {reduction}")
     if "rank_tolerance" in facts or facts.get("tolerance_size") is not None:
-        parts.append(_tolerance_text(facts.get("rank_tolerance"), facts.get("tolerance_size")))
+        parts.append(
+            _tolerance_text(facts.get("rank_tolerance"), facts.get("tolerance_size"), facts.get("tolerance_dtype"))
+        )
     parts += [f"{key.replace('_', ' ')}: {v}" for key, v in facts.items() if key not in _KNOWN_FACTS and v is not None]
     return " · ".join(parts)
 
@@ -594,7 +602,7 @@ def layer_curves_figure(
     _epoch_axis(by_epoch, epochs)
     by_epoch.set_xlabel(x_label, fontsize=_FONT)
     by_epoch.set_title(
-        "against epoch, one line per layer (blue: input side, red: output side)", fontsize=_FONT, y=_TITLE_Y
+        f"against {x_label}, one line per layer (blue: input side, red: output side)", fontsize=_FONT, y=_TITLE_Y
     )
     if many:
         _depth_colorbar(by_epoch, layers)

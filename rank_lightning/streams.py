@@ -96,6 +96,8 @@ class ActivationStream:
         self.metrics: dict[str, ActivationSpectrum] = {}
         self.layer_ndims: dict[str, int] = {}
         self._planned: dict[str, int] = {}
+        self._reported_plan: dict[str, int] = {}  # printed once, and again only if layers are added
+        self._max_samples_reached = False
         self._hooks = ExitStack()
         self._clear_pass()
 
@@ -178,8 +180,9 @@ class ActivationStream:
             if name not in self._seen_this_batch:
                 message = f"({path}) was not called in the forward pass of a monitored batch; it is not logged. "
                 self._warn(name, "not called", message + "Name a module that runs (layers=[...]).")
-        if self._planned:
+        if self._planned and self._planned != self._reported_plan:
             self._report_plan()
+            self._reported_plan = dict(self._planned)
 
     def _report_plan(self) -> None:
         devices = sorted({str(metric.device) for metric in self.metrics.values()})
@@ -338,6 +341,7 @@ class ActivationStream:
         ``when`` names the pass in warnings (``"at epoch 3"``).
         """
         inputs = torch.tensor(self.inputs_measured, device=device)
+        self._max_samples_reached = self.max_samples is not None and self.remaining == 0
         self.stop()
         if _distributed():
             dist.all_reduce(inputs)
@@ -400,13 +404,18 @@ class ActivationStream:
         """Warn when the ranks cannot exceed the rows behind the spectrum (fallback path, or fewer rows than d)."""
         cap, d = getattr(result, "rank_cap", None), result.num_features
         if result.path != "gram":
-            message = f"has {d} features, more than max_gram_features={metric.max_gram_features}; its spectrum comes "
+            if d > metric.max_gram_features:
+                message = f"has {d} features, more than max_gram_features={metric.max_gram_features}; its spectrum "
+            else:
+                message = f"has {d} features, whose {d} x {d} Gram does not fit in its share of memory_budget_mb; its "
+                message += "spectrum "
             rows = getattr(result, "spectrum_rows", result.num_spectrum_samples)
-            capped = f"from the {result.path!r} path ({rows} rows), so its ranks are at most {cap}."
+            capped = f"comes from the {result.path!r} path ({rows} rows), so its ranks are at most {cap}."
             self._warn(name, "path", message + capped)
         elif cap is not None and d is not None and cap < d:
             message = f"was measured on {result.num_samples} rows, fewer than its {d} features: its ranks are at "
-            self._warn(name, "rows", message + f"most {cap} (raise max_samples to measure more rows).")
+            more = "raise max_samples" if self._max_samples_reached else "measure more batches"
+            self._warn(name, "rows", message + f"most {cap} ({more} to measure more rows).")
 
 
 def _num_features(activations: Tensor, reduction: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -120,9 +121,10 @@ class ActivationRankMonitor(CurveMonitor):
             of ``tolerance_dtype``.
         tolerance_size: ``K`` of the default tolerance: ``"min"`` (``min(N, d)``, Feng) or ``"max"`` (NumPy).
         tolerance_dtype: the dtype of the default tolerance: ``None`` for float32 (Feng et al.'s convention, right for
-            float32 activations), ``"input"`` for the lowest precision the activations arrived in (bf16 or fp16
-            under ``precision="bf16-mixed"`` / ``"16-mixed"``, where a float32 tolerance counts rounding noise as
-            rank), or a ``torch.dtype``.
+            float32 activations), a ``torch.dtype`` (``torch.bfloat16`` for a model computed in bf16, where a float32
+            tolerance counts rounding noise as rank), or ``"input"`` for the lowest precision the hooked outputs
+            arrived in. Under ``precision="bf16-mixed"`` that is bf16 only for layers that return bf16 themselves (a
+            ``Linear``); blocks that add to a float32 residual stream (GPT-2's) return float32: name the dtype.
         gram_precision: precision of each batch's Gram product before it is added into the float64 sums:
             ``"float64"``, ``"float32"``, ``"tf32"`` or ``"auto"`` (per device, see
             :class:`~rank_lightning.metrics.ActivationSpectrum`).
@@ -305,9 +307,9 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_distinct_namespaces(trainer, self)
         self.cadence.check_window(trainer)
         self.select(pl_module)
+        check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         self._num_classes = self.num_classes or _num_classes_of(pl_module, trainer)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
         classes = f"{self._num_classes} classes" if self._num_classes else "no class metrics (num_classes unknown)"
@@ -330,8 +332,12 @@ class ActivationRankMonitor(CurveMonitor):
             info=self.info,
         )
         options = self.spectrum_options
+        dtype = options["tolerance_dtype"]
         self.curves.describe(
-            split=self.stage, rank_tolerance=options["rank_tolerance"], tolerance_size=options["tolerance_size"]
+            split=self.stage,
+            rank_tolerance=options["rank_tolerance"],
+            tolerance_size=options["tolerance_size"],
+            tolerance_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
         )
 
     @override
@@ -470,11 +476,19 @@ class ActivationRankMonitor(CurveMonitor):
         self._start(trainer, pl_module, sum(batches for _, batches in loaders))
         try:
             self._initial_pass(trainer, pl_module, loaders)
-        except Exception as error:  # an initial point must never stop the fit it precedes
+        except Exception as error:  # a model that cannot run a loader's batch must not stop the fit it precedes
             self._stop()
+            if _raised_by_package(error):
+                raise  # a setting that does not fit the model or the data: the first monitored batch would raise too
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-            message = f"no initial point: the forward pass on a batch failed ({reason}). Set input_key to the "
-            self.warn_once(("init",), message + "batch entry that forward() takes, or log_at_init=False.")
+            message = f"no initial point: the forward pass on a batch failed ({reason}). "
+            if type(pl_module).forward is nn.Module.forward:
+                advice = (
+                    "The LightningModule defines no forward(): define one that runs the model, or log_at_init=False."
+                )
+            else:
+                advice = "Set input_key to the batch entry that forward() takes, or log_at_init=False."
+            self.warn_once(("init",), message + advice)
             return
         values = self._pass_values(trainer, pl_module, initial=True)
         if values:
@@ -526,6 +540,16 @@ def _limited(loader: Any, limit: int | float | None) -> float:
     if isinstance(limit, int):
         return min(length, limit)
     return length if math.isinf(length) or limit >= 1.0 else max(1, int(length * limit))
+
+
+def _raised_by_package(error: BaseException) -> bool:
+    """Whether ``error`` was raised by this package's own code (a setting checked against the model or the data, such
+    as ``mask_key``, ``output_selector`` or ``memory_budget_mb``) rather than by the model's forward."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    package = Path(__file__).resolve().parents[1]
+    return traceback is not None and Path(traceback.tb_frame.f_code.co_filename).resolve().is_relative_to(package)
 
 
 def _forward_batch(module: nn.Module, batch: Any, reader: BatchReader) -> None:

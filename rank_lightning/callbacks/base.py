@@ -227,6 +227,12 @@ class CurveMonitor(RankCallback):
                 f"every_n_epochs={every_n_epochs} and every_n_train_steps={every_n_train_steps} are both set; choose "
                 "one cadence: epochs (measured on the stage's epoch) or optimizer steps (measured on training batches)"
             )
+        if every_n_train_steps is None and window_batches != 1:
+            raise ValueError(
+                f"window_batches={window_batches} sets the training batches of a step measurement, but "
+                "every_n_train_steps is not set; set every_n_train_steps=N for the step cadence, or leave "
+                "window_batches at 1 (epoch cadence)"
+            )
         if every_n_train_steps is None and every_n_epochs is None:
             every_n_epochs = 1
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps

@@ -235,16 +235,19 @@ def check_namespace(namespace: str) -> str:
 
 
 def check_distinct_namespaces(trainer: Any, callback: Any) -> None:
-    """Raise if another callback of ``trainer`` logs under ``callback``'s namespace: their keys, curve files and
-    figures would overwrite each other's.
+    """Raise if a callback before ``callback`` among the trainer's logs under its namespace: their keys, curve files
+    and figures would overwrite each other's. (The later of the two raises, at its setup, once its own settings are
+    checked.)
 
     Raises:
         ValueError: naming both callbacks and the namespace.
     """
     namespace = callback.curves.namespace
     for other in getattr(trainer, "callbacks", None) or []:
+        if other is callback:
+            return
         curves = getattr(other, "curves", None)
-        if other is callback or not isinstance(curves, LayerCurves) or curves.namespace != namespace:
+        if not isinstance(curves, LayerCurves) or curves.namespace != namespace:
             continue
         takes = [type(c).__name__ for c in (callback, other) if "namespace" in inspect.signature(type(c)).parameters]
         remedy = f"pass namespace='...' to one {' or '.join(dict.fromkeys(takes))}" if takes else "keep one of them"

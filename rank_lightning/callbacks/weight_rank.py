@@ -298,8 +298,8 @@ class WeightRankMonitor(CurveMonitor):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_distinct_namespaces(trainer, self)
         names = self.select(pl_module)
+        check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
         self.curves.describe(rank_tolerance=self.rank_tolerance, tolerance_size=self.tolerance_size)
 

@@ -572,11 +572,11 @@ def test_training_stage_measures_training_batches_only(tmp_path):
         warnings.simplefilter("always")
         trainer.fit(model, _loader(x_train, y_train, batch_size=8), _loader(x_val * 10, y_val, batch_size=8))
     # Not even a "runs more than once" warning: validation forward passes never reach the hooks. The one warning
-    # says that 40 training rows cap the ranks of a layer with more features.
+    # says that 40 training rows (all there are: max_samples is not the limit) cap the ranks of a wider layer.
     messages = [str(w.message) for w in caught if "ActivationRankMonitor" in str(w.message)]
     assert messages == [
         "ActivationRankMonitor: layer 'wide' was measured on 40 rows, fewer than its 64 features: its "
-        "ranks are at most 40 (raise max_samples to measure more rows)."
+        "ranks are at most 40 (measure more batches to measure more rows)."
     ]
 
     outputs, _ = _collect(model, ["wide"], _loader(x_train, y_train))

@@ -69,7 +69,12 @@ def test_a_bf16_mixed_fit_counts_rounding_noise_only_with_a_float32_tolerance(tm
 def test_layers_beyond_the_memory_budget_take_the_fallback_and_the_plan_is_printed(tmp_path, callback_messages):
     # wide_a's 256 x 256 float64 Gram is 0.5 MiB; wide_b finds 0.1 MiB left and keeps a subsample within it.
     monitor = ActivationRankMonitor(layers=["wide_a", "wide_b"], memory_budget_mb=0.6, num_classes=None)
-    with pytest.warns(UserWarning, match=r"layer 'wide_b' has 256 features, more than max_gram_features"):
+    # 256 features are within max_gram_features: the budget is the reason, and the warning says so.
+    with pytest.warns(
+        UserWarning,
+        match=r"layer 'wide_b' has 256 features, whose 256 x 256 Gram does not fit in its "
+        r"share of memory_budget_mb; its spectrum comes from the 'sample_gram' path",
+    ):
         results = _validate(tmp_path, monitor)
 
     paths = {name: metric.path for name, metric in monitor._stream.metrics.items()}

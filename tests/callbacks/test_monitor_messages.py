@@ -1,0 +1,121 @@
+"""What the activation monitor tells a user: settings that do not fit stop the fit at the initial pass, warnings
+give the real reason, the memory plan is printed once, captions name the tolerance's dtype."""
+
+import logging
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.plotting import caption_text, layer_curves_figure
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _NoForward(_Net):
+    forward = nn.Module.forward  # nn.Module's unimplemented forward: the steps call self.net
+
+
+def _fit(root, monitor, model=None, epochs: int = 2) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g))
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
+    trainer.fit(model or _Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+
+
+def test_a_setting_that_does_not_fit_stops_the_fit_at_the_initial_pass(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], memory_budget_mb=1e-5, verbose=False)
+    with pytest.raises(MemoryError, match=r"layer 'net.1' \(12 features\) needs"):
+        _fit(tmp_path, monitor)
+    assert not monitor.curves.epochs
+
+
+def test_a_module_without_forward_is_told_to_define_one(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    with pytest.warns(UserWarning, match=r"no initial point.*defines no forward\(\): define one"):
+        _fit(tmp_path, monitor, _NoForward())
+    assert sorted(monitor.curves.epochs) == [0, 1]  # the epochs are measured from validation_step's passes
+
+
+def test_the_row_cap_warning_names_what_limits_the_rows(tmp_path):
+    capped = ActivationRankMonitor(layers=["net.1"], max_samples=6, verbose=False)
+    with pytest.warns(UserWarning, match=r"fewer than its 12 features.*raise max_samples to measure more rows"):
+        _fit(tmp_path / "a", capped, epochs=1)
+    few = ActivationRankMonitor(layers=["net.1"], max_samples=None, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g))
+        trainer = pl.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            logger=False,
+            callbacks=[few],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path / "b",
+        )
+        trainer.fit(_Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    rows = [str(w.message) for w in caught if "fewer than its 12 features" in str(w.message)]
+    assert rows and all("measure more batches to measure more rows" in m for m in rows)
+
+
+def test_the_fallback_warning_names_the_memory_budget_when_it_is_the_reason(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], memory_budget_mb=0.001, verbose=False)
+    with pytest.warns(UserWarning, match=r"12 x 12 Gram does not fit in its share of memory_budget_mb"):
+        _fit(tmp_path, monitor, epochs=1)
+
+
+def test_the_memory_plan_is_printed_once(tmp_path, caplog):
+    monitor = ActivationRankMonitor(layers=["net.1", "net.2"], verbose=True)
+    with caplog.at_level(logging.INFO):
+        _fit(tmp_path, monitor, epochs=3)
+    assert len(monitor.curves.epochs) == 4  # four passes (the initial one and three epochs)
+    assert sum("state of 2 layers" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_window_batches_without_a_step_cadence_is_an_error():
+    with pytest.raises(ValueError, match=r"window_batches=4 .* every_n_train_steps is not set"):
+        ActivationRankMonitor(window_batches=4)
+
+
+def test_captions_and_titles_follow_the_settings():
+    assert caption_text({"rank_tolerance": None, "tolerance_size": "min"}).endswith(
+        "float32 eps \u00d7 min(rows, columns) (default)"
+    )
+    text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "bfloat16"})
+    assert text == "rank tolerance: bfloat16 eps \u00d7 min(rows, columns)"
+    history = {step: {"a": {"numerical_rank": float(step)}} for step in (0, 50, 100)}
+    figure = layer_curves_figure("rank", "numerical_rank", ["a"], history, x_label="step")
+    titles = [axes.get_title() for axes in figure.axes]
+    assert any(title.startswith("against step, one line per layer") for title in titles), titles
