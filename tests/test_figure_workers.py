@@ -9,12 +9,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-import pytorch_lightning as pl
-import torch
 from matplotlib import rc_context
 from pytorch_lightning.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import rank_lightning.callbacks.curves as curves_module
 from rank_lightning import figure_workers
@@ -32,6 +28,7 @@ from rank_lightning.figure_workers import (
     figure_workers as workers_for,
 )
 from rank_lightning.plotting import layer_curves_figure
+from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
 LAYERS = ["blocks.0", "blocks.1", "blocks.2", "head"]
 
@@ -247,37 +244,9 @@ def test_handing_the_settings_over_imports_no_pyplot():
     assert output.split() == ["False", "True", "False"]
 
 
-class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch, batch_idx):
-        self(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _tiny_fit(directory: Path, callbacks: list) -> None:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g))
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        logger=CSVLogger(directory),
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(_Tiny(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    trainer = quiet_trainer(callbacks, max_epochs=2, logger=CSVLogger(directory))
+    trainer.fit(SmallClassifier(widths=(4, 6, 3)), small_loader(features=4), small_loader(features=4))
 
 
 def test_a_fit_starts_workers_at_its_first_record_only_for_enough_figures(tmp_path, monkeypatch):

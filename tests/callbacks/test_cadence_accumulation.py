@@ -8,70 +8,23 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.callbacks.base import Cadence
 from rank_lightning.functional import participation_ratio, total_cluster_variation
-from tests.callbacks.trainer_helpers import quiet_trainer
+from tests.callbacks.trainer_helpers import SmallClassifier, TrainBatches, quiet_trainer
 
 NUM_CLASSES = 3
 BATCH_SIZE = 4
 
 
-class _Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, NUM_CLASSES))
-        self.num_classes = NUM_CLASSES
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+def _model() -> SmallClassifier:
+    return SmallClassifier((5, 4, NUM_CLASSES), activation=nn.Tanh, seed=0)
 
 
-class _Batches(pl.Callback):
-    """Every training batch in order: the first layer's output, its labels, and the optimizer steps taken after it."""
-
-    def __init__(self) -> None:
-        self.batches: list[dict[str, Any]] = []
-        self._handle = None
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
-            if pl_module.training and self.batches and "output" not in self.batches[-1]:
-                self.batches[-1]["output"] = output.detach().double().clone()
-
-        self._handle = pl_module.net[0].register_forward_hook(hook)
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self.batches.append({"labels": batch[1].clone()})
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        self.batches[-1]["step_after"] = trainer.global_step
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._handle.remove()
-
-    def window(self, step: int, size: int) -> list[int]:
-        """The numbers of the ``size`` batches up to the one after which Lightning took optimizer step ``step``."""
-        last = next(i for i, b in enumerate(self.batches) if b["step_after"] == step)
-        return list(range(last - size + 1, last + 1))
-
-
-def _fit(tmp_path: Path, every: int, window: int, *, batches: int, **kwargs: Any) -> tuple[Any, _Batches, int]:
+def _fit(tmp_path: Path, every: int, window: int, *, batches: int, **kwargs: Any) -> tuple[Any, TrainBatches, int]:
     generator = torch.Generator().manual_seed(1)
     n = batches * BATCH_SIZE
     x, y = torch.randn(n, 5, generator=generator), torch.arange(n) % NUM_CLASSES
@@ -79,15 +32,15 @@ def _fit(tmp_path: Path, every: int, window: int, *, batches: int, **kwargs: Any
     monitor = ActivationRankMonitor(
         layers=["net.0"], every_n_train_steps=every, window_batches=window, log_at_init=False, verbose=False
     )
-    record = _Batches()
+    record = TrainBatches()
     trainer = quiet_trainer(
         [record, monitor], max_epochs=2, num_sanity_val_steps=0, default_root_dir=tmp_path, **kwargs
     )
-    trainer.fit(_Net(), train_dataloaders=loader)
+    trainer.fit(_model(), train_dataloaders=loader)
     return monitor, record, trainer.global_step
 
 
-def _check_windows(monitor: Any, record: _Batches, every: int, window: int, expected_steps: list[int]) -> None:
+def _check_windows(monitor: Any, record: TrainBatches, every: int, window: int, expected_steps: list[int]) -> None:
     assert monitor.curves.epochs == expected_steps
     for step in expected_steps:
         chosen = [record.batches[i] for i in record.window(step, window)]

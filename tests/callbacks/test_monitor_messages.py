@@ -5,51 +5,20 @@ import logging
 import warnings
 
 import pytest
-import pytorch_lightning as pl
-import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.plotting import caption_text, layer_curves_figure
+from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
 
-class _Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def validation_step(self, batch, batch_idx):
-        self.net(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class _NoForward(_Net):
+class _NoForward(SmallClassifier):
     forward = nn.Module.forward  # nn.Module's unimplemented forward: the steps call self.net
 
 
-def _fit(root, monitor, model=None, epochs: int = 2) -> None:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g))
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        logger=False,
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=root,
-    )
-    trainer.fit(model or _Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+def _fit(root, monitor, model=None, epochs: int = 2, rows: int = 32) -> None:
+    trainer = quiet_trainer([monitor], max_epochs=epochs, default_root_dir=root)
+    trainer.fit(model or SmallClassifier(), small_loader(rows), small_loader(rows))
 
 
 def test_a_setting_that_does_not_fit_stops_the_fit_at_the_initial_pass(tmp_path):
@@ -73,27 +42,17 @@ def test_the_row_cap_warning_names_what_limits_the_rows(tmp_path):
     few = ActivationRankMonitor(layers=["net.1"], max_samples=None, verbose=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        g = torch.Generator().manual_seed(1)
-        data = TensorDataset(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g))
-        trainer = pl.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            logger=False,
-            callbacks=[few],
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            default_root_dir=tmp_path / "b",
-        )
-        trainer.fit(_Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+        _fit(tmp_path / "b", few, epochs=1, rows=8)  # every row there is: 8
     rows = [str(w.message) for w in caught if "fewer than its 12 features" in str(w.message)]
     assert rows and all("measure more batches to measure more rows" in m for m in rows)
 
 
 def test_the_fallback_warning_names_the_memory_budget_when_it_is_the_reason(tmp_path):
+    model = SmallClassifier()
+    model.num_classes = None  # no class states: the 12 x 12 Gram alone is over the budget
     monitor = ActivationRankMonitor(layers=["net.1"], memory_budget_mb=0.001, verbose=False)
     with pytest.warns(UserWarning, match=r"12 x 12 Gram does not fit in its share of memory_budget_mb"):
-        _fit(tmp_path, monitor, epochs=1)
+        _fit(tmp_path, monitor, model, epochs=1)
 
 
 def test_the_memory_plan_is_printed_once(tmp_path, caplog):

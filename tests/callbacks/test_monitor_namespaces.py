@@ -2,48 +2,18 @@
 same namespace is an error at setup instead of files overwritten without a word."""
 
 import pytest
-import pytorch_lightning as pl
-import torch
 from pytorch_lightning.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
+from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
 
-class _Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch, batch_idx):
-        self(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _fit(root, callbacks) -> pl.Trainer:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g))
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        logger=CSVLogger(root, name="run", version=0),
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+def _fit(root, callbacks) -> None:
+    logger = CSVLogger(root, name="run", version=0)
+    quiet_trainer(callbacks, max_epochs=2, logger=logger).fit(
+        SmallClassifier(widths=(5, 12, 8, 3)), small_loader(), small_loader()
     )
-    trainer.fit(_Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
-    return trainer
 
 
 @pytest.mark.parametrize(

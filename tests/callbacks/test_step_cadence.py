@@ -10,54 +10,18 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
-from torch.nn import functional as F
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.curves import read_curve_file
 from rank_lightning.functional import effective_rank, numerical_rank, participation_ratio, total_cluster_variation
 from tests.callbacks.recording_logger import RecordingLogger
-from tests.callbacks.trainer_helpers import quiet_trainer
+from tests.callbacks.trainer_helpers import SmallClassifier, TrainBatches, quiet_trainer
 
 NUM_CLASSES = 4
 
 
-class _Classifier(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, NUM_CLASSES))
-        self.num_classes = NUM_CLASSES
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.2)
-
-
-class _Capture(pl.Callback):
-    """Our own record of the training forward passes: the first layer's output per batch, with its step."""
-
-    def __init__(self) -> None:
-        self.batches: list[dict[str, Any]] = []
-        self._handle = None
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
-            if pl_module.training and self.batches and "output" not in self.batches[-1]:
-                self.batches[-1]["output"] = output.detach().double().clone()
-
-        self._handle = pl_module.net[0].register_forward_hook(hook)
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self.batches.append({"step": trainer.global_step, "index": idx, "labels": batch[1].clone()})
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._handle.remove()
+def _model() -> SmallClassifier:
+    return SmallClassifier((6, 12, NUM_CLASSES), lr=0.2, activation=nn.Tanh, seed=0)
 
 
 def _loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.data.DataLoader:
@@ -68,7 +32,7 @@ def _loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.data
 
 def _fit(tmp_path: Path, callbacks: list, epochs: int = 2, **kwargs: Any) -> pl.Trainer:
     trainer = quiet_trainer(callbacks, max_epochs=epochs, default_root_dir=tmp_path, **kwargs)
-    trainer.fit(_Classifier(), train_dataloaders=_loader())
+    trainer.fit(_model(), train_dataloaders=_loader())
     return trainer
 
 
@@ -81,7 +45,7 @@ def _expected(rows: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _window(capture: _Capture, batch_numbers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _window(capture: TrainBatches, batch_numbers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     chosen = [capture.batches[i] for i in batch_numbers]
     return torch.cat([b["output"] for b in chosen]), torch.cat([b["labels"] for b in chosen])
 
@@ -90,7 +54,7 @@ def test_windows_stream_the_training_batches_before_every_nth_step(tmp_path: Pat
     monitor = ActivationRankMonitor(
         layers=["net.0"], every_n_train_steps=3, window_batches=2, log_at_init=False, verbose=False
     )
-    capture, logger = _Capture(), RecordingLogger()
+    capture, logger = TrainBatches(), RecordingLogger()
     _fit(tmp_path, [capture, monitor], logger=logger)
 
     # 8 batches per epoch, 2 epochs: 16 optimizer steps, measured at steps 3, 6, 9, 12 and 15.
@@ -111,7 +75,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
     monitor = ActivationRankMonitor(
         layers=["net.0"], every_n_train_steps=2, window_batches=3, log_at_init=False, verbose=False
     )
-    capture = _Capture()
+    capture = TrainBatches()
     _fit(tmp_path, [capture, monitor], epochs=1, accumulate_grad_batches=2)
 
     # 8 micro-batches, 2 per optimizer step: steps 1-4; measured at steps 2 and 4 over the 3 micro-batches before.
@@ -126,7 +90,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
 
 def test_initial_point_is_step_zero_and_the_curve_file_names_the_axis(tmp_path: Path) -> None:
     monitor = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=4, window_batches=2, verbose=False)
-    capture = _Capture()
+    capture = TrainBatches()
     trainer = _fit(tmp_path, [capture, monitor], epochs=1)
 
     assert monitor.curves.epochs == [0, 4, 8]
