@@ -103,8 +103,8 @@ class ActivationSpectrumResult:
             class without samples; ``None`` when unavailable (see ``classwise_source``).
         classwise_k: the ``k`` of ``classwise_variance_ratio``.
         classwise_source: ``"class_gram"`` (exact, per-class Grams), ``"sample"`` (from the subsample of the
-            ``sample_gram`` path), or ``None`` (no classes, disabled, or the per-class Grams exceed the memory
-            budget).
+            ``sample_gram`` path), or ``None`` (no classes, no labelled rows, disabled, or the per-class Grams exceed
+            the memory budget).
         path: how the spectra were obtained: ``"gram"`` (exact d x d Gram), ``"sample_gram"`` (sample Gram of a
             uniform subsample, exact when every row fitted), or ``"sketch"`` (CountSketch of the rows).
         num_samples: rows streamed (after the reduction).
@@ -680,6 +680,9 @@ class ActivationSpectrum(Metric):
                 estimate = self._sketch_estimate(n)
             else:
                 estimate = self._sample_estimate(n)
+            if self.num_classes and not int(self.class_counts.sum()):
+                # No labelled row, no class to take a ratio of: not reported, like the TCV.
+                estimate = estimate._replace(classwise=None, classwise_source=None)
             return self._result(estimate, tcv=self._tcv(n), n=n)
 
     @property

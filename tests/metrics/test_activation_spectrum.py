@@ -784,3 +784,14 @@ def test_channel_reference_is_the_first_batchs_channel_mean(dtype: torch.dtype) 
     assert metric.reference.dtype == torch.float64
     torch.testing.assert_close(metric.reference, exact, rtol=1e-6, atol=0)  # to float32's rounding
     assert torch.equal(metric.reference, metric.reference.float().double())
+
+
+def test_class_metrics_are_not_reported_without_a_labelled_row() -> None:
+    x, _ = clustered_data(n=60, d=8)
+    metric = ActivationSpectrum(num_classes=4)
+    metric.update(x)  # rows without labels, as from a loader whose labels are not class labels
+    result = metric.compute()
+    assert result.classwise_variance_ratio is None and result.classwise_source is None
+    assert result.total_cluster_variation is None
+    scalars = result.scalars(ACTIVATION_METRICS)
+    assert not any(key.startswith(("classwise", "tcv")) for key in scalars) and "numerical_rank" in scalars
