@@ -78,3 +78,19 @@ def test_captions_and_titles_follow_the_settings():
     figure = layer_curves_figure("rank", "numerical_rank", ["a"], history, x_label="step")
     titles = [axes.get_title() for axes in figure.axes]
     assert any(title.startswith("against step, one line per layer") for title in titles), titles
+
+
+def test_a_cadence_that_meets_validation_seldom_is_named(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], every_n_epochs=3, log_at_init=False, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=6, check_val_every_n_epoch=2, default_root_dir=tmp_path)
+    message = r"every_n_epochs=3 with check_val_every_n_epoch=2: .* measured every 6th epoch"
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(SmallClassifier(), small_loader(), small_loader())
+    assert monitor.curves.epochs == [5]  # (epoch + 1) divisible by 3 and by 2
+    aligned = ActivationRankMonitor(layers=["net.1"], every_n_epochs=4, log_at_init=False, verbose=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*check_val_every_n_epoch.*")
+        quiet_trainer([aligned], max_epochs=4, check_val_every_n_epoch=2, default_root_dir=tmp_path / "b").fit(
+            SmallClassifier(), small_loader(), small_loader()
+        )
+    assert aligned.curves.epochs == [3]
