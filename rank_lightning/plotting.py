@@ -286,14 +286,11 @@ def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: A
     if rank_tolerance is not None:
         value = f"{rank_tolerance:.3g}" if isinstance(rank_tolerance, float) else str(rank_tolerance)
         return f"rank tolerance: eps = {value} (relative to $s_1$)"
-    if tolerance_dtype == "input":
-        eps = "eps of the activations' dtype"
-    else:
-        eps = f"{str(tolerance_dtype or 'float32').removeprefix('torch.')} eps"
-    default = "" if tolerance_dtype is not None else " (default)"
-    if tolerance_size in ("min", "max"):
-        return f"rank tolerance: {eps} \u00d7 {tolerance_size}(rows, columns){default}"
-    return f"rank tolerance: {eps}" if tolerance_dtype is not None else "rank tolerance: default"
+    if tolerance_size not in ("min", "max") and tolerance_dtype is None:
+        return "rank tolerance: default"
+    eps = "eps of the activations' dtype" if tolerance_dtype == "input" else f"{tolerance_dtype or 'float32'} eps"
+    size = f" \u00d7 {tolerance_size}(rows, columns)" if tolerance_size in ("min", "max") else ""
+    return f"rank tolerance: {eps}{size}" + (" (default)" if tolerance_dtype is None else "")
 
 
 def caption_text(facts: Mapping[str, Any]) -> str:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
+from rank_lightning import streams
 from rank_lightning.callbacks.base import CurveMonitor
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
@@ -529,45 +530,33 @@ class ActivationRankMonitor(CurveMonitor):
 
 
 def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> list[tuple[Any, float]]:
-    """The loaders of the initial pass and the batches to take from each, as the monitored passes take them: every
-    validation loader within ``limit_val_batches``; the training loader within ``limit_train_batches``, or over one
-    step window (``window``); ``inf`` for a loader of unknown length (rows then stop at ``max_samples``)."""
+    """The loaders of the initial pass and the batches to take from each, as the monitored passes take them: the
+    counts Lightning set for the fit (``num_val_batches`` per validation loader, ``num_training_batches``, after
+    ``limit_*_batches``; ``inf`` for a loader of unknown length, whose rows then stop at ``max_samples``), or one
+    step ``window`` of training batches."""
     if stage == "train":
         loader = trainer.train_dataloader
-        if loader is None:
-            return []
-        batches = window if window is not None else _limited(loader, trainer.limit_train_batches)
-        return [(loader, batches)] if batches > 0 else []
+        batches = window if window is not None else trainer.num_training_batches
+        return [(loader, batches)] if loader is not None and batches > 0 else []
     loaders = trainer.val_dataloaders
     loaders = [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
-    limited = [(loader, _limited(loader, trainer.limit_val_batches)) for loader in loaders]
-    return [(loader, batches) for loader, batches in limited if batches > 0]
-
-
-def _limited(loader: Any, limit: int | float | None) -> float:
-    """The batches Lightning takes from ``loader`` under ``limit_*_batches`` (an int: at most that many; a float: that
-    fraction of its length, at least one batch); ``inf`` for a loader without a length."""
-    try:
-        length: float = len(loader)
-    except TypeError:  # an iterable dataset: DataLoader has __len__, which raises
-        length = math.inf
-    if limit is None:
-        return length
-    if limit == 0:
-        return 0
-    if isinstance(limit, int):
-        return min(length, limit)
-    return length if math.isinf(length) or limit >= 1.0 else max(1, int(length * limit))
+    counts = list(trainer.num_val_batches)
+    if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
+        counts = [math.inf] * len(loaders)
+    return [(loader, batches) for loader, batches in zip(loaders, counts) if batches > 0]
 
 
 def _raised_by_package(error: BaseException) -> bool:
-    """Whether ``error`` was raised by this package's own code (a setting checked against the model or the data, such
-    as ``mask_key``, ``output_selector`` or ``memory_budget_mb``) rather than by the model's forward."""
+    """Whether ``error`` was raised while the stream read a batch or a layer's output (a setting checked against the
+    model or the data, such as ``label_key``, ``mask_key``, ``output_selector`` or ``memory_budget_mb``) rather than
+    by the model's own forward: whether its traceback passes through :mod:`rank_lightning.streams`."""
+    stream_file = Path(streams.__file__).resolve()
     traceback = error.__traceback__
-    while traceback is not None and traceback.tb_next is not None:
+    while traceback is not None:
+        if Path(traceback.tb_frame.f_code.co_filename).resolve() == stream_file:
+            return True
         traceback = traceback.tb_next
-    package = Path(__file__).resolve().parents[1]
-    return traceback is not None and Path(traceback.tb_frame.f_code.co_filename).resolve().is_relative_to(package)
+    return False
 
 
 def _forward_batch(module: nn.Module, batch: Any, reader: BatchReader) -> None:

@@ -333,9 +333,7 @@ class WeightRankMonitor(CurveMonitor):
         # Step cadence: right after every every_n_train_steps-th optimizer step, in the batch that took it (not after
         # the micro-batches that accumulate gradients towards it, nor those of a fit resumed at such a step).
         step, every = trainer.global_step, self.cadence.every_n_train_steps
-        if every is None or step == 0 or step % every or step == self._step_at_batch_start:
-            return
-        if step == self._last_monitored_step:
+        if every is None or step == 0 or step % every or step in (self._step_at_batch_start, self._last_monitored_step):
             return
         self._last_monitored_step = step
         self._monitor(trainer, pl_module)

@@ -94,3 +94,15 @@ def test_a_cadence_that_meets_validation_seldom_is_named(tmp_path):
             SmallClassifier(), small_loader(), small_loader()
         )
     assert aligned.curves.epochs == [3]
+
+
+class _RefusesLoaderBatches(SmallClassifier):
+    def forward(self, x):
+        raise ValueError("this model takes its inputs through its steps only")
+
+
+def test_an_error_of_the_models_own_forward_only_costs_the_initial_point(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    with pytest.warns(UserWarning, match=r"no initial point: .*ValueError: this model takes its inputs"):
+        _fit(tmp_path, monitor, _RefusesLoaderBatches())
+    assert monitor.curves.epochs == [0, 1]
