@@ -102,7 +102,8 @@ class ActivationRankMonitor(CurveMonitor):
         every_n_epochs: monitor every this many epochs (default ``1`` without ``every_n_train_steps``).
         every_n_train_steps: monitor every this many optimizer steps instead (see Timing); setting both is an error.
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
-            ``accumulate_grad_batches``.
+            ``accumulate_grad_batches``. A window that streams fewer (the fit resumed inside it, or an epoch's short
+            last accumulation brought it within ``window_batches`` of the previous one) is named in a warning.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
             ``None`` is ``"train"`` with ``every_n_train_steps`` (which needs it) and ``"val"`` otherwise.
         namespace: first part of the logged keys and of the curve file and figure names; ``None`` for ``"rank"``
@@ -427,8 +428,22 @@ class ActivationRankMonitor(CurveMonitor):
             return
         self._stream.batch_end()
         if self._target_step is not None and self.cadence.window_closes(trainer, self._target_step):
+            self._warn_short_window(trainer)
             self._target_step = None
             self._finish(trainer, pl_module)
+
+    def _warn_short_window(self, trainer: pl.Trainer) -> None:
+        """Name a step window that streamed fewer than ``window_batches`` batches: one opened after the fit resumed
+        inside it, or one that an epoch's short last accumulation brought closer to the previous window."""
+        streamed, window = self._stream.batches_seen, self.cadence.window_batches
+        if streamed >= window:
+            return
+        message = (
+            f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
+            "batches: it opened after the fit resumed inside it, or an epoch's short last accumulation brought it "
+            "within window_batches of the previous window. Its values stand on fewer rows (logged as spectrum_rows)."
+        )
+        self.warn_once(("short window",), message)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -745,8 +745,9 @@ class LayerCurves:
         self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
         if trainer.is_global_zero:
             warnings.warn(
-                f"LayerCurves({self.namespace!r}): this fit resumed at epoch {epoch} from a checkpoint older than the "
-                f"recorded curves; epochs {_epoch_ranges(rewound)} are trained again and their values are replaced. "
+                f"LayerCurves({self.namespace!r}): this fit resumed at {self.x_axis} {epoch} from a checkpoint older "
+                f"than the recorded curves; {self.x_axis}s {_epoch_ranges(rewound)} are trained again and their values "
+                "are replaced. "
                 f"The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in checkpoints.",
                 UserWarning,
                 stacklevel=3,

@@ -111,3 +111,51 @@ def test_window_opens_from_the_shared_loop_counters() -> None:
     assert _opening_batches(Cadence(every_n_train_steps=3, window_batches=2), 5, 2, 2) == [(0, 3), (1, 3)]
     assert _opening_batches(Cadence(every_n_train_steps=2, window_batches=3), 5, 2, 2) == [(0, 1), (0, 4), (1, 2)]
     assert _opening_batches(Cadence(every_n_train_steps=1, window_batches=1), 3, 1, 1) == [(0, 0), (0, 1), (0, 2)]
+
+
+def _short_window_warnings(caught: pytest.WarningsRecorder) -> list[str]:
+    return [str(w.message) for w in caught if "training batches: it opened after" in str(w.message)]
+
+
+def test_full_windows_give_no_short_window_warning(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    _fit(tmp_path, 3, 2, batches=5, accumulate_grad_batches=2)
+    assert _short_window_warnings(recwarn) == []
+
+
+def test_a_window_cut_by_the_epochs_last_accumulation_is_named(tmp_path: Path) -> None:
+    # 5 batches, 2 per step: steps end after batches 1, 3 and 4. Step 2's window is batches 2-3, so step 3's window
+    # (its step taken after batch 4 alone) has that one batch.
+    with pytest.warns(UserWarning, match=r"window of step 3 streamed 1 of window_batches=2 training batches") as caught:
+        monitor, record, _ = _fit(tmp_path, 1, 2, batches=5, accumulate_grad_batches=2)
+    assert len(_short_window_warnings(caught)) == 1  # once, not at every epoch's short window
+    history = monitor.curves.history
+    assert [history[step]["net.0"]["spectrum_rows"] for step in (2, 3, 4, 6)] == [8, 4, 8, 4]
+    rows = torch.cat([record.batches[i]["output"] for i in record.window(3, 1)])
+    assert history[3]["net.0"]["participation_ratio"] == pytest.approx(float(participation_ratio(rows)), rel=1e-9)
+
+
+def test_a_window_resumed_inside_is_named(tmp_path: Path) -> None:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 5, generator=generator), torch.arange(32) % NUM_CLASSES
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH_SIZE)
+
+    def monitor() -> ActivationRankMonitor:
+        return ActivationRankMonitor(
+            layers=["net.0"], every_n_train_steps=4, window_batches=4, log_at_init=False, verbose=False
+        )
+
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    options = dict(max_epochs=2, num_sanity_val_steps=0, default_root_dir=tmp_path, enable_checkpointing=True)
+    quiet_trainer([monitor(), saving], **options).fit(_model(), train_dataloaders=loader)
+    checkpoint = tmp_path / "ckpt" / "epoch=1-step=14.ckpt"  # inside the window of step 16 (batches 4-7 of epoch 1)
+    assert checkpoint.exists()
+    resumed = monitor()
+    with pytest.warns(UserWarning) as caught:
+        quiet_trainer([resumed], **options).fit(_model(), train_dataloaders=loader, ckpt_path=checkpoint)
+    messages = [str(w.message) for w in caught]
+    assert any("window of step 16 streamed 2 of window_batches=4 training batches" in m for m in messages)
+    # The curve file of the first fit holds step 16, which the resumed fit measures again: said in steps.
+    assert any("checkpoint older than the recorded curves; steps 16 are trained again" in m for m in messages)
+    assert resumed.curves.history[16]["net.0"]["spectrum_rows"] == 2 * BATCH_SIZE
