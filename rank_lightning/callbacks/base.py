@@ -269,8 +269,9 @@ class CurveMonitor(RankCallback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Unmeasured epochs must not show the previous measurement to EarlyStopping and ModelCheckpoint.
-        self.curves.clear_stale_metrics(trainer)
+        # A resumed fit's rewound epochs; unmeasured epochs must not show the previous measurement to EarlyStopping
+        # and ModelCheckpoint.
+        self.curves.start_epoch(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -10,13 +10,15 @@ follows with those numbers, identically for every callback:
    needed. Under ``trainer.validate`` / ``trainer.test`` they go through ``pl_module.log_dict`` instead
    (:func:`log_rank_equal`), so that the results those calls return include them. A value exists only in the epochs
    that measured it:
-   :meth:`LayerCurves.clear_stale_metrics`, called at the start of every training epoch, removes the previous
+   :meth:`LayerCurves.start_epoch`, called at the start of every training epoch, removes the previous
    measurement from ``trainer.callback_metrics``, so that
    ``EarlyStopping(strict=False)`` skips the epochs in between instead of counting a repeated value;
 2. keeps the history ``epoch -> layer -> metric -> value`` and saves it in checkpoints through
    :meth:`LayerCurves.state_dict` / :meth:`LayerCurves.load_state_dict`, so a resumed run continues its curves. A
    fit resumed from a checkpoint older than the curves it finds (in memory or in the run directory's curve file)
-   trains those epochs again: a warning names them, and their values are kept under ``"superseded"``, never lost;
+   trains those epochs again: at its first training epoch (:meth:`LayerCurves.start_epoch`) a warning names them,
+   their values move under ``"superseded"`` (with every earlier superseded block the file or memory holds: never
+   lost) and the curve file is rewritten;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -54,7 +56,7 @@ Usage inside a callback::
             self.curves.describe(split="val", samples=1024)  # the figures' caption
 
         def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.curves.clear_stale_metrics(trainer)
+            self.curves.start_epoch(trainer)  # a resumed fit's rewound epochs; no stale value for EarlyStopping
 
         def on_validation_epoch_end(self, trainer, pl_module) -> None:
             values = {"encoder.0": {"stable_rank": 3.1}, "encoder.2": {"stable_rank": 2.4}}  # ordered by depth
@@ -306,6 +308,12 @@ def _epoch_ranges(epochs: Iterable[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
+def _block_text(block: Mapping[str, Any]) -> str:
+    """A superseded block as canonical JSON text: equal blocks give equal texts (NaN included)."""
+    history = {str(e): block["history"][e] for e in sorted(block["history"], key=int)}
+    return json.dumps({"resumed_at": block["resumed_at"], "history": history}, sort_keys=True)
+
+
 def _epochs_as_text(history: Mapping[int, Any]) -> dict[str, Any]:
     return {str(epoch): history[epoch] for epoch in sorted(history)}
 
@@ -416,6 +424,7 @@ class LayerCurves:
         # Set by load_state_dict: the epochs that held values before loading, and whether the first recorded epoch of
         # the fit that follows is still to be checked for a rewind.
         self._before_loading: History = {}
+        self._superseded_before_loading: list[dict[str, Any]] = []
         self._rewind_check = False
 
     @property
@@ -603,8 +612,24 @@ class LayerCurves:
         self._write_curve_file(trainer)
         _start_figure_workers(trainer, self)
 
+    def start_epoch(self, trainer: Any) -> None:
+        """Call at the start of every training epoch: settles the rewound epochs of a fit resumed from a checkpoint
+        (once, at its first epoch; module docstring) and removes the previous measurement from
+        ``trainer.callback_metrics`` (:meth:`clear_stale_metrics`).
+
+        A fit resumed at epoch ``e`` (``trainer.current_epoch``) trains epochs ``e`` on again; one resumed at optimizer
+        step ``g`` (a step axis) measures steps after ``g`` again. A callback that never calls this settles them at its
+        first record instead, naming the first recorded epoch.
+        """
+        if self._rewind_check and _fitting(trainer) and not getattr(trainer, "sanity_checking", False):
+            self._rewind_check = False
+            resumed_at = trainer.global_step + 1 if self.x_axis == "step" else trainer.current_epoch
+            if self._supersede_rewound(trainer, resumed_at) and trainer.is_global_zero:
+                self._write_curve_file(trainer)
+        self.clear_stale_metrics(trainer)
+
     def clear_stale_metrics(self, trainer: Any) -> None:
-        """Remove the values this object logged from ``trainer.callback_metrics``; call it at every epoch start.
+        """Remove the values this object logged from ``trainer.callback_metrics`` (:meth:`start_epoch` calls it).
 
         Lightning keeps the last value of every key in ``trainer.callback_metrics`` for the rest of the fit, so in the
         epochs between two measurements ``EarlyStopping`` and ``ModelCheckpoint`` would read the previous
@@ -695,9 +720,9 @@ class LayerCurves:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, so a resumed run continues its curves.
 
-        Facts given to :meth:`describe` before loading win over the loaded ones. The first epoch recorded by the
-        ``fit`` that follows is checked for a rewind (module docstring); values held before loading that the loaded
-        state lacks are superseded then, not lost.
+        Facts given to :meth:`describe` before loading win over the loaded ones. The ``fit`` that follows is checked
+        for a rewind at its first training epoch (:meth:`start_epoch`; module docstring); values held before loading
+        that the loaded state lacks are superseded then, not lost.
 
         Raises:
             ValueError: the state belongs to another namespace.
@@ -707,6 +732,7 @@ class LayerCurves:
                 f"cannot load curves of namespace {state_dict['namespace']!r} into namespace {self.namespace!r}"
             )
         self._before_loading = self._history
+        self._superseded_before_loading = self._superseded
         self._history = _epochs_as_int(state_dict["history"])
         self._layers = list(state_dict["layers"])
         self._metrics = list(state_dict["metrics"])
@@ -722,36 +748,46 @@ class LayerCurves:
             self.key(layer, metric): value for layer, metrics in stored.items() for metric, value in metrics.items()
         }
 
-    def _supersede_rewound(self, trainer: Any, epoch: int) -> None:
-        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so.
+    def _supersede_rewound(self, trainer: Any, epoch: int) -> bool:
+        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so; whether any
+        moved.
 
         Rewound are: loaded epochs from ``epoch`` on, and epochs held before loading or found in the run directory's
-        curve file (rank zero) that the loaded state lacks, from its last epoch on.
+        curve file (rank zero) that the loaded state lacks, from its last epoch on. Superseded blocks held before
+        loading or found in the curve file that the loaded state lacks (those of an earlier resume) are kept too.
         """
         loaded_last = max((e for e in self._history if e != self.initial_point), default=None)
         cut = epoch if loaded_last is None else min(epoch, loaded_last + 1)
         rewound = {e: self._history.pop(e) for e in [e for e in self._history if e >= epoch]}
-        found = [self._before_loading]
+        found, found_blocks = [self._before_loading], [self._superseded_before_loading]
         if trainer.is_global_zero:
             try:
-                found.append(read_curve_file(self._curve_path(trainer))["history"])
+                content = read_curve_file(self._curve_path(trainer))
+                found.append(content["history"])
+                found_blocks.append(content["superseded"])
             except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
                 pass
         for earlier in found:
             rewound.update({e: v for e, v in earlier.items() if e >= cut and e not in rewound})
-        self._before_loading = {}
+        known = {_block_text(b) for b in self._superseded}
+        for block in (b for blocks in found_blocks for b in blocks):
+            if _block_text(block) not in known:
+                known.add(_block_text(block))
+                self._superseded.append(block)
+        self._before_loading, self._superseded_before_loading = {}, []
         if not rewound:
-            return
+            return False
         self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
         if trainer.is_global_zero:
             warnings.warn(
                 f"LayerCurves({self.namespace!r}): this fit resumed at {self.x_axis} {epoch} from a checkpoint older "
                 f"than the recorded curves; {self.x_axis}s {_epoch_ranges(rewound)} are trained again and their values "
-                "are replaced. "
-                f"The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in checkpoints.",
+                f"are replaced. The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in "
+                "checkpoints.",
                 UserWarning,
                 stacklevel=3,
             )
+        return True
 
     def _curve_path(self, trainer: Any) -> Path:
         return self.figure_dir(trainer) / f"{self.namespace}_curves.json"

@@ -603,3 +603,55 @@ def test_described_facts_caption_the_figures_and_travel_in_state_and_curve_file(
     restored.describe(samples=100)  # described at setup, before the checkpoint is loaded: the run's own facts win
     restored.load_state_dict(curves.state_dict())
     assert restored.facts == facts | {"samples": 100}
+
+
+class _EveryOtherEpochResumable(_EveryOtherEpoch):
+    """``_EveryOtherEpoch`` whose values are ``offset + epoch``, calling ``start_epoch`` as the package's monitors do,
+    with its curves in checkpoints."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__({epoch: offset + epoch for epoch in range(10)})
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.curves.start_epoch(trainer)
+
+    def state_dict(self):
+        return {"curves": self.curves.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        self.curves.load_state_dict(state_dict["curves"])
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_resuming_twice_from_an_older_checkpoint_keeps_every_superseded_run(tmp_path):
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    options = dict(logger=False, num_sanity_val_steps=0)
+    first = _trainer(
+        tmp_path, _EveryOtherEpochResumable(100.0), saving, max_epochs=4, enable_checkpointing=True, **options
+    )
+    first.fit(_Net(), _loader(), _loader())
+    curve_file = tmp_path / FIGURE_DIR / "test_curves.json"
+    checkpoint = tmp_path / "ckpt" / "epoch=1.ckpt"
+
+    def values(history):
+        return {e: v["first"]["m"] for e, v in history.items()}
+
+    # Resumed at epoch 2 (after epoch 1): measured epoch 3 of the first run is superseded, named at epoch 2.
+    second = _EveryOtherEpochResumable(200.0)
+    with pytest.warns(UserWarning, match=r"resumed at epoch 2 .* epochs 3 are trained again"):
+        _trainer(tmp_path, second, max_epochs=6, **options).fit(_Net(), _loader(), _loader(), ckpt_path=checkpoint)
+    assert values(read_curve_file(curve_file)["history"]) == {1: 101.0, 3: 203.0, 5: 205.0}
+
+    # Resumed there again, stopping at epoch 2 before anything is measured: the second run's epochs 3 and 5 are
+    # superseded at once (file and figures agree), and the first run's superseded block is kept.
+    third = _EveryOtherEpochResumable(300.0)
+    with pytest.warns(UserWarning, match=r"resumed at epoch 2 .* epochs 3, 5 are trained again"):
+        _trainer(tmp_path, third, max_epochs=3, **options).fit(_Net(), _loader(), _loader(), ckpt_path=checkpoint)
+    content = read_curve_file(curve_file)
+    assert values(content["history"]) == {1: 101.0}
+    assert third.curves.history == content["history"]
+    assert [(b["resumed_at"], values(b["history"])) for b in content["superseded"]] == [
+        (2, {3: 103.0}),
+        (2, {3: 203.0, 5: 205.0}),
+    ]
+    assert third.curves.superseded == content["superseded"]
