@@ -280,6 +280,7 @@ def axis_label(metric: str) -> str:
 
 _SPLITS = {"val": "validation set", "train": "training batches", "test": "test set"}
 _KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size", "tolerance_dtype")
+_COARSE_DTYPES = ("bfloat16", "float16")  # coarser than float32: the tolerance is their eps alone
 
 
 def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: Any = None) -> str:
@@ -288,9 +289,14 @@ def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: A
         return f"rank tolerance: eps = {value} (relative to $s_1$)"
     if tolerance_size not in ("min", "max") and tolerance_dtype is None:
         return "rank tolerance: default"
-    eps = "eps of the activations' dtype" if tolerance_dtype == "input" else f"{tolerance_dtype or 'float32'} eps"
     size = f" \u00d7 {tolerance_size}(rows, columns)" if tolerance_size in ("min", "max") else ""
-    return f"rank tolerance: {eps}{size}" + (" (default)" if tolerance_dtype is None else "")
+    if tolerance_dtype == "input":
+        return "rank tolerance: eps of the activations' dtype" + (f" ({size.strip()} for float32)" if size else "")
+    if tolerance_dtype in _COARSE_DTYPES:  # K-free: see default_rank_tolerance
+        return f"rank tolerance: {tolerance_dtype} eps"
+    return f"rank tolerance: {tolerance_dtype or 'float32'} eps{size}" + (
+        " (default)" if tolerance_dtype is None else ""
+    )
 
 
 def caption_text(facts: Mapping[str, Any]) -> str:

@@ -119,8 +119,9 @@ class ActivationRankMonitor(CurveMonitor):
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
         variance_ratio_ks: the ``k`` of the logged ``VR_k``.
         soft_rank_tau: threshold of the soft rank (Daneshmand et al. use 0.5 on BN-scaled features).
-        rank_tolerance: relative tolerance of the numerical rank; ``None`` is ``finfo(dtype).eps * K`` with the dtype
-            of ``tolerance_dtype``.
+        rank_tolerance: relative tolerance of the numerical rank; ``None`` is the default of ``tolerance_dtype``:
+            ``finfo(float32).eps * K`` (Feng), for bfloat16 and float16 activations their ``eps`` (``eps * K`` would
+            reach 1 at ``K = 128`` in bfloat16; :func:`~rank_lightning.functional.default_rank_tolerance`).
         tolerance_size: ``K`` of the default tolerance: ``"min"`` (``min(N, d)``, Feng) or ``"max"`` (NumPy).
         tolerance_dtype: the dtype of the default tolerance: ``None`` for float32 (Feng et al.'s convention, right for
             float32 activations), a ``torch.dtype`` (``torch.bfloat16`` for a model computed in bf16, where a float32

@@ -281,11 +281,13 @@ class ActivationSpectrum(Metric):
             eigendecomposition from the same sums).
         variance_ratio_ks: the ``k`` of the reported ``VR_k`` scalars.
         soft_rank_tau: threshold of the soft rank.
-        rank_tolerance: relative tolerance of the numerical rank; ``None`` uses ``finfo(tolerance_dtype).eps * K``.
+        rank_tolerance: relative tolerance of the numerical rank; ``None`` uses the default of ``tolerance_dtype``
+            (:func:`~rank_lightning.functional.default_rank_tolerance`: ``finfo(float32).eps * K``, for bfloat16 and
+            float16 their ``eps``).
         tolerance_size: ``K`` of the default tolerance, ``"min"`` (Feng) or ``"max"`` (NumPy) of ``(N, d)``.
         tolerance_dtype: the dtype whose epsilon the default tolerance uses: ``None`` for float32 (Feng et al.'s
             convention, whatever the activations' precision), ``"input"`` for the lowest-precision floating dtype the
-            activations arrived in since the last reset (bf16 activations give ``finfo(bfloat16).eps * K``, so that
+            activations arrived in since the last reset (bf16 activations give ``finfo(bfloat16).eps``, so that
             their rounding noise is not counted as rank; recorded as a state, the largest epsilon over DDP
             processes), or a floating ``torch.dtype`` (or its name, ``"bfloat16"``). Exclusive with
             ``rank_tolerance``.
@@ -774,18 +776,17 @@ class ActivationSpectrum(Metric):
         return self._result(estimate, tcv=(nan, nan) if classes else None, n=n)
 
     def _rank_tolerance(self, spec: Spectrum) -> float | None:
-        """``rank_tolerance``, or the default ``finfo(dtype).eps * K`` for ``tolerance_dtype`` (``None``: float32)."""
+        """``rank_tolerance``, or the default for ``tolerance_dtype`` (``None``: float32; see
+        :func:`~rank_lightning.functional.default_rank_tolerance`)."""
         if self.rank_tolerance is not None or self.tolerance_dtype is None:
             return self.rank_tolerance
-        float32_eps = torch.finfo(torch.float32).eps
         if self.tolerance_dtype == "input":
             # No floating batch seen: the float32 default.
-            eps = float(self.input_eps) or float32_eps
+            eps = float(self.input_eps) or None
         else:
             eps = torch.finfo(self.tolerance_dtype).eps
-        # default_rank_tolerance is finfo(float32).eps * K; the ratio of two powers of two rescales it exactly.
         size = self.tolerance_size
-        return default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=size) * (eps / float32_eps)
+        return default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=size, dtype_eps=eps)
 
     def _result(self, estimate: _Estimate, *, tcv: tuple[Tensor, Tensor] | None, n: int) -> ActivationSpectrumResult:
         summaries = {

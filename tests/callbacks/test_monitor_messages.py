@@ -73,7 +73,11 @@ def test_captions_and_titles_follow_the_settings():
         "float32 eps \u00d7 min(rows, columns) (default)"
     )
     text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "bfloat16"})
-    assert text == "rank tolerance: bfloat16 eps \u00d7 min(rows, columns)"
+    assert text == "rank tolerance: bfloat16 eps"  # no K: eps_bf16 * K would reach 1 at K = 128
+    text = caption_text({"rank_tolerance": None, "tolerance_size": "max", "tolerance_dtype": "float64"})
+    assert text == "rank tolerance: float64 eps \u00d7 max(rows, columns)"
+    text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "input"})
+    assert text == "rank tolerance: eps of the activations' dtype (\u00d7 min(rows, columns) for float32)"
     history = {step: {"a": {"numerical_rank": float(step)}} for step in (0, 50, 100)}
     figure = layer_curves_figure("rank", "numerical_rank", ["a"], history, x_label="step")
     titles = [axes.get_title() for axes in figure.axes]

@@ -10,7 +10,7 @@ from sklearn.decomposition import PCA
 
 import rank_lightning.functional as F
 import rank_lightning.metrics
-from rank_lightning.functional.spectral import SPECTRAL_METRICS, SpectralSummary
+from rank_lightning.functional.spectral import SPECTRAL_METRICS, SpectralSummary, default_rank_tolerance
 from rank_lightning.functional.streaming import symmetrize_lower
 from rank_lightning.metrics import ACTIVATION_METRICS, ActivationSpectrum, ActivationSpectrumResult
 from tests.metrics.ddp_helpers import DDP_CONFIGS, OFFSETS, clustered_data, ddp_results, ddp_worker
@@ -677,6 +677,38 @@ def test_input_tolerance_does_not_count_bf16_rounding_as_rank() -> None:
     assert int(mixed.compute().uncentered.numerical_rank) == 4
     mixed.reset()
     assert float(mixed.input_eps) == 0.0
+
+
+@pytest.mark.parametrize("width", [64, 256, 384, 1024])
+def test_a_bf16_tolerance_counts_the_rank_of_wide_layers(width: int) -> None:
+    # eps_bf16 * K is 0.5 at K = 64 and reaches 1 at K = 128, where no singular value would count: the coarse dtypes'
+    # tolerance is their eps alone. A rank-40 matrix with singular values from 1 down to 0.02 (above eps_bf16 = 2^-7)
+    # rounded to bf16 has rank 40; its rounding noise stays below 0.14 eps_bf16 s_1.
+    g = torch.Generator().manual_seed(width)
+    n, rank = 2 * width, 40
+    u = torch.linalg.qr(torch.randn(n, rank, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(width, rank, generator=g, dtype=torch.float64))[0]
+    x = ((u * torch.logspace(0, math.log10(0.02), rank, dtype=torch.float64)) @ v.T * 50.0).to(torch.bfloat16)
+    for tolerance_dtype in ("input", torch.bfloat16):
+        metric = ActivationSpectrum(tolerance_dtype=tolerance_dtype)
+        metric.update(x)
+        result = metric.compute().uncentered
+        assert int(result.numerical_rank) == rank, tolerance_dtype
+        assert metric._rank_tolerance(result.spectrum) == torch.finfo(torch.bfloat16).eps
+    float32 = ActivationSpectrum()
+    float32.update(x)
+    assert int(float32.compute().uncentered.numerical_rank) > rank  # bf16 rounding noise counted as rank
+
+
+def test_default_rank_tolerance_of_each_dtype() -> None:
+    f32, bf16, f16, f64 = (torch.finfo(t).eps for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+    assert default_rank_tolerance(500, 300) == f32 * 300
+    assert default_rank_tolerance(500, 300, dtype_eps=f32) == f32 * 300
+    assert default_rank_tolerance(500, 300, tolerance_size="max", dtype_eps=f64) == f64 * 500
+    assert default_rank_tolerance(500, 300, dtype_eps=bf16) == bf16
+    assert default_rank_tolerance(500, 300, dtype_eps=f16) == f16
+    # Past 8192 singular values float32's rule exceeds float16's eps and is kept.
+    assert default_rank_tolerance(20_000, 10_000, dtype_eps=f16) == f32 * 10_000
 
 
 def test_tolerance_dtype_and_gram_precision_are_validated() -> None:
