@@ -193,6 +193,27 @@ def _is_of_type(module: nn.Module, wanted: LayerType) -> bool:
     return isinstance(module, wanted)
 
 
+WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""Path segments that wrappers insert between a model and its layers: ``torch.compile``'s ``OptimizedModule``, FSDP and
+activation checkpointing. Layers are named without them, so that a compiled or sharded run logs the keys of the eager,
+unsharded one and takes its layer names."""
+
+
+def eager_name(path: str) -> str:
+    """``path`` without :data:`WRAPPER_SEGMENTS` (``net._orig_mod.layers.0`` -> ``net.layers.0``)."""
+    if not any(segment in path for segment in WRAPPER_SEGMENTS):
+        return path
+    return ".".join(part for part in path.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def _by_name(paths: Iterable[str], pattern: str) -> dict[str, str]:
+    """``name -> path`` of ``paths`` in the form ``pattern`` uses: their paths when it names a wrapper segment, else
+    their eager names (a wrapper and the module it wraps share one; the wrapped module, the later path, wins)."""
+    if any(segment in pattern for segment in WRAPPER_SEGMENTS):
+        return {path: path for path in paths}
+    return {eager_name(path): path for path in paths}
+
+
 def match_layer_names(
     module: nn.Module,
     patterns: Sequence[str],
@@ -203,6 +224,9 @@ def match_layer_names(
     kind: str = "layer",
 ) -> list[str]:
     """Module names of ``candidates`` selected by ``patterns``, in ``candidates``' order.
+
+    Names leave out :data:`WRAPPER_SEGMENTS` (``net.layers.0`` for ``net._orig_mod.layers.0``), as the layers are
+    logged, unless they name one themselves.
 
     Args:
         module: the model the names refer to.
@@ -219,21 +243,24 @@ def match_layer_names(
     """
     all_modules = dict(module.named_modules())
     blocks = blocks or {}
-    valid = [*blocks, *(name for name in candidates if name not in blocks)]
+    valid = list(dict.fromkeys([*blocks, *(eager_name(name) for name in candidates if name not in blocks)]))
     selected: set[str] = set()
     for pattern in patterns:
+        named_candidates, named_modules = _by_name(candidates, pattern), _by_name(all_modules, pattern)
         if pattern in blocks:
             matches = [blocks[pattern]]
         elif GLOB_CHARACTERS & set(pattern):
-            matches = [blocks[name] for name in fnmatch.filter(blocks, pattern)] + fnmatch.filter(candidates, pattern)
+            matches = [blocks[name] for name in fnmatch.filter(blocks, pattern)]
+            matches += [named_candidates[name] for name in fnmatch.filter(named_candidates, pattern)]
             if expand_containers:
                 # A glob that names containers selects the candidates inside them, as an exact container name does.
-                containers = [name for name in fnmatch.filter(all_modules, pattern) if name and name not in candidates]
+                named = [named_modules[name] for name in fnmatch.filter(named_modules, pattern)]
+                containers = [name for name in named if name and name not in candidates]
                 matches += [name for name in candidates if any(name.startswith(c + ".") for c in containers)]
-        elif pattern in candidates:
-            matches = [pattern]
-        elif expand_containers and pattern in all_modules:
-            matches = [name for name in candidates if name.startswith(pattern + ".")]
+        elif pattern in named_candidates:
+            matches = [named_candidates[pattern]]
+        elif expand_containers and pattern in named_modules:
+            matches = [name for name in candidates if name.startswith(named_modules[pattern] + ".")]
         else:
             raise ValueError(f"unknown {kind} {pattern!r}; {kind}s are: {', '.join(valid)}")
         if not matches:
@@ -389,7 +416,7 @@ def default_layers(module: nn.Module) -> dict[str, str]:
         prefix, network = list(_wrapped_networks(module))[-1]
         chosen = [prefix + name for name, _ in network.named_children()]
     # A compiled network is reached through its wrapper's ``_orig_mod``; its layers keep the names they have eagerly.
-    return {path.replace("_orig_mod.", ""): path for path in chosen}
+    return {eager_name(path): path for path in chosen}
 
 
 def _expand_to_candidates(paths: Iterable[str], candidates: Mapping[str, nn.Module], kind: str) -> list[str]:
@@ -437,16 +464,16 @@ def select_layers(
     blocks = module_blocks(module) or {}
     if layers is None and layer_types is not None:
         # A type alone asks for every layer of that type, not for the default layers that happen to have it.
-        chosen = {name: name for name in match_layer_types(list(candidates), modules, layer_types)}
+        chosen = {eager_name(name): name for name in match_layer_types(list(candidates), modules, layer_types)}
     elif layers is None:
         chosen = dict(default(module))
     else:
         paths = match_layer_names(module, layers, candidates, blocks=blocks, expand_containers=leaves, kind=kind)
         if leaves:
-            chosen = {path: path for path in _expand_to_candidates(paths, candidates, kind)}
+            chosen = {eager_name(path): path for path in _expand_to_candidates(paths, candidates, kind)}
         else:
             by_path = {path: name for name, path in blocks.items()}
-            chosen = {by_path.get(path, path): path for path in paths}
+            chosen = {by_path.get(path, eager_name(path)): path for path in paths}
         if layer_types is not None:
             kept = set(match_layer_types(list(chosen.values()), modules, layer_types))
             chosen = {name: path for name, path in chosen.items() if path in kept}

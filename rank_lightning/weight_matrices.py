@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import weight_as_matrix
+from rank_lightning.layers import eager_name
 
 __all__ = ["FUSED_PARTS", "WeightMatrix", "is_conv1d", "is_weight_layer", "logged_name", "matrices_of"]
 
@@ -38,9 +39,6 @@ FUSED_PARTS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 """Suffixes of the parts of a fused query/key/value projection, in their order inside the fused weight."""
 
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
-# Wrappers that sharding and checkpointing strategies put around a layer; logged names leave them out, so that a
-# sharded run logs the keys of the unsharded one.
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -59,9 +57,9 @@ def is_weight_layer(module: nn.Module) -> bool:
 
 
 def logged_name(path: str) -> str:
-    """``path`` without the segments that FSDP and activation checkpointing insert (``net._fsdp_wrapped_module.0``
-    -> ``net.0``)."""
-    return ".".join(part for part in path.split(".") if part not in _WRAPPER_SEGMENTS)
+    """``path`` without the segments that ``torch.compile``, FSDP and activation checkpointing insert
+    (``net._fsdp_wrapped_module.0`` -> ``net.0``; :func:`~rank_lightning.layers.eager_name`)."""
+    return eager_name(path)
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,34 @@ def test_the_compiled_code_runs_again_after_a_monitored_pass():
     assert "rank_train/net.1/numerical_rank" in trainer.callback_metrics
     # 6 training steps, of which steps 3 and 6 are monitored: 4 forward passes ran the compiled graph.
     assert backend.calls == 4
+
+
+@pytest.mark.parametrize("how", ["wrapped", "in_place"])
+def test_compiled_layers_are_chosen_and_logged_by_their_eager_names(how):
+    from rank_lightning.callbacks import WeightRankMonitor
+
+    def keys(callbacks: list[Any]) -> dict[str, set[str]]:
+        torch.manual_seed(0)
+        trainer = quiet_trainer(callbacks, max_epochs=1)
+        trainer.fit(
+            MLPClassifier(compile_net=how),
+            DataLoader(_batches(2, 0), batch_size=None),
+            DataLoader(_batches(2, 1), batch_size=None),
+        )
+        found: dict[str, set[str]] = {}
+        for key in trainer.callback_metrics:
+            namespace, layer, *_ = key.split("/")
+            found.setdefault(namespace, set()).add(layer)
+        return found
+
+    # The weight monitor names a compiled network's layers as the eager model does (no "_orig_mod")...
+    assert keys([WeightRankMonitor(log_at_init=False)])["weight"] == {"net.0", "net.2", "net.4"}
+    # ... and both monitors take those names, exact or as a glob (which leaves the wrapper itself out).
+    named = keys([ActivationRankMonitor(layers=["net.2"], log_at_init=False), WeightRankMonitor(layers=["net.2"])])
+    assert named == {"rank": {"net.2"}, "weight": {"net.2"}}
+    globbed = keys([ActivationRankMonitor(layers=["net.*"], log_at_init=False), WeightRankMonitor(layers=["net.*"])])
+    assert globbed == {"rank": {f"net.{i}" for i in range(5)}, "weight": {"net.0", "net.2", "net.4"}}
+    if how == "wrapped":  # a name with the wrapper's segment still works, and is logged by the eager name
+        assert keys([ActivationRankMonitor(layers=["net._orig_mod.2"], log_at_init=False)]) == {"rank": {"net.2"}}
+    with pytest.raises(ValueError, match=r"unknown layer 'net\.9'; layers are: net, net\.0, net\.1,"):
+        keys([ActivationRankMonitor(layers=["net.9"])])

@@ -58,7 +58,7 @@ def test_a_bf16_mixed_fit_counts_rounding_noise_only_with_a_float32_tolerance(tm
     results = _validate(tmp_path, monitor, precision="bf16-mixed")
 
     # Under autocast the layer computes in bf16: its rank-4 output carries rounding noise of about 4e-3 s_1, which
-    # the float32 tolerance (about 4e-6 s_1) counts as rank and the bf16 one (eps_bf16 * K) does not.
+    # the float32 tolerance (about 4e-6 s_1) counts as rank and the bf16 one (eps_bf16 = 7.8e-3) does not.
     assert results["rank/low/numerical_rank"] == expected
     metric = monitor._stream.metrics["low"]
     assert metric.gram.dtype == torch.float64 and metric.feature_sum.dtype == torch.float64
