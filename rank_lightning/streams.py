@@ -38,6 +38,7 @@ from rank_lightning.metrics import ActivationSpectrum
 __all__ = ["ActivationStream"]
 _KINDS = {4: "conv maps", 3: "tokens"}
 _MIB = 2**20
+_FLOAT64_BYTES = 8
 
 
 def _distributed() -> bool:
@@ -297,22 +298,23 @@ class ActivationStream:
         return metric
 
     def _within_budget(self, name: str, num_features: int, options: dict[str, Any]) -> ActivationSpectrum | None:
-        """The layer's metric, sized to what is left of the memory budget (its fallback when the Gram is too big)."""
+        """The layer's metric, sized to what is left of the memory budget (its fallback when the Gram is too big).
+
+        An exact Gram is taken when it fits in what is left. A fallback fills the budget it is given, so it gets an
+        even share of what is left among the layers not planned yet (or what it needs, if more): a larger budget then
+        never leaves a later layer fewer rows, or none, where a smaller one would not.
+        """
         if self.memory_budget_bytes is None:
             metric = ActivationSpectrum(num_classes=self.num_classes, **options)
             self._planned[name] = metric.planned_bytes(num_features)
             return metric
         left = self.memory_budget_bytes - sum(self._planned.values())
         own = min(options.get("memory_budget_mb", math.inf) * _MIB, left)
-        for _ in range(3):
-            # The metric sizes its Gram or fallback to its budget; its small states (sums, counts) come on top, so
-            # the budget shrinks by what they overshoot.
-            budget = dict(options, memory_budget_mb=max(own, 1) / _MIB)
-            metric = ActivationSpectrum(num_classes=self.num_classes, **budget)
-            planned = metric.planned_bytes(num_features)
-            if planned <= left:
-                break
-            own -= planned - left
+        metric, planned = self._sized(num_features, options, own)
+        unplanned = sum(1 for layer in self.layers if layer not in self._planned)
+        if metric.path_for(num_features) != "gram" and unplanned > 1:
+            shared = self._sized(num_features, options, min(own, left / unplanned))
+            metric, planned = shared if shared[1] <= left / unplanned else (metric, planned)
         if planned > left:
             used = sum(self._planned.values()) / _MIB
             raise MemoryError(
@@ -323,6 +325,20 @@ class ActivationStream:
             )
         self._planned[name] = planned
         return metric
+
+    def _sized(self, num_features: int, options: dict[str, Any], limit: float) -> tuple[ActivationSpectrum, int]:
+        """A metric whose states plan at most ``limit`` bytes where it can, and the bytes it plans."""
+        own = limit
+        for _ in range(8):
+            # The metric sizes its Gram or fallback to its budget; its small states (sums, counts, the subsample's
+            # keys and labels) come on top, so the budget shrinks by what they overshoot, and by a row more.
+            budget = dict(options, memory_budget_mb=max(own, 1) / _MIB)
+            metric = ActivationSpectrum(num_classes=self.num_classes, **budget)
+            planned = metric.planned_bytes(num_features)
+            if planned <= limit or own <= 1:
+                break
+            own -= planned - limit + _FLOAT64_BYTES * (num_features + 2)
+        return metric, planned
 
     # -- the pass's values ----------------------------------------------------------------------------------------
 

@@ -90,3 +90,42 @@ def test_a_layer_that_cannot_fit_the_budget_is_named_before_anything_is_allocate
     monitor = ActivationRankMonitor(layers=["wide_a", "wide_b"], memory_budget_mb=0.001, verbose=False)
     with pytest.raises(MemoryError, match=r"layer 'wide_a' \(256 features\) needs .* memory_budget_mb=0.001"):
         _validate(tmp_path, monitor)
+
+
+class _Stack(pl.LightningModule):
+    """``layers.0`` .. ``layers.5``: six 64 x 64 layers with tanh between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+@pytest.mark.filterwarnings("ignore:.*does not fit in its share of memory_budget_mb")
+def test_fallback_layers_share_the_budget_evenly_and_a_larger_budget_never_gives_fewer_rows(tmp_path):
+    # 64 features > max_gram_features: every layer keeps a subsample, sized to its budget. A subsample fills what it is
+    # given, so the first layers once took all that was left: later layers got fewer rows (a rank drop with depth
+    # made by the budget) or none (MemoryError at 0.23 MiB, where 0.15 MiB ran).
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 64, generator=g), torch.zeros(256, dtype=torch.int64))
+    rows = {}
+    for budget in (0.26, 0.25, 0.23, 0.15):
+        monitor = ActivationRankMonitor(
+            layers=["layers.*"], max_gram_features=48, memory_budget_mb=budget, num_classes=None, verbose=False
+        )
+        trainer = quiet_trainer([monitor], default_root_dir=tmp_path / str(budget))
+        (results,) = trainer.validate(_Stack(), torch.utils.data.DataLoader(data, batch_size=64), verbose=False)
+        rows[budget] = [int(results[f"rank/layers.{i}/spectrum_rows"]) for i in range(6)]
+        assert max(rows[budget]) - min(rows[budget]) <= 1, rows
+        planned = sum(metric.planned_bytes(64) for metric in monitor._stream.metrics.values())
+        assert planned <= budget * 2**20
+    assert rows[0.26] == [48] * 6
+    assert min(rows[0.26]) >= max(rows[0.25]) and min(rows[0.25]) >= max(rows[0.23]) >= max(rows[0.15]) > 0
