@@ -60,7 +60,8 @@ class ActivationStream:
             :func:`~rank_lightning.layers.hidden_state`).
         max_samples: inputs per pass, spread evenly over the pass's batches; ``None`` for all.
         memory_budget_mb: total memory the states of all layers may take on a device; a layer whose exact Gram no
-            longer fits takes the subsample fallback within what is left; one whose fallback does not fit either
+            longer fits takes the subsample fallback within an even share of what is left among the layers not
+            planned yet; one whose fallback does not fit either
             raises before anything is allocated.
         warn: ``warn(layer, kind, message)``, called for every per-layer problem (once per layer and kind is the
             caller's choice).

@@ -88,7 +88,8 @@ class ActivationRankMonitor(CurveMonitor):
 
     Memory: the float64 states of all monitored layers together stay within ``memory_budget_mb`` on each device
     (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch. A layer whose
-    exact Gram no longer fits takes the subsample fallback; one whose fallback does not fit either raises a
+    exact Gram no longer fits takes the subsample fallback, within an even share of what is left among the layers
+    not planned yet; one whose fallback does not fit either raises a
     ``MemoryError`` at that first batch, naming it, before anything is allocated.
 
     Non-finite activations never stop training: a layer that gives NaN or Inf in a monitored epoch logs NaN for every
