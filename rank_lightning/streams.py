@@ -238,8 +238,27 @@ class ActivationStream:
         mask = self._mask_of(name, activations)
         mask = None if mask is None else mask[:take].to(activations.device)
         metric = self._metric_for(name, activations)
-        if metric is not None:
+        if metric is not None and self._same_features(name, activations, metric):
             metric.update(activations[:take], labels, mask=mask)
+
+    def _same_features(self, name: str, activations: Tensor, metric: ActivationSpectrum) -> bool:
+        """Whether the batch reduces to the layer's features; else a warning says why and the layer skips it."""
+        reduction = self.reductions.get(activations.ndim) or "flatten"
+        found, expected = _num_features(activations, reduction), metric.num_features
+        if expected is None or found == expected:
+            return True
+        advice = {
+            3: "tokens padded to each batch's longest sequence change the 'flatten' features: use "
+            "token_reduction='token' or 'mean', or pad every batch to one length.",
+            4: "inputs of several sizes change the 'flatten' features of conv maps: use conv_reduction='channel' or "
+            "'mean', or one input size.",
+        }.get(activations.ndim, "its width changed.")
+        message = (
+            f"gives {tuple(activations.shape)}, {found} features with reduction={reduction!r} where earlier batches "
+            f"gave {expected}; such batches are skipped for this layer (its spectrum_rows counts the rest): "
+        )
+        self._warn(name, "features", message + advice)
+        return False
 
     def _grouping(self, take: int, device: torch.device) -> ClassGrouping | Tensor:
         """The batch's labels (its first ``take``) grouped by class on ``device``: once per batch for all layers, so

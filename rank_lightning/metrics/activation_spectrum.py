@@ -408,6 +408,11 @@ class ActivationSpectrum(Metric):
         """``"gram"``, ``"sample_gram"`` or ``"sketch"``; ``None`` until d is known."""
         return None if self._num_features is None else self._path_for(self._num_features)
 
+    @property
+    def num_features(self) -> int | None:
+        """d, the columns of the reduced batches, learnt from the first batch; ``None`` until then."""
+        return self._num_features
+
     def path_for(self, num_features: int) -> str:
         """The path these settings take for ``d = num_features`` (see :attr:`path`), without allocating anything."""
         check_positive_int("num_features", num_features)

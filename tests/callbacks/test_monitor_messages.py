@@ -3,9 +3,13 @@ give the real reason, the memory plan is printed once, captions name the toleran
 
 import logging
 import warnings
+from typing import Any
 
 import pytest
+import pytorch_lightning as pl
+import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.plotting import caption_text, layer_curves_figure
@@ -110,3 +114,36 @@ def test_an_error_of_the_models_own_forward_only_costs_the_initial_point(tmp_pat
     with pytest.warns(UserWarning, match=r"no initial point: .*ValueError: this model takes its inputs"):
         _fit(tmp_path, monitor, _RefusesLoaderBatches())
     assert monitor.curves.epochs == [0, 1]
+
+
+class _Tokens(pl.LightningModule):
+    """``proj``: a Linear on ``(B, T, 4)`` token batches whose length T varies from batch to batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch)
+
+
+def test_a_batch_that_changes_a_flatten_layers_features_is_skipped_with_the_reason(tmp_path):
+    # Batches padded to their own longest sequence: T = 3, 3, 2. 'flatten' gives T * 4 features, 12 then 8.
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(6, t, 4, generator=g) for t in (3, 3, 2)]
+    monitor = ActivationRankMonitor(layers=["proj"], token_reduction="flatten", num_classes=None, verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    with pytest.warns(
+        UserWarning,
+        match=r"layer 'proj' gives \(6, 2, 4\), 8 features with reduction='flatten' where "
+        r"earlier batches gave 12; such batches are skipped .* token_reduction='token' or 'mean'",
+    ):
+        (results,) = trainer.validate(_Tokens(), DataLoader(batches, batch_size=None), verbose=False)
+    assert results["rank/proj/flatten/spectrum_rows"] == 12  # the two batches of 12 features
+    rows = torch.cat([_Tokens()(b).reshape(6, -1) for b in batches[:2]]).detach().double()
+    expected = float(torch.linalg.matrix_rank(rows))
+    assert results["rank/proj/flatten/numerical_rank"] == expected
