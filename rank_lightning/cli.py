@@ -84,12 +84,20 @@ class RunConfigCallback(SaveConfigCallback):
         self.parser.save(self.config, str(path), skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
 
 
+def _as_list(shape: Any) -> list[int]:
+    return [int(size) for size in shape]
+
+
 class RankCLI(LightningCLI):
     """LightningCLI over the package's modules and datamodules, with account-free default loggers."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.input_shape", "model.init_args.input_shape", apply_on="instantiate")
+        # As a list: the CLI saves a datamodule's hparams from its YAML dump (lists), and Lightning refuses to merge
+        # the model's and the datamodule's hparams when one key holds a tuple in one and an equal list in the other.
+        parser.link_arguments(
+            "data.input_shape", "model.init_args.input_shape", compute_fn=_as_list, apply_on="instantiate"
+        )
         # Each logger versions its own directory (runs/default/version_<n>/ and
         # runs/default/tensorboard/version_<n>/), so no run overwrites another.
         parser.set_defaults(

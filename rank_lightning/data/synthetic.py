@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -149,7 +148,7 @@ class GaussianNoiseDataModule(RankDataModule):
     def __init__(
         self,
         *,
-        input_shape: Sequence[int] = (32,),
+        input_shape: tuple[int, ...] = (32,),
         num_classes: int = 10,
         num_samples: int = 1280,
         labels: Literal["random", "balanced"] = "random",
@@ -171,13 +170,16 @@ class GaussianNoiseDataModule(RankDataModule):
         if num_classes < 1 or num_samples < 1:
             raise ValueError(f"num_classes and num_samples must be positive, got {num_classes} and {num_samples}")
         check_split_fractions(val_fraction, test_fraction)
+        # Saved as the model saves it (a tuple, linked from this attribute by the CLI; the CLI saves what it parsed, a
+        # tuple by this annotation): Lightning merges the two hparams and refuses a list against an equal tuple.
+        input_shape = tuple(int(s) for s in input_shape)
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.num_samples = num_samples
         self.labels = labels
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
-        self.input_shape = tuple(int(s) for s in input_shape)
+        self.input_shape = input_shape
         channels = self.input_shape[0] if len(self.input_shape) == 3 else 1
         self.mean = (0.0,) * channels
         self.std = (1.0,) * channels

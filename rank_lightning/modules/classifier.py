@@ -78,6 +78,7 @@ class ImageClassifier(RankModule):
             milestones=milestones,
             gamma=gamma,
         )
+        input_shape = tuple(input_shape)  # saved in one form, given as a list (YAML) or a tuple (the datamodule's)
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)

@@ -156,3 +156,25 @@ def test_readme_documents_the_rank_lightning_command_and_it_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "class_path: rank_lightning.modules.ImageClassifier" in result.stdout
+
+
+def test_gaussian_noise_data_trains_with_the_default_loggers(tmp_path, monkeypatch):
+    # The loggers merge the model's and the datamodule's hparams: the linked input_shape must be equal in both (the
+    # datamodule's comes from the CLI's YAML dump, a list; a tuple on the model's side stopped every run).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK_LIGHTNING_FIGURE_WORKERS", "0")
+    options = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    data = [
+        "--data",
+        "GaussianNoiseDataModule",
+        "--data.init_args.input_shape",
+        "[16]",
+        "--data.init_args.batch_size",
+        "32",
+    ]
+    main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), *data, *options])
+    metrics = _last_metrics(tmp_path / "runs")
+    assert any(key.startswith("rank/") for key in metrics), sorted(metrics)
+    saved = list((tmp_path / "runs").rglob("hparams.yaml"))
+    assert len(saved) == 2  # CSV and TensorBoard
+    assert all("input_shape:\n- 16\n" in path.read_text() for path in saved)
