@@ -107,7 +107,7 @@ class AdversarialValidation(RankCallback):
     Gradients and inference mode: inside ``fit``, validation runs under ``torch.no_grad``, which the attacks lift with
     ``torch.enable_grad``. ``trainer.validate`` and ``trainer.test`` run under ``torch.inference_mode`` unless the
     Trainer is built with ``inference_mode=False``; no gradient can be taken there, so :meth:`setup` raises a
-    ``RuntimeError`` saying so before any data is loaded. It does so under every backend, although under gloo
+    ``ValueError`` saying so before any data is loaded. It does so under every backend, although under gloo
     (CPU DDP) Lightning falls back to ``no_grad``: a configuration that runs on CPUs then also runs on GPUs.
 
     DDP: every process attacks its own samples; sums and counts are all-reduced (``trainer.strategy.reduce``) before
@@ -146,8 +146,8 @@ class AdversarialValidation(RankCallback):
     Raises:
         ValueError: at construction for an invalid setting (the message lists the valid choices); at setup for a
             ``layer`` that does not exist or names several modules.
-        RuntimeError: at setup of ``trainer.validate`` / ``trainer.test`` in inference mode, and whenever the attacks
-            would run under ``torch.inference_mode``.
+        ValueError: at setup of ``trainer.validate`` / ``trainer.test`` in inference mode.
+        RuntimeError: whenever the attacks would run under ``torch.inference_mode`` all the same.
 
     Example::
 
@@ -244,7 +244,9 @@ class AdversarialValidation(RankCallback):
         stage = str(getattr(stage, "value", stage))
         loop = {"validate": "validate_loop", "test": "test_loop"}.get(stage)
         if loop is not None and getattr(getattr(trainer, loop, None), "inference_mode", False):
-            raise RuntimeError(
+            # A setting of the Trainer that this callback cannot work with: a ValueError, which the CLI prints as one
+            # line.
+            raise ValueError(
                 f"AdversarialValidation needs input gradients, but trainer.{stage}() runs under "
                 f"torch.inference_mode, where none can be taken; {_INFERENCE_MODE_HELP}"
             )

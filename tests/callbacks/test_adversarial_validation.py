@@ -165,7 +165,7 @@ def test_validate_in_inference_mode_raises_a_clear_error(tmp_path, model):
     callback = AdversarialValidation(eps=[8 / 255], verbose=False)
     for run in ("validate", "test"):
         trainer = _trainer(tmp_path, [callback])
-        with pytest.raises(RuntimeError, match=r"inference_mode=False\).*--trainer\.inference_mode=false"):
+        with pytest.raises(ValueError, match=r"inference_mode=False\).*--trainer\.inference_mode=false"):
             getattr(trainer, run)(model, datamodule=_datamodule())
     assert callback.history == {"validate": {}, "test": {}}
 
@@ -428,7 +428,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
     reference = _reference(model, 150, (8 / 255,))
     for key in ("clean_acc", "feature_sq_norm", "iter_fgsm/acc@8", "iter_fgsm/l2@8", "iter_fgsm/d_adv@8"):
         assert callback.history["validate"][0][key] == pytest.approx(reference[key], rel=1e-5), key
-    with pytest.raises(RuntimeError, match="inference_mode=False"):
+    with pytest.raises(ValueError, match="inference_mode=False"):
         lightning.Trainer(logger=False, enable_progress_bar=False, callbacks=[callback]).validate(
             model, dataloaders=loader
         )

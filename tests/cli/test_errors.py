@@ -103,3 +103,14 @@ def test_logger_less_runs_never_overwrite_each_others_config(tmp_path, monkeypat
         main(["fit", "--config", QUICKSTART, *FAST, "--trainer.max_epochs=1", "--trainer.logger=false"])
     assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config-v1.yaml", "config.yaml"]
     assert "backbone: mlp" in (tmp_path / "config-v1.yaml").read_text()
+
+
+def test_adversarial_validate_in_inference_mode_is_one_message(tmp_path, monkeypatch, capsys):
+    # The README's Sanyal config validated without --trainer.inference_mode=false: no input gradient can be taken.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--config", str(ROOT / "configs/sanyal_adversarial_digits.yaml"), *FAST])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: AdversarialValidation needs input gradients, but trainer.validate() runs under" in err
+    assert "--trainer.inference_mode=false" in err and "Traceback" not in err
