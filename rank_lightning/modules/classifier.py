@@ -83,9 +83,14 @@ class ImageClassifier(RankModule):
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
         self.label_smoothing = label_smoothing
-        self.backbone = create_model(
-            backbone, num_classes=num_classes, **_input_kwargs(backbone, self.input_shape), **(backbone_kwargs or {})
-        )
+        described = {"num_classes": num_classes, **_input_kwargs(backbone, self.input_shape)}
+        for key in described.keys() & (backbone_kwargs or {}).keys():
+            source = "num_classes" if key == "num_classes" else f"input_shape={self.input_shape}"
+            raise ValueError(
+                f"backbone_kwargs sets {key!r}={backbone_kwargs[key]!r}, which the classifier derives from {source}; "
+                f"set {source.split('=')[0]} instead (the CLI links it from the datamodule)"
+            )
+        self.backbone = create_model(backbone, **described, **(backbone_kwargs or {}))
         for spec in lr_layers or []:
             self._insert_lr_layer(dict(spec))
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

@@ -50,6 +50,24 @@ def test_classifier_rejects_non_image_shapes_for_conv_nets():
         ImageClassifier(backbone="resnet18", num_classes=3, input_shape=(64,))
 
 
+@pytest.mark.parametrize(
+    ("backbone", "kwargs", "message"),
+    [
+        (
+            "vit_tiny",
+            {"image_size": 8},
+            r"backbone_kwargs sets 'image_size'=8, which the classifier derives from "
+            r"input_shape=\(3, 32, 32\); set input_shape instead",
+        ),
+        ("mlp", {"num_classes": 3}, r"backbone_kwargs sets 'num_classes'=3, .* set num_classes instead"),
+    ],
+)
+def test_backbone_kwargs_that_the_classifier_derives_are_a_clear_error(backbone, kwargs, message):
+    shape = (3, 32, 32) if backbone == "vit_tiny" else (1, 8, 8)
+    with pytest.raises(ValueError, match=message):
+        ImageClassifier(backbone=backbone, backbone_kwargs=kwargs, input_shape=shape)
+
+
 def test_classifier_learns_and_lowers_the_loss(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(96, 8)
