@@ -689,8 +689,8 @@ def hidden_state(output: Any, selector: OutputSelector | None = None) -> Tensor 
 
     Raises:
         ValueError: the selector does not fit the output (an index into a tensor, an unknown key, an index out of
-            range), it picks something that is not a tensor, or it is none of the accepted kinds; the message
-            describes the output.
+            range), it picks something that is not a tensor, a selector function raises, or it is none of the
+            accepted kinds; the message describes the output.
     """
     check_output_selector(selector)
     if selector is None:
@@ -699,10 +699,15 @@ def hidden_state(output: Any, selector: OutputSelector | None = None) -> Tensor 
         value = _select(output, selector)
         picked = f"output_selector={selector!r}"
     else:
-        value = selector(output)
+        picked = f"output_selector {getattr(selector, '__name__', repr(selector))}"
+        try:
+            value = selector(output)
+        except Exception as error:
+            raise ValueError(
+                f"{picked} raised {type(error).__name__}: {error}, given {_describe_output(output)}"
+            ) from error
         if value is None:
             return None
-        picked = f"output_selector {getattr(selector, '__name__', repr(selector))}"
     if not isinstance(value, Tensor):
         raise ValueError(
             f"{picked} picks a {type(value).__name__}, not a tensor, from {_describe_output(output)}; "

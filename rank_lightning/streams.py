@@ -224,7 +224,10 @@ class ActivationStream:
             self._warn(name, "reuse", message + "runs once instead.")
             return
         self._seen_this_batch.add(name)
-        activations = hidden_state(output, self.output_selector)
+        try:
+            activations = hidden_state(output, self.output_selector)
+        except ValueError as error:
+            raise ValueError(f"layer {name!r}: {error}") from error
         if not isinstance(activations, Tensor) or activations.ndim not in (2, 3, 4):
             shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(output).__name__
             message = "not (B, d) features, (B, T, D) tokens or (B, C, H, W) conv maps; it is skipped."

@@ -221,6 +221,20 @@ def test_the_rule_on_real_model_outputs():
     assert hidden_state(base_output, lambda out: out.hidden_states[1]) is base_output.hidden_states[1]
     with pytest.raises(ValueError, match=r"output_selector='hidden_states' picks a tuple, not a tensor"):
         hidden_state(base_output, "hidden_states")  # one tensor per layer: pick one
+    # A selector function that fails on the output says which output it was given.
+    with pytest.raises(ValueError, match=r"output_selector <lambda> raised AttributeError: .*'hidden_sates'.*, given "):
+        hidden_state(base_output, lambda out: out.hidden_sates[1])
+
+
+def test_a_failing_output_selector_names_the_layer():
+    torch.manual_seed(0)
+    monitor = ActivationRankMonitor(
+        layers=["model.transformer.h.0"], output_selector=lambda out: out.hidden, verbose=False
+    )
+    with pytest.raises(
+        ValueError, match=r"layer 'model.transformer.h.0': output_selector <lambda> raised AttributeError"
+    ):
+        _fit(_gpt2(), monitor, _causal_lm_batches(1, seed=0), _causal_lm_batches(1, seed=1))
 
 
 def test_a_mask_key_that_finds_nothing_stops_the_first_monitored_batch():
