@@ -42,7 +42,19 @@ class _Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class _EpochCurves(pl.Callback):
+class _CheckpointedCurves(pl.Callback):
+    """A callback whose ``curves`` are saved in checkpoints, as the package's monitors save theirs."""
+
+    curves: LayerCurves
+
+    def state_dict(self):
+        return {"curves": self.curves.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        self.curves.load_state_dict(state_dict["curves"])
+
+
+class _EpochCurves(_CheckpointedCurves):
     """Logs known per-layer values (a function of the epoch) through LayerCurves, as a rank callback would."""
 
     def __init__(self) -> None:
@@ -57,12 +69,6 @@ class _EpochCurves(pl.Callback):
 
     def on_fit_end(self, trainer, pl_module):
         self.curves.write_figures(trainer)
-
-    def state_dict(self):
-        return {"curves": self.curves.state_dict()}
-
-    def load_state_dict(self, state_dict):
-        self.curves.load_state_dict(state_dict["curves"])
 
 
 def _loader() -> torch.utils.data.DataLoader:
@@ -605,7 +611,7 @@ def test_described_facts_caption_the_figures_and_travel_in_state_and_curve_file(
     assert restored.facts == facts | {"samples": 100}
 
 
-class _EveryOtherEpochResumable(_EveryOtherEpoch):
+class _EveryOtherEpochResumable(_EveryOtherEpoch, _CheckpointedCurves):
     """``_EveryOtherEpoch`` whose values are ``offset + epoch``, calling ``start_epoch`` as the package's monitors do,
     with its curves in checkpoints."""
 
@@ -614,12 +620,6 @@ class _EveryOtherEpochResumable(_EveryOtherEpoch):
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.curves.start_epoch(trainer)
-
-    def state_dict(self):
-        return {"curves": self.curves.state_dict()}
-
-    def load_state_dict(self, state_dict):
-        self.curves.load_state_dict(state_dict["curves"])
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
