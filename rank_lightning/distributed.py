@@ -36,7 +36,7 @@ every process of a Lightning strategy does in the same callback hook.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -104,6 +104,22 @@ def _fsdp_owners(root: nn.Module | None) -> dict[int, nn.Module]:
         for module in unit.modules():
             owners.setdefault(id(module), unit)
     return owners
+
+
+def _initialise_fsdp(owners: Mapping[int, nn.Module]) -> None:
+    """Let the outermost FSDP1 unit initialise itself as the root, if no forward pass has yet.
+
+    FSDP1 initialises lazily, at the root's first forward. Gathering a nested unit first (the initial point, before
+    any step) would make that unit initialise as a root of its own, which FSDP then refuses. Gathering the outermost
+    unit's own parameters (``recurse=False``: not the nested units') initialises it as the root.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = {id(unit): unit for unit in owners.values()}.values()
+    outermost = max(units, key=lambda unit: sum(1 for _ in unit.modules()))
+    if getattr(outermost, "_is_root", False) is None:  # FSDP1 sets it at its lazy initialisation
+        with FullyShardedDataParallel.summon_full_params(outermost, recurse=False, writeback=False):
+            pass
 
 
 def _check_plain(matrix: WeightMatrix, tensor: Tensor) -> None:
@@ -261,6 +277,8 @@ def weight_matrix_spectra(
         spectra.update(zip(plain, weight_spectra(weights, decomposition=decomposition)))
         if jobs:
             spectra.update(_summed_gram_spectra(matrices, jobs, decomposition))
+        if any(layout == "fsdp" for _, layout, _ in gathers):
+            _initialise_fsdp(owners)
         for index, layout, owner in gathers:
             spectra[index] = _gather_spectrum(matrices[index], layout, owner, decomposition)
     return [spectra[i] for i in range(len(matrices))]

@@ -96,3 +96,53 @@ def layouts_worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+class _Stack(nn.Module):
+    """An embedding tied to the output projection, between them two blocks that FSDP1 wraps as nested units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 6)) for _ in range(2))
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def fsdp1_worker(rank: int, port: int, out: str, use_orig_params: bool) -> None:
+    """WeightRankMonitor's values of an FSDP1-wrapped model before any forward pass (the initial point, when a
+    nested unit is gathered before the root has initialised) and after one, next to the unsharded model's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    _init(rank, port)
+    torch.manual_seed(0)
+    model = _Stack()
+    reference = copy.deepcopy(model)
+    monitor = WeightRankMonitor(layers=["blocks.*", "head"], verbose=False)
+    monitor.select(model)  # as under Lightning: the callbacks' setup runs before the strategy wraps the model
+    wrapped = FullyShardedDataParallel(
+        model,
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+        use_orig_params=use_orig_params,
+    )
+    nested = [m for m in wrapped.modules() if isinstance(m, FullyShardedDataParallel)]
+    expected = WeightRankMonitor(layers=["blocks.*", "head"], verbose=False).measure(reference)
+
+    def measured() -> dict:
+        spectra = weight_matrix_spectra(monitor._matrices, root=wrapped)
+        return {name: monitor._metrics_of(spectrum) for name, spectrum in zip(monitor.monitored, spectra)}
+
+    before = measured()
+    wrapped(torch.arange(8).view(2, 4)).sum().backward()
+    after = measured()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"units": len(nested), "before": before, "after": after, "plain": expected}))
+    dist.destroy_process_group()

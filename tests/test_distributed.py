@@ -16,7 +16,7 @@ from torch import nn
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.distributed import shard_layout, weight_matrix_spectra
 from rank_lightning.weight_matrices import matrices_of
-from tests.sharded_helpers import CASES, WORLD_SIZE, layouts_worker
+from tests.sharded_helpers import CASES, WORLD_SIZE, fsdp1_worker, layouts_worker
 
 
 def _free_port() -> int:
@@ -140,3 +140,20 @@ def test_freed_storage_is_an_error():
 def test_unknown_sharding_is_rejected():
     with pytest.raises(ValueError, match=r"unknown sharding 'scatter'; valid choices are: auto, gram, gather"):
         WeightRankMonitor(sharding="scatter")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_fsdp1_weights_before_the_first_forward_and_after(tmp_path, use_orig_params):
+    # FSDP1 initialises at the root's first forward; the initial point gathers a nested unit before that, which FSDP
+    # refused ("Non-root FSDP instance's _is_root should not have been set yet").
+    out = tmp_path / "fsdp1.json"
+    mp.spawn(fsdp1_worker, args=(_free_port(), str(out), use_orig_params), nprocs=WORLD_SIZE)
+    results = json.loads(out.read_text())
+    assert results["units"] == 3  # the root and the two blocks
+    plain = results["plain"]
+    assert set(plain) == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "head"}
+    for when in ("before", "after"):
+        assert results[when].keys() == plain.keys()
+        for layer, values in plain.items():
+            assert results[when][layer] == pytest.approx(values, rel=1e-12), (when, layer)
