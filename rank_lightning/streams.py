@@ -393,16 +393,30 @@ class ActivationStream:
 
     def _measured_everywhere(self, device: torch.device | str) -> list[str]:
         """The layers that every process measured in this pass: ``compute()`` is a collective all of them join."""
+        n = len(self.layers)
         counts = [self.metrics[name].update_count if name in self.metrics else 0 for name in self.layers]
-        fewest = most = torch.tensor(counts, dtype=torch.int64, device=device)
+        widths = [(self.metrics[name].num_features or 0) if name in self.metrics else 0 for name in self.layers]
+        local = torch.tensor(counts + widths, dtype=torch.int64, device=device)
+        lowest = highest = local
         if _distributed():
             # One all-reduce gives both the minimum and (negated) the maximum over processes.
-            both = torch.cat([fewest, -fewest])
+            both = torch.cat([local, -local])
             dist.all_reduce(both, op=dist.ReduceOp.MIN)
-            fewest, most = both[: len(counts)], -both[len(counts) :]
+            lowest, highest = both[: 2 * n], -both[2 * n :]
         measured = []
-        for name, low, high in zip(self.layers, fewest.tolist(), most.tolist()):
-            if low > 0:
+        for i, name in enumerate(self.layers):
+            low, high = int(lowest[i]), int(highest[i])
+            narrow, wide = int(lowest[n + i]), int(highest[n + i])
+            if low > 0 and narrow != wide:
+                # Each process's first batch fixed the layer's features (a 'flatten' of per-batch lengths or sizes):
+                # sums of other shapes cannot be added.
+                message = (
+                    f"reduces to {narrow} features on some processes and {wide} on others (each fixed by its first "
+                    "batch: a 'flatten' of inputs whose length or size varies); it is not logged in this run. Use the "
+                    "'token' / 'mean' or 'channel' / 'mean' reductions, or inputs of one size."
+                )
+                self._warn(name, "widths", message)
+            elif low > 0:
                 measured.append(name)
             elif high > 0:
                 self._warn(name, "unmeasured", "ran on some processes only in a monitored pass; it is not logged then.")

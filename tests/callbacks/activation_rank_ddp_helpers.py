@@ -137,3 +137,37 @@ def fit_by_step(root: Path, devices: int) -> dict:
     )
     trainer.fit(model)
     return json.loads((Path(root, "run", "version_0") / FIGURE_DIR / "rank_train_curves.json").read_text())
+
+
+class RaggedNet(ConvNet):
+    """ConvNet with a token layer whose length differs between processes: (B, 3, 2) on the first, (B, 4, 2) on the
+    second, as batches padded to their own longest sequence can be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.act(self.fc(torch.relu(self.conv(x)).flatten(1)))
+        self.tokens(hidden.view(-1, 4, 4)[:, : 3 + self.global_rank])
+        return self.head(hidden)
+
+
+def validate_ragged(root: Path, devices: int) -> dict:
+    """The curve file of a validation of RaggedNet with the token layer flattened, on ``devices`` CPU processes."""
+    torch.manual_seed(0)
+    monitor = ActivationRankMonitor(layers=["act", "tokens"], token_reduction="flatten", verbose=False)
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        default_root_dir=root,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.validate(RaggedNet(), loader(), verbose=False)
+    return json.loads((Path(root) / FIGURE_DIR / "rank_curves.json").read_text())

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from tests.callbacks.activation_rank_ddp_helpers import WORLD_SIZE, fit_by_step, validate
+from tests.callbacks.activation_rank_ddp_helpers import WORLD_SIZE, fit_by_step, validate, validate_ragged
 
 
 def _logged(rows: list[dict[str, str]]) -> dict[str, float]:
@@ -45,3 +45,15 @@ def test_step_windows_under_ddp_equal_one_process(tmp_path):
             assert ddp[step][layer].keys() == metrics.keys()
             for metric, value in metrics.items():
                 assert ddp[step][layer][metric] == pytest.approx(value, rel=1e-9, abs=1e-12), (step, layer, metric)
+
+
+@pytest.mark.slow
+def test_a_layer_whose_flatten_width_differs_between_processes_is_left_out(tmp_path):
+    # Each process's first batch fixes a layer's features; sums of 6 and 8 features cannot be added, and the
+    # collective that syncs them failed (one process raised, the other was left waiting).
+    single = validate_ragged(tmp_path / "single", devices=1)
+    ddp = validate_ragged(tmp_path / "ddp", devices=WORLD_SIZE)
+    assert single["layers"] == ["act", "tokens"]
+    assert ddp["layers"] == ["act"]
+    for metric, value in single["history"]["-1"]["act"].items():
+        assert ddp["history"]["-1"]["act"][metric] == pytest.approx(value, rel=1e-9, abs=1e-12), metric
