@@ -177,12 +177,20 @@ def log_rank_equal(pl_module: Any, scalars: Mapping[str, Any]) -> None:
     logging), so the maximum returns each one bit for bit, and Lightning has no reason to advise ``sync_dist=True``.
     Call it on every process from an epoch-end hook, with the same keys.
 
+    The values are logged as float64 tensors (float32 where the device has no float64: MPS), so the results of
+    ``trainer.validate`` and the loggers keep the digits the curve file has; ``LightningModule.log`` would turn a
+    Python float into a float32 tensor.
+
     Args:
         pl_module: the LightningModule (either Lightning package).
         scalars: ``key -> value`` (numbers or one-element tensors); nothing is logged when empty.
     """
-    if scalars:
-        pl_module.log_dict(dict(scalars), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+    if not scalars:
+        return
+    device = getattr(pl_module, "device", torch.device("cpu"))
+    dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
+    values = {key: torch.as_tensor(value, dtype=dtype, device=device).reshape(()) for key, value in scalars.items()}
+    pl_module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
 
 def publish_scalars(trainer: Any, scalars: Mapping[str, float], *, epoch: int | None = None) -> None:

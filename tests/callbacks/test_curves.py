@@ -315,10 +315,29 @@ def test_two_process_ddp_gives_no_sync_dist_advice_for_values_equal_on_every_ran
 def test_log_rank_equal_logs_every_value_synchronised_by_the_exact_maximum():
     calls = []
     module = SimpleNamespace(log_dict=lambda scalars, **options: calls.append((scalars, options)))
-    log_rank_equal(module, {"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)})
+    log_rank_equal(module, {"rank/a/m": 1.0 + 2**-40, "rank/b/m": torch.tensor(2.0)})
     log_rank_equal(module, {})
     options = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
-    assert calls == [({"rank/a/m": 1.0, "rank/b/m": torch.tensor(2.0)}, options)]
+    [(scalars, given)] = calls
+    assert given == options
+    # float64 tensors: LightningModule.log would make a Python float a float32 tensor (1 + 2^-40 -> 1).
+    assert {key: (value.dtype, value.item()) for key, value in scalars.items()} == {
+        "rank/a/m": (torch.float64, 1.0 + 2**-40),
+        "rank/b/m": (torch.float64, 2.0),
+    }
+
+
+def test_values_returned_by_validate_keep_the_float64_digits_of_the_curve_file(tmp_path):
+    from rank_lightning.callbacks import ActivationRankMonitor
+    from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
+
+    monitor = ActivationRankMonitor(layers=["net.0"], verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    (results,) = trainer.validate(SmallClassifier(seed=0), small_loader(), verbose=False)
+    recorded = monitor.curves.history[INITIAL_EPOCH]["net.0"]
+    assert recorded
+    for metric, value in recorded.items():
+        assert results[f"rank/net.0/{metric}"] == value, metric  # equal, not to float32's 6e-8
 
 
 class _EveryOtherEpoch(pl.Callback):
