@@ -9,6 +9,7 @@ import csv
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -57,6 +58,21 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH_SIZE)
 
 
+def _validating_trainer(devices: int, monitor: pl.Callback, **options: Any) -> pl.Trainer:
+    """A quiet CPU Trainer with ``monitor`` on ``devices`` spawned DDP processes (one: no DDP)."""
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **options,
+    )
+
+
 def validate(root: Path, devices: int) -> tuple[dict, list[dict[str, str]]]:
     """Validate on ``devices`` CPU processes; returns the curve file and the CSV rows rank zero wrote.
 
@@ -66,18 +82,7 @@ def validate(root: Path, devices: int) -> tuple[dict, list[dict[str, str]]]:
     torch.manual_seed(0)
     model = ConvNet()
     monitor = ActivationRankMonitor(layers=["conv", "act", "side"], max_samples=None, verbose=False)
-    logger = CSVLogger(root, name="run", version=0)
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=logger,
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = _validating_trainer(devices, monitor, logger=CSVLogger(root, name="run", version=0))
     trainer.validate(model, loader(), verbose=False)
     log_dir = Path(root, "run", "version_0")
     curves = json.loads((log_dir / FIGURE_DIR / "rank_curves.json").read_text())
@@ -157,17 +162,6 @@ def validate_ragged(root: Path, devices: int) -> dict:
     """The curve file of a validation of RaggedNet with the token layer flattened, on ``devices`` CPU processes."""
     torch.manual_seed(0)
     monitor = ActivationRankMonitor(layers=["act", "tokens"], token_reduction="flatten", verbose=False)
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        default_root_dir=root,
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = _validating_trainer(devices, monitor, logger=False, default_root_dir=root)
     trainer.validate(RaggedNet(), loader(), verbose=False)
     return json.loads((Path(root) / FIGURE_DIR / "rank_curves.json").read_text())
