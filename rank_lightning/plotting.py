@@ -280,7 +280,9 @@ def axis_label(metric: str) -> str:
 
 _SPLITS = {"val": "validation set", "train": "training batches", "test": "test set"}
 _KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size", "tolerance_dtype")
-_COARSE_DTYPES = ("bfloat16", "float16")  # coarser than float32: the tolerance is their eps alone
+# Coarser than float32: their tolerance is their eps alone (functional.default_rank_tolerance; named here because
+# figure workers draw without importing torch).
+_COARSE_DTYPES = ("bfloat16", "float16")
 
 
 def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: Any = None) -> str:
@@ -290,6 +292,8 @@ def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: A
     if tolerance_size not in ("min", "max") and tolerance_dtype is None:
         return "rank tolerance: default"
     size = f" \u00d7 {tolerance_size}(rows, columns)" if tolerance_size in ("min", "max") else ""
+    if tolerance_dtype is not None:
+        tolerance_dtype = str(tolerance_dtype).removeprefix("torch.")
     if tolerance_dtype == "input":
         return "rank tolerance: eps of the activations' dtype" + (f" ({size.strip()} for float32)" if size else "")
     if tolerance_dtype in _COARSE_DTYPES:  # K-free: see default_rank_tolerance

@@ -336,8 +336,7 @@ class ActivationStream:
         metric, planned = self._sized(num_features, options, own)
         unplanned = sum(1 for layer in self.layers if layer not in self._planned)
         if metric.path_for(num_features) != "gram" and unplanned > 1:
-            shared = self._sized(num_features, options, min(own, left / unplanned))
-            metric, planned = shared if shared[1] <= left / unplanned else (metric, planned)
+            metric, planned = self._sized(num_features, options, min(own, left / unplanned))
         if planned > left:
             used = sum(self._planned.values()) / _MIB
             raise MemoryError(

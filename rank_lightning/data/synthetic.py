@@ -170,8 +170,8 @@ class GaussianNoiseDataModule(RankDataModule):
         if num_classes < 1 or num_samples < 1:
             raise ValueError(f"num_classes and num_samples must be positive, got {num_classes} and {num_samples}")
         check_split_fractions(val_fraction, test_fraction)
-        # Saved as the model saves it (a tuple, linked from this attribute by the CLI; the CLI saves what it parsed, a
-        # tuple by this annotation): Lightning merges the two hparams and refuses a list against an equal tuple.
+        # Saved as a tuple, as the classifier saves the value it is given from this attribute: Lightning merges the two
+        # hparams and refuses a list against an equal tuple (the CLI saves both as lists).
         input_shape = tuple(int(s) for s in input_shape)
         self.save_hyperparameters()
         self.num_classes = num_classes

@@ -85,10 +85,10 @@ class ImageClassifier(RankModule):
         self.label_smoothing = label_smoothing
         described = {"num_classes": num_classes, **_input_kwargs(backbone, self.input_shape)}
         for key in described.keys() & (backbone_kwargs or {}).keys():
-            source = "num_classes" if key == "num_classes" else f"input_shape={self.input_shape}"
+            setting, value = ("num_classes", num_classes) if key == "num_classes" else ("input_shape", self.input_shape)
             raise ValueError(
-                f"backbone_kwargs sets {key!r}={backbone_kwargs[key]!r}, which the classifier derives from {source}; "
-                f"set {source.split('=')[0]} instead (the CLI links it from the datamodule)"
+                f"backbone_kwargs sets {key!r}={backbone_kwargs[key]!r}, which the classifier derives from "
+                f"{setting}={value}; set {setting} instead (the CLI links it from the datamodule)"
             )
         self.backbone = create_model(backbone, **described, **(backbone_kwargs or {}))
         for spec in lr_layers or []:

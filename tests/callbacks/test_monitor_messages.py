@@ -78,6 +78,8 @@ def test_captions_and_titles_follow_the_settings():
     )
     text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "bfloat16"})
     assert text == "rank tolerance: bfloat16 eps"  # no K: eps_bf16 * K would reach 1 at K = 128
+    text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "torch.float16"})
+    assert text == "rank tolerance: float16 eps"  # a dtype written as torch prints it
     text = caption_text({"rank_tolerance": None, "tolerance_size": "max", "tolerance_dtype": "float64"})
     assert text == "rank tolerance: float64 eps \u00d7 max(rows, columns)"
     text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "input"})
