@@ -1,8 +1,6 @@
 import csv
 import json
 import math
-import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ from torch import nn
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
 from tests.callbacks.trainer_helpers import quiet_trainer
+from tests.callbacks.wandb_helpers import offline_run_history
 
 TAIL_RANKS = (1, 2, 5)
 
@@ -321,32 +320,6 @@ def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path)
     assert monitor.curves.layers == ["head"]
 
 
-def _wandb_records(path: Path):
-    """Records of a ``.wandb`` transaction log: a 7-byte file header, then LevelDB log blocks of 32 KiB whose chunks
-    carry a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    position, pieces = 7, []
-    while position + 7 <= len(data):
-        left = 32768 - position % 32768
-        if left < 7:
-            position += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        if length == 0 and kind == 0:
-            position += left
-            continue
-        pieces.append(data[position + 7 : position + 7 + length])
-        position += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(b"".join(pieces))
-            pieces = []
-            yield record
-
-
 @pytest.mark.slow
 def test_offline_wandb_run_holds_the_weight_keys_and_charts(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
@@ -362,16 +335,8 @@ def test_offline_wandb_run_holds_the_weight_keys_and_charts(tmp_path, monkeypatc
     finally:
         wandb.finish()
 
-    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    # wandb.finish() can return before the service has flushed the log; its last record is "exit".
-    deadline = time.monotonic() + 60
-    while not (records := list(_wandb_records(run_file))) or records[-1].WhichOneof("record_type") != "exit":
-        assert time.monotonic() < deadline, "the offline run was never closed"
-        time.sleep(0.2)
-    history: dict[str, str] = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "history":
-            history.update({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+    # The last value of every key (offline_run_history waits for the service to close the log).
+    history = {key: values[-1] for key, values in offline_run_history(tmp_path).items()}
     matrices = _expected_matrices(model)
     for name in ("hidden", "head"):
         reference = _reference(matrices[name])

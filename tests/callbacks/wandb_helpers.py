@@ -33,6 +33,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
         if length == 0 and kind == 0:
             position += left
             continue
+        if position + _CHUNK_HEADER + length > len(data):
+            return  # a chunk still being written: the records so far (the caller waits for the last one, "exit")
         pieces.append(data[position + _CHUNK_HEADER : position + _CHUNK_HEADER + length])
         position += _CHUNK_HEADER + length
         if kind in (1, 4):
