@@ -201,13 +201,15 @@ def _gather_context(
         return FullyShardedDataParallel.summon_full_params(owner, recurse=False, writeback=False)
     if layout == "deepspeed":
         try:
-            from deepspeed.zero import GatheredParameters
+            # ``deepspeed.zero`` is an attribute of the package, not a module of that name: ``from deepspeed.zero
+            # import ...`` fails even where deepspeed is installed.
+            import deepspeed
         except ImportError as error:
             raise RuntimeError(
                 f"the weight of {matrix.name!r} is partitioned by DeepSpeed ZeRO stage 3 (DeepSpeedStrategy) and "
                 "deepspeed cannot be imported to gather it; install deepspeed, or monitor with ZeRO stage 1 or 2"
             ) from error
-        return GatheredParameters([tensor], modifier_rank=None)
+        return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
     return nullcontext()
 
 

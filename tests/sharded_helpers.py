@@ -1,4 +1,5 @@
-"""Workers of the sharded-weight tests: two CPU processes (gloo) holding FSDP2 / tensor-parallel DTensor shards.
+"""Workers of the sharded-weight tests: two CPU processes (gloo) holding FSDP2 / tensor-parallel DTensor shards,
+FSDP1 flat parameters or DeepSpeed ZeRO-3 partitions.
 
 Kept apart from the test modules so that spawned workers import only torch, transformers' Conv1D and rank_lightning.
 """
@@ -16,7 +17,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from rank_lightning.callbacks import WeightRankMonitor
-from rank_lightning.distributed import weight_matrix_spectra
+from rank_lightning.distributed import shard_layout, weight_matrix_spectra
 from rank_lightning.weight_matrices import matrices_of
 
 WORLD_SIZE = 2
@@ -145,4 +146,54 @@ def fsdp1_worker(rank: int, port: int, out: str, use_orig_params: bool) -> None:
     after = measured()
     if rank == 0:
         Path(out).write_text(json.dumps({"units": len(nested), "before": before, "after": after, "plain": expected}))
+    dist.destroy_process_group()
+
+
+def zero3_worker(rank: int, port: int, out: str) -> None:
+    """WeightRankMonitor's values of a model partitioned by DeepSpeed ZeRO stage 3 (``deepspeed.zero.Init``), before
+    a DeepSpeed training step and after it, next to those of the same weights held in full; written by rank 0."""
+    import sys
+
+    import deepspeed
+
+    # DeepSpeed compiles a shared-memory collective for CPU processes at its first collective (1-2 minutes); gloo's
+    # own collectives do the same work, so the compiled kernel is left out. (The package's attribute ``torch`` is
+    # torch itself, hence the module table.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    os.environ["LOCAL_RANK"] = str(rank)  # set by the launcher (Lightning, torchrun, deepspeed) in real runs
+    _init(rank, port)
+    torch.manual_seed(0)
+    reference = _Stack()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+    }
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = _Stack()
+    for param, full in zip(model.parameters(), reference.parameters()):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if rank == 0:
+                param.data.copy_(full.data)
+    layers = ["blocks.*", "head"]
+    monitor = WeightRankMonitor(layers=layers, verbose=False)
+    results: dict = {
+        "layouts": sorted({shard_layout(param) for param in model.parameters()}),
+        "stored": {name: list(param.shape) for name, param in model.named_parameters()},
+        "before": monitor.measure(model),
+        "plain_before": WeightRankMonitor(layers=layers, verbose=False).measure(reference),
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config)
+    engine.backward(engine(torch.arange(8).view(2, 4)).square().mean())
+    engine.step()
+    results["after"] = monitor.measure(model)
+    full = copy.deepcopy(reference)
+    for param, copied in zip(model.parameters(), full.parameters()):
+        with deepspeed.zero.GatheredParameters([param]):
+            copied.data.copy_(param.data)
+    results["plain_after"] = WeightRankMonitor(layers=layers, verbose=False).measure(full)
+    results["moved"] = results["plain_after"]["head"] != results["plain_before"]["head"]
+    results["released"] = [param.numel() for param in model.parameters()]
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()

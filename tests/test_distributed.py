@@ -1,5 +1,5 @@
-"""Weight spectra of sharded parameters: real FSDP2 / DTensor shards on two CPU processes, DeepSpeed ZeRO-3 and
-unknown layouts by their attributes (DeepSpeed is not installed here, so its gather is replaced by a stand-in)."""
+"""Weight spectra of sharded parameters: real FSDP2 / DTensor shards, FSDP1 flat parameters and DeepSpeed ZeRO-3
+partitions on two CPU processes; unknown layouts by their attributes."""
 
 import json
 import math
@@ -7,6 +7,7 @@ import socket
 import sys
 import types
 from contextlib import contextmanager
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.distributed import shard_layout, weight_matrix_spectra
 from rank_lightning.weight_matrices import matrices_of
-from tests.sharded_helpers import CASES, WORLD_SIZE, fsdp1_worker, layouts_worker
+from tests.sharded_helpers import CASES, WORLD_SIZE, fsdp1_worker, layouts_worker, zero3_worker
 
 
 def _free_port() -> int:
@@ -102,7 +103,6 @@ def test_deepspeed_zero3_is_gathered_one_layer_at_a_time(monkeypatch):
 
     zero = types.SimpleNamespace(GatheredParameters=gathered_parameters)
     monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(zero=zero))
-    monkeypatch.setitem(sys.modules, "deepspeed.zero", zero)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     expected = WeightRankMonitor(verbose=False).measure(net)
@@ -157,3 +157,23 @@ def test_fsdp1_weights_before_the_first_forward_and_after(tmp_path, use_orig_par
         assert results[when].keys() == plain.keys()
         for layer, values in plain.items():
             assert results[when][layer] == pytest.approx(values, rel=1e-12), (when, layer)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_spec("deepspeed") is None, reason="DeepSpeed is a dev dependency on Linux only")
+def test_deepspeed_zero3_partitions_equal_the_weights_held_in_full(tmp_path):
+    # Real ZeRO-3 partitions (deepspeed.zero.Init, then a DeepSpeed engine's step), imported by the workers only. The
+    # gather imported ``deepspeed.zero`` as a module, which it is not: every real ZeRO-3 weight was "deepspeed cannot
+    # be imported".
+    out = tmp_path / "zero3.json"
+    mp.spawn(zero3_worker, args=(_free_port(), str(out)), nprocs=WORLD_SIZE)
+    results = json.loads(out.read_text())
+    assert results["layouts"] == ["deepspeed"]
+    assert all(shape == [0] for shape in results["stored"].values())  # nothing held in full between passes
+    assert results["moved"]  # the step changed the weights measured after it
+    for when in ("before", "after"):
+        plain = results[f"plain_{when}"]
+        assert set(results[when]) == set(plain) == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "head"}
+        for layer, values in plain.items():
+            assert results[when][layer] == pytest.approx(values, rel=1e-12), (when, layer)
+    assert results["released"] == [0] * len(results["released"])
