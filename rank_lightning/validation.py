@@ -7,6 +7,7 @@ integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
@@ -25,7 +26,8 @@ T = TypeVar("T")
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # numbers.Integral: NumPy's integers (an entry of np.array([1, 5])) count; bool does not.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _require(name: str, value: Any, ok: Callable[[Any], bool], kind: str, allow_none: bool) -> None:
@@ -49,7 +51,7 @@ def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite real number ``> 0`` (or ``None`` when ``allow_none``)."""
 
     def ok(v: Any) -> bool:
-        return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+        return not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and v > 0
 
     _require(name, value, ok, "a positive number", allow_none)
 
@@ -101,7 +103,7 @@ def check_positive_ints(name: str, values: int | Sequence[int], *, allow_empty: 
         raise ValueError(
             f"{name} must be {'' if allow_empty else 'a non-empty list of '}positive integers, got {values!r}"
         )
-    return selected
+    return tuple(int(value) for value in selected)
 
 
 def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...] | None:

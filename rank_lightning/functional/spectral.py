@@ -20,6 +20,7 @@ through it.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from rank_lightning.functional.power_law import PowerLawFit, power_law_alpha, spectral_decay_alpha
 from rank_lightning.functional.reductions import weight_as_matrix
-from rank_lightning.validation import check_choice, check_positive, check_positive_ints
+from rank_lightning.validation import check_choice, check_positive, check_positive_int, check_positive_ints
 
 __all__ = [
     "SPECTRAL_METRICS",
@@ -62,6 +63,7 @@ __all__ = [
 ]
 
 _SIZE_CHOICES = ("min", "max")
+_CENTER_CHOICES = (False, True)
 _GRAM_SIDES = ("feature", "sample")
 
 
@@ -98,6 +100,12 @@ def _check_matrix(x: Tensor, name: str = "x") -> None:
         )
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must have at least one sample and one feature, got shape {tuple(x.shape)}")
+    if x.is_complex():
+        raise ValueError(f"{name} must be real, got {x.dtype}; the spectra here are of real activations and weights")
+
+
+def _check_center(center: Any, *, allow_none: bool = False) -> None:
+    check_choice("center", center, _CENTER_CHOICES + ((None,) if allow_none else ()))
 
 
 def _warn_non_finite(what: str) -> None:
@@ -124,6 +132,7 @@ def spectrum(x: Tensor, *, center: bool = False) -> Spectrum:
         The :class:`Spectrum` of ``X``; all NaN, with a ``RuntimeWarning``, if ``x`` holds NaN or Inf.
     """
     _check_matrix(x)
+    _check_center(center)
     num_samples, num_features = x.shape
     x64 = x.detach().to(torch.float64)
     if not torch.isfinite(x64).all():
@@ -168,6 +177,7 @@ def spectrum_from_gram(
         raise ValueError(f"gram must be a square matrix, got shape {tuple(gram.shape)}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+    _check_center(center)
     if side == "feature":
         if num_features is None:
             num_features = gram.shape[0]
@@ -227,6 +237,7 @@ def spectra_from_grams(
         raise ValueError(f"num_samples has {len(counts)} entries for {grams.shape[0]} Grams")
     if any(n < 1 for n in counts):
         raise ValueError(f"every num_samples must be at least 1, got {counts}")
+    _check_center(center)
     num_features = grams.shape[1]
     g = grams.detach().to(torch.float64)
     if center:
@@ -481,6 +492,7 @@ def default_rank_tolerance(
 
 
 def _as_spectrum(x: Tensor | Spectrum, center: bool | None = None) -> Spectrum:
+    _check_center(center, allow_none=True)
     if isinstance(x, Spectrum):
         if center is not None and center != x.centered:
             raise ValueError(
@@ -494,6 +506,15 @@ def _as_spectrum(x: Tensor | Spectrum, center: bool | None = None) -> Spectrum:
 
 def _nan_scalar(device: torch.device) -> Tensor:
     return torch.tensor(math.nan, dtype=torch.float64, device=device)
+
+
+def _relative_squares(s: Tensor) -> Tensor:
+    """``(s_i / s_1)^2``: the squares of the singular values in units of the largest, which the scale-free ratios
+    (participation ratio, stable rank, variance ratios, tail errors) are computed from. Squared in absolute units,
+    ``s^2`` and ``s^4`` overflow from ``s_1 ~ 1e77`` and underflow below ``1e-77`` (``s^4``; ``s^2`` from 1e-154),
+    giving 0 or NaN where the ratio is well defined. Zeros for the zero matrix (``s_1 = 0``)."""
+    top = s[:1]
+    return (s / torch.where(top == 0, torch.ones_like(top), top)).square()
 
 
 def singular_values(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
@@ -529,12 +550,12 @@ def numerical_rank(
         int64 scalar; 0 for an all-zero matrix. A float64 NaN scalar if the spectrum is not finite (an integer
         tensor cannot hold NaN).
     """
+    check_choice("tolerance_size", tolerance_size, _SIZE_CHOICES)
+    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
     spec = _as_spectrum(x, center)
     s = spec.singular_values
     if not spec.is_finite:
         return _nan_scalar(s.device)
-    check_choice("tolerance_size", tolerance_size, _SIZE_CHOICES)
-    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
     if rank_tolerance is None:
         eps = default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=tolerance_size)
     else:
@@ -557,8 +578,7 @@ def soft_rank(x: Tensor | Spectrum, *, tau: float = 0.5, center: bool | None = N
     Returns:
         int64 scalar; a float64 NaN scalar if the spectrum is not finite.
     """
-    if tau <= 0:
-        raise ValueError(f"tau must be positive, got {tau}")
+    check_positive("tau", tau)
     spec = _as_spectrum(x, center)
     s = spec.singular_values
     if not spec.is_finite:
@@ -582,17 +602,22 @@ def participation_ratio(x: Tensor | Spectrum, *, center: bool | None = None) -> 
     """
     if isinstance(x, Spectrum):
         spec = _as_spectrum(x, center)
-        s2 = spec.singular_values.square()
+        s2 = _relative_squares(spec.singular_values)
         trace = s2.sum()
         frob_sq = s2.square().sum()
     else:
         _check_matrix(x)
+        _check_center(center, allow_none=True)
         x64 = x.to(torch.float64)
         if not torch.isfinite(x64.detach()).all():
             _warn_non_finite("input matrix")
             return _nan_scalar(x.device)
         if center:
             x64 = x64 - x64.mean(dim=0, keepdim=True)
+        # In units of the largest entry (the ratio is scale-free): s^4 neither overflows nor underflows. The scale is
+        # a constant of the gradient, which a scale-free function's gradient does not depend on.
+        largest = x64.detach().abs().max()
+        x64 = x64 / torch.where(largest == 0, torch.ones_like(largest), largest)
         m = x64.T @ x64 if x64.shape[1] <= x64.shape[0] else x64 @ x64.T
         trace = x64.square().sum()
         frob_sq = m.square().sum()
@@ -613,9 +638,7 @@ def stable_rank(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
         float64 scalar in ``[1, min(N, d)]``; 0 for an all-zero matrix; NaN for non-finite input.
     """
     s = _as_spectrum(x, center).singular_values
-    top = s[0].square()
-    is_zero = top == 0
-    return torch.where(is_zero, torch.zeros_like(top), s.square().sum() / torch.where(is_zero, 1.0, top))
+    return _relative_squares(s).sum()
 
 
 def effective_rank(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:
@@ -677,12 +700,13 @@ def alpha_req(
     last = rank if last_index is None else min(last_index, rank)
     if last < 2 or first_index > last - 1:
         return _nan_scalar(s.device)
-    fit = spectral_decay_alpha(s[:last].square() / spec.num_samples, first_index=first_index, last_index=last)
+    # The slope in log-log is scale-free: the eigenvalues in units of the largest cannot underflow or overflow.
+    fit = spectral_decay_alpha(_relative_squares(s[:last]), first_index=first_index, last_index=last)
     return torch.tensor(fit.alpha, dtype=torch.float64, device=s.device)
 
 
 def _check_k(k: int | None) -> None:
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
         raise ValueError(f"k must be a positive integer or None (the whole curve), got {k!r}")
 
 
@@ -701,7 +725,7 @@ def variance_ratio(x: Tensor | Spectrum, k: int | None = None, *, center: bool |
         float64 scalar (or 1-D curve of length ``K``); NaN for an all-zero or non-finite input.
     """
     _check_k(k)
-    s2 = _as_spectrum(x, center).singular_values.square()
+    s2 = _relative_squares(_as_spectrum(x, center).singular_values)
     total = s2.sum()
     if k is None:
         return s2.cumsum(0) / total
@@ -730,6 +754,7 @@ def classwise_variance_ratio(
     """
     _check_k(k)
     _check_matrix(x)
+    _check_center(center)
     labels = _check_labels(labels, x.shape[0], num_classes)
     if num_classes is None:
         num_classes = int(labels.max()) + 1
@@ -838,7 +863,7 @@ def tail_error(w: Tensor | Spectrum, k: int | None = None) -> Tensor:
     _check_k(k)
     if isinstance(w, Tensor) and w.ndim != 2:
         w = weight_as_matrix(w)
-    s2 = _as_spectrum(w).singular_values.square()
+    s2 = _relative_squares(_as_spectrum(w).singular_values)
     # The reverse cumulative sum keeps the small tails accurate instead of computing 1 - VR_k.
     tails = s2.flip(0).cumsum(0).flip(0)
     total = tails[0]
@@ -988,9 +1013,9 @@ def summarize(
     check_positive("rank_tolerance", rank_tolerance, allow_none=True)
     check_choice("tolerance_size", tolerance_size, ("min", "max"))
     check_positive("soft_rank_tau", soft_rank_tau)
-    check_positive_ints("variance_ratio_ks", variance_ratio_ks, allow_empty=True)
-    check_positive_ints("tail_ranks", tail_ranks, allow_empty=True)
-    first_index, last_index = _check_alpha_req_range(alpha_req_range)
+    variance_ratio_ks = check_positive_ints("variance_ratio_ks", variance_ratio_ks, allow_empty=True)
+    tail_ranks = check_positive_ints("tail_ranks", tail_ranks, allow_empty=True)
+    first_index, last_index = check_alpha_req_range(alpha_req_range)
     return SpectralSummary(
         spectrum=spec,
         numerical_rank=numerical_rank(spec, rank_tolerance=rank_tolerance, tolerance_size=tolerance_size),
@@ -1006,13 +1031,18 @@ def summarize(
     )
 
 
-def _check_alpha_req_range(index_range: tuple[int, int | None]) -> tuple[int, int | None]:
+def check_alpha_req_range(index_range: tuple[int, int | None]) -> tuple[int, int | None]:
+    """``(first_index, last_index)`` of an alpha-ReQ fit, checked: a pair of 1-based ranks with ``last_index >
+    first_index``, or ``last_index=None`` (the last numerically non-zero rank).
+
+    Raises:
+        ValueError: anything else, naming the value.
+    """
     if not isinstance(index_range, (tuple, list)) or len(index_range) != 2:
         raise ValueError(f"alpha_req_range must be a pair (first_index, last_index), got {index_range!r}")
     first, last = index_range
-    check_positive_ints("alpha_req_range first_index", first)
-    if last is not None:
-        check_positive_ints("alpha_req_range last_index", last)
-        if last <= first:
-            raise ValueError(f"alpha_req_range must have last_index > first_index, got {index_range!r}")
-    return first, last
+    check_positive_int("alpha_req_range first_index", first)
+    check_positive_int("alpha_req_range last_index", last, allow_none=True)
+    if last is not None and last <= first:
+        raise ValueError(f"alpha_req_range must have last_index > first_index, got {index_range!r}")
+    return int(first), None if last is None else int(last)

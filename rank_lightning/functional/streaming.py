@@ -44,6 +44,7 @@ from torch import Tensor
 from rank_lightning.functional.spectral import (
     SCIPY_BLAS,
     Spectrum,
+    _check_center,
     classwise_variance_ratio,
     gram_variance_ratios,
     serial_if_small,
@@ -840,6 +841,7 @@ def sketch_spectrum(
         feature_sum: ``(d,)`` ``X^T 1``; required with ``center``.
         center: estimate the spectrum of ``X - 1 mu^T``.
     """
+    _check_center(center)
     y = sketch
     if center:
         if sketch_signs is None or feature_sum is None:
@@ -875,6 +877,7 @@ def classwise_variance_ratio_from_grams(
     Returns:
         float64 ``(C,)``; NaN for a class without rows.
     """
+    _check_center(center)
     out = torch.full((class_grams.shape[0],), math.nan, dtype=torch.float64, device=class_grams.device)
     counts = class_counts.tolist()
     present = [c for c, count in enumerate(counts) if count]
@@ -906,6 +909,7 @@ def classwise_variance_ratio_from_sample(
     Returns:
         float64 ``(num_classes,)``; NaN for a class without subsampled rows.
     """
+    _check_center(center)
     labelled = sample.labels >= 0
     rows, labels = sample.rows[labelled].to(torch.float64), sample.labels[labelled]
     return classwise_variance_ratio(rows, labels, k=k, num_classes=num_classes, center=center)

@@ -371,3 +371,86 @@ def test_spectra_from_grams_errors() -> None:
         F.spectra_from_grams(grams, [1, 0])
     with pytest.raises(ValueError, match="feature_sums"):
         F.spectra_from_grams(grams, [1, 1], center=True)
+
+
+@pytest.mark.parametrize("scale", [1e-200, 1e-150, 1e-80, 1e80, 1e150, 1e200])
+def test_scale_free_ratios_at_extreme_scales(scale: float) -> None:
+    # In absolute units s^4 underflows to 0 or overflows to inf from about 1e+-77: the participation ratio read 0 at
+    # 1e-150 and NaN at 1e80; stable rank, VR_k and the tail error followed further out.
+    x = torch.randn(60, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s = _np_sv(x)
+    expected = {
+        "participation_ratio": (s**2).sum() ** 2 / (s**4).sum(),
+        "stable_rank": (s**2).sum() / s[0] ** 2,
+        "variance_ratio": (s[:3] ** 2).sum() / (s**2).sum(),
+        "tail_error": math.sqrt((s[3:] ** 2).sum() / (s**2).sum()),
+        "alpha_req": float(F.alpha_req(x)),
+    }
+    scaled = x * scale
+    spec = F.spectrum(scaled)
+    measured = {
+        "participation_ratio": F.participation_ratio(spec),
+        "stable_rank": F.stable_rank(spec),
+        "variance_ratio": F.variance_ratio(spec, 3),
+        "tail_error": F.tail_error(spec, 3),
+        "alpha_req": F.alpha_req(spec),
+    }
+    for name, value in expected.items():
+        assert float(measured[name]) == pytest.approx(value, rel=1e-12), name
+    assert float(F.participation_ratio(scaled)) == pytest.approx(expected["participation_ratio"], rel=1e-12)
+    assert float(F.variance_ratio(spec)[-1]) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_participation_ratio_gradient_is_scale_free() -> None:
+    # The matrix path divides by the largest entry; the gradient must still be that of r(H) itself: for a function of
+    # degree 0, x . grad = 0 and grad(c x) = grad(x) / c.
+    x = torch.randn(9, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+    F.participation_ratio(x).backward()
+    scaled = (x.detach() * 1e3).requires_grad_()
+    F.participation_ratio(scaled).backward()
+    assert float((x.grad * x.detach()).sum()) == pytest.approx(0.0, abs=1e-12)
+    torch.testing.assert_close(scaled.grad * 1e3, x.grad, rtol=1e-12, atol=1e-15)
+    assert torch.autograd.gradcheck(F.participation_ratio, (x.detach().clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("center", ["no", "yes", 1, "both"])
+def test_center_must_be_a_bool(center: object) -> None:
+    # A truthy string centred the data: center="no" gave the centred value.
+    x = torch.randn(8, 3) + 3
+    labels = torch.arange(8) % 2
+    calls = [
+        lambda: F.spectrum(x, center=center),
+        lambda: F.participation_ratio(x, center=center),
+        lambda: F.numerical_rank(x, center=center),
+        lambda: F.variance_ratio(x, 1, center=center),
+        lambda: F.classwise_variance_ratio(x, labels, center=center),
+        lambda: F.spectrum_from_gram(torch.eye(3, dtype=torch.float64), 8, center=center),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"unknown center {center!r}; valid choices are: False, True"):
+            call()
+
+
+@pytest.mark.parametrize("tau", [math.nan, math.inf, 0.0, -1.0])
+def test_soft_rank_threshold_must_be_a_finite_positive_number(tau: float) -> None:
+    with pytest.raises(ValueError, match=r"tau must be a positive number, got"):
+        F.soft_rank(torch.randn(5, 3), tau=tau)
+
+
+def test_numpy_integers_are_integers() -> None:
+    x = torch.randn(12, 6, dtype=torch.float64)
+    assert float(F.variance_ratio(x, np.int64(2))) == float(F.variance_ratio(x, 2))
+    summary = F.summarize(F.spectrum(x), variance_ratio_ks=np.array([1, 5]))
+    assert list(summary.variance_ratio) == [1, 5] and all(type(k) is int for k in summary.variance_ratio)
+
+
+def test_bad_options_are_named_before_the_input_is_read() -> None:
+    x = torch.randn(5, 3)
+    x[0, 0] = math.nan
+    with pytest.raises(ValueError, match="unknown tolerance_size 'bogus'"):
+        F.numerical_rank(x, tolerance_size="bogus")
+
+
+def test_complex_input_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"x must be real, got torch.complex64"):
+        F.spectrum(torch.randn(4, 3, dtype=torch.complex64))
