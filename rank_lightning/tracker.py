@@ -70,7 +70,9 @@ class RankTracker:
         tolerance_dtype: whose machine epsilon the default tolerance uses (see
             :class:`~rank_lightning.metrics.ActivationSpectrum`).
         gram_precision: precision of the Gram products (see :class:`~rank_lightning.metrics.ActivationSpectrum`).
-        center: subtract the feature mean before the spectrum.
+        center: subtract the feature mean before the spectrum (``False`` or ``True``).
+        alpha_req_range: the eigenvalue ranks of the ``alpha_req`` fit (see
+            :class:`~rank_lightning.metrics.ActivationSpectrum`).
         log_per_class: also return the per-class values of the class-wise metrics.
         max_gram_features: layers wider than this use the subsample (or sketch) fallback.
         memory_budget_mb: total memory the states of all layers may take; ``None`` for no limit.
@@ -104,6 +106,7 @@ class RankTracker:
         tolerance_dtype: str | torch.dtype | None = None,
         gram_precision: str = "auto",
         center: bool = False,
+        alpha_req_range: tuple[int, int | None] = (1, None),
         log_per_class: bool = False,
         max_gram_features: int = 4096,
         memory_budget_mb: float | None = 4096.0,
@@ -119,7 +122,8 @@ class RankTracker:
         self.model = model
         self.num_classes, self.num_batches = num_classes, num_batches
         self.metrics = check_choices("metrics", metrics, ACTIVATION_METRICS)
-        self.center, self.log_per_class = center, log_per_class
+        self.center = check_choice("center", center, (False, True))
+        self.log_per_class = log_per_class
         reductions = {
             4: check_choice("conv_reduction", conv_reduction, CONV_REDUCTIONS),
             3: check_choice("token_reduction", token_reduction, TOKEN_REDUCTIONS),
@@ -127,6 +131,7 @@ class RankTracker:
         layout = check_choice("token_layout", token_layout, TOKEN_LAYOUTS)
         spectrum_options = dict(
             center=center,
+            alpha_req_range=alpha_req_range,
             variance_ratio_ks=tuple(variance_ratio_ks),
             soft_rank_tau=soft_rank_tau,
             rank_tolerance=rank_tolerance,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.functional import alpha_req
 from rank_lightning.tracker import RankTracker
 from tests.callbacks.trainer_helpers import quiet_trainer
 
@@ -145,6 +146,23 @@ def test_bad_settings_name_the_value_and_the_choices():
         RankTracker(model, layers=["conv"], conv_reduction="pool")
     with pytest.raises(RuntimeError, match="with tracker"), RankTracker(model, layers=["fc1"]).batch():
         pass
+    # center="both" was accepted and returned the centred values alone, under the plain keys.
+    with pytest.raises(ValueError, match=r"unknown center 'both'; valid choices are: False, True"):
+        RankTracker(model, layers=["fc1"], center="both")
+    with pytest.raises(ValueError, match=r"alpha_req_range must be a pair"):
+        RankTracker(model, layers=["fc1"], alpha_req_range=11)
+
+
+def test_alpha_req_over_a_chosen_range():
+    model = _model()
+    tracker = RankTracker(model, layers=["fc1"], metrics=("alpha_req",), alpha_req_range=(2, 9), center=True)
+    rows = []
+    model.fc1.register_forward_hook(lambda module, inputs, output: rows.append(output.detach()))
+    with tracker, torch.no_grad():
+        for x, _ in _batches():
+            model(x)
+    expected = alpha_req(torch.cat(rows).double(), first_index=2, last_index=9, center=True)
+    assert tracker.compute()["fc1"]["alpha_req"] == pytest.approx(float(expected), rel=1e-9)
 
 
 class _TokenNet(pl.LightningModule):

@@ -132,7 +132,10 @@ class ActivationRankMonitor(CurveMonitor):
         gram_precision: precision of each batch's Gram product before it is added into the float64 sums:
             ``"float64"``, ``"float32"``, ``"tf32"`` or ``"auto"`` (per device, see
             :class:`~rank_lightning.metrics.ActivationSpectrum`).
-        center: compute the spectral metrics of centred activations (``X - 1 mu^T``) instead of ``X``.
+        center: compute the spectral metrics of centred activations (``X - 1 mu^T``) instead of ``X``. Agrawal et
+            al.'s alpha-ReQ is a property of the covariance, i.e. of centred activations.
+        alpha_req_range: ``(first_index, last_index)``, the 1-based eigenvalue ranks the ``alpha_req`` fit covers
+            (Agrawal et al. fit 11 to 100); ``last_index=None`` for the last numerically non-zero one.
         num_classes: number of classes of the labels; ``None`` reads ``pl_module.num_classes`` or the datamodule's
             ``num_classes``; class metrics are skipped without it.
         label_key: where the labels are in a batch: an index for tuples/lists, a key for dicts; ``None`` takes
@@ -224,6 +227,7 @@ class ActivationRankMonitor(CurveMonitor):
         tolerance_dtype: str | torch.dtype | None = None,
         gram_precision: str = "auto",
         center: bool = False,
+        alpha_req_range: tuple[int, int | None] = (1, None),
         num_classes: int | None = None,
         label_key: int | str | None = None,
         label_fn: Callable[[Any], Tensor] | None = None,
@@ -269,11 +273,20 @@ class ActivationRankMonitor(CurveMonitor):
         self.reductions = {4: conv, 3: check_choice("token_reduction", o["token_reduction"], TOKEN_REDUCTIONS)}
         self.token_layout = check_choice("token_layout", o["token_layout"], TOKEN_LAYOUTS)
         self.metrics = check_choices("metrics", o["metrics"], ACTIVATION_METRICS)
-        self.center, self.log_per_class = o["center"], o["log_per_class"]
+        self.center = check_choice("center", o["center"], (False, True))
+        self.log_per_class = o["log_per_class"]
         self.output_selector, self.memory_budget_mb = o["output_selector"], o["memory_budget_mb"]
         keys = {key: o[key] for key in ("input_key", "label_key", "label_fn", "mask_key")}
         self.batch_reader = BatchReader(**keys)
-        spectrum = ("center", "soft_rank_tau", "rank_tolerance", "tolerance_size", "tolerance_dtype", "gram_precision")
+        spectrum = (
+            "center",
+            "soft_rank_tau",
+            "rank_tolerance",
+            "tolerance_size",
+            "tolerance_dtype",
+            "gram_precision",
+            "alpha_req_range",
+        )
         self.spectrum_options = _spectrum_options(
             variance_ratio_ks=tuple(o["variance_ratio_ks"]),
             classwise="classwise_variance_ratio" in self.metrics,

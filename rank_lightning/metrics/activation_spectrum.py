@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -13,12 +14,14 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors
+from typing_extensions import override
 
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations, token_rows_per_sample
 from rank_lightning.functional.spectral import (
     SPECTRAL_METRICS,
     SpectralSummary,
     Spectrum,
+    check_alpha_req_range,
     default_rank_tolerance,
     serial_if_small,
     spectrum_from_gram,
@@ -313,6 +316,9 @@ class ActivationSpectrum(Metric):
             each product) or ``"auto"`` (per device,
             :data:`~rank_lightning.functional.streaming.AUTO_GRAM_PRECISION`). Applies to the Gram, the class Grams
             and the conv-map Grams.
+        alpha_req_range: ``(first_index, last_index)``, the 1-based ranks of the eigenvalues that the alpha-ReQ
+            fit covers (:func:`~rank_lightning.functional.alpha_req`; Agrawal et al. fit ranks 11 to 100);
+            ``last_index=None`` for the last numerically non-zero one.
         kwargs: passed to :class:`torchmetrics.Metric`.
 
     Example::
@@ -351,6 +357,7 @@ class ActivationSpectrum(Metric):
         seed: int = 0,
         tolerance_dtype: str | torch.dtype | None = None,
         gram_precision: Literal["float64", "float32", "tf32", "auto"] = "float64",
+        alpha_req_range: tuple[int, int | None] = (1, None),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -365,6 +372,7 @@ class ActivationSpectrum(Metric):
         self.tolerance_dtype = _check_tolerance_dtype(tolerance_dtype, rank_tolerance)
         self.gram_precision = check_choice("gram_precision", gram_precision, GRAM_PRECISIONS)
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, ("min", "max"))
+        self.alpha_req_range = check_alpha_req_range(alpha_req_range)
         check_positive_int("classwise_k", classwise_k)
         self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
         check_positive_int("max_gram_features", max_gram_features)
@@ -375,6 +383,7 @@ class ActivationSpectrum(Metric):
         self.memory_budget_bytes = int(memory_budget_mb * 2**20)
         self.seed = seed
         self._num_features: int | None = None
+        self._given_num_features = num_features
         self._generator: torch.Generator | None = None
         self._add_states(num_features)
 
@@ -639,6 +648,94 @@ class ActivationSpectrum(Metric):
         sample = subsample_update(kept, rows, keys, labels, capacity=self.fallback_size)
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
 
+    @override
+    def reset(self) -> None:
+        """Forget every streamed row; d is learnt again from the next batch (unless ``num_features`` was given)."""
+        super().reset()
+        if self._given_num_features is None:
+            self._num_features = None
+
+    @override
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Add the rows streamed into another :class:`ActivationSpectrum` (or a state dict such as its
+        ``metric_state``) to these, as if this metric had streamed them too (up to the order of the additions).
+
+        The two sets of sums are taken around different reference points; the incoming ones are moved to this
+        metric's point first with the exact formulas of the DDP sync
+        (:func:`~rank_lightning.functional.streaming.move_reference`), and the subsamples merge into the subsample of
+        the union. The incoming metric is left unchanged.
+
+        Args:
+            incoming_state: an :class:`ActivationSpectrum` with the same settings, or a state dict of one with the
+                settings of this metric.
+
+        Raises:
+            ValueError: anything else; a metric with other ``num_classes`` or ``reduction``; rows of a different
+                number of features; a metric whose subsample or sketch was drawn with this metric's ``seed`` (the
+                i-th rows of both would share their random key or bucket).
+        """
+        if isinstance(incoming_state, ActivationSpectrum):
+            for name in ("num_classes", "reduction"):
+                mine, theirs = getattr(self, name), getattr(incoming_state, name)
+                if mine != theirs:
+                    raise ValueError(
+                        f"cannot merge an ActivationSpectrum with {name}={theirs!r} into one with {mine!r}"
+                    )
+            fallback = incoming_state.path not in (None, "gram") and int(incoming_state.num_samples)
+            if fallback and incoming_state.seed == self.seed:
+                # Equal seeds draw equal keys and buckets for the i-th row of each stream: not a random union.
+                raise ValueError(
+                    f"both metrics keep a {incoming_state.path!r} fallback drawn with seed={self.seed}; metrics to be "
+                    "merged need different seeds"
+                )
+            other = copy.deepcopy(incoming_state)
+        elif isinstance(incoming_state, dict):
+            missing = sorted(set(self._defaults) - set(incoming_state))
+            if missing:
+                raise ValueError(f"the incoming state lacks {', '.join(missing)}; pass an ActivationSpectrum's state")
+            other = copy.deepcopy(self)
+            for name in self._defaults:
+                setattr(other, name, copy.deepcopy(incoming_state[name]))
+            other._num_features = int(other.feature_sum.shape[0]) if other.feature_sum.numel() else None
+        else:
+            raise ValueError(f"expected an ActivationSpectrum or its state dict, got {type(incoming_state).__name__}")
+        self._merge(other)
+
+    def _merge(self, other: ActivationSpectrum) -> None:
+        self._computed = None
+        device = self.feature_sum.device
+        self.num_nonfinite_batches = self.num_nonfinite_batches + other.num_nonfinite_batches.to(device)
+        self.input_eps = torch.maximum(self.input_eps, other.input_eps.to(device))
+        if int(other.num_samples) == 0:
+            return
+        self._update_count += 1  # rows arrived: compute() is no longer "before update", the states keep their device
+        if self._num_features is None:
+            self._configure(other._num_features)
+        elif other._num_features != self._num_features:
+            raise ValueError(
+                f"cannot merge rows of {other._num_features} features into rows of {self._num_features} features"
+            )
+        self._ensure_states(device, fresh=False)
+        if int(self.num_samples) == 0:
+            self.reference = other.reference.to(device).clone()
+        else:
+            other._move_sums(other.reference.to(other.feature_sum.device) - self.reference.to(other.feature_sum.device))
+        sums = ("num_samples", "sum_squares", "feature_sum", "gram", "class_counts", "class_sums", "class_grams")
+        for name in (*sums, "sketch", "sketch_signs", "sketch_rows"):
+            setattr(self, name, getattr(self, name) + getattr(other, name).to(device))
+        states = (self.sample_rows, self.sample_keys, self.sample_labels)
+        incoming = (other.sample_rows, other.sample_keys, other.sample_labels)
+        parts = [Subsample(*(dim_zero_cat(s) for s in group)) for group in (states, incoming) if group[0]]
+        if parts:
+            merged = merge_subsamples(
+                [part._replace(rows=part.rows.to(device)) for part in parts], capacity=self.fallback_size
+            )
+            self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = (
+                [merged.rows],
+                [merged.keys.to(device)],
+                [merged.labels.to(device)],
+            )
+
     # -- DDP: one reference point for every process ----------------------------------------------------------------
 
     def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any | None = None) -> None:
@@ -806,6 +903,7 @@ class ActivationSpectrum(Metric):
                 tolerance_size=self.tolerance_size,
                 soft_rank_tau=self.soft_rank_tau,
                 variance_ratio_ks=self.variance_ratio_ks,
+                alpha_req_range=self.alpha_req_range,
             )
             for c, spec in estimate.spectra.items()
         }

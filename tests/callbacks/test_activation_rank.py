@@ -881,3 +881,27 @@ def test_alpha_req_is_logged_when_asked_for(tmp_path):
     outputs, _ = _collect(model, ["wide"], _loader(x, y))
     assert float(results["rank/wide/alpha_req"]) == pytest.approx(float(alpha_req(outputs["wide"].double())), rel=1e-6)
     assert "alpha_req" not in ActivationRankMonitor(verbose=False).metrics  # off by default
+
+
+def test_alpha_req_over_a_chosen_range_of_centred_activations(tmp_path):
+    # Agrawal et al. fit the covariance eigenvalues of ranks 11 to 100; the monitor had no range option.
+    torch.manual_seed(0)
+    model = _Wide()
+    x, y = _gaussian(96, WIDE_INPUT, seed=21)
+    options = {"layers": ["wide"], "metrics": ["alpha_req"], "verbose": False, "center": True}
+    monitor = ActivationRankMonitor(alpha_req_range=(3, 12), **options)
+    (results,) = _trainer(tmp_path, [monitor]).validate(model, _loader(x, y), verbose=False)
+
+    outputs, _ = _collect(model, ["wide"], _loader(x, y))
+    expected = float(alpha_req(outputs["wide"].double(), first_index=3, last_index=12, center=True))
+    assert float(results["rank/wide/alpha_req"]) == pytest.approx(expected, rel=1e-9)
+    assert expected != pytest.approx(float(alpha_req(outputs["wide"].double(), center=True)), rel=1e-3)
+    with pytest.raises(ValueError, match=r"alpha_req_range must have last_index > first_index, got \(12, 3\)"):
+        ActivationRankMonitor(alpha_req_range=(12, 3))
+
+
+@pytest.mark.parametrize("center", ["both", "no", 1])
+def test_center_is_a_bool(center):
+    # center="both" (an ActivationSpectrum choice) was accepted and gave only the centred values under the plain keys.
+    with pytest.raises(ValueError, match=rf"unknown center {center!r}; valid choices are: False, True"):
+        ActivationRankMonitor(center=center)

@@ -229,6 +229,71 @@ def test_num_features_preallocates_and_reset_clears() -> None:
     _assert_scalars_close(first, metric.compute().as_dict(), rtol=1e-12)
 
 
+def test_reset_learns_the_width_again() -> None:
+    # The width of the first batch outlived reset(): a layer of another width was "earlier batches had 6".
+    metric = ActivationSpectrum()
+    metric.update(torch.randn(9, 6))
+    metric.reset()
+    x = torch.randn(12, 4, dtype=torch.float64)
+    metric.update(x)
+    assert metric.num_features == 4
+    assert int(metric.compute().uncentered.numerical_rank) == 4
+    fixed = ActivationSpectrum(num_features=6)
+    fixed.reset()
+    with pytest.raises(ValueError, match="reduce to 4 features"):
+        fixed.update(x)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_merge_state_equals_one_stream(offset: float) -> None:
+    # torchmetrics' own merge_state refused (full_state_update=True). Both halves take their sums around their own
+    # first batch's mean; the merged metric must equal one metric that streamed every batch.
+    x, y = clustered_data(n=150, d=12)
+    x = x + offset
+    options = {"num_classes": 4, "center": "both", "variance_ratio_ks": (1, 3)}
+    whole = ActivationSpectrum(**options)
+    _stream(whole, x, y, [40, 40, 40, 30])
+    first, second = ActivationSpectrum(**options), ActivationSpectrum(**options)
+    _stream(first, x[:80], y[:80], [40, 40])
+    _stream(second, x[80:] * 1, y[80:], [40, 30])
+    before = second.metric_state["gram"].clone()
+    first.merge_state(second)
+    assert torch.equal(second.metric_state["gram"], before)  # the incoming metric is left as it was
+    expected = whole.compute().as_dict()
+    _assert_scalars_close(expected, first.compute().as_dict(), rtol=1e-10)
+    from_dict = ActivationSpectrum(**options)  # an empty metric takes the incoming reference
+    from_dict.merge_state(first.metric_state)
+    _assert_scalars_close(expected, from_dict.compute().as_dict(), rtol=1e-10)
+    from_dict.update(x[:5], y[:5])  # and keeps streaming
+    assert int(from_dict.num_samples) == 155
+
+
+def test_merge_state_of_subsamples_and_bad_merges() -> None:
+    x, y = clustered_data(n=120, d=40)
+    options = {"num_classes": 4, "center": "both", "max_gram_features": 32, "max_samples": 200}
+    first, second = ActivationSpectrum(seed=1, **options), ActivationSpectrum(seed=2, **options)
+    _stream(first, x[:70], y[:70], [70])
+    _stream(second, x[70:], y[70:], [50])
+    first.merge_state(second)
+    result = first.compute()
+    assert result.path == "sample_gram" and result.num_spectrum_samples == 120
+    np.testing.assert_allclose(
+        result.uncentered.spectrum.singular_values.numpy(), _np_sv(x), rtol=1e-8, atol=1e-8 * _np_sv(x)[0]
+    )
+    same_seed = ActivationSpectrum(seed=1, **options)
+    _stream(same_seed, x[:10], y[:10], [10])
+    with pytest.raises(ValueError, match="'sample_gram' fallback drawn with seed=1; metrics to be merged need"):
+        first.merge_state(same_seed)
+    narrow = ActivationSpectrum(num_classes=4)
+    narrow.update(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="cannot merge rows of 3 features into rows of 40 features"):
+        first.merge_state(narrow)
+    with pytest.raises(ValueError, match="num_classes=None into one with 4"):
+        first.merge_state(ActivationSpectrum())
+    with pytest.raises(ValueError, match="expected an ActivationSpectrum or its state dict, got int"):
+        first.merge_state(3)
+
+
 def test_forward_returns_batch_result_and_accumulates() -> None:
     x, y = clustered_data(n=90, d=10)
     metric = ActivationSpectrum(num_classes=4)
