@@ -36,7 +36,7 @@ def kurakin_steps(eps: float) -> int:
     BIM; for every integer number of grey levels it equals ``floor(min(k + 4, 1.25 k))``.
 
     Args:
-        eps: L-infinity budget in pixel units (``8/255`` for eight grey levels).
+        eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
 
     Returns:
         The number of iterations, 0 for ``eps = 0``.
@@ -60,7 +60,7 @@ def fgsm(
         model: classifier mapping normalised inputs ``(B, ...)`` to logits ``(B, num_classes)``.
         inputs: normalised batch ``(B, C, ...)`` as the datamodule yields it.
         targets: int64 class labels ``(B,)``.
-        eps: L-infinity budget in pixel units (``8/255`` for eight grey levels).
+        eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
         mean: the datamodule's per-channel mean, or ``None`` for inputs already in [0, 1].
         std: the datamodule's per-channel std, or ``None`` for inputs already in [0, 1].
 
@@ -69,7 +69,7 @@ def fgsm(
 
     Raises:
         RuntimeError: called under ``torch.inference_mode`` or with inference tensors, where no gradient exists.
-        ValueError: negative or non-finite ``eps``, bad ``mean``/``std``, or inputs outside [0, 1] once un-normalised.
+        ValueError: ``eps`` outside [0, 1], bad ``mean``/``std``, or inputs outside [0, 1] once un-normalised.
     """
     return _sign_gradient_attack(model, inputs, targets, eps=eps, alpha=eps, steps=1, mean=mean, std=std)
 
@@ -95,7 +95,7 @@ def iterative_fgsm(
         model: classifier mapping normalised inputs ``(B, ...)`` to logits ``(B, num_classes)``.
         inputs: normalised batch ``(B, C, ...)`` as the datamodule yields it.
         targets: int64 class labels ``(B,)``.
-        eps: L-infinity budget in pixel units (``8/255`` for eight grey levels).
+        eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
         alpha: step size in pixel units.
         steps: number of iterations; ``None`` takes :func:`kurakin_steps` of ``eps``.
         mean: the datamodule's per-channel mean, or ``None`` for inputs already in [0, 1].
@@ -131,7 +131,7 @@ def iterative_ll_fgsm(
     Args:
         model: classifier mapping normalised inputs ``(B, ...)`` to logits ``(B, num_classes)``.
         inputs: normalised batch ``(B, C, ...)`` as the datamodule yields it.
-        eps: L-infinity budget in pixel units (``8/255`` for eight grey levels).
+        eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
         alpha: step size in pixel units.
         steps: number of iterations; ``None`` takes :func:`kurakin_steps` of ``eps``.
         mean: the datamodule's per-channel mean, or ``None`` for inputs already in [0, 1].
@@ -179,8 +179,11 @@ def attack(
 
 
 def _check_eps(eps: float) -> None:
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0 in pixel units (8/255 for 8 grey levels); got {eps!r}")
+    # Pixels lie in [0, 1]: a budget above 1 is grey levels written as pixel units (8 for 8/255), and clipping to the
+    # image would make every budget from 1 on the same attack.
+    if not (math.isfinite(eps) and 0 <= eps <= 1):
+        hint = f", did you mean {eps:g}/255?" if math.isfinite(eps) and eps > 1 else ""
+        raise ValueError(f"eps must lie in [0, 1] in pixel units (8/255 for 8 grey levels); got {eps!r}{hint}")
 
 
 def _check_gradients_possible(inputs: torch.Tensor) -> None:

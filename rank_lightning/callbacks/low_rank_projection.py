@@ -3,6 +3,8 @@ after every optimizer step."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import pytorch_lightning as pl
@@ -33,6 +35,9 @@ class LowRankProjection(RankCallback):
 
     Args:
         threshold: value of ``monitor`` at which the layers are switched on; ``None`` to use only ``switch_on_epoch``.
+            An accuracy is a fraction: ``0.65`` for Sanyal et al.'s 65% (a threshold above 1 for a ``monitor`` whose
+            name contains ``acc`` is an error). A fit that ends with the layers still off warns, naming the
+            highest value ``monitor`` reached.
         monitor: key of the training accuracy in ``trainer.callback_metrics`` (log it with ``on_epoch=True``).
         switch_on_epoch: epoch at whose start the layers are switched on; ``0`` trains with them from the start.
         seed: base seed of the Nyström column sampling.
@@ -46,8 +51,8 @@ class LowRankProjection(RankCallback):
         ``lr_layer/<layer>/norm``: ``1/n sum_i |1 - ||a_i|| |``, unweighted, averaged over the epoch's batches.
 
     Raises:
-        ValueError: if both ``threshold`` and ``switch_on_epoch`` are ``None``, or at fit start if the model has no
-            LR-Layer.
+        ValueError: if both ``threshold`` and ``switch_on_epoch`` are ``None``, ``threshold`` is not a finite number
+            or is above 1 for an accuracy, or at fit start if the model has no LR-Layer.
 
     Example::
 
@@ -69,6 +74,15 @@ class LowRankProjection(RankCallback):
         if threshold is None and switch_on_epoch is None:
             raise ValueError("LowRankProjection needs a threshold or a switch_on_epoch (or both); got neither")
         check_non_negative_int("switch_on_epoch", switch_on_epoch, allow_none=True)
+        if threshold is not None:
+            if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold):
+                raise ValueError(f"threshold must be a finite number or None, got {threshold!r}")
+            if "acc" in monitor.lower() and not 0 <= threshold <= 1:
+                hint = f"; did you mean {threshold / 100:g}?" if 1 < threshold <= 100 else ""
+                raise ValueError(
+                    f"threshold={threshold!r} for the accuracy {monitor!r}, which lies in [0, 1]: the layers would "
+                    f"never switch on{hint}"
+                )
         self.threshold = threshold
         self.monitor = monitor
         self.switch_on_epoch = switch_on_epoch
@@ -77,6 +91,7 @@ class LowRankProjection(RankCallback):
         self.enabled = False
         self.switched_on_epoch: int | None = None
         self._last_step: int | None = None
+        self._highest: float | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -130,8 +145,21 @@ class LowRankProjection(RankCallback):
                 f"LowRankProjection monitors {self.monitor!r}, which was not logged this epoch; "
                 f"logged metrics are: {available}"
             )
+        if math.isfinite(float(value)):
+            self._highest = max(float(value), self._highest if self._highest is not None else -math.inf)
         if float(value) >= self.threshold:
             self._switch_on(trainer, pl_module, f"{self.monitor} = {float(value):.4f} >= {self.threshold}")
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled or self.threshold is None or trainer.sanity_checking:
+            return
+        reached = "was never finite" if self._highest is None else f"reached at most {self._highest:.4g}"
+        self.warn_once(
+            ("never on",),
+            f"the LR-Layers were never switched on: {self.monitor} {reached}, below the threshold "
+            f"{self.threshold}; the fit trained without them",
+        )
 
     def _switch_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
         self.enabled = True

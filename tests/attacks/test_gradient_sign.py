@@ -214,8 +214,10 @@ def test_dispatcher(cnn, rgb_batch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"eps": -1 / 255}, "eps must be"),
-        ({"eps": float("nan")}, "eps must be"),
+        ({"eps": -1 / 255}, r"eps must lie in \[0, 1\] in pixel units .*got -0.0039"),
+        ({"eps": float("nan")}, r"eps must lie in \[0, 1\] in pixel units .*got nan$"),
+        # Grey levels passed as pixel units: clipped to the image, every budget from 1 on was the same attack.
+        ({"eps": 8.0}, r"eps must lie in \[0, 1\] in pixel units .*got 8.0, did you mean 8/255\?"),
         ({"alpha": -0.1}, "alpha must be"),
         ({"steps": -1}, "steps must be"),
         ({"steps": 2.0}, "steps must be"),
@@ -231,3 +233,14 @@ def test_bad_arguments(cnn, rgb_batch, kwargs, message):
     arguments = {"eps": 8 / 255, "alpha": 1 / 255, "steps": None, "mean": RGB_MEAN, "std": RGB_STD} | kwargs
     with pytest.raises(ValueError, match=message):
         iterative_fgsm(cnn, inputs, labels, **arguments)
+
+
+def test_functional_attacks_reject_grey_levels(cnn, rgb_batch):
+    inputs, labels = rgb_batch
+    for call in (
+        lambda: fgsm(cnn, inputs, labels, 16, mean=RGB_MEAN, std=RGB_STD),
+        lambda: attack("iter_ll_fgsm", cnn, inputs, labels, 16, mean=RGB_MEAN, std=RGB_STD),
+        lambda: kurakin_steps(16),
+    ):
+        with pytest.raises(ValueError, match="did you mean 16/255"):
+            call()

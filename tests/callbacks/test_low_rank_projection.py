@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -144,3 +145,27 @@ def test_errors() -> None:
 
     with pytest.raises(ValueError, match="contains no LRLayer"):
         quiet_trainer([LowRankProjection()], max_epochs=1).fit(_Plain(), _loader())
+
+
+@pytest.mark.parametrize(
+    ("threshold", "match"),
+    [
+        (65, r"threshold=65 for the accuracy 'train/acc', which lies in \[0, 1\].*did you mean 0.65\?"),
+        (-0.1, r"threshold=-0.1 for the accuracy 'train/acc'"),
+        (math.nan, "threshold must be a finite number or None, got nan"),
+        ("0.65", "threshold must be a finite number or None, got '0.65'"),
+    ],
+)
+def test_a_threshold_an_accuracy_cannot_reach_is_an_error(threshold, match) -> None:
+    # 65 (the paper's "65%") was accepted, and the layers silently never switched on.
+    with pytest.raises(ValueError, match=match):
+        LowRankProjection(threshold=threshold, monitor="train/acc")
+    assert LowRankProjection(threshold=65, monitor="train/f1_count").threshold == 65  # other metrics: any scale
+
+
+def test_a_fit_that_ends_with_the_layers_off_says_so() -> None:
+    module = _Scripted([0.3, 0.5])
+    callback = LowRankProjection(threshold=0.65, monitor="train/acc")
+    with pytest.warns(UserWarning, match=r"never switched on: train/acc reached at most 0.5, below the threshold 0.65"):
+        quiet_trainer([callback], max_epochs=2).fit(module, _loader())
+    assert not callback.enabled
