@@ -8,7 +8,8 @@ Usage::
 
 Each run writes into ``--out`` (default ``reproductions``), or into a new ``run_<n>`` folder inside it when it already
 holds files: one folder per experiment with its figure(s) and CSV files, and ``summary.csv`` / ``summary.md`` with
-one row per claim. A progress bar is drawn on a terminal (``--quiet`` turns it off).
+one row per claim. A progress bar is drawn on a terminal (``--quiet`` turns it off). ``--quick`` runs mark every
+printed verdict and the summary as coming from smoke-test sizes, which cannot confirm the papers' claims.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from rank_lightning.analysis.output import print_written, show_progress
-from rank_lightning.reproduce.core import EXPERIMENTS, run_experiments
+from rank_lightning.reproduce.core import EXPERIMENTS, QUICK_NOTE, marked_verdict, run_experiments
 
 __all__ = ["main"]
 
@@ -32,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("names", nargs="*", help="experiments to run ('all' for every one; see --list)")
     parser.add_argument("--list", action="store_true", help="list the experiments and exit")
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (well under a minute each)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke-test sizes (well under a minute each); their verdicts cannot confirm the claims",
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
     parser.add_argument("--out", default="reproductions", help="output folder (never overwritten)")
     parser.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
@@ -82,10 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=args.data_dir,
         show=show_progress(args.quiet),
     )
+    if args.quick:
+        print(f"{QUICK_NOTE[0].upper()}{QUICK_NOTE[1:]}.")
     for result in results:
         print(f"{result.name} ({result.seconds:.0f} s, {result.cpu_seconds:.0f} s CPU)")
         for claim in result.claims:
-            print(f"  [{claim.verdict}] {claim.claim}\n      paper: {claim.paper}\n      ours:  {claim.ours}")
+            shown = marked_verdict(claim.verdict, args.quick)
+            print(f"  [{shown}] {claim.claim}\n      paper: {claim.paper}\n      ours:  {claim.ours}")
     print_written(
         directory,
         {

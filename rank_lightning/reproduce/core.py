@@ -6,7 +6,8 @@ writes its figure with :meth:`Context.save`, every number the figure shows with 
 returns one :class:`Claim` per statement of the paper it checks: the claim in words, the paper's number, ours, and a
 verdict (``reproduced``, ``partly`` or ``not``). :func:`run_experiments` runs several into one output folder (never a
 folder that already holds a run: :func:`~rank_lightning.analysis.output.fresh_directory`) and writes the summary
-table of all their claims (``summary.csv`` and ``summary.md``).
+table of all their claims (``summary.csv`` and ``summary.md``). A quick run marks its summary (:data:`QUICK_NOTE`):
+its verdicts come from smoke-test sizes and cannot stand for the documented ones.
 """
 
 from __future__ import annotations
@@ -30,18 +31,28 @@ from rank_lightning.validation import check_choice, check_choices
 
 __all__ = [
     "EXPERIMENTS",
+    "QUICK_NOTE",
     "VERDICTS",
     "Claim",
     "Context",
     "Experiment",
     "ExperimentResult",
     "experiment",
+    "marked_verdict",
     "run_experiments",
     "verdict",
     "write_summary",
 ]
 
 VERDICTS = ("reproduced", "partly", "not")
+# What every quick run's summary and printed verdicts say about themselves.
+QUICK_NOTE = (
+    "quick mode: smoke-test sizes, too small to confirm or refute the papers' claims; these verdicts only show that "
+    "the experiments run (the verdicts at the default sizes are in docs/reproductions.md)"
+)
+# The value of the ``sizes`` column a quick run adds to ``summary.csv``, and the mark after its verdicts.
+QUICK_SIZES = "quick (smoke test: cannot confirm the claim)"
+QUICK_MARK = "quick size"
 # Figures are committed to the documentation: small PNGs (a few tens of KB).
 _DPI = 72
 _COLORS = 96
@@ -76,6 +87,11 @@ class Claim:
 def verdict(holds: bool, partly: bool = False) -> str:
     """``reproduced`` when ``holds``, else ``partly`` when ``partly``, else ``not``."""
     return "reproduced" if holds else "partly" if partly else "not"
+
+
+def marked_verdict(verdict: str, quick: bool) -> str:
+    """``verdict`` as shown in tables and printed lines: followed by ``(quick size)`` in a quick run."""
+    return f"{verdict} ({QUICK_MARK})" if quick else verdict
 
 
 @dataclass
@@ -193,23 +209,34 @@ class ExperimentResult:
     cpu_seconds: float = math.nan
 
 
-def write_summary(results: Sequence[ExperimentResult], directory: Path) -> list[Path]:
-    """``summary.csv`` and ``summary.md``: one row per claim of every experiment, with the run time."""
+def write_summary(results: Sequence[ExperimentResult], directory: Path, *, quick: bool = False) -> list[Path]:
+    """``summary.csv`` and ``summary.md``: one row per claim of every experiment, with the run time.
+
+    A ``quick`` run is marked so that its verdicts are never taken for the documented ones: ``summary.csv`` gets a
+    last column ``sizes`` (:data:`QUICK_SIZES` on every row), ``summary.md`` opens with :data:`QUICK_NOTE` and
+    each verdict reads e.g. ``reproduced (quick size)``.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     rows = [
-        asdict(claim) | {"seconds": round(result.seconds, 1), "cpu_seconds": round(result.cpu_seconds, 1)}
+        asdict(claim)
+        | {"seconds": round(result.seconds, 1), "cpu_seconds": round(result.cpu_seconds, 1), "sizes": QUICK_SIZES}
         for result in results
         for claim in result.claims
     ]
     csv_path = directory / "summary.csv"
     columns = ["experiment", "claim", "paper", "ours", "verdict", "reason", "value", "seconds", "cpu_seconds"]
+    columns += ["sizes"] if quick else []
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for row in rows:
             writer.writerow({key: _cell(row[key]) for key in columns})
-    lines = ["| experiment | claim | paper | ours | verdict |", "|---|---|---|---|---|"]
-    lines += [f"| {r['experiment']} | {r['claim']} | {r['paper']} | {r['ours']} | {r['verdict']} |" for r in rows]
+    lines = [f"**{QUICK_NOTE[0].upper()}{QUICK_NOTE[1:]}.**", ""] if quick else []
+    lines += ["| experiment | claim | paper | ours | verdict |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {r['experiment']} | {r['claim']} | {r['paper']} | {r['ours']} | {marked_verdict(r['verdict'], quick)} |"
+        for r in rows
+    ]
     md_path = directory / "summary.md"
     md_path.write_text("\n".join(lines) + "\n")
     return [csv_path, md_path]
@@ -266,5 +293,5 @@ def run_experiments(
             results.append(ExperimentResult(name, claims, list(context.files), wall, cpu))
             progress.remove_task(task)
             progress.advance(overall)
-            write_summary(results, directory)
+            write_summary(results, directory, quick=quick)
     return directory, results

@@ -568,6 +568,29 @@ def _fig6(summary: Sequence[dict[str, object]], depth: int, data_name: str) -> F
     return figure
 
 
+# Training accuracies closer than this count as equal (two seeds of one variant differ by about as much).
+_ACCURACY_MARGIN = 0.02
+
+
+def _fig6_order_verdict(pretrained: float, bn: float, vanilla: float) -> tuple[str, str]:
+    """Verdict on Fig. 6's ordering "pre-trained > BN > vanilla" in training accuracy, and the reason's first part.
+
+    ``reproduced`` only when both orderings hold (each by more than :data:`_ACCURACY_MARGIN`); ``partly`` when
+    pre-training beats BN or at least trains (beats vanilla by 0.1); ``not`` otherwise (BN beating vanilla alone is
+    the paper's baseline, not what pre-training adds). The reason names the orderings that fail.
+    """
+    above_bn = pretrained > bn + _ACCURACY_MARGIN
+    bn_above_vanilla = bn > vanilla + _ACCURACY_MARGIN
+    failed = []
+    if not above_bn:
+        failed.append(f"pre-trained ({pretrained:.2f}) does not beat BN ({bn:.2f})")
+    if not bn_above_vanilla:
+        failed.append(f"BN ({bn:.2f}) does not beat vanilla ({vanilla:.2f})")
+    reason = "both orderings hold" if not failed else "; ".join(failed)
+    holds = above_bn and bn_above_vanilla
+    return verdict(holds, partly=above_bn or pretrained > vanilla + 0.1), reason
+
+
 def _fig6_claims(
     summary: Sequence[dict[str, object]], diagnostics: Sequence[dict[str, object]], epochs: int, depth: int, data: str
 ) -> list[Claim]:
@@ -582,6 +605,7 @@ def _fig6_claims(
     repaired, rescaled = final("layer-wise, 75 it. + rescaling"), final("rescaling only")
     best_pretrained = max(last75, layer75, repaired)
     setting = f"{data}, depth {depth}, {epochs} epochs"
+    order_verdict, order_reason = _fig6_order_verdict(best_pretrained, bn, vanilla)
     return [
         Claim(
             "daneshmand_fig6",
@@ -589,8 +613,9 @@ def _fig6_claims(
             "pre-trained (75 it.) > BN > vanilla in training accuracy (Fig. 6, Fashion-MNIST, depth 32)",
             f"train acc: vanilla {vanilla:.2f}, Alg. 1 75 it. {last75:.2f}, layer-wise 75 it. {layer75:.2f}, "
             f"layer-wise + rescaling {repaired:.2f}, BN {bn:.2f}",
-            verdict(best_pretrained > bn, partly=best_pretrained > vanilla + 0.1),
-            f"{setting}. Cause found: PyTorch's default init shrinks the signal (rms of H_L "
+            order_verdict,
+            f"{order_reason} (pre-trained: its best variant; accuracies within {_ACCURACY_MARGIN:g} count as "
+            f"equal). {setting}. Cause found: PyTorch's default init shrinks the signal (rms of H_L "
             f"{diag('vanilla', 'rms_H_L_before'):.1e}, relative spread across samples "
             f"{diag('vanilla', 'relative_spread_H_L_before'):.1e}, |grad r(H_L)| "
             f"{diag('vanilla', 'grad_norm_r_H_L_before'):.1e}); r(H) is scale-invariant, so raising it leaves the "

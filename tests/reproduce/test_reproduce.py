@@ -58,7 +58,9 @@ def test_every_experiment_writes_a_figure_finite_tables_and_claims(quick_run):
     with (directory / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == sum(len(r.claims) for r in results.values())
-    assert (directory / "summary.md").read_text().count("\n") == len(rows) + 2
+    assert all(row["sizes"].startswith("quick") for row in rows)
+    # the quick-mode note, a blank line, the header and its rule, one line per claim
+    assert (directory / "summary.md").read_text().count("\n") == len(rows) + 4
 
 
 def test_batch_norm_keeps_rank_of_order_sqrt_width_and_vanilla_collapses(quick_run):
