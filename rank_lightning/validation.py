@@ -83,9 +83,11 @@ def check_choices(name: str, values: str | Sequence[str], choices: Collection[st
         ValueError: an empty selection, an unknown entry or a repeated one; the message lists the valid choices.
     """
     selected = (values,) if isinstance(values, str) else tuple(values)
+    if not selected:
+        raise ValueError(f"{name} must name at least one of: {_listing(choices)}")
     unknown = [value for value in selected if value not in choices]
-    if unknown or not selected:
-        raise ValueError(f"unknown {name} {unknown or list(selected)!r}; valid choices are: {_listing(choices)}")
+    if unknown:
+        raise ValueError(f"unknown {name} {unknown!r}; valid choices are: {_listing(choices)}")
     repeated = sorted({value for value in selected if selected.count(value) > 1})
     if repeated:
         raise ValueError(f"{name} names {repeated} more than once; valid choices are: {_listing(choices)}")

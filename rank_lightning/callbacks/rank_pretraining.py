@@ -38,7 +38,8 @@ class RankPretraining(RankCallback):
     the ascent gradients are averaged over ranks so that every rank keeps the same weights. Afterwards every
     submodule has its own train/eval flag back (a frozen BatchNorm stays frozen).
 
-    Deviation from the paper, on by default: each step moves along the gradient divided by its global norm
+    Deviations from the paper, on by default: the ascent's SGD has momentum (``momentum=0.9``; Alg. 1 takes plain
+    gradient steps, ``momentum=0`` restores them), and each step moves along the gradient divided by its global norm
     (``normalize_gradient``). Through a deep vanilla network the gradient of ``r(H)`` spans orders of magnitude from
     one step to the next; with a fixed step size, plain SGD either barely moves or overshoots into dead ReLUs. On
     bias-free ReLU MLPs of depth 32 and width 128 with Gaussian inputs, the default 75 normalised steps raised

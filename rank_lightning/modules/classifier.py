@@ -101,6 +101,18 @@ class ImageClassifier(RankModule):
         if "before" not in spec:
             raise ValueError(f"an lr_layers entry needs 'before' (a backbone module path or 'head'), got {spec}")
         before = spec.pop("before")
+        # The LR-Layer's own settings; its width comes from the position. A typo is a ValueError naming the valid
+        # keys (a TypeError from the constructor reaches the CLI user buried in a union-type report).
+        valid = [name for name in inspect.signature(LRLayer).parameters if name != "num_features"]
+        unknown = sorted(set(spec) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown lr_layers key(s) {', '.join(map(repr, unknown))}; valid keys are: before, {', '.join(valid)}"
+            )
+        if "rank" not in spec:
+            raise ValueError(
+                f"an lr_layers entry needs 'rank' (the rank k of the projection), got {({'before': before} | spec)}"
+            )
         path = self.backbone.head_path if before == "head" else before
         names = [name for name, _ in self.backbone.named_modules() if name]
         if path not in names:

@@ -3,6 +3,8 @@ low-rank affine subspace, and the helpers that place it in a network and collect
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -83,8 +85,13 @@ class LRLayer(nn.Module):
         if projection not in PROJECTION_METHODS:
             valid = ", ".join(PROJECTION_METHODS)
             raise ValueError(f"unknown projection {projection!r}; valid projections are: {valid}")
-        if lambda_1 < 0 or lambda_2 < 0:
-            raise ValueError(f"lambda_1 and lambda_2 must be non-negative, got {lambda_1!r} and {lambda_2!r}")
+        for name, value in (("lambda_1", lambda_1), ("lambda_2", lambda_2)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if isinstance(num_runs, bool) or not isinstance(num_runs, int) or num_runs < 1:
             raise ValueError(f"num_runs must be a positive integer, got {num_runs!r}")
         if isinstance(oversampling, bool) or not isinstance(oversampling, int) or oversampling < 1:

@@ -439,6 +439,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
     [
         ({"attacks": ["pgd"]}, "unknown attacks \\['pgd'\\]; valid choices are: fgsm, iter_fgsm, iter_ll_fgsm"),
         ({"attacks": ["fgsm", "fgsm"]}, "attacks names \\['fgsm'\\] more than once"),
+        ({"attacks": []}, "attacks must name at least one of: fgsm, iter_fgsm, iter_ll_fgsm$"),
         ({"eps": [8]}, "did you mean 8/255"),
         ({"eps": [-0.01]}, "in \\[0, 1\\]"),
         ({"eps": ["8/255", 8 / 255]}, "\\['8'\\] .* more than once"),

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -124,3 +126,20 @@ def test_lr_layer_inserted_before_the_head_with_measured_width(tmp_path):
 def test_lr_layer_position_must_exist():
     with pytest.raises(ValueError, match=r"unknown lr_layers position 'layer9'.*head"):
         ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), lr_layers=[{"before": "layer9", "rank": 2}])
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            {"before": "head", "rank": 2, "lambda1": 0.1},
+            "unknown lr_layers key(s) 'lambda1'; valid keys are: before, rank, lambda_1, lambda_2, projection, "
+            "num_runs, oversampling, flatten",
+        ),
+        ({"before": "head"}, "an lr_layers entry needs 'rank' (the rank k of the projection), got {'before': 'head'}"),
+    ],
+)
+def test_lr_layer_entries_name_their_bad_keys(entry, message):
+    # A typo reached the CLI user as a TypeError buried in a union-type report.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), lr_layers=[entry])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -116,6 +117,10 @@ def test_project_sets_a_symmetric_psd_weight_of_rank_k(projection: str) -> None:
 
 
 def test_bad_arguments_raise() -> None:
+    for name in ("lambda_1", "lambda_2"):
+        for value in (math.nan, -0.5, math.inf):
+            with pytest.raises(ValueError, match=rf"{name} must be a finite number >= 0, got {value!r}"):
+                LRLayer(8, 2, **{name: value})
     with pytest.raises(ValueError, match="unknown projection 'svd'; valid projections are: exact, nystrom"):
         LRLayer(8, 2, projection="svd")
     with pytest.raises(ValueError, match=r"rank must be an integer in \[1, num_features=8\]"):
