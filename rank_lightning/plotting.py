@@ -847,8 +847,11 @@ def classification_dimension_figure(
     accuracy_axes.plot(list(ks), list(accuracies), marker=".", label="top-k projection")
     accuracy_axes.axhline(full_accuracy, color="black", lw=0.8, label="full accuracy")
     accuracy_axes.axhline(threshold * full_accuracy, color="gray", ls="--", lw=0.8, label=f"{threshold} x full")
-    accuracy_axes.axvline(cls_dim, color="red", ls=":", label=f"cls_dim = {cls_dim}")
-    accuracy_axes.set_xscale("log")
+    defined = math.isfinite(cls_dim)  # NaN for features without principal directions (constant or non-finite)
+    if defined:
+        accuracy_axes.axvline(cls_dim, color="red", ls=":", label=f"cls_dim = {cls_dim}")
+    if any(math.isfinite(value) for value in accuracies):  # a log axis needs a point to scale
+        accuracy_axes.set_xscale("log")
     accuracy_axes.set_xlabel("k (principal directions)")
     accuracy_axes.set_ylabel("accuracy of the model's head")
     accuracy_axes.legend(fontsize="small")
@@ -856,9 +859,11 @@ def classification_dimension_figure(
     # Rounding leaves the null directions at tiny or negative values, which a log axis cannot show.
     positive = [(i + 1, v) for i, v in enumerate(eigenvalues) if v > 0]
     spectrum_axes.plot([i for i, _ in positive], [v for _, v in positive], marker=".")
-    spectrum_axes.axvline(cls_dim, color="red", ls=":")
-    spectrum_axes.set_yscale("log")
-    spectrum_axes.set_xscale("log")
+    if defined:
+        spectrum_axes.axvline(cls_dim, color="red", ls=":")
+    if positive:  # a log axis needs a positive value
+        spectrum_axes.set_yscale("log")
+        spectrum_axes.set_xscale("log")
     spectrum_axes.set_xlabel("principal direction")
     spectrum_axes.set_ylabel("eigenvalue of the feature covariance")
     spectrum_axes.grid(alpha=0.3)

@@ -316,3 +316,21 @@ def test_value_axes_carry_few_ticks():
         low, high = axes.get_ylim()
         ticks = [tick for tick in axes.get_yticks() if low <= tick <= high]
         assert 3 <= len(ticks) <= 7, ticks
+
+
+def test_classification_dimension_figure_of_features_without_directions_draws(tmp_path):
+    # Constant features: cls_dim NaN and every eigenvalue 0; the log axes raised "Data cannot be log-scaled".
+    figure = plotting.classification_dimension_figure(
+        [1, 2, 3],
+        [math.nan] * 3,
+        [0.0, 0.0, 0.0],
+        cls_dim=math.nan,
+        ambient_dim=3,
+        full_accuracy=0.2,
+        threshold=0.95,
+        centered=False,
+    )
+    path = plotting.save_figure(figure, tmp_path / "clsdim.png")
+    assert path.stat().st_size > 0
+    _, spectrum_axes = figure.axes
+    assert spectrum_axes.get_yscale() == "linear"

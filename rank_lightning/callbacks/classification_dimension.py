@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import math
+import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +41,7 @@ CLSDIM_DIR = "clsdim"
 """Folder inside the run directory that receives the classification-dimension files."""
 
 _FIT_ON = ("all", "class")
+_CENTER = (False, True)
 _DEFICIT_COLUMNS = (
     "class",
     "terms",
@@ -87,6 +90,11 @@ def _write_deficit(directory: Path, deficit: Deficit, class_names: Sequence[str]
             writer.writerow(_deficit_cells(row))
 
 
+def _drawable(result: ClassificationDimensionResult) -> bool:
+    """Whether the figure can be drawn: its spectrum panel has a log axis, which needs a positive eigenvalue."""
+    return result.defined and bool(((result.eigenvalues > 0) & torch.isfinite(result.eigenvalues)).any())
+
+
 def _draw(result: ClassificationDimensionResult, path: Path) -> Path:
     figure = classification_dimension_figure(
         result.ks.tolist(),
@@ -101,13 +109,19 @@ def _draw(result: ClassificationDimensionResult, path: Path) -> Path:
     return save_figure(figure, path)
 
 
-def _scalars(result: ClassificationDimensionResult, deficit: Deficit | None, num_samples: int) -> dict[str, float]:
-    position = int((result.ks == result.cls_dim).nonzero()[0])
+def _scalars(
+    result: ClassificationDimensionResult, deficit: Deficit | None, num_samples: int, with_deficit: bool
+) -> dict[str, float]:
+    """The logged numbers; the deficit's are NaN when it was asked for (``with_deficit``) but not computed."""
+    if result.defined:
+        at_cls_dim = float(result.accuracies[int((result.ks == result.cls_dim).nonzero()[0])])
+    else:
+        at_cls_dim = math.nan
     scalars = {
         "clsdim/cls_dim": float(result.cls_dim),
         "clsdim/ambient_dim": float(result.ambient_dim),
         "clsdim/full_acc": result.full_accuracy,
-        "clsdim/acc_at_cls_dim": float(result.accuracies[position]),
+        "clsdim/acc_at_cls_dim": at_cls_dim,
         "clsdim/num_samples": float(num_samples),
     }
     if deficit:
@@ -116,7 +130,24 @@ def _scalars(result: ClassificationDimensionResult, deficit: Deficit | None, num
             [r["class_accuracy"] - r["class_accuracy_fit"] for r in deficit]
         )
         scalars["clsdim/deficit_num_terms"] = _mean([float(r["num_terms"]) for r in deficit])
+    elif with_deficit:
+        for key in ("deficit_acc_drop", "deficit_class_acc_drop", "deficit_num_terms"):
+            scalars[f"clsdim/{key}"] = math.nan
     return scalars
+
+
+def _class_indices(values: Sequence[int] | None) -> list[int] | None:
+    """``deficit_classes`` as a list of class indices; raises unless ``None`` or non-negative integers."""
+    if values is None:
+        return None
+    try:
+        selected = [values] if isinstance(values, int) else list(values)
+        indices = [operator.index(value) for value in selected if not isinstance(value, bool)]
+    except TypeError:
+        indices, selected = [], [None]
+    if not selected or len(indices) != len(selected) or any(index < 0 for index in indices):
+        raise ValueError(f"deficit_classes must be None or non-negative class indices, got {values!r}")
+    return indices
 
 
 class ClassificationDimension(RankCallback):
@@ -152,13 +183,21 @@ class ClassificationDimension(RankCallback):
     ``independence_deficit.md`` (:func:`~rank_lightning.functional.independence_deficit_markdown`) and
     ``independence_deficit.csv``. A later evaluation in the same run directory overwrites them. With a
     ``WandbLogger``, the tables ``clsdim/accuracy_vs_k`` (and its line plot ``clsdim/accuracy_vs_k_plot``),
-    ``clsdim/independence_deficit`` and the image ``clsdim/figure`` are logged too. The latest result is kept in
-    :attr:`result` and :attr:`deficit` on rank zero.
+    ``clsdim/independence_deficit`` and the image ``clsdim/figure`` (when the figure is drawn) are logged too. The
+    latest result is kept in :attr:`result` and :attr:`deficit` on rank zero.
+
+    Features without principal directions (the head's input constant over the evaluated samples, as behind a layer of
+    dead ReLUs, or holding NaN or Inf values) have no classification dimension: a warning names the head and the
+    cause, ``clsdim/cls_dim`` and ``clsdim/acc_at_cls_dim`` are logged as NaN (``clsdim/full_acc`` too for
+    non-finite features), the accuracy table holds NaN, and the figure is not drawn (a previous one is removed).
+    Logits with NaN or Inf values likewise skip the independence deficit, whose numbers are then logged as NaN. Such
+    data never stops the run.
 
     Args:
         threshold: fraction of the full accuracy to keep (Feng et al.: 0.95).
         center: project through the mean (True) or through the origin (False, Feng et al.'s choice).
         ks: the numbers of directions evaluated; ``None`` for every ``k`` in ``1..d`` (one head evaluation each).
+            Each must be at most d, the width of the head's input.
         max_samples: at most this many validation samples; ``None`` for all.
         head: the head on the LightningModule, in the syntax of :func:`~rank_lightning.layers.select_layers` (module
             path, block name or glob matching exactly one module); ``None`` finds it (see above).
@@ -167,16 +206,18 @@ class ClassificationDimension(RankCallback):
         label_fn: ``batch -> labels``, overriding ``label_key``.
         independence_deficit: also compute and log the Lasso independence deficit of the logits.
         deficit_eta: the Lasso penalty ``eta`` of Feng et al. eq. 11.
-        deficit_classes: the classes whose logit is explained; ``None`` for all.
+        deficit_classes: the classes whose logit is explained (indices below the head's output width C);
+            ``None`` for all.
         deficit_fit_on: ``"all"`` samples (eq. 11) or only those of the ``"class"`` (Feng et al.'s code).
         class_names: names of the classes for the deficit table; indices otherwise.
         verbose: print the result (rank zero).
 
     Logged metrics:
-        ``clsdim/cls_dim``: the classification dimension k.
+        ``clsdim/cls_dim``: the classification dimension k (NaN when undefined, see above).
         ``clsdim/ambient_dim``: d, the width of the features.
-        ``clsdim/full_acc``: accuracy of the head on the unprojected features.
-        ``clsdim/acc_at_cls_dim``: accuracy on the projection onto the top ``cls_dim`` directions.
+        ``clsdim/full_acc``: accuracy of the head on the unprojected features (NaN for non-finite features).
+        ``clsdim/acc_at_cls_dim``: accuracy on the projection onto the top ``cls_dim`` directions (NaN when
+        ``cls_dim`` is).
         ``clsdim/num_samples``: the number of samples evaluated.
         ``clsdim/deficit_acc_drop`` (with ``independence_deficit``): mean over the chosen classes of the accuracy
         lost when ``logit_i`` is replaced by its fit (all samples).
@@ -184,8 +225,11 @@ class ClassificationDimension(RankCallback):
         ``clsdim/deficit_num_terms``: mean number of classes with a non-zero Lasso weight.
 
     Raises:
-        ValueError: at construction for an invalid setting; at setup when no head can be found; at the evaluation
-            when a batch holds no inputs or labels where they are looked for.
+        ValueError: at construction for an invalid setting (``center`` not a bool, a ``k`` below 1, a negative
+            class); at setup when no head can be found; when ``fit`` starts, before the first training step, when
+            ``ks`` exceed the width d of the head's input or ``deficit_classes`` its output width C (read from one
+            batch of the first validation dataloader; under ``trainer.validate`` the same messages come at the
+            evaluation); at the evaluation when a batch holds no inputs or labels where they are looked for.
 
     Example::
 
@@ -223,7 +267,7 @@ class ClassificationDimension(RankCallback):
         if head is not None and (not isinstance(head, str) or not head):
             raise ValueError(f"head must be None or a module path, got {head!r}")
         self.threshold = float(threshold)
-        self.center = center
+        self.center = check_choice("center", center, _CENTER)
         self.ks = None if ks is None else list(check_positive_ints("ks", ks))
         self.max_samples = max_samples
         self.head = head
@@ -231,7 +275,7 @@ class ClassificationDimension(RankCallback):
         self.cadence = Cadence(every_n_epochs=None, on_validate=True)
         self.independence_deficit = independence_deficit
         self.deficit_eta = deficit_eta
-        self.deficit_classes = None if deficit_classes is None else list(deficit_classes)
+        self.deficit_classes = _class_indices(deficit_classes)
         self.deficit_fit_on = check_choice("deficit_fit_on", deficit_fit_on, _FIT_ON)
         self.class_names = None if class_names is None else list(class_names)
         self.result: ClassificationDimensionResult | None = None
@@ -257,6 +301,10 @@ class ClassificationDimension(RankCallback):
         self._head_path = self.find_head(pl_module)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_widths(trainer, pl_module)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scalars = self._evaluate(trainer, pl_module)
         if scalars:
@@ -273,6 +321,40 @@ class ClassificationDimension(RankCallback):
             log_rank_equal(pl_module, scalars)
 
     # -- collection ---------------------------------------------------------------------------------------------
+
+    def _check_widths(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check ``ks`` against d and ``deficit_classes`` against C on one validation batch, before training.
+
+        Raises:
+            ValueError: a ``k`` above the width of the head's input, or a class at or above the head's output width.
+        """
+        classes = self.deficit_classes if self.independence_deficit else None
+        loader = first_val_loader(trainer)
+        if (self.ks is None and classes is None) or loader is None:
+            return
+        path = self._head_path or self.find_head(pl_module)
+        captured: dict[str, Tensor] = {}
+        layers = [FeatureLayer("features", path, "input"), FeatureLayer("logits", path, "output")]
+        with forward_hooks(pl_module, layers, lambda layer, value: captured.setdefault(layer.name, value)):
+            with eval_mode(pl_module), torch.no_grad():
+                for batch in loader:
+                    x, _ = self.reader.split(batch)
+                    pl_module(x.to(pl_module.device))
+                    break
+        features, logits = captured.get("features"), captured.get("logits")
+        if self.ks is not None and isinstance(features, Tensor) and features.ndim >= 2:
+            width = math.prod(features.shape[1:])
+            bad = sorted({k for k in self.ks if k > width})
+            if bad:
+                raise ValueError(f"ks must lie in [1, {width}] (the feature width), got {bad}")
+        if classes is not None and isinstance(logits, Tensor) and logits.ndim == 2:
+            num_classes = logits.shape[1]
+            bad = sorted({c for c in classes if c >= num_classes})
+            if bad:
+                raise ValueError(
+                    f"deficit_classes {bad} are out of range; valid classes are 0..{num_classes - 1} "
+                    f"(the outputs of the head {path!r})"
+                )
 
     def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
         """This process's head inputs and labels on ``loader`` (at most its share of ``max_samples``)."""
@@ -342,11 +424,23 @@ class ClassificationDimension(RankCallback):
             # Heads that take conv maps or tokens see the projected features in their own shape.
             return head_module(f.reshape(f.shape[0], *shape))
 
-        with eval_mode(pl_module):
+        path = self._head_path or self.find_head(pl_module)
+        with eval_mode(pl_module), warnings.catch_warnings():
+            # The undefined cases are reported below, naming the head.
+            warnings.filterwarnings("ignore", r"the features (contain NaN|are constant)", RuntimeWarning)
             result = classification_dimension(
                 features, labels, head, threshold=self.threshold, center=self.center, ks=self.ks
             )
-            deficit = self._deficit(head, features, labels) if self.independence_deficit else None
+            deficit = self._deficit(head, features, labels, path) if self.independence_deficit else None
+        if not result.defined:
+            cause = "constant" if bool((result.eigenvalues == 0).all()) else "not finite (NaN or Inf)"
+            self.warn_once(
+                ("undefined", cause),
+                f"the input of the head {path!r} is {cause} over the {features.shape[0]} evaluated samples: it has "
+                "no principal directions, so clsdim/cls_dim and clsdim/acc_at_cls_dim are logged as NaN and the "
+                "figure is not drawn",
+                RuntimeWarning,
+            )
         self.result, self.deficit = result, deficit
         directory = run_directory(trainer) / CLSDIM_DIR
         figure = self._write_files(directory, result, deficit)
@@ -358,26 +452,41 @@ class ClassificationDimension(RankCallback):
         )
         if deficit:
             self.info("independence deficit:\n" + independence_deficit_markdown(deficit, self.class_names))
-        return _scalars(result, deficit, features.shape[0])
+        return _scalars(result, deficit, features.shape[0], self.independence_deficit)
 
-    def _deficit(self, head: Callable[[Tensor], Tensor], features: Tensor, labels: Tensor) -> Deficit:
+    def _deficit(self, head: Callable[[Tensor], Tensor], features: Tensor, labels: Tensor, path: str) -> Deficit | None:
         with torch.no_grad():
             logits = torch.cat([head(chunk) for chunk in features.split(4096)])
+        if not bool(torch.isfinite(logits).all()):
+            self.warn_once(
+                ("deficit not finite",),
+                f"the logits of the head {path!r} hold NaN or Inf values; the independence deficit is not computed "
+                "and its numbers are logged as NaN",
+                RuntimeWarning,
+            )
+            return None
         return independence_deficit(
             logits, labels, self.deficit_classes, eta=self.deficit_eta, fit_on=self.deficit_fit_on
         )
 
-    def _write_files(self, directory: Path, result: ClassificationDimensionResult, deficit: Deficit | None) -> Path:
-        """Write the accuracy table, the figure and the deficit files; returns the figure's path."""
+    def _write_files(
+        self, directory: Path, result: ClassificationDimensionResult, deficit: Deficit | None
+    ) -> Path | None:
+        """Write the accuracy table, the figure and the deficit files; returns the figure's path (``None`` when the
+        result has nothing to draw; an older figure is then removed, so that none describes other data)."""
         directory.mkdir(parents=True, exist_ok=True)
         _write_accuracy_table(directory / "accuracy_vs_k.csv", result)
         if deficit is not None:
             _write_deficit(directory, deficit, self.class_names)
-        return _draw(result, directory / "accuracy_vs_k.png")
+        path = directory / "accuracy_vs_k.png"
+        if not _drawable(result):
+            path.unlink(missing_ok=True)
+            return None
+        return _draw(result, path)
 
     @staticmethod
     def _log_wandb(
-        trainer: pl.Trainer, result: ClassificationDimensionResult, deficit: Deficit | None, figure: Path
+        trainer: pl.Trainer, result: ClassificationDimensionResult, deficit: Deficit | None, figure: Path | None
     ) -> None:
         loggers = wandb_loggers(trainer)
         if not loggers:
@@ -390,8 +499,9 @@ class ClassificationDimension(RankCallback):
         payload: dict[str, Any] = {
             "clsdim/accuracy_vs_k": table,
             "clsdim/accuracy_vs_k_plot": wandb.plot.line(table, "k", "accuracy", title="accuracy vs k"),
-            "clsdim/figure": wandb.Image(str(figure)),
         }
+        if figure is not None:
+            payload["clsdim/figure"] = wandb.Image(str(figure))
         if deficit is not None:
             payload["clsdim/independence_deficit"] = wandb.Table(
                 columns=list(_DEFICIT_COLUMNS), data=[_deficit_cells(row) for row in deficit]

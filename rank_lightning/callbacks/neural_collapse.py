@@ -48,7 +48,10 @@ class NeuralCollapseMonitor(CurveMonitor):
     training step (recorded as epoch ``-1``). Sanity checks are skipped. Figures and the curve file
     ``neural_collapse_curves.json`` go to ``<run dir>/rank_curves/``
     (:class:`~rank_lightning.callbacks.curves.LayerCurves`). A value that cannot be computed is logged as NaN
-    (non-finite features, fewer than two classes, no head weight for NC3) and never stops training.
+    (non-finite features; fewer than two classes; for NC1 and NC4, class means that coincide up to rounding; no head
+    weight for NC3) and never stops training. The class sums are kept in float64, and NC1 drops the
+    between-class directions at the rounding level of the precision the features were computed in
+    (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`).
 
     Args:
         head: the classifier head on the LightningModule (module path, block name or glob matching one module);
@@ -88,7 +91,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         * ``neural_collapse/<head>/nc3``: ``||W/||W||_F - M/||M||_F||_F^2``, head weight against centred class
           means (NC3).
         * ``neural_collapse/<head>/nc4``: fraction of samples whose prediction equals the nearest class mean (NC4;
-          collapse drives it to 1).
+          collapse drives it to 1; NaN when the class means span no direction).
         * ``neural_collapse/<head>/cdnv``: ``mean_{c < c'} (V_c + V_c') / (2 ||mu_c - mu_c'||^2)`` (Galanti et al.).
     """
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,6 +20,7 @@ from sklearn.linear_model import Lasso
 from torch import Tensor
 
 from rank_lightning.functional.spectral import serial_if_small
+from rank_lightning.validation import check_choice
 
 __all__ = [
     "ClassificationDimension",
@@ -28,25 +30,32 @@ __all__ = [
 ]
 
 _FIT_ON_CHOICES = ("all", "class")
+_CENTER_CHOICES = (False, True)
 
 
 @dataclass(frozen=True)
 class ClassificationDimension:
     """Result of :func:`classification_dimension`.
 
+    When the features have no principal directions (every row the same, up to float64 rounding of the rows, or any
+    entry NaN or Inf), the classification dimension is undefined: ``cls_dim`` and ``accuracies`` are NaN (see
+    :attr:`defined`).
+
     Attributes:
         cls_dim: the classification dimension, the smallest evaluated ``k`` whose accuracy reaches
-            ``threshold * full_accuracy``.
+            ``threshold * full_accuracy``; ``math.nan`` (a float) when undefined.
         ambient_dim: d, the width of the features.
-        full_accuracy: accuracy of the head on the unprojected features.
+        full_accuracy: accuracy of the head on the unprojected features; NaN for non-finite features.
         threshold: the fraction of ``full_accuracy`` to reach.
         centered: whether the projection was affine through the mean (True) or linear through the origin (False).
         ks: int64, the evaluated numbers of principal directions, ascending (always ending with ``d``).
-        accuracies: float64, the accuracy of the head on the projection onto the top-``k`` directions, for each ``k``.
-        eigenvalues: float64, descending eigenvalues of the feature covariance (the PCA spectrum).
+        accuracies: float64, the accuracy of the head on the projection onto the top-``k`` directions, for each ``k``;
+            NaN when undefined.
+        eigenvalues: float64, descending eigenvalues of the feature covariance (the PCA spectrum); zeros for
+            constant features, NaN for non-finite ones.
     """
 
-    cls_dim: int
+    cls_dim: int | float
     ambient_dim: int
     full_accuracy: float
     threshold: float
@@ -54,6 +63,11 @@ class ClassificationDimension:
     ks: Tensor
     accuracies: Tensor
     eigenvalues: Tensor
+
+    @property
+    def defined(self) -> bool:
+        """Whether the classification dimension could be computed (``cls_dim`` is an integer, not NaN)."""
+        return not (isinstance(self.cls_dim, float) and math.isnan(self.cls_dim))
 
 
 def _check_labels(labels: Tensor, num_samples: int) -> Tensor:
@@ -102,6 +116,11 @@ def classification_dimension(
     ``P_k(F) = mu + (F - mu) Q_k Q_k^T``, which keeps the mean and needs fewer directions when the mean is large (as
     for post-ReLU features). Both give the identity at ``k = d``.
 
+    Features without principal directions have no classification dimension: when every row equals the mean up to
+    float64 rounding (``|F - mu| <= max(N, d) * eps_float64 * max |F|`` entrywise, e.g. a layer of dead ReLUs) or
+    any entry is NaN or Inf, a ``RuntimeWarning`` says so and ``cls_dim`` and the accuracies are NaN (the full
+    accuracy too for non-finite features; the eigenvalues are then NaN, zeros for constant features).
+
     Args:
         features: ``(N, d)`` final features of the evaluation set (the input of the head).
         labels: ``(N,)`` integer class labels.
@@ -109,14 +128,19 @@ def classification_dimension(
             called under ``torch.no_grad`` on features of ``features``' dtype and device, so put a module with dropout
             or BatchNorm in eval mode first.
         threshold: the fraction of the full accuracy to reach (Feng et al.: 0.95).
-        center: projection through the mean (True) or through the origin (False, Feng et al.'s code).
+        center: projection through the mean (True) or through the origin (False, Feng et al.'s code); a bool.
         ks: the numbers of directions to evaluate; ``None`` evaluates every ``k`` in ``1..d``. Give a coarse grid for
             large ``d``: the result is then the smallest grid point reaching the threshold. ``d`` is always added.
         batch_size: samples per head call (bounds memory; the result does not depend on it).
 
     Returns:
         :class:`ClassificationDimension`.
+
+    Raises:
+        ValueError: a ``center`` other than False or True, features that are not a non-empty matrix, a threshold
+            outside ``(0, 1]``, labels of the wrong shape or type, or ``ks`` outside ``[1, d]``.
     """
+    check_choice("center", center, _CENTER_CHOICES)
     if features.ndim != 2 or features.shape[0] == 0:
         raise ValueError(f"features must be a non-empty (N, d) matrix, got shape {tuple(features.shape)}")
     if not 0 < threshold <= 1:
@@ -128,8 +152,27 @@ def classification_dimension(
     grid = _check_ks(ks, dim)
 
     f64 = features.detach().to(torch.float64)
+    if not bool(torch.isfinite(f64).all()):
+        warnings.warn(
+            "the features contain NaN or Inf values; the classification dimension, the accuracies and the "
+            "spectrum are NaN",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        nan = torch.full((dim,), math.nan, dtype=torch.float64)
+        return _undefined(grid, dim, math.nan, threshold, center, nan)
     mean = f64.mean(dim=0)
     centered = f64 - mean
+    rounding = max(num_samples, dim) * torch.finfo(torch.float64).eps * float(f64.abs().max())
+    if float(centered.abs().max()) <= rounding:
+        warnings.warn(
+            "the features are constant (every row equals the mean): they have no principal directions, so the "
+            "classification dimension and the accuracies are NaN",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        full_accuracy = _head_accuracy(features, labels, head, batch_size)
+        return _undefined(grid, dim, full_accuracy, threshold, center, torch.zeros(dim, dtype=torch.float64))
     with serial_if_small(centered, dim):
         eigenvalues, eigenvectors = torch.linalg.eigh(centered.T @ centered / num_samples)
     eigenvalues, basis = eigenvalues.flip(0), eigenvectors.flip(1)  # (d,), (d, d): columns q_1, q_2, ...
@@ -164,6 +207,30 @@ def classification_dimension(
         ks=torch.tensor(grid, dtype=torch.int64),
         accuracies=accuracies,
         eigenvalues=eigenvalues.cpu(),
+    )
+
+
+def _head_accuracy(features: Tensor, labels: Tensor, head: Callable[[Tensor], Tensor], batch_size: int) -> float:
+    correct = 0.0
+    with torch.no_grad():
+        for start in range(0, features.shape[0], batch_size):
+            rows = slice(start, start + batch_size)
+            correct += float((head(features[rows].detach()).argmax(dim=1) == labels[rows]).sum())
+    return correct / features.shape[0]
+
+
+def _undefined(
+    grid: list[int], dim: int, full_accuracy: float, threshold: float, center: bool, eigenvalues: Tensor
+) -> ClassificationDimension:
+    return ClassificationDimension(
+        cls_dim=math.nan,
+        ambient_dim=dim,
+        full_accuracy=full_accuracy,
+        threshold=threshold,
+        centered=center,
+        ks=torch.tensor(grid, dtype=torch.int64),
+        accuracies=torch.full((len(grid),), math.nan, dtype=torch.float64),
+        eigenvalues=eigenvalues,
     )
 
 
@@ -217,6 +284,10 @@ def independence_deficit(
         SS_tot`` on the fitted samples); ``relative_residual`` (``||logit_i - fit|| / ||logit_i||``); ``accuracy`` and
         ``accuracy_fit`` (top-1 accuracy over all samples with the true logits, and with ``logit_i`` replaced by its
         fit); ``class_accuracy`` and ``class_accuracy_fit`` (the same over the samples labelled ``i``).
+
+    Raises:
+        ValueError: logits that are not an ``(N, C)`` matrix with ``C >= 2`` or hold NaN or Inf values, an unknown
+            ``fit_on``, ``eta <= 0``, classes out of range, or a class without samples under ``fit_on="class"``.
     """
     if logits.ndim != 2 or logits.shape[1] < 2:
         raise ValueError(f"logits must be an (N, C) matrix with C >= 2 classes, got shape {tuple(logits.shape)}")
@@ -224,6 +295,8 @@ def independence_deficit(
         raise ValueError(f"unknown fit_on {fit_on!r}; valid choices are {_FIT_ON_CHOICES}")
     if eta <= 0:
         raise ValueError(f"eta must be positive, got {eta}")
+    if not bool(torch.isfinite(logits.detach()).all()):
+        raise ValueError("logits contain NaN or Inf values; the Lasso needs finite logits")
     num_samples, num_classes = logits.shape
     y_true = _check_labels(labels, num_samples).cpu().numpy()
     chosen = list(range(num_classes)) if classes is None else [int(c) for c in classes]

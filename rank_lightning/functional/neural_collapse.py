@@ -23,7 +23,9 @@ Metrics (:class:`NeuralCollapse`):
 * ``nc3 = || W / ||W||_F - M / ||M||_F ||_F^2`` with the head's ``(C, d)`` weight ``W`` (Papyan et al., NC3,
   self-duality; the head's bias is not used);
 * ``nc4``: the fraction of samples whose head prediction ``argmax_c (W h + b)_c`` equals the nearest class centre
-  ``argmin_c ||h - mu_c||`` (Papyan et al., NC4, who plot the mismatch ``1 - nc4``);
+  ``argmin_c ||h - mu_c||`` (Papyan et al., NC4, who plot the mismatch ``1 - nc4``); NaN when the class means do
+  not span a direction (fewer than two classes, or all means equal up to rounding), where the nearest centre is
+  decided by ties or rounding rather than by the features;
 * ``cdnv = mean_{c < c'} (V_c + V_c') / (2 ||mu_c - mu_c'||^2)`` with ``V_c = mean_{i in c} ||h_i - mu_c||^2``
   (Galanti et al. 2022, the class-distance normalised variance, averaged over the pairs of classes).
 
@@ -32,6 +34,12 @@ unweighted mean of the class means (equal to ours for balanced classes); its ``s
 ``self_duality_error`` measure NC2 and NC3 as a Frobenius distance of the normalised ``M M^T`` (resp. ``W M^T``) from
 the simplex-ETF Gram (Kothapalli 2023), not the quantities above; its ``distance_norms`` gives NC3 per class from
 unit-normalised rows; its NC1 and CDNV match the definitions above.
+
+Precision: the class means are computed in float64, but features computed in a coarser precision carry that
+precision's rounding, which leaves the centred means ``M`` with tiny singular values along directions the classes
+do not span; NC1 divides by ``s_k^2`` and would be dominated by them. :func:`between_class_directions` therefore drops
+the singular values below a cut-off tied to the precision the features were computed in (the ``dtype`` argument of
+the entry points; :func:`neural_collapse` takes the features' own dtype).
 
 Entry points: :func:`neural_collapse` (raw features, the reference), :func:`neural_collapse_from_moments` (one pass
 of first and second moments: class counts, class sums, the Gram ``X^T X = sum_c X_c^T X_c`` and the per-class
@@ -49,6 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from rank_lightning.functional.spectral import default_rank_tolerance
 from rank_lightning.validation import check_choices
 
 __all__ = [
@@ -91,7 +100,8 @@ class NeuralCollapse(NamedTuple):
         nc2_equiangularity: mean ``|cos + 1/(C-1)|`` over pairs of centred class means.
         nc2_cosine_std: standard deviation of those cosines.
         nc3: ``||W/||W||_F - M/||M||_F||_F^2``; NaN without the head's weight.
-        nc4: agreement of the head with the nearest-class-centre rule; NaN without predictions.
+        nc4: agreement of the head with the nearest-class-centre rule; NaN without predictions and when the
+            class means span no direction.
         cdnv: class-distance normalised variance averaged over pairs of classes.
         num_classes: C, the classes with at least one sample.
         num_samples: N.
@@ -156,14 +166,39 @@ def class_means(class_counts: Tensor, class_sums: Tensor) -> tuple[Tensor, Tenso
     return present, means, global_mean
 
 
-def between_class_directions(means: Tensor, global_mean: Tensor) -> BetweenClassDirections:
+def _dtype_eps(dtype: torch.dtype | None) -> float:
+    """``finfo(dtype).eps`` of a floating dtype; float64's for ``None`` and for integer or boolean data (exact)."""
+    if dtype is None or not dtype.is_floating_point:
+        return float(torch.finfo(torch.float64).eps)
+    return float(torch.finfo(dtype).eps)
+
+
+def between_class_directions(
+    means: Tensor, global_mean: Tensor, *, dtype: torch.dtype | None = None
+) -> BetweenClassDirections:
     """Orthonormal directions of ``span{mu_c - mu_G}`` and the singular values of ``M`` along them.
 
-    Singular values below ``max(C, d) * eps_float64 * max(s_1, max_c ||mu_c||)`` are rounding and are dropped: the
-    pseudo-inverse's cut-off (NumPy's ``pinv`` uses ``max(C, d) * eps * s_1``), raised to the size of the uncentred
-    means, since means computed far from the origin carry an absolute error of about ``eps * ||mu_c||`` that
-    centring cannot remove (``sum_c n_c (mu_c - mu_G) = 0`` makes ``M`` rank-deficient, and the missing direction
-    would come back as rounding, scaled up by ``1 / s_k^2`` in NC1).
+    Singular values at or below ``tol * max(s_1, max_c ||mu_c||)`` are rounding and are dropped. ``tol`` is the
+    package's numerical-rank tolerance for a ``C x d`` matrix with ``K = max(C, d)``
+    (:func:`~rank_lightning.functional.spectral.default_rank_tolerance` with ``tolerance_size="max"`` and
+    ``dtype_eps = finfo(dtype).eps``):
+
+    * features computed in float64 (``dtype=None``, float64, or integers): ``max(C, d) * eps_float64``, the
+      pseudo-inverse's cut-off (NumPy's ``pinv`` uses ``max(C, d) * eps * s_1``);
+    * float32: ``max(C, d) * eps_float32``. The means are accumulated in float64, but the features carry float32
+      rounding, which leaves singular values near ``1e-9 s_1`` along directions the classes do not span; a float64
+      cut-off would keep them, and ``1 / s_k^2`` in NC1 would let them dominate;
+    * coarser (bfloat16, float16): ``max(max(C, d) * eps_float32, eps_dtype)``.
+
+    The scale is raised from ``s_1`` to the size of the uncentred means, since means computed far from the origin
+    carry an absolute error of about ``eps * ||mu_c||`` that centring cannot remove (``sum_c n_c (mu_c - mu_G) = 0``
+    makes ``M`` rank-deficient, and the missing direction would come back as rounding, scaled up by ``1 / s_k^2`` in
+    NC1).
+
+    Args:
+        means: ``(C, d)`` class means.
+        global_mean: ``(d,)`` mean over all samples.
+        dtype: the dtype the features were computed in (before any conversion to float64); ``None`` for float64.
     """
     centred = means - global_mean  # (C, d)
     if not bool(torch.isfinite(centred).all()):
@@ -171,8 +206,8 @@ def between_class_directions(means: Tensor, global_mean: Tensor) -> BetweenClass
         return BetweenClassDirections(empty, centred.new_zeros(0))
     _, s, vh = torch.linalg.svd(centred, full_matrices=False)
     scale = max(float(s[0]), float(means.norm(dim=1).max())) if s.numel() else 0.0
-    cutoff = max(centred.shape) * torch.finfo(torch.float64).eps * scale
-    keep = s > cutoff
+    tolerance = default_rank_tolerance(*centred.shape, tolerance_size="max", dtype_eps=_dtype_eps(dtype))
+    keep = s > tolerance * scale
     return BetweenClassDirections(vh[keep].T.contiguous(), s[keep])
 
 
@@ -183,18 +218,20 @@ def _nc1_from_projection(projected_covariance: Tensor, singular_values: Tensor) 
     return float((projected_covariance / singular_values.square()).sum())
 
 
-def nc1(within_covariance: Tensor, means: Tensor, global_mean: Tensor) -> float:
+def nc1(within_covariance: Tensor, means: Tensor, global_mean: Tensor, *, dtype: torch.dtype | None = None) -> float:
     """``Tr(Sigma_W Sigma_B^+) / C`` (Papyan et al. 2020) from a ``(d, d)`` within-class covariance.
 
     Args:
         within_covariance: ``Sigma_W``, ``(d, d)``.
         means: ``(C, d)`` class means.
         global_mean: ``(d,)`` mean over all samples.
+        dtype: the dtype the features were computed in, which sets the cut-off of ``Sigma_B^+``
+            (:func:`between_class_directions`); ``None`` for float64.
 
     Returns:
         NC1; NaN when all class means coincide (``Sigma_B = 0``).
     """
-    basis = between_class_directions(means, global_mean)
+    basis = between_class_directions(means, global_mean, dtype=dtype)
     u = basis.directions
     projected = ((within_covariance.to(torch.float64) @ u) * u).sum(dim=0)  # u_k^T Sigma_W u_k
     return _nc1_from_projection(projected, basis.singular_values)
@@ -347,6 +384,9 @@ def _assemble(
     if not bool(torch.isfinite(means).all()):
         # Non-finite features: every metric is NaN (NC4 too, since distances to NaN means decide nothing).
         return NeuralCollapse(*([math.nan] * len(NC_METRICS)), num_classes=means.shape[0], num_samples=num_samples)
+    if basis.singular_values.numel() == 0:
+        # The means span no direction: the nearest centre is decided by ties (argmin takes the first) or rounding.
+        nc4 = math.nan
     equinorm, equiangularity, cosine_std = nc2(means, global_mean)
     return NeuralCollapse(
         nc1=_nc1_from_projection(projected_covariance, basis.singular_values),
@@ -369,6 +409,7 @@ def neural_collapse_from_residuals(
     *,
     head_weight: Tensor | None = None,
     agreements: int | Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> NeuralCollapse:
     """Neural collapse from two streamed passes: class sums, then residuals around the class means.
 
@@ -385,9 +426,11 @@ def neural_collapse_from_residuals(
         class_scatter: ``(C,)`` ``sum_{i in c} ||h_i - mu_c||^2``.
         head_weight: the head's ``(C, d)`` weight, for NC3.
         agreements: samples whose head prediction equals the nearest class centre, for NC4.
+        dtype: the dtype the features were computed in (:func:`between_class_directions`); ``None`` for float64.
+            Pass two must have used the directions of the same ``dtype``.
     """
     present, means, global_mean = class_means(class_counts, class_sums)
-    basis = between_class_directions(means, global_mean)
+    basis = between_class_directions(means, global_mean, dtype=dtype)
     num_samples = int(class_counts.sum())
     rank = basis.singular_values.shape[0]
     projected = projected_scatter.to(torch.float64)[:rank] / max(num_samples, 1)
@@ -405,6 +448,7 @@ def neural_collapse_from_moments(
     gram: Tensor,
     class_sum_squares: Tensor,
     head_weight: Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> NeuralCollapse:
     """Neural collapse (NC1-NC3, CDNV) from one pass of moments; NC4 needs the means first and is NaN.
 
@@ -419,11 +463,12 @@ def neural_collapse_from_moments(
         gram: ``(d, d)`` ``X^T X`` (the sum of the class Grams).
         class_sum_squares: ``(C,)`` ``sum_{i in c} ||h_i||^2`` (the traces of the class Grams).
         head_weight: the head's ``(C, d)`` weight, for NC3.
+        dtype: the dtype the features were computed in (:func:`between_class_directions`); ``None`` for float64.
     """
     present, means, global_mean = class_means(class_counts, class_sums)
     num_samples = int(class_counts.sum())
     within = within_class_scatter_from_moments(gram, class_counts, class_sums) / max(num_samples, 1)
-    basis = between_class_directions(means, global_mean)
+    basis = between_class_directions(means, global_mean, dtype=dtype)
     u = basis.directions
     projected = ((within @ u) * u).sum(dim=0)
     scatter = class_scatter_from_moments(class_sum_squares, class_counts, class_sums)[present]
@@ -441,6 +486,9 @@ def neural_collapse(
     predictions: Tensor | None = None,
 ) -> NeuralCollapse:
     """Neural collapse of a feature matrix held in memory (the two-pass computation on all rows at once).
+
+    The cut-off of the between-class directions follows ``features.dtype`` (:func:`between_class_directions`): pass
+    the features in the precision they were computed in, not converted to float64.
 
     Args:
         features: ``(N, d)`` features (the head's input).
@@ -463,7 +511,7 @@ def neural_collapse(
     counts = torch.bincount(labels, minlength=classes)
     sums = x.new_zeros(classes, x.shape[1]).index_add_(0, labels, x)
     present, means, global_mean = class_means(counts, sums)
-    basis = between_class_directions(means, global_mean)
+    basis = between_class_directions(means, global_mean, dtype=features.dtype)
     projected, scatter = residual_moments(x, labels, means, present, basis.directions, classes)
     agreements = None
     if predictions is not None:
@@ -472,5 +520,5 @@ def neural_collapse(
         nearest = present[nearest_class_centre(x, means)]
         agreements = int((nearest == predictions.to(nearest.device)).sum())
     return neural_collapse_from_residuals(
-        counts, sums, projected, scatter, head_weight=head_weight, agreements=agreements
+        counts, sums, projected, scatter, head_weight=head_weight, agreements=agreements, dtype=features.dtype
     )

@@ -20,6 +20,17 @@ from rank_lightning.validation import check_positive_int
 __all__ = ["NeuralCollapseStatistics"]
 
 
+def _coarser(current: torch.dtype | None, new: torch.dtype) -> torch.dtype:
+    """The coarser of two feature dtypes (larger ``finfo.eps``); integer features count as float64 (exact)."""
+    if current is None:
+        return new
+
+    def eps(dtype: torch.dtype) -> float:
+        return torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps
+
+    return new if eps(new) > eps(current) else current
+
+
 class NeuralCollapseStatistics(Metric):
     """Stream features, labels and the head's logits into the sums behind NC1-NC4 and the CDNV, exactly under DDP.
 
@@ -36,6 +47,11 @@ class NeuralCollapseStatistics(Metric):
     3. :meth:`compute` all-reduces the second-pass sums and returns the
        :class:`~rank_lightning.functional.neural_collapse.NeuralCollapse`.
 
+    The dtype of the features is recorded at :meth:`update` (the coarsest one seen in the first pass,
+    :attr:`input_dtype`): NC1 drops the between-class directions at the rounding level of that precision
+    (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`), both when the second pass fixes
+    the directions and in :meth:`compute`. Give the features in the dtype they were computed in.
+
     Every state is a ``"sum"`` state, so DDP processes holding different shares of the data give the numbers one
     process would give on all of it. The second pass must see the same samples as the first (a loader without random
     augmentation; the order may differ).
@@ -46,6 +62,7 @@ class NeuralCollapseStatistics(Metric):
 
     Attributes:
         head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN).
+        input_dtype: the coarsest dtype of the features given in the first pass (``None`` before any).
     """
 
     full_state_update = False
@@ -64,6 +81,7 @@ class NeuralCollapseStatistics(Metric):
         self.add_state("predicted_rows", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("second_counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
         self.head_weight: Tensor | None = None
+        self.input_dtype: torch.dtype | None = None
         self._means: Tensor | None = None
         self._present: Tensor | None = None
         self._directions: Tensor | None = None
@@ -83,6 +101,7 @@ class NeuralCollapseStatistics(Metric):
         self._check(features, labels, logits)
         labels = labels.long()
         if not self.second_pass:
+            self.input_dtype = _coarser(self.input_dtype, features.dtype)
             moments = row_moments(features.detach().to(torch.float64), labels, num_classes=self.num_classes)
             self.class_counts += moments.class_counts
             self.class_sums += moments.class_sums
@@ -117,7 +136,7 @@ class NeuralCollapseStatistics(Metric):
         with self.sync_context():
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
         self._present, self._means, global_mean = class_means(*self._totals)
-        self._directions = between_class_directions(self._means, global_mean).directions
+        self._directions = between_class_directions(self._means, global_mean, dtype=self.input_dtype).directions
 
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).
@@ -142,9 +161,11 @@ class NeuralCollapseStatistics(Metric):
             self.class_scatter,
             head_weight=self.head_weight,
             agreements=agreements,
+            dtype=self.input_dtype,
         )
 
     def reset(self) -> None:
         """Clear both passes."""
         super().reset()
         self._means = self._present = self._directions = self._totals = None
+        self.input_dtype = None

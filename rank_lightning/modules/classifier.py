@@ -111,7 +111,7 @@ class ImageClassifier(RankModule):
             )
         if "rank" not in spec:
             raise ValueError(
-                f"an lr_layers entry needs 'rank' (the rank k of the projection), got {({'before': before} | spec)}"
+                f"an lr_layers entry needs 'rank' (the rank k of the projection), got { ({'before': before} | spec) }"
             )
         path = self.backbone.head_path if before == "head" else before
         names = [name for name, _ in self.backbone.named_modules() if name]

@@ -190,8 +190,90 @@ def test_cls_dim_messages_go_through_rank_zero_info(tmp_path, callback_messages)
         ({"max_samples": 0}, "max_samples"),
         ({"deficit_eta": 0.0}, "deficit_eta"),
         ({"deficit_fit_on": "some"}, "unknown deficit_fit_on 'some'; valid choices are: all, class"),
+        ({"deficit_classes": [-1]}, r"deficit_classes must be None or non-negative class indices, got \[-1\]"),
+        ({"deficit_classes": [1, "2"]}, "deficit_classes must be None or non-negative class indices"),
+        ({"deficit_classes": [True]}, "deficit_classes must be None or non-negative class indices"),
+        ({"center": "yes"}, "unknown center 'yes'; valid choices are: False, True"),
     ],
 )
 def test_cls_dim_rejects_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ClassificationDimension(**kwargs)
+
+
+class _TrainingBatches(pl.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ks": [4, 100]}, r"ks must lie in \[1, 12\] \(the feature width\), got \[100\]"),
+        (
+            {"independence_deficit": True, "deficit_classes": [1, 5]},
+            r"deficit_classes \[5\] are out of range; valid classes are 0..4 \(the outputs of the head 'head'\)",
+        ),
+    ],
+)
+def test_settings_beyond_the_model_fail_before_training(tmp_path, kwargs, message):
+    batches = _TrainingBatches()
+    trainer = make_trainer(tmp_path, [batches, ClassificationDimension(verbose=False, **kwargs)], max_epochs=3)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(TinyNet(), make_loader(make_data()), make_loader(make_data(20, seed=2)))
+    assert batches.count == 0
+
+
+def test_settings_within_the_model_pass_the_early_check(tmp_path):
+    callback = ClassificationDimension(ks=[2, 12], independence_deficit=True, deficit_classes=[4], verbose=False)
+    make_trainer(tmp_path, [callback]).fit(TinyNet(), make_loader(make_data()), make_loader(make_data(20, seed=2)))
+    assert callback.result.ks.tolist() == [2, 12] and [row["class"] for row in callback.deficit] == [4]
+
+
+class _DeadNet(TinyNet):
+    """The head's input is 0 for every sample: the Linear before it has a zero (frozen) weight and no bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.features[8].weight.zero_()
+
+
+class _NaNNet(TinyNet):
+    """Trains normally; in eval mode the head's input is NaN."""
+
+    def forward(self, x):
+        features = self.features(x)
+        return self.head(features if self.training else features * float("nan"))
+
+
+@pytest.mark.parametrize(("model_cls", "cause"), [(_DeadNet, "constant"), (_NaNNet, r"not finite \(NaN or Inf\)")])
+def test_features_without_principal_directions_are_logged_as_nan(tmp_path, model_cls, cause):
+    logger = CSVLogger(tmp_path, name="run")
+    directory = Path(logger.log_dir) / CLSDIM_DIR
+    directory.mkdir(parents=True)
+    (directory / "accuracy_vs_k.png").write_bytes(PNG_MAGIC)  # a figure of an earlier evaluation
+    callback = ClassificationDimension(independence_deficit=True, deficit_eta=0.1, verbose=False)
+    trainer = make_trainer(tmp_path, [callback], logger=logger)
+    with pytest.warns(RuntimeWarning) as record:
+        trainer.fit(model_cls(), make_loader(make_data()), make_loader(make_data(20, seed=2)))
+    messages = [str(w.message) for w in record]
+    assert any(re.search(f"the input of the head 'head' is {cause} over the 20 evaluated samples", m) for m in messages)
+    assert any("the logits of the head 'head' hold NaN" in m for m in messages) == (model_cls is _NaNNet)
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = {k: float(v) for row in csv.DictReader(f) for k, v in row.items() if v}
+    assert np.isnan(logged["clsdim/cls_dim"]) and np.isnan(logged["clsdim/acc_at_cls_dim"])
+    assert logged["clsdim/ambient_dim"] == 12 and logged["clsdim/num_samples"] == 20
+    assert np.isnan(logged["clsdim/full_acc"]) == (model_cls is _NaNNet)
+    if model_cls is _NaNNet:  # NaN logits: no Lasso fit, its numbers NaN
+        assert callback.deficit is None and np.isnan(logged["clsdim/deficit_acc_drop"])
+    else:
+        assert len(callback.deficit) == 5 and not np.isnan(logged["clsdim/deficit_num_terms"])
+    assert not callback.result.defined
+    # The table is written (with NaN accuracies); no figure is drawn, and the old one is gone.
+    with open(directory / "accuracy_vs_k.csv") as f:
+        assert all(np.isnan(float(r["accuracy"])) for r in csv.DictReader(f))
+    assert not (directory / "accuracy_vs_k.png").exists()

@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,50 @@ def test_classification_dimension_rejects_bad_arguments():
         classification_dimension(features, labels[:-1], head)
 
 
+@pytest.mark.parametrize("center", ["yes", 1, None])
+def test_classification_dimension_rejects_a_center_that_is_not_a_bool(center):
+    features, labels, head = _planted_features(num_samples=50)
+    with pytest.raises(ValueError, match=f"unknown center {center!r}; valid choices are: False, True"):
+        classification_dimension(features, labels, head, center=center)
+
+
+@pytest.mark.parametrize("center", [False, True])
+@pytest.mark.parametrize("value", [0.0, 3.0])
+def test_constant_features_have_no_classification_dimension(center, value):
+    # A layer of dead ReLUs (value 0) or a saturated one: no principal direction, so no smallest k.
+    features, labels = torch.full((50, 8), value), torch.arange(50) % 5
+    head = nn.Linear(8, 5)
+    with pytest.warns(RuntimeWarning, match="the features are constant"):
+        result = classification_dimension(features, labels, head, center=center)
+    assert math.isnan(result.cls_dim) and not result.defined
+    assert result.ks.tolist() == list(range(1, 9))
+    assert torch.isnan(result.accuracies).all()
+    assert torch.equal(result.eigenvalues, torch.zeros(8, dtype=torch.float64))
+    with torch.no_grad():
+        expected = float((head(features).argmax(dim=1) == labels).double().mean())
+    assert result.full_accuracy == expected
+
+
+def test_features_varying_only_in_one_row_still_have_a_classification_dimension():
+    features, labels = torch.zeros(50, 8), torch.arange(50) % 5
+    features[7, 2] = 1e-30  # tiny, but not rounding: one principal direction
+    result = classification_dimension(features, labels, nn.Linear(8, 5))
+    assert result.defined and result.cls_dim in range(1, 9)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_features_give_nan_instead_of_failing(bad):
+    features, labels = torch.randn(40, 6, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 4
+    features[3, 1] = bad
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        result = classification_dimension(features, labels, nn.Linear(6, 4))
+    assert math.isnan(result.cls_dim) and math.isnan(result.full_accuracy) and not result.defined
+    assert torch.isnan(result.accuracies).all() and torch.isnan(result.eigenvalues).all()
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        all_nan = classification_dimension(torch.full((40, 6), math.nan), labels, nn.Linear(6, 4))
+    assert math.isnan(all_nan.cls_dim)
+
+
 def _planted_logits(num_samples: int = 2000, seed: int = 0):
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((num_samples, 6)) * np.array([3.0, 2.0, 1.0, 2.5, 1.5, 2.0])
@@ -188,6 +234,10 @@ def test_independence_deficit_rejects_bad_arguments():
         independence_deficit(logits, labels, classes=[7])
     with pytest.raises(ValueError, match="unknown fit_on 'pos'"):
         independence_deficit(logits, labels, fit_on="pos")
+    nan_logits = logits.clone()
+    nan_logits[4, 2] = math.nan
+    with pytest.raises(ValueError, match="logits contain NaN or Inf values"):
+        independence_deficit(nan_logits, labels)
 
 
 def test_accuracy_with_a_replaced_logit_matches_a_direct_argmax():

@@ -185,3 +185,61 @@ def test_undefined_cases_are_nan_and_bad_input_raises() -> None:
     with pytest.raises(ValueError, match="metrics"):
         one_class.as_dict(("nc5",))
     assert list(one_class.as_dict()) == list(NC_METRICS)
+
+
+def _rank_deficient(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """6 classes of 50 rows in d = 30 whose features have rank 3: the means span 3 of the C - 1 = 5 directions."""
+    rng = np.random.default_rng(1)
+    classes, per_class, dim, rank = 6, 50, 30, 3
+    centres = rng.normal(size=(classes, dim)) * 3
+    x = np.concatenate([centres[c] + rng.normal(size=(per_class, dim)) for c in range(classes)])
+    mixing = rng.normal(size=(dim, rank))
+    x = x @ mixing @ mixing.T / dim
+    return torch.from_numpy(x).to(dtype), torch.from_numpy(np.repeat(np.arange(classes), per_class))
+
+
+def test_float32_rounding_is_not_counted_as_between_class_directions() -> None:
+    x64, y = _rank_deficient(torch.float64)
+    x32 = x64.float()
+    reference = neural_collapse(x64, y)
+    # float32 rounding leaves the centred means singular values near 1e-9 s_1 along two directions the classes do
+    # not span; with a float64 cut-off they were kept and NC1 came out 28 times too large.
+    result = neural_collapse(x32, y)
+    assert result.nc1 == pytest.approx(reference.nc1, rel=1e-5)
+    assert result.cdnv == pytest.approx(reference.cdnv, rel=1e-5)
+
+    counts = torch.bincount(y)
+    sums = torch.zeros(6, 30, dtype=torch.float64).index_add_(0, y, x32.double())
+    _, means, mu_g = class_means(counts, sums)
+    assert between_class_directions(means, mu_g, dtype=torch.float32).singular_values.numel() == 3
+    assert between_class_directions(means, mu_g, dtype=torch.bfloat16).singular_values.numel() == 3
+    # The default (float64) keeps the pseudo-inverse's cut-off: the rounding directions of float32 data stay.
+    assert between_class_directions(means, mu_g).singular_values.numel() == 5
+    assert between_class_directions(means, mu_g, dtype=torch.float64).singular_values.numel() == 5
+
+    # The summed entry points take the dtype too and agree with the in-memory computation.
+    basis = between_class_directions(means, mu_g, dtype=torch.float32)
+    present = torch.arange(6)
+    projected, scatter = residual_moments(x32, y, means, present, basis.directions, 6)
+    streamed = neural_collapse_from_residuals(counts, sums, projected, scatter, dtype=torch.float32)
+    assert streamed.nc1 == pytest.approx(result.nc1, rel=1e-12)
+    x = x32.double()
+    class_grams = torch.stack([x[y == k].T @ x[y == k] for k in range(6)])
+    moments = neural_collapse_from_moments(
+        counts,
+        sums,
+        gram=class_grams.sum(0),
+        class_sum_squares=class_grams.diagonal(dim1=1, dim2=2).sum(1),
+        dtype=torch.float32,
+    )
+    assert moments.nc1 == pytest.approx(reference.nc1, rel=1e-5)
+
+
+@pytest.mark.parametrize("predicted", [0, 2])
+def test_nc4_is_nan_when_the_class_means_coincide(predicted: int) -> None:
+    # Every distance to a class mean ties, so the nearest centre is argmin's first index, not a property of the data.
+    labels = torch.arange(40) % 4
+    result = neural_collapse(torch.ones(40, 6), labels, predictions=torch.full((40,), predicted))
+    assert math.isnan(result.nc1) and math.isnan(result.nc4)
+    one_class = neural_collapse(torch.randn(6, 3), torch.zeros(6, dtype=torch.long), predictions=torch.zeros(6))
+    assert math.isnan(one_class.nc4)

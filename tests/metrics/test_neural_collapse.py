@@ -75,3 +75,24 @@ def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
         assert distributed["num_samples"] == 360.0
         for key, value in single.items():
             assert distributed[key] == pytest.approx(value, rel=1e-10), key
+
+
+def test_float32_features_drop_rounding_directions_when_streamed() -> None:
+    # 6 classes in d = 30 whose features have rank 3: float32 rounding must not count as between-class directions.
+    gen = torch.Generator().manual_seed(1)
+    centres = torch.randn(6, 30, generator=gen, dtype=torch.float64) * 3
+    y = torch.arange(6).repeat_interleave(50)
+    x64 = centres[y] + torch.randn(300, 30, generator=gen, dtype=torch.float64)
+    mixing = torch.randn(30, 3, generator=gen, dtype=torch.float64)
+    x64 = x64 @ mixing @ mixing.T / 30
+    x32 = x64.float()
+    metric = NeuralCollapseStatistics(num_classes=6, num_features=30)
+    for xb, yb in zip(x32.split(64), y.split(64)):
+        metric.update(xb, yb)
+    assert metric.input_dtype == torch.float32
+    metric.start_second_pass()
+    for xb, yb in zip(x32.split(64), y.split(64)):
+        metric.update(xb, yb)
+    result = metric.compute()
+    assert result.nc1 == pytest.approx(neural_collapse(x64, y).nc1, rel=1e-5)
+    assert result.nc1 == pytest.approx(neural_collapse(x32, y).nc1, rel=1e-10)
