@@ -35,11 +35,12 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from rank_lightning.callbacks.curves import run_directory
 from rank_lightning.data.base import get_datamodule_class, list_datamodules
 from rank_lightning.modules.base import RankModule
+from rank_lightning.validation import SetupError
 
 DEBUG_ENV = "RANK_LIGHTNING_DEBUG"
 """Environment variable: set to ``1`` to see the traceback of an error instead of its message alone."""
 
-USER_ERRORS = (ValueError, FileNotFoundError, MisconfigurationException)
+USER_ERRORS = (ValueError, FileNotFoundError, SetupError, MisconfigurationException)
 """Errors whose message says what is wrong and how to fix it; the CLI prints them without a traceback."""
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
@@ -208,6 +209,27 @@ def resolve_config_arguments(args: Sequence[str]) -> list[str]:
     return resolved
 
 
+_LINKED = ("num_classes", "input_shape")
+"""Model settings the CLI takes from the datamodule (``link_arguments``)."""
+
+
+def check_linked_settings(args: Sequence[str]) -> None:
+    """Refuse a model setting on the command line that the CLI links from the datamodule (``num_classes``,
+    ``input_shape``): the link would replace it without a word. (A ``--config`` file may hold them, as the configs
+    the CLI saves into every run do; there the datamodule's value wins.)
+
+    Raises:
+        ValueError: naming the setting and where to set it instead.
+    """
+    keys = {f"--model.{prefix}{name}" for prefix in ("", "init_args.") for name in _LINKED}
+    named = [arg.split("=", 1)[0] for arg in args if arg.split("=", 1)[0] in keys]
+    if named:
+        raise ValueError(
+            f"{', '.join(named)}: the CLI takes num_classes and input_shape from the datamodule and would replace "
+            "the value given; set the datamodule's instead (e.g. --data.init_args.num_classes for the synthetic data)"
+        )
+
+
 def print_configs() -> None:
     """Print the bundled configs' names and the folder they are in (``rank-lightning configs``)."""
     print(f"bundled configs (in {configs_directory()}), run with --config <name>:")
@@ -229,6 +251,7 @@ def main(args: list[str] | None = None, *, run: bool = True) -> RankCLI:
             print_configs()
             raise SystemExit(0)
         resolved = resolve_config_arguments(given)
+        check_linked_settings(resolved)
         if args is None:
             # LightningCLI warns when it is given arguments while the command line has some: the resolved ones
             # replace the command line's instead.

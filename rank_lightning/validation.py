@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 __all__ = [
+    "SetupError",
     "check_choice",
     "check_choices",
     "check_fraction",
@@ -23,6 +24,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+class SetupError(RuntimeError):
+    """Inputs of a run that exist but cannot be used (corrupted data files, weights that cannot be downloaded or do
+    not fit the model), with a message that says what to do; the CLI prints it as one line."""
 
 
 def _is_int(value: Any) -> bool:

@@ -10,6 +10,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rank_lightning.validation import check_non_negative_int, check_positive_int
+
 _REGISTRY: dict[str, type[RankDataModule]] = {}
 _D = TypeVar("_D", bound="type[RankDataModule]")
 
@@ -63,6 +65,10 @@ def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) 
 
     Returns:
         ``(rest, part_1, ..., part_k)``: sorted int64 index arrays, disjoint, covering ``range(N)``.
+
+    Raises:
+        ValueError: bad labels or fractions, or a positive fraction that rounds to no sample in every class (the
+            split would be empty, and a loop over it would fail far from the cause).
     """
     labels = np.asarray(labels)
     if labels.ndim != 1:
@@ -79,6 +85,13 @@ def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) 
             parts[i + 1].append(members[start : start + count])
             start += count
         parts[0].append(members[start:])
+    for i, fraction in enumerate(fractions):
+        if fraction > 0 and not sum(len(p) for p in parts[i + 1]):
+            largest = max(int((labels == cls).sum()) for cls in np.unique(labels)) if labels.size else 0
+            raise ValueError(
+                f"a hold-out fraction of {fraction} gives no sample: round({fraction} * class size) is 0 for every "
+                f"class (the largest has {largest} samples); raise the fraction or use more data"
+            )
     return tuple(np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts)
 
 
@@ -130,10 +143,8 @@ class RankDataModule(pl.LightningDataModule):
         drop_last: bool = False,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be non-negative, got {num_workers}")
+        check_positive_int("batch_size", batch_size)
+        check_non_negative_int("num_workers", num_workers)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory

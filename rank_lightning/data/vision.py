@@ -24,6 +24,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from rank_lightning.data.base import RankDataModule, register_datamodule, stratified_split
+from rank_lightning.validation import SetupError
 
 _CIFAR100_LABELS = ("fine", "coarse")
 
@@ -122,7 +123,7 @@ class TorchvisionDataModule(RankDataModule):
                 for train in (True, False):
                     self.torchvision_class(str(self.data_dir), train=train, download=True)
             except (OSError, RuntimeError) as err:
-                raise RuntimeError(
+                raise SetupError(
                     f"downloading {self.display_name} into {self.data_dir} failed: {err}. "
                     f"Without internet access, {self._how_to_get()}"
                 ) from err
@@ -137,7 +138,7 @@ class TorchvisionDataModule(RankDataModule):
             train_images, train_targets = self._read(train=True)
             test_images, test_targets = self._read(train=False)
         except RuntimeError as err:
-            raise RuntimeError(
+            raise SetupError(
                 f"{self.display_name} files under {self.data_dir} are present but torchvision rejected them ({err}); "
                 f"they are corrupted or incomplete: delete them and {self._how_to_get()}"
             ) from err

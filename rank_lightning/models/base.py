@@ -9,7 +9,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from rank_lightning.validation import check_non_negative_int, check_positive_int
+
 _REGISTRY: dict[str, Callable[..., Backbone]] = {}
+
+
+def check_image_sizes(num_classes: int, in_channels: int, image_size: int) -> None:
+    """The sizes every image backbone is built from: ``num_classes >= 0`` (0: no head), ``in_channels`` and
+    ``image_size`` at least 1.
+
+    Raises:
+        ValueError: a size that is not such an integer, naming it.
+    """
+    check_non_negative_int("num_classes", num_classes)
+    check_positive_int("in_channels", in_channels)
+    check_positive_int("image_size", image_size)
 
 
 class Backbone(nn.Module):

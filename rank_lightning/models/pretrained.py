@@ -13,6 +13,7 @@ import torchvision
 
 from rank_lightning.models.base import Backbone
 from rank_lightning.models.initialization import init_weights
+from rank_lightning.validation import SetupError
 
 # Prefix of the backbone's tensors in the checkpoints of this package's LightningModules (they keep it as
 # ``self.backbone``).
@@ -45,8 +46,8 @@ def load_pretrained(
 
     Raises:
         FileNotFoundError: When ``pretrained`` is neither a weights name nor an existing file.
-        RuntimeError: When named weights cannot be downloaded (the message says which file to fetch by hand), or,
-            with ``strict=True``, when the checkpoint does not fit the model.
+        SetupError: (a ``RuntimeError``) When named weights cannot be downloaded (the message says which file to fetch
+            by hand), or, with ``strict=True``, when the checkpoint does not fit the model.
         ValueError: When the file holds no ``state_dict``.
     """
     weights_enum = torchvision.models.get_model_weights(torchvision_arch) if torchvision_arch else None
@@ -116,7 +117,7 @@ def load_checked_state_dict(
         if keys
     ]
     if problems and strict:
-        raise RuntimeError(
+        raise SetupError(
             f"{source} does not fit {type(model).__name__} ({'; '.join(problems)}); "
             "pass strict=False to load the fitting tensors only"
         )
@@ -137,7 +138,7 @@ def _download(weights: torchvision.models.WeightsEnum) -> dict[str, torch.Tensor
         return weights.get_state_dict(progress=False, check_hash=True)
     except OSError as err:
         cache = Path(torch.hub.get_dir()) / "checkpoints"
-        raise RuntimeError(
+        raise SetupError(
             f"could not download {weights!r} from {weights.url} ({err}). Without internet access, download that "
             f"file on another machine and pass its path as pretrained='/path/to/{Path(weights.url).name}', or put "
             f"it in {cache}"

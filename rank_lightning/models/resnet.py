@@ -6,7 +6,7 @@ import torch
 import torchvision
 from torch import nn
 
-from rank_lightning.models.base import Backbone, register_model
+from rank_lightning.models.base import Backbone, check_image_sizes, register_model
 from rank_lightning.models.pretrained import initialise_backbone
 
 ARCHITECTURES: tuple[str, ...] = ("resnet18", "resnet50")
@@ -49,6 +49,7 @@ class ResNet(Backbone):
         cifar_stem: bool | None = None,
     ) -> None:
         super().__init__()
+        check_image_sizes(num_classes, in_channels, image_size)
         if arch not in ARCHITECTURES:
             raise ValueError(f"unknown ResNet architecture {arch!r}; architectures are: {', '.join(ARCHITECTURES)}")
         net: torchvision.models.ResNet = getattr(torchvision.models, arch)(num_classes=max(num_classes, 1))

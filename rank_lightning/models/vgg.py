@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torchvision.models.vgg import cfgs, make_layers
 
-from rank_lightning.models.base import Backbone, register_model
+from rank_lightning.models.base import Backbone, check_image_sizes, register_model
 from rank_lightning.models.pretrained import initialise_backbone
 
 # torchvision's configuration letter and batch-norm flag of each architecture.
@@ -59,6 +59,7 @@ class VGG(Backbone):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_image_sizes(num_classes, in_channels, image_size)
         if arch not in ARCHITECTURES:
             raise ValueError(f"unknown VGG architecture {arch!r}; architectures are: {', '.join(ARCHITECTURES)}")
         config, batch_norm = ARCHITECTURES[arch]

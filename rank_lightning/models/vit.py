@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
-from rank_lightning.models.base import Backbone, register_model
+from rank_lightning.models.base import Backbone, check_image_sizes, register_model
 from rank_lightning.models.pretrained import initialise_backbone
 
 
@@ -60,6 +60,7 @@ class ViT(Backbone):
         attention_dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_image_sizes(num_classes, in_channels, image_size)
         if image_size % patch_size != 0:
             raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
         if hidden_dim % num_heads != 0:

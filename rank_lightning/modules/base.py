@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytorch_lightning as pl
 from torch import nn
 
 from rank_lightning.modules.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+
+
+def _same_input(ours: tuple[int, ...], theirs: tuple[int, ...]) -> bool:
+    """Equal shapes, or a flat vector of as many values as the other shape (an MLP flattens its inputs)."""
+    return ours == theirs or ((len(ours) == 1 or len(theirs) == 1) and math.prod(ours) == math.prod(theirs))
 
 
 class RankModule(pl.LightningModule):
@@ -48,6 +54,25 @@ class RankModule(pl.LightningModule):
             name=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, decay_norm_and_bias=decay_norm_and_bias
         )
         self._sched_settings = dict(name=scheduler, step_size=step_size, milestones=tuple(milestones), gamma=gamma)
+
+    def setup(self, stage: str) -> None:
+        """Compare the settings that describe the data with the trainer's datamodule, if it has them.
+
+        Raises:
+            ValueError: the module's ``num_classes`` or ``input_shape`` differs from the datamodule's (the fit
+                would stop at the first batch with a shape or target error that names neither).
+        """
+        data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        for name in ("num_classes", "input_shape"):
+            ours, theirs = getattr(self, name, None), getattr(data, name, None)
+            if ours is None or theirs is None:
+                continue
+            same = _same_input(tuple(ours), tuple(theirs)) if name == "input_shape" else ours == theirs
+            if not same:
+                raise ValueError(
+                    f"{type(self).__name__} has {name}={ours!r} but {type(data).__name__} gives {name}={theirs!r}; "
+                    f"build the module with the datamodule's {name} (the CLI links it)"
+                )
 
     def blocks(self) -> dict[str, str]:
         """The backbone's blocks (``short name -> submodule path``), with paths relative to this module."""

@@ -36,7 +36,7 @@ class ImageClassifier(RankModule):
         backbone_kwargs: keyword arguments of the backbone factory (depth, width, init, ...).
         num_classes: number of classes; linked from the datamodule by the CLI.
         input_shape: shape of one input, ``(C, H, W)`` or ``(d,)``; linked from the datamodule by the CLI.
-        label_smoothing: label smoothing of the cross-entropy.
+        label_smoothing: label smoothing of the cross-entropy, in ``[0, 1]``.
         lr_layers: LR-Layers (Sanyal et al. Sec. 3) to insert, each a dict with ``before`` (a module path inside the
             backbone, such as ``"layer4"``, or ``"head"`` for the classification head) and the keyword arguments of
             :class:`~rank_lightning.nn.LRLayer` except ``num_features``, which is measured (``rank``, ``lambda_1``,
@@ -82,6 +82,10 @@ class ImageClassifier(RankModule):
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
+        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+            raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
         self.label_smoothing = label_smoothing
         described = {"num_classes": num_classes, **_input_kwargs(backbone, self.input_shape)}
         for key in described.keys() & (backbone_kwargs or {}).keys():

@@ -114,3 +114,13 @@ def test_adversarial_validate_in_inference_mode_is_one_message(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "error: AdversarialValidation needs input gradients, but trainer.validate() runs under" in err
     assert "--trainer.inference_mode=false" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argument", ["--model.init_args.num_classes=5", "--model.input_shape=[1,28,28]"])
+def test_a_linked_model_setting_on_the_command_line_is_refused(argument, capsys):
+    # The datamodule's value replaced it without a word: the run trained 10 classes where 5 were asked for.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, argument, "--trainer.logger=false"])
+    assert exit_info.value.code == 1
+    key = argument.split("=")[0]
+    assert f"error: {key}: the CLI takes num_classes and input_shape from the datamodule" in capsys.readouterr().err

@@ -154,3 +154,23 @@ def test_trainer_runs_a_datamodule_end_to_end():
     )
     trainer.fit(model, datamodule=dm)
     assert model.seen_dtypes == {torch.int64}
+
+
+def test_a_fraction_that_rounds_to_no_sample_is_an_error():
+    labels = np.repeat(np.arange(5), 4)  # four per class: round(0.1 * 4) = 0 everywhere
+    with pytest.raises(ValueError, match=r"a hold-out fraction of 0.1 gives no sample.*the largest has 4 samples"):
+        stratified_split(labels, (0.1,), seed=0)
+    rest, part = stratified_split(labels, (0.25,), seed=0)
+    assert len(part) == 5 and len(rest) == 15
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 2.5}, "batch_size must be a positive integer, got 2.5"),
+        ({"num_workers": -1}, "num_workers must be a non-negative integer"),
+    ],
+)
+def test_loader_settings_are_checked_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DigitsDataModule(**kwargs)

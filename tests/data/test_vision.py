@@ -16,7 +16,9 @@ import pytest
 import torch
 from torchvision import datasets
 
+from rank_lightning.cli import DEBUG_ENV, main
 from rank_lightning.data import CIFAR10DataModule, CIFAR100DataModule, FashionMNISTDataModule, MNISTDataModule
+from rank_lightning.validation import SetupError
 
 
 def _write_idx_images(path: Path, images: np.ndarray) -> None:
@@ -201,8 +203,22 @@ def test_cifar_fixture_without_matching_checksums_is_reported_corrupted(tmp_path
     write_cifar10(tmp_path)
     dm = CIFAR10DataModule(data_dir=tmp_path)
     dm.prepare_data()  # every file is present
-    with pytest.raises(RuntimeError, match=r"present but torchvision rejected them.*corrupted"):
+    with pytest.raises(SetupError, match=r"present but torchvision rejected them.*corrupted"):
         dm.setup()
+
+
+def test_corrupted_files_are_one_line_from_the_cli(tmp_path, monkeypatch, capsys):
+    # The package's own RuntimeError explained itself, but the CLI printed it under a 47-line traceback.
+    write_cifar10(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    arguments = ["--data=CIFAR10DataModule", "--data.init_args.data_dir=data", "--trainer.logger=false"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "quickstart", *arguments])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error: CIFAR-10 files under data are present but torchvision rejected them" in err
 
 
 def _crops_and_flips(image: np.ndarray) -> set[bytes]:

@@ -113,3 +113,18 @@ def test_backbone_without_implementation_says_what_is_missing():
         Backbone()(torch.zeros(1))
     with pytest.raises(NotImplementedError, match="Backbone must implement blocks"):
         Backbone().blocks()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg11", "vit_tiny"])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_classes": -3}, "num_classes must be a non-negative integer, got -3"),
+        ({"image_size": 0}, "image_size must be a positive integer, got 0"),
+        ({"in_channels": 0}, "in_channels must be a positive integer, got 0"),
+    ],
+)
+def test_image_backbones_refuse_impossible_sizes(name, kwargs, match):
+    # ResNet and VGG came back headless with num_classes=-3; the MLP already refused.
+    with pytest.raises(ValueError, match=match):
+        create_model(name, **kwargs)

@@ -143,3 +143,34 @@ def test_lr_layer_entries_name_their_bad_keys(entry, message):
     # A typo reached the CLI user as a TypeError buried in a union-type report.
     with pytest.raises(ValueError, match=re.escape(message)):
         ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), lr_layers=[entry])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_classes": 5}, r"ImageClassifier has num_classes=5 but DigitsDataModule gives num_classes=10"),
+        ({"input_shape": (1, 28, 28)}, r"ImageClassifier has input_shape=\(1, 28, 28\) but DigitsDataModule gives"),
+    ],
+)
+def test_a_module_that_does_not_fit_the_datamodule_is_named_at_setup(kwargs, match, tmp_path):
+    # The fit stopped at the first batch with "Target 8 is out of bounds" or a matmul shape error.
+    from rank_lightning.data import DigitsDataModule
+
+    model = ImageClassifier(backbone="mlp", **({"num_classes": 10, "input_shape": (1, 8, 8)} | kwargs))
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path).fit(model, datamodule=DigitsDataModule(batch_size=64))
+
+
+def test_a_flat_input_of_as_many_values_fits_the_datamodule(tmp_path):
+    from rank_lightning.data import DigitsDataModule
+
+    model = ImageClassifier(backbone="mlp", num_classes=10, input_shape=(64,))  # digits are (1, 8, 8)
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=256))
+    assert trainer.state.finished
+
+
+@pytest.mark.parametrize("value", [2.0, -0.1, "0.1"])
+def test_label_smoothing_must_lie_in_the_unit_interval(value):
+    with pytest.raises(ValueError, match=rf"label_smoothing must be a number in \[0, 1\], got {value!r}"):
+        ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), label_smoothing=value)
