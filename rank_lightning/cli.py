@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -252,6 +253,9 @@ def main(args: list[str] | None = None, *, run: bool = True) -> RankCLI:
             raise SystemExit(0)
         resolved = resolve_config_arguments(given)
         check_linked_settings(resolved)
+        # Lightning's own use of a deprecated torch pytree API, printed once in every run; nothing a user of
+        # this command can act on.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
         if args is None:
             # LightningCLI warns when it is given arguments while the command line has some: the resolved ones
             # replace the command line's instead.

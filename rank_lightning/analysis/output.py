@@ -71,6 +71,8 @@ def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
 
 def _file_list(paths: Sequence[Path]) -> str:
     names = [path.name for path in paths]
+    if len(set(names)) < len(names):  # run folders all called version_0: name their parent too
+        names = [f"{path.parent.name}/{path.name}" for path in paths]
     if len(names) <= _NAMED_FILES:
         return ", ".join(names)
     return f"{names[0]}, ..., {names[-1]}"

@@ -59,3 +59,12 @@ def test_the_summary_names_the_folder_and_shortens_long_lists(tmp_path, capsys):
 def test_the_summary_of_the_requested_folder_has_no_note(tmp_path, capsys):
     print_written(tmp_path, {"files": [Path(tmp_path / "a.png")]}, requested=str(tmp_path))
     assert capsys.readouterr().out.splitlines()[0] == f"written to {tmp_path}:"
+
+
+def test_folders_of_one_name_are_told_apart_by_their_parent(tmp_path, capsys):
+    # A sweep's run folders are all version_0: the summary read "version_0, ..., version_0".
+    runs = [tmp_path / f"weight_decay={d}" / "version_0" for d in ("0", "0.01", "0.1")]
+    print_written(tmp_path, {"run folders": runs}, requested=tmp_path)
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "    3 run folders  weight_decay=0/version_0, weight_decay=0.01/version_0, weight_decay=0.1/version_0"
+    )
