@@ -111,19 +111,19 @@ def test_streamed_residual_passes_equal_the_direct_computation() -> None:
     _close(result.as_dict(), _direct(x, y, w, predictions), 1e-10)
 
 
+def _from_class_grams(x: torch.Tensor, y: torch.Tensor, counts, sums, classes: int, **options) -> object:
+    """:func:`neural_collapse_from_moments` of the class Grams of ``x``, as the streamed sums hold them."""
+    class_grams = torch.stack([x[y == k].T @ x[y == k] for k in range(classes)])
+    gram, squares = class_grams.sum(0), class_grams.diagonal(dim1=1, dim2=2).sum(1)
+    return neural_collapse_from_moments(counts, sums, gram=gram, class_sum_squares=squares, **options)
+
+
 def test_one_pass_moments_equal_the_direct_computation_without_nc4() -> None:
     x, y, w, predictions = _inputs(seed=5)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     counts = torch.bincount(yt, minlength=4)
     sums = torch.zeros(4, x.shape[1], dtype=torch.float64).index_add_(0, yt, xt)
-    class_grams = torch.stack([xt[yt == k].T @ xt[yt == k] for k in range(4)])
-    result = neural_collapse_from_moments(
-        counts,
-        sums,
-        gram=class_grams.sum(0),
-        class_sum_squares=class_grams.diagonal(dim1=1, dim2=2).sum(1),
-        head_weight=torch.from_numpy(w),
-    )
+    result = _from_class_grams(xt, yt, counts, sums, 4, head_weight=torch.from_numpy(w))
     expected = _direct(x, y, w, predictions)
     expected.pop("nc4")
     _close(result.as_dict(), expected, 1e-10)
@@ -223,15 +223,7 @@ def test_float32_rounding_is_not_counted_as_between_class_directions() -> None:
     projected, scatter = residual_moments(x32, y, means, present, basis.directions, 6)
     streamed = neural_collapse_from_residuals(counts, sums, projected, scatter, dtype=torch.float32)
     assert streamed.nc1 == pytest.approx(result.nc1, rel=1e-12)
-    x = x32.double()
-    class_grams = torch.stack([x[y == k].T @ x[y == k] for k in range(6)])
-    moments = neural_collapse_from_moments(
-        counts,
-        sums,
-        gram=class_grams.sum(0),
-        class_sum_squares=class_grams.diagonal(dim1=1, dim2=2).sum(1),
-        dtype=torch.float32,
-    )
+    moments = _from_class_grams(x32.double(), y, counts, sums, 6, dtype=torch.float32)
     assert moments.nc1 == pytest.approx(reference.nc1, rel=1e-5)
 
 
