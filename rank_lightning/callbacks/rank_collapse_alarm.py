@@ -20,6 +20,9 @@ from rank_lightning.validation import check_choice, check_names, check_positive
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
 
 ACTIONS = ("warn", "stop", "raise")
+
+# Collapsed keys named in one warning or error; the rest are counted (all are kept in RankCollapseAlarm.alarms).
+_NAMED_ALARMS = 3
 """What :class:`RankCollapseAlarm` does when a rule fires."""
 
 _WEIGHT_NAMESPACES = ("weight",)
@@ -216,7 +219,10 @@ class RankCollapseAlarm(RankCallback):
 
     def _act(self, trainer: pl.Trainer, messages: list[str]) -> None:
         self.alarms.extend(messages)
-        text = "; ".join(messages)
+        text = "; ".join(messages[:_NAMED_ALARMS])
+        if len(messages) > _NAMED_ALARMS:
+            # A collapsed 24-layer network gave one warning of 3,000 characters; every message is in `alarms`.
+            text += f"; and {len(messages) - _NAMED_ALARMS} more keys (RankCollapseAlarm.alarms lists every one)"
         if self.action == "stop":
             # Every process judged the same values; the reduction keeps the processes in step all the same.
             should_stop = trainer.strategy.reduce_boolean_decision(bool(messages), all=False)

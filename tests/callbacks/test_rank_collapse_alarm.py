@@ -129,6 +129,27 @@ def test_absolute_threshold_nan_and_explicit_widths_warn() -> None:
     assert RankCollapseAlarm(min_value=1, nan_is_collapse=False).judge("rank/a/b", math.nan) is None
 
 
+class _ManyLayers(_Logs):
+    """Five layers' keys collapsing at once, as the blocks of a deep vanilla network do."""
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            for layer in range(5):
+                self.log(f"rank/layer{layer}/effective_rank", self.values[self.current_epoch])
+
+
+def test_one_warning_names_three_collapsed_keys_and_counts_the_rest() -> None:
+    # A collapsed 24-layer network gave a single warning of about 3,000 characters.
+    alarm = RankCollapseAlarm(keys="rank/*", min_value=2.0, action="warn", verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(alarm, [1.0], _ManyLayers)
+    (said,) = [str(w.message) for w in caught if "RankCollapseAlarm" in str(w.message)]
+    assert said.count(" is below the threshold") == 3
+    assert said.endswith("; and 2 more keys (RankCollapseAlarm.alarms lists every one)")
+    assert len(alarm.alarms) == 5
+
+
 def test_widths_come_from_the_model() -> None:
     model = nn.Sequential(nn.Linear(8, 5), nn.Conv2d(3, 16, 3), nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7)))
     alarm = RankCollapseAlarm(min_width_fraction=0.5, verbose=False)
