@@ -186,7 +186,8 @@ class MNISTDataModule(TorchvisionDataModule):
     """MNIST handwritten digits, ``(1, 28, 28)``, ten classes, via ``torchvision.datasets.MNIST``.
 
     Expects the four uncompressed idx files ``{train,t10k}-{images-idx3,labels-idx1}-ubyte`` in
-    ``<data_dir>/MNIST/raw/`` (the layout torchvision's download produces). Normalisation: the usual training-set
+    ``<data_dir>/MNIST/raw/`` (the layout torchvision's download produces), or torchvision's older
+    ``<data_dir>/MNIST/processed/{training,test}.pt``. Normalisation: the usual training-set
     constants mean 0.1307, std 0.3081. Split: see :class:`TorchvisionDataModule`.
 
     Args:
@@ -244,6 +245,11 @@ class MNISTDataModule(TorchvisionDataModule):
         return self.data_dir / self.torchvision_class.__name__ / "raw"
 
     def _expected_files(self) -> list[Path]:
+        # torchvision's older layout, processed/{training,test}.pt, which torchvision still reads first when present.
+        processed = self._raw_folder().parent / "processed"
+        legacy = [processed / self.torchvision_class.training_file, processed / self.torchvision_class.test_file]
+        if all(path.is_file() for path in legacy):
+            return legacy
         # torchvision downloads the .gz archives and reads their uncompressed copies.
         names = [os.path.basename(url).removesuffix(".gz") for url, _ in self.torchvision_class.resources]
         return [self._raw_folder() / name for name in names]

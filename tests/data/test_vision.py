@@ -132,6 +132,23 @@ def test_mnist_family_loads_idx_files(tmp_path, cls, folder):
     assert np.array_equal(test_px[:, 0], test[0]) and np.array_equal(test_y, test[1])
 
 
+@pytest.mark.parametrize(("cls", "folder"), [(MNISTDataModule, "MNIST"), (FashionMNISTDataModule, "FashionMNIST")])
+def test_mnist_family_loads_the_older_processed_layout(tmp_path, cls, folder):
+    # torchvision still reads processed/{training,test}.pt; the datamodule asked for the raw files instead.
+    rng = np.random.default_rng(2)
+    processed = tmp_path / folder / "processed"
+    processed.mkdir(parents=True)
+    train, test = _random_split(rng, 10, 5, (28, 28)), _random_split(rng, 10, 2, (28, 28))
+    for name, (images, labels) in (("training.pt", train), ("test.pt", test)):
+        torch.save((torch.from_numpy(images), torch.from_numpy(labels).long()), processed / name)
+    dm = cls(data_dir=tmp_path, val_fraction=0.2, batch_size=8)
+    dm.prepare_data()
+    dm.setup("fit")
+    test_px, test_y = served_pixels(dm, dm.test_set)
+    assert np.array_equal(test_px[:, 0], test[0]) and np.array_equal(test_y, test[1])
+    assert len(dm.train_set) + len(dm.val_set) == 50
+
+
 def test_mnist_flatten_and_determinism(tmp_path):
     write_mnist(tmp_path, "MNIST")
     a, b = (MNISTDataModule(data_dir=tmp_path, flatten=True, val_fraction=0.2, batch_size=32) for _ in range(2))
