@@ -335,8 +335,11 @@ class ClassificationDimension(RankCallback):
         path = self._head_path or self.find_head(pl_module)
         captured: dict[str, Tensor] = {}
         layers = [FeatureLayer("features", path, "input"), FeatureLayer("logits", path, "output")]
+        # The loader's iterator draws its base seed from the global generator: forked, so that the fit's own random
+        # stream (shuffling, dropout, augmentation) is the one it would be without this check.
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         with forward_hooks(pl_module, layers, lambda layer, value: captured.setdefault(layer.name, value)):
-            with eval_mode(pl_module), torch.no_grad():
+            with eval_mode(pl_module), torch.no_grad(), torch.random.fork_rng(devices=devices):
                 for batch in loader:
                     x, _ = self.reader.split(batch)
                     pl_module(x.to(pl_module.device))

@@ -20,10 +20,10 @@ from rank_lightning.validation import check_choice, check_names, check_positive
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
 
 ACTIONS = ("warn", "stop", "raise")
+"""What :class:`RankCollapseAlarm` does when a rule fires."""
 
 # Collapsed keys named in one warning or error; the rest are counted (all are kept in RankCollapseAlarm.alarms).
 _NAMED_ALARMS = 3
-"""What :class:`RankCollapseAlarm` does when a rule fires."""
 
 _WEIGHT_NAMESPACES = ("weight",)
 

@@ -174,7 +174,7 @@ def _dtype_eps(dtype: torch.dtype | None) -> float:
 
 
 def between_class_directions(
-    means: Tensor, global_mean: Tensor, *, dtype: torch.dtype | None = None
+    means: Tensor, global_mean: Tensor, *, dtype: torch.dtype | None = None, counts: Tensor | None = None
 ) -> BetweenClassDirections:
     """Orthonormal directions of ``span{mu_c - mu_G}`` and the singular values of ``M`` along them.
 
@@ -188,7 +188,15 @@ def between_class_directions(
     * float32: ``max(C, d) * eps_float32``. The means are accumulated in float64, but the features carry float32
       rounding, which leaves singular values near ``1e-9 s_1`` along directions the classes do not span; a float64
       cut-off would keep them, and ``1 / s_k^2`` in NC1 would let them dominate;
-    * coarser (bfloat16, float16): ``max(max(C, d) * eps_float32, eps_dtype)``.
+    * coarser (bfloat16, float16): ``max(max(C, d) * eps_float32, eps_dtype / sqrt(n_min))``, ``n_min`` the
+      smallest class (``counts``; 1 without them). A class mean averages ``n_c`` roundings of relative size
+      ``eps_dtype``, which the spread of the features within the class makes independent: its error, and the
+      singular values it leaves along directions the classes do not span, are of order ``eps_dtype / sqrt(n_c)``
+      (measured: 1.2e-4 of the scale for 50 bf16 rows per class, against a cut-off of 1.1e-3). Without that spread
+      (rows equal within each class) the error does not average out, but the within-class covariance along such a
+      direction is then zero too, so it adds nothing to NC1. The whole ``eps_dtype`` would drop real directions:
+      bf16 features 5 away from the origin, in classes of 2000 rows whose means spread over 1e-3 of that, lost
+      every direction (NC1 NaN).
 
     The scale is raised from ``s_1`` to the size of the uncentred means, since means computed far from the origin
     carry an absolute error of about ``eps * ||mu_c||`` that centring cannot remove (``sum_c n_c (mu_c - mu_G) = 0``
@@ -199,6 +207,7 @@ def between_class_directions(
         means: ``(C, d)`` class means.
         global_mean: ``(d,)`` mean over all samples.
         dtype: the dtype the features were computed in (before any conversion to float64); ``None`` for float64.
+        counts: the rows of each class in ``means`` (bfloat16 and float16 only).
     """
     centred = means - global_mean  # (C, d)
     if not bool(torch.isfinite(centred).all()):
@@ -206,7 +215,11 @@ def between_class_directions(
         return BetweenClassDirections(empty, centred.new_zeros(0))
     _, s, vh = torch.linalg.svd(centred, full_matrices=False)
     scale = max(float(s[0]), float(means.norm(dim=1).max())) if s.numel() else 0.0
-    tolerance = default_rank_tolerance(*centred.shape, tolerance_size="max", dtype_eps=_dtype_eps(dtype))
+    eps = _dtype_eps(dtype)
+    if eps > torch.finfo(torch.float32).eps:
+        smallest = max(int(counts.min()), 1) if counts is not None and counts.numel() else 1
+        eps /= math.sqrt(smallest)
+    tolerance = default_rank_tolerance(*centred.shape, tolerance_size="max", dtype_eps=eps)
     keep = s > tolerance * scale
     return BetweenClassDirections(vh[keep].T.contiguous(), s[keep])
 
@@ -218,7 +231,14 @@ def _nc1_from_projection(projected_covariance: Tensor, singular_values: Tensor) 
     return float((projected_covariance / singular_values.square()).sum())
 
 
-def nc1(within_covariance: Tensor, means: Tensor, global_mean: Tensor, *, dtype: torch.dtype | None = None) -> float:
+def nc1(
+    within_covariance: Tensor,
+    means: Tensor,
+    global_mean: Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    counts: Tensor | None = None,
+) -> float:
     """``Tr(Sigma_W Sigma_B^+) / C`` (Papyan et al. 2020) from a ``(d, d)`` within-class covariance.
 
     Args:
@@ -227,11 +247,12 @@ def nc1(within_covariance: Tensor, means: Tensor, global_mean: Tensor, *, dtype:
         global_mean: ``(d,)`` mean over all samples.
         dtype: the dtype the features were computed in, which sets the cut-off of ``Sigma_B^+``
             (:func:`between_class_directions`); ``None`` for float64.
+        counts: the rows of each class, for bfloat16 and float16 features (:func:`between_class_directions`).
 
     Returns:
         NC1; NaN when all class means coincide (``Sigma_B = 0``).
     """
-    basis = between_class_directions(means, global_mean, dtype=dtype)
+    basis = between_class_directions(means, global_mean, dtype=dtype, counts=counts)
     u = basis.directions
     projected = ((within_covariance.to(torch.float64) @ u) * u).sum(dim=0)  # u_k^T Sigma_W u_k
     return _nc1_from_projection(projected, basis.singular_values)
@@ -430,7 +451,7 @@ def neural_collapse_from_residuals(
             Pass two must have used the directions of the same ``dtype``.
     """
     present, means, global_mean = class_means(class_counts, class_sums)
-    basis = between_class_directions(means, global_mean, dtype=dtype)
+    basis = between_class_directions(means, global_mean, dtype=dtype, counts=class_counts[present])
     num_samples = int(class_counts.sum())
     rank = basis.singular_values.shape[0]
     projected = projected_scatter.to(torch.float64)[:rank] / max(num_samples, 1)
@@ -468,7 +489,7 @@ def neural_collapse_from_moments(
     present, means, global_mean = class_means(class_counts, class_sums)
     num_samples = int(class_counts.sum())
     within = within_class_scatter_from_moments(gram, class_counts, class_sums) / max(num_samples, 1)
-    basis = between_class_directions(means, global_mean, dtype=dtype)
+    basis = between_class_directions(means, global_mean, dtype=dtype, counts=class_counts[present])
     u = basis.directions
     projected = ((within @ u) * u).sum(dim=0)
     scatter = class_scatter_from_moments(class_sum_squares, class_counts, class_sums)[present]
@@ -511,7 +532,7 @@ def neural_collapse(
     counts = torch.bincount(labels, minlength=classes)
     sums = x.new_zeros(classes, x.shape[1]).index_add_(0, labels, x)
     present, means, global_mean = class_means(counts, sums)
-    basis = between_class_directions(means, global_mean, dtype=features.dtype)
+    basis = between_class_directions(means, global_mean, dtype=features.dtype, counts=counts[present])
     projected, scatter = residual_moments(x, labels, means, present, basis.directions, classes)
     agreements = None
     if predictions is not None:

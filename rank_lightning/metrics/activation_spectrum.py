@@ -374,6 +374,7 @@ class ActivationSpectrum(Metric):
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, ("min", "max"))
         self.alpha_req_range = check_alpha_req_range(alpha_req_range)
         check_positive_int("classwise_k", classwise_k)
+        check_choice("classwise_center", classwise_center, (False, True))
         self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
         check_positive_int("max_gram_features", max_gram_features)
         check_positive_int("max_samples", max_samples, allow_none=True)

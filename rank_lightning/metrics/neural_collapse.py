@@ -136,7 +136,9 @@ class NeuralCollapseStatistics(Metric):
         with self.sync_context():
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
         self._present, self._means, global_mean = class_means(*self._totals)
-        self._directions = between_class_directions(self._means, global_mean, dtype=self.input_dtype).directions
+        counts = self._totals[0][self._present]
+        basis = between_class_directions(self._means, global_mean, dtype=self.input_dtype, counts=counts)
+        self._directions = basis.directions
 
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).

@@ -373,5 +373,6 @@ def test_main_ends_with_a_summary_of_what_it_wrote_and_where(tmp_path, monkeypat
     assert "[3/3] FAILED" in printed and "2 of 3 run(s) finished in" in printed
     assert f"written to {out}:" in printed
     assert re.search(r"^\s+2 tables\s+sweep\.csv, sweep\.md$", printed, re.M), printed
-    assert re.search(r"^\s+2 run folders\s+version_0, version_0$", printed, re.M), printed
+    folders = r"^\s+2 run folders\s+weight_decay=0/version_0, weight_decay=0\.01/version_0$"
+    assert re.search(folders, printed, re.M), printed
     assert "1 run(s) failed: weight_decay=-1/version_0 (see their .log files)" in printed

@@ -233,6 +233,27 @@ def test_settings_within_the_model_pass_the_early_check(tmp_path):
     assert callback.result.ks.tolist() == [2, 12] and [row["class"] for row in callback.deficit] == [4]
 
 
+class _FirstDraw(pl.Callback):
+    """The global generator's first draw of the fit's first training batch, as dropout would make it."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0 and trainer.current_epoch == 0:
+            self.draw = torch.rand(1).item()
+
+
+def test_the_early_check_leaves_the_fits_random_stream_alone(tmp_path):
+    # The check's validation batch iterated a loader, whose iterator draws its base seed from the global generator:
+    # ks=[...] changed the dropout masks and shuffles of the fit it only measures at the end.
+    draws = []
+    for options in ({}, {"ks": [2, 12]}):
+        probe = _FirstDraw()
+        torch.manual_seed(0)
+        trainer = make_trainer(tmp_path / str(len(draws)), [probe, ClassificationDimension(verbose=False, **options)])
+        trainer.fit(TinyNet(), make_loader(make_data()), make_loader(make_data(20, seed=2)))
+        draws.append(probe.draw)
+    assert draws[0] == draws[1]
+
+
 class _DeadNet(TinyNet):
     """The head's input is 0 for every sample: the Linear before it has a zero (frozen) weight and no bias."""
 

@@ -227,6 +227,31 @@ def test_float32_rounding_is_not_counted_as_between_class_directions() -> None:
     assert moments.nc1 == pytest.approx(reference.nc1, rel=1e-5)
 
 
+@pytest.mark.parametrize(("dtype", "offset", "spread"), [(torch.bfloat16, 5.0, 0.005), (torch.float16, 5.0, 0.002)])
+def test_half_precision_keeps_class_directions_its_averaged_rounding_resolves(dtype, offset, spread) -> None:
+    # A cut-off of the whole eps_bf16 (0.0078 of the means' size) dropped every direction of these classes, whose
+    # means spread over about 1e-3 of it: NC1 was NaN. 2000 rows per class average the rounding down to 2e-4.
+    torch.manual_seed(0)
+    classes, d, n = 10, 64, 2000
+    y = torch.arange(classes).repeat_interleave(n)
+    x64 = (
+        offset
+        + spread * torch.randn(classes, d, dtype=torch.float64)[y]
+        + 0.1 * torch.randn(classes * n, d, dtype=torch.float64)
+    )
+    rounded = x64.to(dtype)
+    result = neural_collapse(rounded, y, num_classes=classes)
+    assert result.nc1 == pytest.approx(neural_collapse(x64, y, num_classes=classes).nc1, rel=0.05)
+    assert result.nc1 == pytest.approx(neural_collapse(rounded.double(), y, num_classes=classes).nc1, rel=1e-9)
+    # Without the class sizes (one row per class at worst) the cut-off stays the whole eps: nothing is resolved.
+    counts = torch.bincount(y)
+    _, means, mu_g = class_means(
+        counts, torch.zeros(classes, d, dtype=torch.float64).index_add_(0, y, rounded.double())
+    )
+    assert between_class_directions(means, mu_g, dtype=dtype).singular_values.numel() == 0
+    assert between_class_directions(means, mu_g, dtype=dtype, counts=counts).singular_values.numel() == classes - 1
+
+
 @pytest.mark.parametrize("predicted", [0, 2])
 def test_nc4_is_nan_when_the_class_means_coincide(predicted: int) -> None:
     # Every distance to a class mean ties, so the nearest centre is argmin's first index, not a property of the data.

@@ -229,6 +229,13 @@ def test_num_features_preallocates_and_reset_clears() -> None:
     _assert_scalars_close(first, metric.compute().as_dict(), rtol=1e-12)
 
 
+@pytest.mark.parametrize("value", [1, "yes"])
+def test_classwise_center_is_checked_at_construction(value) -> None:
+    # A non-bool was accepted here and refused by the class-wise VR at compute(), after the whole pass.
+    with pytest.raises(ValueError, match=rf"unknown classwise_center {value!r}; valid choices are: False, True"):
+        ActivationSpectrum(num_classes=2, classwise_center=value)
+
+
 def test_reset_learns_the_width_again() -> None:
     # The width of the first batch outlived reset(): a layer of another width was "earlier batches had 6".
     metric = ActivationSpectrum()
