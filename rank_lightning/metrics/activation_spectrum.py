@@ -382,9 +382,8 @@ class ActivationSpectrum(Metric):
         self.fallback = check_choice("fallback", fallback, FALLBACKS)
         check_positive("memory_budget_mb", memory_budget_mb)
         self.memory_budget_bytes = int(memory_budget_mb * 2**20)
-        self.seed = seed
+        self.seed, self._given_num_features = seed, num_features
         self._num_features: int | None = None
-        self._given_num_features = num_features
         self._generator: torch.Generator | None = None
         self._add_states(num_features)
 
