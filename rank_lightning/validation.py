@@ -15,8 +15,10 @@ __all__ = [
     "SetupError",
     "check_choice",
     "check_choices",
+    "check_finite",
     "check_fraction",
     "check_names",
+    "check_non_negative",
     "check_non_negative_int",
     "check_positive",
     "check_positive_int",
@@ -53,19 +55,30 @@ def check_non_negative_int(name: str, value: Any, *, allow_none: bool = False) -
     _require(name, value, lambda v: _is_int(v) and v >= 0, "a non-negative integer", allow_none)
 
 
+def _is_finite_real(value: Any) -> bool:
+    # numbers.Real: NumPy's floats count; bool does not.
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def check_finite(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number (or ``None`` when ``allow_none``)."""
+    _require(name, value, _is_finite_real, "a finite number", allow_none)
+
+
+def check_non_negative(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number ``>= 0`` (or ``None`` when ``allow_none``)."""
+    _require(name, value, lambda v: _is_finite_real(v) and v >= 0, "a finite number >= 0", allow_none)
+
+
 def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite real number ``> 0`` (or ``None`` when ``allow_none``)."""
-
-    def ok(v: Any) -> bool:
-        return not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and v > 0
-
-    _require(name, value, ok, "a positive number", allow_none)
+    _require(name, value, lambda v: _is_finite_real(v) and v > 0, "a positive number", allow_none)
 
 
 def check_fraction(name: str, value: Any, *, closed_low: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` lies in ``(0, 1]`` (``[0, 1]`` with ``closed_low``)."""
-    low_ok = value >= 0 if closed_low else value > 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and value <= 1):
+    # The type first: comparing a string with 0 is a TypeError, not this message.
+    if not _is_finite_real(value) or not ((value >= 0 if closed_low else value > 0) and value <= 1):
         interval = "[0, 1]" if closed_low else "(0, 1]"
         raise ValueError(f"{name} must lie in {interval}, got {value!r}")
 

@@ -4,7 +4,6 @@ after every optimizer step."""
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import pytorch_lightning as pl
@@ -13,7 +12,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback
 from rank_lightning.nn.lr_layer import lr_layers
-from rank_lightning.validation import check_non_negative_int
+from rank_lightning.validation import check_finite, check_non_negative_int
 
 __all__ = ["LowRankProjection"]
 
@@ -74,9 +73,8 @@ class LowRankProjection(RankCallback):
         if threshold is None and switch_on_epoch is None:
             raise ValueError("LowRankProjection needs a threshold or a switch_on_epoch (or both); got neither")
         check_non_negative_int("switch_on_epoch", switch_on_epoch, allow_none=True)
+        check_finite("threshold", threshold, allow_none=True)
         if threshold is not None:
-            if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold):
-                raise ValueError(f"threshold must be a finite number or None, got {threshold!r}")
             if "acc" in monitor.lower() and not 0 <= threshold <= 1:
                 hint = f"; did you mean {threshold / 100:g}?" if 1 < threshold <= 100 else ""
                 raise ValueError(

@@ -20,18 +20,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rank_lightning.validation import check_positive_int
+from rank_lightning.validation import check_non_negative, check_positive_int
 
 __all__ = ["PowerLawFit", "SpectralDecayFit", "power_law_alpha", "spectral_decay_alpha"]
 
 # Candidate x_min values are scored in blocks of about this many (candidate, tail point) pairs: the full
 # n x n table of a 4,096-eigenvalue spectrum would take 128 MiB in float64.
 _BLOCK_PAIRS = 1 << 20
-
-
-def _check_non_negative(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 class PowerLawFit(NamedTuple):
@@ -91,7 +86,7 @@ def power_law_alpha(eigenvalues: Tensor, *, min_eigenvalue: float = 1e-5) -> Pow
         The :class:`PowerLawFit`; all NaN (``num_tail = 0``) with fewer than two usable eigenvalues or when every
         usable eigenvalue is equal.
     """
-    _check_non_negative("min_eigenvalue", min_eigenvalue)
+    check_non_negative("min_eigenvalue", min_eigenvalue)
     if eigenvalues.ndim != 1:
         raise ValueError(f"eigenvalues must be 1-D, got shape {tuple(eigenvalues.shape)}")
     x = eigenvalues.detach().to(torch.float64)
@@ -176,7 +171,7 @@ def spectral_decay_alpha(
     """
     check_positive_int("first_index", first_index)
     check_positive_int("last_index", last_index, allow_none=True)
-    _check_non_negative("min_eigenvalue", min_eigenvalue)
+    check_non_negative("min_eigenvalue", min_eigenvalue)
     if last_index is not None and last_index < first_index:
         raise ValueError(f"last_index={last_index} is below first_index={first_index}")
     if eigenvalues.ndim != 1:

@@ -13,6 +13,7 @@ from rank_lightning.layers import FeatureLayer, eval_mode, forward_hooks
 from rank_lightning.models import create_model, get_model_factory
 from rank_lightning.modules.base import RankModule
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
+from rank_lightning.validation import check_fraction
 
 
 def _input_kwargs(backbone: str, input_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -82,10 +83,7 @@ class ImageClassifier(RankModule):
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-            raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+        check_fraction("label_smoothing", label_smoothing, closed_low=True)
         self.label_smoothing = label_smoothing
         described = {"num_classes": num_classes, **_input_kwargs(backbone, self.input_shape)}
         for key in described.keys() & (backbone_kwargs or {}).keys():

@@ -3,14 +3,13 @@ low-rank affine subspace, and the helpers that place it in a network and collect
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rank_lightning.functional.nystrom import PROJECTION_METHODS, rank_projection
+from rank_lightning.validation import check_non_negative
 
 __all__ = ["LRLayer", "collect_auxiliary_losses", "insert_lr_layer", "lr_layers"]
 
@@ -85,13 +84,8 @@ class LRLayer(nn.Module):
         if projection not in PROJECTION_METHODS:
             valid = ", ".join(PROJECTION_METHODS)
             raise ValueError(f"unknown projection {projection!r}; valid projections are: {valid}")
-        for name, value in (("lambda_1", lambda_1), ("lambda_2", lambda_2)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not (math.isfinite(value) and value >= 0)
-            ):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        check_non_negative("lambda_1", lambda_1)
+        check_non_negative("lambda_2", lambda_2)
         if isinstance(num_runs, bool) or not isinstance(num_runs, int) or num_runs < 1:
             raise ValueError(f"num_runs must be a positive integer, got {num_runs!r}")
         if isinstance(oversampling, bool) or not isinstance(oversampling, int) or oversampling < 1:

@@ -172,5 +172,5 @@ def test_a_flat_input_of_as_many_values_fits_the_datamodule(tmp_path):
 
 @pytest.mark.parametrize("value", [2.0, -0.1, "0.1"])
 def test_label_smoothing_must_lie_in_the_unit_interval(value):
-    with pytest.raises(ValueError, match=rf"label_smoothing must be a number in \[0, 1\], got {value!r}"):
+    with pytest.raises(ValueError, match=rf"label_smoothing must lie in \[0, 1\], got {value!r}"):
         ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), label_smoothing=value)
