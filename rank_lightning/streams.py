@@ -2,8 +2,9 @@
 
 :class:`ActivationStream` is the part of activation monitoring that knows nothing of Lightning: forward hooks on the
 chosen layers, the hidden state of each layer's output (:func:`~rank_lightning.layers.hidden_state`), the batch and
-token layout, padded tokens (the batch's attention mask), how many rows of each batch are measured, a memory budget
-over all layers, and the collective ``compute`` that every process joins. The Lightning callback
+token layout, padded tokens (the batch's attention mask), how many rows of each batch are measured (at most
+``max_samples``, never the samples a ``DistributedSampler`` repeats: :mod:`rank_lightning.sampling`), a memory
+budget over all layers, and the collective ``compute`` that every process joins. The Lightning callback
 :class:`~rank_lightning.callbacks.ActivationRankMonitor` decides *when* a pass runs; the plain-PyTorch
 :class:`~rank_lightning.tracker.RankTracker` lets the user's own loop decide. Both give the same numbers on the same
 batches because both run this code.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -34,6 +35,7 @@ from rank_lightning.functional.reductions import check_token_mask
 from rank_lightning.functional.streaming import ClassGrouping, group_by_class
 from rank_lightning.layers import BatchReader, FeatureLayer, OutputSelector, forward_hooks, hidden_state
 from rank_lightning.metrics import ActivationSpectrum
+from rank_lightning.sampling import own_samples
 
 __all__ = ["ActivationStream"]
 _KINDS = {4: "conv maps", 3: "tokens"}
@@ -113,13 +115,22 @@ class ActivationStream:
         self._groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
         self._seen_this_batch: set[str] = set()
+        self._own_left: list[int | None] = []
+        self._own_rows: int | None = None
         self.batches_seen = self.inputs_measured = 0
 
     # -- a pass ---------------------------------------------------------------------------------------------------
 
-    def start(self, module: nn.Module, *, num_batches: float = math.inf, world_size: int = 1) -> None:
+    def start(
+        self, module: nn.Module, *, num_batches: float = math.inf, world_size: int = 1, loaders: Sequence[Any] = ()
+    ) -> None:
         """Hook the layers of ``module`` for a pass of ``num_batches`` batches (``inf`` when unknown); clears the
-        sums of an earlier pass cut short."""
+        sums of an earlier pass cut short.
+
+        ``loaders`` are the loaders of the pass, in the order of the ``loader`` index given to :meth:`batch_start`:
+        the samples a ``DistributedSampler`` repeats at the end of one (:func:`~rank_lightning.sampling.own_samples`)
+        are not measured, so that the processes together measure each sample once.
+        """
         self.stop()
         for metric in self.metrics.values():
             metric.reset()
@@ -128,6 +139,7 @@ class ActivationStream:
         self._batches_left = num_batches if num_batches > 0 else math.inf
         layers = [FeatureLayer(name, path) for name, path in self.layers.items()]
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
+        self._own_left = [own_samples(loader) for loader in loaders]
         self.active = True
 
     def stop(self) -> None:
@@ -145,9 +157,12 @@ class ActivationStream:
         """Whether the pass has measured all the rows it may (``max_samples`` reached)."""
         return self.remaining == 0
 
-    def batch_start(self, batch: Any = None, *, labels: Tensor | None = None, mask: Tensor | None = None) -> None:
+    def batch_start(
+        self, batch: Any = None, *, labels: Tensor | None = None, mask: Tensor | None = None, loader: int = 0
+    ) -> None:
         """Begin a batch: its labels (``labels`` or read from ``batch``), its attention mask (``mask`` or read from
-        ``batch``) and its size, which tells the batch dimension of every layer's output."""
+        ``batch``) and its size, which tells the batch dimension of every layer's output; ``loader`` is the index of
+        the batch's loader among the ``loaders`` of :meth:`start`."""
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
         self._labels = labels if self.num_classes else None
@@ -156,10 +171,19 @@ class ActivationStream:
         for known in (self._labels, self._mask):
             if self._batch is None and known is not None:
                 self._batch = known.shape[0]
+        self._own_rows = self._count_own(loader)
         self._take = None
         self._groupings = {}
         self._seen_this_batch = set()
         self._in_batch = True
+
+    def _count_own(self, loader: int) -> int | None:
+        """Leading rows of this batch that are the process's own (``None``: all), counted off its loader's."""
+        left = self._own_left[loader] if loader < len(self._own_left) else None
+        if left is None or self._batch is None:
+            return None
+        self._own_left[loader] = max(left - self._batch, 0)
+        return min(left, self._batch)
 
     def _read_labels(self, batch: Any) -> Tensor | None:
         # An explicit label_key or label_fn that finds nothing raises here, at the first batch.
@@ -202,6 +226,8 @@ class ActivationStream:
         iterable dataset), the first ``max_samples`` rows are taken.
         """
         if self._take is None:
+            if self._own_rows is not None:
+                size = min(size, self._own_rows)
             if self.remaining is None:
                 self._take = size
             else:

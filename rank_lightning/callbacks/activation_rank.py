@@ -391,14 +391,14 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stage == "val" and self.due(trainer):
-            self._start(trainer, pl_module, sum(trainer.num_val_batches))
+            self._start(trainer, pl_module, sum(trainer.num_val_batches), _as_list(trainer.val_dataloaders))
 
     @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self._monitoring("val"):
-            self._stream.batch_start(batch)
+            self._stream.batch_start(batch, loader=dataloader_idx)
 
     @override
     def on_validation_batch_end(
@@ -423,7 +423,7 @@ class ActivationRankMonitor(CurveMonitor):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         if self.stage == "train" and not self.cadence.by_step and self.due(trainer):
-            self._start(trainer, pl_module, trainer.num_training_batches)
+            self._start(trainer, pl_module, trainer.num_training_batches, [trainer.train_dataloader])
 
     @override
     def on_train_batch_start(
@@ -479,9 +479,12 @@ class ActivationRankMonitor(CurveMonitor):
 
     # -- a pass ---------------------------------------------------------------------------------------------------
 
-    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, num_batches: float) -> None:
-        """Hook the layers for a pass of ``num_batches`` batches (``inf`` when unknown)."""
-        self._stream.start(pl_module, num_batches=num_batches, world_size=trainer.world_size)
+    def _start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, num_batches: float, loaders: list[Any] | None = None
+    ) -> None:
+        """Hook the layers for a pass of ``num_batches`` batches (``inf`` when unknown) over ``loaders`` (whose
+        repeated samples under a ``DistributedSampler`` are left out; none for a step window, which ends before)."""
+        self._stream.start(pl_module, num_batches=num_batches, world_size=trainer.world_size, loaders=loaders or ())
 
     def _stop(self) -> None:
         if self._stream is not None:
@@ -522,7 +525,7 @@ class ActivationRankMonitor(CurveMonitor):
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
         if not loaders or self._stream is None or not self.initial_point_due(trainer):
             return
-        self._start(trainer, pl_module, sum(batches for _, batches in loaders))
+        self._start(trainer, pl_module, sum(batches for _, batches in loaders), [loader for loader, _ in loaders])
         try:
             self._initial_pass(trainer, pl_module, loaders)
         except Exception as error:  # a model that cannot run a loader's batch must not stop the fit it precedes
@@ -549,12 +552,12 @@ class ActivationRankMonitor(CurveMonitor):
         # Validation runs in eval mode; training batches in training mode, without touching BatchNorm statistics.
         mode = eval_mode if self.stage == "val" else train_mode
         with torch.no_grad(), mode(pl_module), buffers_kept(pl_module):
-            for loader, batches in loaders:
+            for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
                     if self._stream.done or index >= batches:
                         break
                     batch = trainer.strategy.batch_to_device(batch)
-                    self._stream.batch_start(batch)
+                    self._stream.batch_start(batch, loader=number)
                     _forward_batch(pl_module, batch, self.batch_reader)
                     self._stream.batch_end()
 
@@ -568,12 +571,16 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
         loader = trainer.train_dataloader
         batches = window if window is not None else trainer.num_training_batches
         return [(loader, batches)] if loader is not None and batches > 0 else []
-    loaders = trainer.val_dataloaders
-    loaders = [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    loaders = _as_list(trainer.val_dataloaders)
     counts = list(trainer.num_val_batches)
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(loader, batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    """The trainer's evaluation loaders as a list (Lightning gives one loader bare)."""
+    return [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
 
 
 def _raised_by_package(error: BaseException) -> bool:

@@ -25,6 +25,7 @@ from rank_lightning.callbacks.base import Cadence, RankCallback, trainer_fn
 from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure, save_figure
+from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
 __all__ = ["AdversarialValidation", "grey_levels"]
@@ -278,10 +279,11 @@ class AdversarialValidation(RankCallback):
             self._active = "test" if trainer_fn(trainer) == "test" else "validate"
         self._inputs, self._labels = [], []
         world, rank = max(trainer.world_size, 1), trainer.global_rank
-        if self.max_samples is None:
-            self._remaining = -1
-        else:
-            self._remaining = self.max_samples // world + int(rank < self.max_samples % world)
+        limit = None if self.max_samples is None else self.max_samples // world + int(rank < self.max_samples % world)
+        # The samples a DistributedSampler repeats at the end of a process's pass are attacked once.
+        loaders = trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders
+        limit = limit_to_own_samples(limit, loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders)
+        self._remaining = -1 if limit is None else limit
 
     def _collect(self, batch: Any, dataloader_idx: int) -> None:
         if self._active is None or dataloader_idx != 0 or self._remaining == 0:

@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
 from rank_lightning.validation import check_positive_int
 
-__all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "trainer_fn"]
+__all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "gather_rows", "trainer_fn"]
 
 
 def trainer_fn(trainer: pl.Trainer) -> str | None:
@@ -37,6 +39,19 @@ def first_val_loader(trainer: pl.Trainer) -> Any:
     if isinstance(loaders, (list, tuple)):
         return loaders[0] if loaders else None
     return loaders
+
+
+def gather_rows(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -> Tensor:
+    """The processes' ``x`` concatenated along the first dimension, in process order; their lengths may differ (each
+    is padded to the longest for ``all_gather``). A collective under DDP: every process must call it."""
+    if trainer.world_size <= 1:
+        return x
+    count = torch.tensor([x.shape[0]], device=pl_module.device)
+    counts = pl_module.all_gather(count).reshape(-1).tolist()
+    padded = x.new_zeros((int(max(counts)), *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    gathered = pl_module.all_gather(padded)
+    return torch.cat([gathered[rank, : int(n)] for rank, n in enumerate(counts)])
 
 
 def _steps_before(batches: int, num_batches: float, accumulate: int, step_on_last: bool) -> int:

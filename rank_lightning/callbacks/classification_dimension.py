@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader
+from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
@@ -27,6 +27,7 @@ from rank_lightning.functional.classification import (
 )
 from rank_lightning.layers import BatchReader, FeatureLayer, classifier_head, eval_mode, forward_hooks
 from rank_lightning.plotting import classification_dimension_figure, save_figure
+from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import (
     check_choice,
     check_fraction,
@@ -363,6 +364,7 @@ class ClassificationDimension(RankCallback):
         """This process's head inputs and labels on ``loader`` (at most its share of ``max_samples``)."""
         path = self._head_path or self.find_head(pl_module)
         limit = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
+        limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
         head = FeatureLayer("head", path, "input")
         captured: dict[str, Tensor] = {}
         features, labels, taken = [], [], 0
@@ -385,18 +387,6 @@ class ClassificationDimension(RankCallback):
             return torch.empty(0), torch.empty(0, dtype=torch.long)
         return torch.cat(features), torch.cat(labels).long()
 
-    @staticmethod
-    def _gather(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -> Tensor:
-        """Concatenate the processes' tensors, which may differ in length (padded for ``all_gather``)."""
-        if trainer.world_size <= 1:
-            return x
-        count = torch.tensor([x.shape[0]], device=pl_module.device)
-        counts = pl_module.all_gather(count).reshape(-1).tolist()
-        padded = x.new_zeros((int(max(counts)), *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        gathered = pl_module.all_gather(padded)
-        return torch.cat([gathered[rank, : int(n)] for rank, n in enumerate(counts)])
-
     # -- evaluation ---------------------------------------------------------------------------------------------
 
     def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
@@ -407,8 +397,8 @@ class ClassificationDimension(RankCallback):
             return {}
         features, labels = self._collect(trainer, pl_module, loader)
         shape = features.shape[1:]
-        features = self._gather(pl_module, trainer, features.flatten(1) if features.ndim > 2 else features)
-        labels = self._gather(pl_module, trainer, labels)
+        features = gather_rows(pl_module, trainer, features.flatten(1) if features.ndim > 2 else features)
+        labels = gather_rows(pl_module, trainer, labels)
         if self.max_samples is not None:
             features, labels = features[: self.max_samples], labels[: self.max_samples]
         scalars: dict[str, float] | None = None

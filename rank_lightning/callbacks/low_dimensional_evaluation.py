@@ -11,10 +11,11 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader
+from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows
 from rank_lightning.functional.embedding import low_dimensional_accuracy
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, eval_mode, feature_layer
+from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
 
 __all__ = ["LowDimensionalEvaluation"]
@@ -128,16 +129,18 @@ class LowDimensionalEvaluation(RankCallback):
         """``(features (N, d), labels (N,))`` of ``loader``, gathered from every rank, on the CPU."""
         layer = self._layer or feature_layer(pl_module, self.layer)
         features, labels = [], []
+        # The samples a DistributedSampler repeats at the end of a process's pass are taken once.
+        left = limit_to_own_samples(None, loader)
         with torch.no_grad(), eval_mode(pl_module), capture_features(pl_module, [layer]) as captured:
             for index, batch in enumerate(loader):
-                if self.max_batches is not None and index >= self.max_batches:
+                if (self.max_batches is not None and index >= self.max_batches) or left == 0:
                     break
                 inputs, targets = self.reader.split(trainer.strategy.batch_to_device(batch))
                 pl_module(inputs)
-                features.append(reduce_activations(captured[layer.name], self.reduction).float())
-                labels.append(targets)
+                take = targets.shape[0] if left is None else min(targets.shape[0], left)
+                features.append(reduce_activations(captured[layer.name], self.reduction)[:take].float())
+                labels.append(targets[:take])
+                left = None if left is None else left - take
         x, y = torch.cat(features), torch.cat(labels)
-        if trainer.world_size > 1:
-            x = pl_module.all_gather(x).reshape(-1, x.shape[1])
-            y = pl_module.all_gather(y).reshape(-1)
-        return x.cpu(), y.cpu()
+        # A process may have one sample fewer than another.
+        return gather_rows(pl_module, trainer, x).cpu(), gather_rows(pl_module, trainer, y).cpu()

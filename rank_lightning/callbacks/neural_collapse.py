@@ -17,6 +17,7 @@ from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import BatchReader, FeatureLayer, classifier_head, eval_mode, forward_hooks
 from rank_lightning.metrics import NeuralCollapseStatistics
+from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import check_choices, check_positive_int
 
 __all__ = ["NC_METRICS", "NeuralCollapseMonitor"]
@@ -170,6 +171,7 @@ class NeuralCollapseMonitor(CurveMonitor):
             return {}
         path = self._head_path or self.find_head(pl_module)
         limit = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
+        limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
         metric = self._stream(pl_module, loader, path, limit, None)
         if metric is None:
             return {}

@@ -51,11 +51,11 @@ class ConvNet(pl.LightningModule):
         self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]), sync_dist=True)
 
 
-def loader() -> torch.utils.data.DataLoader:
+def loader(num_samples: int = NUM_SAMPLES, shuffle: bool = False) -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(NUM_SAMPLES, 2, 6, 6, generator=generator)
-    y = torch.randint(0, NUM_CLASSES, (NUM_SAMPLES,), generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH_SIZE)
+    x = torch.randn(num_samples, 2, 6, 6, generator=generator)
+    y = torch.randint(0, NUM_CLASSES, (num_samples,), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH_SIZE, shuffle=shuffle)
 
 
 def _validating_trainer(devices: int, monitor: pl.Callback, **options: Any) -> pl.Trainer:
@@ -165,3 +165,43 @@ def validate_ragged(root: Path, devices: int) -> dict:
     trainer = _validating_trainer(devices, monitor, logger=False, default_root_dir=root)
     trainer.validate(RaggedNet(), loader(), verbose=False)
     return json.loads((Path(root) / FIGURE_DIR / "rank_curves.json").read_text())
+
+
+# Odd: Lightning's DistributedSampler gives each of 2 processes 31 samples, the second process's last one a repeat of
+# sample 0 (in the shuffled order, of the permutation's first).
+UNEVEN_SAMPLES = 61
+
+
+class UnevenNet(FrozenConvNet):
+    """FrozenConvNet on loaders of UNEVEN_SAMPLES rows that Lightning deals out itself (a shuffled training loader):
+    an epoch's sums cover the same rows, in any order, on one process and on two."""
+
+    def train_dataloader(self):
+        return loader(UNEVEN_SAMPLES, shuffle=True)
+
+    def val_dataloader(self):
+        return loader(UNEVEN_SAMPLES)
+
+
+def fit_uneven(root: Path, devices: int, stage: str) -> dict:
+    """Fit UnevenNet for one epoch with the monitor on ``stage`` every epoch (and at the initial point) on
+    ``devices`` CPU processes; returns the curve file rank zero wrote."""
+    torch.manual_seed(0)
+    monitor = ActivationRankMonitor(layers=["conv", "act"], stage=stage, verbose=False)
+    strategy = "auto"
+    if devices > 1:
+        strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60), find_unused_parameters=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=CSVLogger(root, name="run", version=0),
+        callbacks=[monitor],
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(UnevenNet())
+    name = "rank_curves.json" if stage == "val" else "rank_train_curves.json"
+    return json.loads((Path(root, "run", "version_0") / FIGURE_DIR / name).read_text())

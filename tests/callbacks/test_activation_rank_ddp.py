@@ -2,7 +2,14 @@ import math
 
 import pytest
 
-from tests.callbacks.activation_rank_ddp_helpers import WORLD_SIZE, fit_by_step, validate, validate_ragged
+from tests.callbacks.activation_rank_ddp_helpers import (
+    UNEVEN_SAMPLES,
+    WORLD_SIZE,
+    fit_by_step,
+    fit_uneven,
+    validate,
+    validate_ragged,
+)
 
 
 def _logged(rows: list[dict[str, str]]) -> dict[str, float]:
@@ -57,3 +64,22 @@ def test_a_layer_whose_flatten_width_differs_between_processes_is_left_out(tmp_p
     assert ddp["layers"] == ["act"]
     for metric, value in single["history"]["-1"]["act"].items():
         assert ddp["history"]["-1"]["act"][metric] == pytest.approx(value, rel=1e-9, abs=1e-12), metric
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["val", "train"])
+def test_samples_the_distributed_sampler_repeats_are_measured_once(tmp_path, stage):
+    # 61 samples on 2 processes: Lightning's sampler repeats one at the end of the second process's pass; counted
+    # twice, every metric of the initial pass and of the epoch differed from one process's.
+    single = fit_uneven(tmp_path / "single", devices=1, stage=stage)
+    ddp = fit_uneven(tmp_path / "ddp", devices=WORLD_SIZE, stage=stage)
+
+    assert sorted(ddp["history"]) == sorted(single["history"]) == ["-1", "0"]
+    for epoch, layers in single["history"].items():
+        assert ddp["history"][epoch].keys() == layers.keys() == {"conv", "act"}
+        for layer, metrics in layers.items():
+            assert ddp["history"][epoch][layer].keys() == metrics.keys()
+            for metric, value in metrics.items():
+                expected = pytest.approx(value, rel=1e-9, abs=1e-12)
+                assert ddp["history"][epoch][layer][metric] == expected, (epoch, layer, metric)
+    assert ddp["history"]["0"]["act"]["spectrum_rows"] == UNEVEN_SAMPLES

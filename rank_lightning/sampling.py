@@ -1,0 +1,66 @@
+"""Which samples of a process's pass are its own: the repeats a distributed sampler adds are left out.
+
+With ``drop_last=False`` (Lightning's choice for the loaders it gives each DDP process) PyTorch's
+``DistributedSampler`` gives every process ``ceil(n / world_size)`` samples: the index list is padded to
+``world_size * ceil(n / world_size)`` entries by repeating its first ones, and process ``r`` reads entries
+``r, r + world_size, ...``. Summed over the processes, a pass would count the repeated samples twice, and a metric
+of an uneven validation set would differ from one process's. The repeats are the last entries of the padded list, so
+they are the last samples of the processes that read them: each process measures its first
+:func:`own_samples` samples and leaves the rest out, and the processes together measure every sample exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch.utils.data import DistributedSampler
+
+__all__ = ["limit_to_own_samples", "own_samples", "repeated_samples"]
+
+
+def _padding_sampler(loader: Any) -> DistributedSampler | None:
+    """The loader's ``DistributedSampler`` when it is one whose padding rule is known (PyTorch's own, or Lightning's
+    wrapper of a custom sampler, which pads the same way); ``None`` otherwise."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler):
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or getattr(sampler, "drop_last", True):
+        return None
+    known = {"DistributedSampler", "DistributedSamplerWrapper"}
+    if type(sampler).__name__ not in known or not type(sampler).__module__.startswith(("torch.", "lightning")):
+        return None  # a subclass of the user's, or Lightning's unrepeated sampler for prediction: no padding known
+    return sampler
+
+
+def repeated_samples(loader: Any) -> int:
+    """How many samples at the end of this process's pass over ``loader`` repeat samples that a process reads earlier
+    (the padding of a ``DistributedSampler`` with ``drop_last=False``); 0 for any other loader.
+
+    Process ``r`` of ``R`` reads entries ``r + k R`` (``k < ceil(n / R)``) of the padded index list, of which the
+    entries at ``n`` and beyond are repeats.
+    """
+    sampler = _padding_sampler(loader)
+    if sampler is None:
+        return 0
+    size, replicas, rank, per_process = len(sampler.dataset), sampler.num_replicas, sampler.rank, sampler.num_samples
+    own = math.ceil((size - rank) / replicas) if size > rank else 0
+    return max(per_process - own, 0)
+
+
+def own_samples(loader: Any) -> int | None:
+    """Samples of this process's pass over ``loader`` that are not repeats, when the loader repeats any (see
+    :func:`repeated_samples`); ``None`` when every sample it gives is its own."""
+    repeated = repeated_samples(loader)
+    if not repeated:
+        return None
+    sampler = _padding_sampler(loader)
+    return len(sampler) - repeated
+
+
+def limit_to_own_samples(limit: int | None, loader: Any) -> int | None:
+    """``limit`` (samples this process measures, ``None`` for all) lowered to its :func:`own_samples` of ``loader``."""
+    own = own_samples(loader)
+    if own is None:
+        return limit
+    return own if limit is None else min(limit, own)
