@@ -23,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -59,6 +61,7 @@ __all__ = [
     "match_layer_names",
     "match_layer_types",
     "module_blocks",
+    "random_state_kept",
     "select_layers",
     "train_mode",
 ]
@@ -861,6 +864,45 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+@contextmanager
+def random_state_kept(module: nn.Module | None = None, loaders: Iterable[Any] = ()) -> Iterator[None]:
+    """Restore the random generators when the block ends: torch's CPU generator, that of ``module``'s GPU (its first
+    parameter's), Python's ``random``, NumPy's global one, and the generators ``loaders`` hold (a ``DataLoader``'s
+    ``generator``, its sampler's).
+
+    A monitor's own pass over a loader draws a seed for the loader's iterator and a shuffled order from the loader's
+    generator, a forward pass in training mode draws dropout masks; without this, the batches, masks and
+    augmentations the fit draws afterwards would differ from those of the same fit unmonitored.
+    """
+    parameter = next(module.parameters(), None) if module is not None else None
+    devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
+    generators = {id(g): g for loader in loaders for g in _loader_generators(loader)}.values()
+    loader_states = [(generator, generator.get_state()) for generator in generators]
+    # NumPy's legacy global generator is the one kept: it is what a user's np.random.* calls draw from.
+    python_state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)  # noqa: NPY002
+        for generator, state in loader_states:
+            generator.set_state(state)
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The generators a loader draws from besides torch's global one: its own, its sampler's and its batch sampler's
+    sampler's (the loaders inside a list or a dict of loaders too)."""
+    if isinstance(loader, Mapping):
+        return [g for inner in loader.values() for g in _loader_generators(inner)]
+    if isinstance(loader, (list, tuple)):
+        return [g for inner in loader for g in _loader_generators(inner)]
+    sampler = getattr(loader, "sampler", None)
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    found = (getattr(source, "generator", None) for source in (loader, sampler, inner))
+    return [generator for generator in found if isinstance(generator, torch.Generator)]
+
+
 def declared_batch_first(model: nn.Module, path: str) -> bool | None:
     """The token layout that the module at ``path`` declares, or ``None`` when nothing declares one.
 
@@ -917,6 +959,14 @@ def _read_labels(value: Any) -> tuple[Tensor | None, str, bool]:
         is_one_hot = value.shape[1] >= 2 and bool(((value == 0) | (value == 1)).all() & (value.sum(1) == 1).all())
         if is_one_hot:
             return value.to(torch.uint8).argmax(1), f"{found}, one-hot: read as its argmax", False
+        if (
+            not value.is_floating_point()
+            and value.dtype != torch.bool
+            and not bool(((value == 0) | (value == 1)).all())
+        ):
+            # Integer (B, T) beyond 0 and 1: a label per token (a language model's next tokens, token classification).
+            message = "a class label per token or position, not one per sample (per-token labels are not supported)"
+            return None, f"{found}: {message}", True
         return None, f"{found}: {_NOT_ONE_HOT}", True
     return None, f"{found}: {value.ndim} dimensions, not one label per row", True
 

@@ -117,19 +117,27 @@ class ActivationStream:
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._own_rows: int | None = None
+        self._name_uncalled = True
         self.batches_seen = self.inputs_measured = 0
 
     # -- a pass ---------------------------------------------------------------------------------------------------
 
     def start(
-        self, module: nn.Module, *, num_batches: float = math.inf, world_size: int = 1, loaders: Sequence[Any] = ()
+        self,
+        module: nn.Module,
+        *,
+        num_batches: float = math.inf,
+        world_size: int = 1,
+        loaders: Sequence[Any] = (),
+        name_uncalled: bool = True,
     ) -> None:
         """Hook the layers of ``module`` for a pass of ``num_batches`` batches (``inf`` when unknown); clears the
         sums of an earlier pass cut short.
 
         ``loaders`` are the loaders of the pass, in the order of the ``loader`` index given to :meth:`batch_start`:
         the samples a ``DistributedSampler`` repeats at the end of one (:func:`~rank_lightning.sampling.own_samples`)
-        are not measured, so that the processes together measure each sample once.
+        are not measured, so that the processes together measure each sample once. ``name_uncalled=False`` does not
+        warn about layers the pass's first batch did not run (a pass whose forward is not the module's own steps).
         """
         self.stop()
         for metric in self.metrics.values():
@@ -140,6 +148,7 @@ class ActivationStream:
         layers = [FeatureLayer(name, path) for name, path in self.layers.items()]
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
         self._own_left = [own_samples(loader) for loader in loaders]
+        self._name_uncalled = name_uncalled
         self.active = True
 
     def stop(self) -> None:
@@ -202,7 +211,7 @@ class ActivationStream:
         self.batches_seen += 1
         if self.batches_seen != 1:
             return
-        for name, path in self.layers.items():
+        for name, path in self.layers.items() if self._name_uncalled else ():
             if name not in self._seen_this_batch:
                 message = f"({path}) was not called in the forward pass of a monitored batch; it is not logged. "
                 self._warn(name, "not called", message + "Name a module that runs (layers=[...]).")
@@ -302,7 +311,11 @@ class ActivationStream:
 
     def _mask_of(self, name: str, activations: Tensor) -> Tensor | None:
         """The batch's attention mask when it fits this token layer's ``(B, T)``; else ``None`` with a warning."""
-        if self._mask is None or activations.ndim != 3 or self.reductions.get(3) == "cls":
+        if self._mask is None or activations.ndim != 3:
+            return None
+        if self.reductions.get(3) == "cls":
+            if self.batches_seen == 0:  # once per pass: reading the mask's first column synchronises a GPU
+                self._check_cls_position(name)
             return None
         try:
             # Also fits a mask to tokens cut at the batch's longest sequence (nested tensors padded back).
@@ -312,6 +325,17 @@ class ActivationStream:
                 name, "mask", f"cannot use the batch's attention mask ({error}); its padded positions are measured too."
             )
             return None
+
+    def _check_cls_position(self, name: str) -> None:
+        """Warn when the first position of a sequence is padding (left padding): ``"cls"`` would measure its state."""
+        mask = self._mask
+        if mask.ndim == 2 and mask.shape[1] and not bool(mask[:, 0].bool().all()):
+            message = (
+                "uses token_reduction='cls', but the attention mask marks the first position of some sequences as "
+                "padding (left padding), whose hidden state is measured there. Pad on the right, or use "
+                "token_reduction='token' or 'mean'."
+            )
+            self._warn(name, "cls padding", message)
 
     def _batch_first(self, name: str, activations: Tensor) -> Tensor | None:
         """``activations`` with the batch first; tokens may come sequence-first, ``(T, B, D)``."""
@@ -365,10 +389,13 @@ class ActivationStream:
             metric, planned = self._sized(num_features, options, min(own, left / unplanned))
         if planned > left:
             used = sum(self._planned.values()) / _MIB
+            needs = f"layer {name!r} ({num_features} features) needs {planned / _MIB:.3g} MiB of state even on its "
+            if used:
+                where = f"fallback path, but the other monitored layers already plan {used:.3g} MiB of the "
+            else:
+                where = "fallback path, more than all of the "
             raise MemoryError(
-                f"layer {name!r} ({num_features} features) needs {planned / _MIB:.3g} MiB of state even on its "
-                f"fallback path, but the other monitored layers already plan {used:.3g} MiB of the "
-                f"memory_budget_mb={self.memory_budget_mb:g}. Monitor fewer layers, raise "
+                f"{needs}{where}memory_budget_mb={self.memory_budget_mb:g}. Monitor fewer layers, raise "
                 "memory_budget_mb, or lower max_gram_features."
             )
         self._planned[name] = planned

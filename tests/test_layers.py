@@ -351,8 +351,13 @@ NOT_ONE_HOT = "rows that are not one-hot: soft labels, mixup or regression targe
         (torch.tensor([0.0, 1.0]), "a Tensor torch.float32 of shape (2,): float values, not class indices"),
         (torch.tensor([True, False]), "a Tensor torch.bool of shape (2,): boolean values, not class indices"),
         (torch.zeros(2, 4, 4).long(), "a Tensor torch.int64 of shape (2, 4, 4): 3 dimensions, not one label per row"),
+        (
+            torch.tensor([[5, 17, -100], [3, 9, 2]]),
+            "a Tensor torch.int64 of shape (2, 3): a class label per token or position, not one per sample (per-token "
+            "labels are not supported)",
+        ),
     ],
-    ids=["soft", "mixup", "two_hot", "column", "regression", "integral_floats", "bool", "mask"],
+    ids=["soft", "mixup", "two_hot", "column", "regression", "integral_floats", "bool", "mask", "per_token"],
 )
 def test_labels_that_are_not_class_labels_are_refused(labels, found):
     batch = {"x": torch.ones(2, 3), "y": labels}
@@ -670,3 +675,28 @@ def test_compiled_networks_are_found_and_their_layers_keep_their_eager_names():
     assert compiled_modules(in_place) == ["0"]
     assert default_layers(compiled) == {"1": "_orig_mod.1", "3": "_orig_mod.3"}
     assert default_layers(wrapper) == {"0": "0", "1.0": "1._orig_mod.0", "1.2": "1._orig_mod.2"}
+
+
+def test_random_state_kept_restores_every_stream_a_pass_draws_from():
+    import random
+
+    import numpy as np
+
+    from rank_lightning.layers import random_state_kept
+
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    loader = torch.utils.data.DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1))
+    nested = {"a": [loader]}
+
+    def draws() -> tuple:
+        order = [int(i) for batch in loader for i in batch[0]]
+        return order, torch.rand(2).tolist(), random.random(), np.random.rand()  # noqa: NPY002
+
+    module = nn.Linear(2, 2)
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)  # noqa: NPY002
+    expected = draws()
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)  # noqa: NPY002
+    loader.generator.manual_seed(1)
+    with random_state_kept(module, [nested]):
+        draws(), draws()
+    assert draws() == expected

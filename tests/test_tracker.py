@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,22 @@ def test_token_layers_with_padding_give_the_monitors_numbers(tmp_path):
                 model(batch["x"])
     padded = tracker.compute()
     assert padded["mix"]["token/participation_ratio"] != pytest.approx(actual["mix"]["token/participation_ratio"])
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_cls_reduction_names_left_padding(left):
+    batches = _token_batches()
+    if left:
+        for batch in batches:
+            batch["attention_mask"] = batch["attention_mask"].flip(1)  # the padding first
+    model = _TokenNet().eval()
+    tracker = RankTracker(model, layers=["proj"], num_classes=CLASSES, token_reduction="cls")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), tracker:
+        warnings.simplefilter("always")
+        for batch in batches:
+            with tracker.batch(batch=batch):
+                model(batch["x"])
+    named = [w for w in caught if "left padding" in str(w.message)]
+    assert len(named) == (1 if left else 0)
+    if left:
+        assert "'proj'" in str(named[0].message) and "token_reduction='token'" in str(named[0].message)

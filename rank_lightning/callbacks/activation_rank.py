@@ -25,6 +25,7 @@ from rank_lightning.layers import (
     declared_batch_first,
     eval_mode,
     module_blocks,
+    random_state_kept,
     select_layers,
     train_mode,
 )
@@ -429,6 +430,8 @@ class ActivationRankMonitor(CurveMonitor):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.cadence.by_step:
+            self.curves.clear_stale_metrics(trainer)  # the last window's values were read at its step
         if self._stream is not None and not self._stream.active and self.cadence.window_opens(trainer, batch_idx):
             self._target_step = self.cadence.next_step(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
@@ -480,11 +483,23 @@ class ActivationRankMonitor(CurveMonitor):
     # -- a pass ---------------------------------------------------------------------------------------------------
 
     def _start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, num_batches: float, loaders: list[Any] | None = None
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        num_batches: float,
+        loaders: list[Any] | None = None,
+        *,
+        name_uncalled: bool = True,
     ) -> None:
         """Hook the layers for a pass of ``num_batches`` batches (``inf`` when unknown) over ``loaders`` (whose
         repeated samples under a ``DistributedSampler`` are left out; none for a step window, which ends before)."""
-        self._stream.start(pl_module, num_batches=num_batches, world_size=trainer.world_size, loaders=loaders or ())
+        self._stream.start(
+            pl_module,
+            num_batches=num_batches,
+            world_size=trainer.world_size,
+            loaders=loaders or (),
+            name_uncalled=name_uncalled,
+        )
 
     def _stop(self) -> None:
         if self._stream is not None:
@@ -523,15 +538,25 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
-        if not loaders or self._stream is None or not self.initial_point_due(trainer):
+        if not loaders or self._stream is None:
             return
-        self._start(trainer, pl_module, sum(batches for _, batches in loaders), [loader for loader, _ in loaders])
+        initial = self.initial_point_due(trainer)
+        if not initial:
+            # One batch before training all the same: the layers' states are planned now (a memory budget they
+            # exceed raises now, a layer that never runs is named now), not at the first monitored batch, which may
+            # come hours into the fit. Its sums are dropped.
+            loaders = [(loaders[0][0], 1)]
+        batches = sum(batches for _, batches in loaders)
+        # The layers forward() does not run may run in the module's own steps: named by the monitored passes only.
+        self._start(trainer, pl_module, batches, [loader for loader, _ in loaders], name_uncalled=initial)
         try:
             self._initial_pass(trainer, pl_module, loaders)
         except Exception as error:  # a model that cannot run a loader's batch must not stop the fit it precedes
             self._stop()
             if _raised_by_package(error):
                 raise  # a setting that does not fit the model or the data: the first monitored batch would raise too
+            if not initial:
+                return  # forward() may not run a batch by itself; the monitored passes run the module's own steps
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             message = f"no initial point: the forward pass on a batch failed ({reason}). "
             if type(pl_module).forward is nn.Module.forward:
@@ -542,6 +567,9 @@ class ActivationRankMonitor(CurveMonitor):
                 advice = "Set input_key to the batch entry that forward() takes, or log_at_init=False."
             self.warn_once(("init",), message + advice)
             return
+        if not initial:
+            self._stop()
+            return
         values = self._pass_values(trainer, pl_module, initial=True)
         if values:
             self.curves.record_initial(trainer, values)
@@ -551,7 +579,10 @@ class ActivationRankMonitor(CurveMonitor):
     ) -> None:
         # Validation runs in eval mode; training batches in training mode, without touching BatchNorm statistics.
         mode = eval_mode if self.stage == "val" else train_mode
-        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module):
+        # The loaders draw seeds and orders, dropout draws masks: the fit's random streams stay those of the
+        # unmonitored fit.
+        kept = random_state_kept(pl_module, [loader for loader, _ in loaders])
+        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
                     if self._stream.done or index >= batches:

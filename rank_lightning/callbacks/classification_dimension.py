@@ -25,7 +25,14 @@ from rank_lightning.functional.classification import (
     independence_deficit,
     independence_deficit_markdown,
 )
-from rank_lightning.layers import BatchReader, FeatureLayer, classifier_head, eval_mode, forward_hooks
+from rank_lightning.layers import (
+    BatchReader,
+    FeatureLayer,
+    classifier_head,
+    eval_mode,
+    forward_hooks,
+    random_state_kept,
+)
 from rank_lightning.plotting import classification_dimension_figure, save_figure
 from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import (
@@ -336,11 +343,10 @@ class ClassificationDimension(RankCallback):
         path = self._head_path or self.find_head(pl_module)
         captured: dict[str, Tensor] = {}
         layers = [FeatureLayer("features", path, "input"), FeatureLayer("logits", path, "output")]
-        # The loader's iterator draws its base seed from the global generator: forked, so that the fit's own random
+        # The loader's iterator draws its base seed from the global generator: kept, so that the fit's own random
         # stream (shuffling, dropout, augmentation) is the one it would be without this check.
-        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         with forward_hooks(pl_module, layers, lambda layer, value: captured.setdefault(layer.name, value)):
-            with eval_mode(pl_module), torch.no_grad(), torch.random.fork_rng(devices=devices):
+            with eval_mode(pl_module), torch.no_grad(), random_state_kept(pl_module, [loader]):
                 for batch in loader:
                     x, _ = self.reader.split(batch)
                     pl_module(x.to(pl_module.device))
@@ -395,7 +401,8 @@ class ClassificationDimension(RankCallback):
         if loader is None:
             self.warn_once(("no validation data",), "needs validation data; nothing evaluated")
             return {}
-        features, labels = self._collect(trainer, pl_module, loader)
+        with random_state_kept(pl_module, [loader]):  # the loader draws a seed (and an order, if shuffled)
+            features, labels = self._collect(trainer, pl_module, loader)
         shape = features.shape[1:]
         features = gather_rows(pl_module, trainer, features.flatten(1) if features.ndim > 2 else features)
         labels = gather_rows(pl_module, trainer, labels)

@@ -193,18 +193,22 @@ def log_rank_equal(pl_module: Any, scalars: Mapping[str, Any]) -> None:
     pl_module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
 
-def publish_scalars(trainer: Any, scalars: Mapping[str, float], *, epoch: int | None = None) -> None:
+def publish_scalars(
+    trainer: Any, scalars: Mapping[str, float], *, epoch: int | None = None, step: int | None = None
+) -> None:
     """Write scalars that are equal on every process in one batch: to the loggers and to ``callback_metrics``.
 
-    On rank zero every logger receives ``{**scalars, "epoch": epoch}`` at the step Lightning logs at (the count of
-    optimizer steps taken) and is saved, as Lightning's own logger connector does; on every rank the values enter
-    ``trainer.callback_metrics`` as float64 tensors, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` read
-    them like logged metrics. One write replaces one ``LightningModule.log`` call per key (about 0.25 ms each).
+    On rank zero every logger receives ``{**scalars, "epoch": epoch}`` at ``step`` (by default the step Lightning
+    logs at, the count of optimizer steps taken) and is saved, as Lightning's own logger connector does; on every
+    rank the values enter ``trainer.callback_metrics`` as float64 tensors, so ``ModelCheckpoint(monitor=...)`` and
+    ``EarlyStopping`` read them like logged metrics. One write replaces one ``LightningModule.log`` call per key
+    (about 0.25 ms each).
 
     Args:
         trainer: the Trainer (either Lightning package).
         scalars: ``key -> value``; nothing is written when empty.
         epoch: the ``"epoch"`` value sent along; ``None`` sends ``trainer.current_epoch``.
+        step: the loggers' step; ``None`` for Lightning's (:func:`log_step`).
     """
     if not scalars:
         return
@@ -213,7 +217,7 @@ def publish_scalars(trainer: Any, scalars: Mapping[str, float], *, epoch: int | 
         metrics.update({key: torch.tensor(value, dtype=torch.float64) for key, value in scalars.items()})
     if not getattr(trainer, "is_global_zero", True):
         return
-    step = log_step(trainer)
+    step = log_step(trainer) if step is None else step
     row = {**scalars, "epoch": trainer.current_epoch if epoch is None else epoch}
     for logger in getattr(trainer, "loggers", None) or []:
         logger.log_metrics(row, step=step)
@@ -428,6 +432,7 @@ class LayerCurves:
         self._wandb_layer_table_logged = False
         self._charted_epochs: list[int] | None = None
         self._logged_keys: set[str] = set()
+        self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
         self._references: dict[str, Reference] = {}
         # Set by load_state_dict: the epochs that held values before loading, and whether the first recorded epoch of
         # the fit that follows is still to be checked for a rewind.
@@ -563,12 +568,14 @@ class LayerCurves:
             self._supersede_rewound(trainer, at)
         scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
         if _fitting(trainer):
-            publish_scalars(trainer, scalars)
+            # A step axis logs at the step the curve file and the figures show (the initial point being step 0).
+            publish_scalars(trainer, scalars, step=at if self.x_axis == "step" else None)
         else:
             # One evaluation run: the per-key cost does not matter, and values logged through the module are also in
             # the results trainer.validate() / trainer.test() return.
             log_rank_equal(pl_module, scalars)
         self._logged_keys.update(scalars)
+        self._published = self._published or bool(scalars)
         if not trainer.is_global_zero:
             return
         self._write_curve_file(trainer)
@@ -637,17 +644,19 @@ class LayerCurves:
         self.clear_stale_metrics(trainer)
 
     def clear_stale_metrics(self, trainer: Any) -> None:
-        """Remove the values this object logged from ``trainer.callback_metrics`` (:meth:`start_epoch` calls it).
+        """Remove the values this object logged from ``trainer.callback_metrics`` (:meth:`start_epoch` calls it, and
+        the step-cadence monitors at the start of every training batch).
 
         Lightning keeps the last value of every key in ``trainer.callback_metrics`` for the rest of the fit, so in the
-        epochs between two measurements ``EarlyStopping`` and ``ModelCheckpoint`` would read the previous
+        epochs (or steps) between two measurements ``EarlyStopping`` and ``ModelCheckpoint`` would read the previous
         measurement again (``EarlyStopping`` counting it as an epoch without improvement). Without it they find no
-        value: ``EarlyStopping(strict=False)`` skips the epoch, ``ModelCheckpoint(every_n_epochs=...)`` with the
-        monitor's cadence saves in measured epochs only.
+        value: ``EarlyStopping(strict=False)`` skips the epoch, ``ModelCheckpoint(every_n_epochs=...)`` (or
+        ``every_n_train_steps=...``) with the monitor's cadence saves at measurements only.
         """
         metrics = getattr(trainer, "callback_metrics", None)
-        if metrics is None:
+        if metrics is None or not self._published:
             return
+        self._published = False
         for key in self._logged_keys:
             metrics.pop(key, None)
 

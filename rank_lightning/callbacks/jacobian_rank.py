@@ -13,7 +13,7 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
-from rank_lightning.layers import BatchReader, check_layer_types, select_layers
+from rank_lightning.layers import BatchReader, check_layer_types, random_state_kept, select_layers
 from rank_lightning.validation import check_choice, check_names, check_positive, check_positive_int
 
 __all__ = ["JacobianRankMonitor"]
@@ -265,7 +265,11 @@ class JacobianRankMonitor(CurveMonitor):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.due(trainer):
             return
-        values = self._measure_values(trainer, pl_module) if trainer.is_global_zero else None
+        values = None
+        if trainer.is_global_zero:
+            # A loader that has to be iterated for the inputs draws a seed: the fit's stays that of the unmonitored fit.
+            with random_state_kept(pl_module, [first_val_loader(trainer)]):
+                values = self._measure_values(trainer, pl_module)
         values = trainer.strategy.broadcast(values, src=0)
         if values:
             self.curves.record_and_log(trainer, pl_module, values)

@@ -14,7 +14,14 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows
 from rank_lightning.functional.embedding import low_dimensional_accuracy
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
-from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, eval_mode, feature_layer
+from rank_lightning.layers import (
+    BatchReader,
+    FeatureLayer,
+    capture_features,
+    eval_mode,
+    feature_layer,
+    random_state_kept,
+)
 from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
 
@@ -110,6 +117,12 @@ class LowDimensionalEvaluation(RankCallback):
         if trainer.train_dataloader is None or val_loaders is None:
             self.warn_once(("no data",), "needs training and validation data; nothing evaluated")
             return {}
+        # The loaders' iterators draw seeds (and scikit-learn may draw from NumPy's): the fit's random stream stays
+        # that of the unmonitored fit.
+        with random_state_kept(pl_module, [trainer.train_dataloader, val_loaders]):
+            return self._evaluate_kept(trainer, pl_module, val_loaders)
+
+    def _evaluate_kept(self, trainer: pl.Trainer, pl_module: pl.LightningModule, val_loaders: Any) -> dict[int, float]:
         train_x, train_y = self._collect(trainer, pl_module, trainer.train_dataloader)
         val_x, val_y = self._collect(trainer, pl_module, val_loaders)
         max_dim = min(train_x.shape)

@@ -15,7 +15,14 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
-from rank_lightning.layers import BatchReader, FeatureLayer, classifier_head, eval_mode, forward_hooks
+from rank_lightning.layers import (
+    BatchReader,
+    FeatureLayer,
+    classifier_head,
+    eval_mode,
+    forward_hooks,
+    random_state_kept,
+)
 from rank_lightning.metrics import NeuralCollapseStatistics
 from rank_lightning.sampling import limit_to_own_samples
 from rank_lightning.validation import check_choices, check_positive_int
@@ -172,11 +179,12 @@ class NeuralCollapseMonitor(CurveMonitor):
         path = self._head_path or self.find_head(pl_module)
         limit = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
         limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
-        metric = self._stream(pl_module, loader, path, limit, None)
-        if metric is None:
-            return {}
-        metric.start_second_pass()
-        self._stream(pl_module, loader, path, limit, metric)
+        with random_state_kept(pl_module, [loader]):  # the loader's iterators draw seeds
+            metric = self._stream(pl_module, loader, path, limit, None)
+            if metric is None:
+                return {}
+            metric.start_second_pass()
+            self._stream(pl_module, loader, path, limit, metric)
         return {path: self._values(metric, pl_module.get_submodule(path))}
 
     def _values(self, metric: NeuralCollapseStatistics, head: nn.Module) -> dict[str, float]:

@@ -325,6 +325,8 @@ class WeightRankMonitor(CurveMonitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_batch_start = trainer.global_step
+        if self.cadence.by_step:
+            self.curves.clear_stale_metrics(trainer)  # the last measurement's values were read at its step
 
     @override
     def on_train_batch_end(

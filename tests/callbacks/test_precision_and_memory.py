@@ -3,6 +3,7 @@ budget of ActivationRankMonitor."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,45 @@ def test_a_layer_that_cannot_fit_the_budget_is_named_before_anything_is_allocate
     monitor = ActivationRankMonitor(layers=["wide_a", "wide_b"], memory_budget_mb=0.001, verbose=False)
     with pytest.raises(MemoryError, match=r"layer 'wide_a' \(256 features\) needs .* memory_budget_mb=0.001"):
         _validate(tmp_path, monitor)
+
+
+class _Trained(_LowRank):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps = getattr(self, "steps", 0) + 1
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("cadence", [{"every_n_epochs": 2}, {"every_n_train_steps": 3}])
+def test_a_budget_too_small_fails_before_training_without_an_initial_point(tmp_path, cadence):
+    # With log_at_init=False the first monitored batch planned the states: a whole epoch (or window) of training
+    # came first.
+    monitor = ActivationRankMonitor(layers=["wide_b"], memory_budget_mb=0.001, log_at_init=False, **cadence)
+    model = _Trained()
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, max_epochs=2)
+    with pytest.raises(MemoryError, match=r"layer 'wide_b' \(256 features\) needs .* more than all of the memory_bud"):
+        trainer.fit(model, _loader(), _loader(64))
+    assert getattr(model, "steps", 0) == 0
+
+
+def test_without_an_initial_point_a_layer_only_the_steps_run_is_not_named_before_training(tmp_path):
+    class _Side(_Trained):
+        def __init__(self) -> None:
+            super().__init__()
+            self.side = nn.Linear(INPUTS, 3)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.side(batch[0])
+            self(batch[0])
+
+    monitor = ActivationRankMonitor(layers=["wide_a", "side"], log_at_init=False, num_classes=None, verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*was not called")
+        trainer.fit(_Side(), _loader(), _loader(64))
+    assert set(monitor.curves.history[0]) == {"wide_a", "side"}
 
 
 class _Stack(pl.LightningModule):

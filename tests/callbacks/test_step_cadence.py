@@ -66,9 +66,10 @@ def test_windows_stream_the_training_batches_before_every_nth_step(tmp_path: Pat
         logged = monitor.curves.history[step]["net.0"]
         for metric, value in _expected(rows, labels).items():
             assert logged[metric] == pytest.approx(value, rel=1e-9, abs=1e-9), (step, metric)
-    # Loggers receive each window at Lightning's logging step of its last batch, with no Lightning log call per key.
+    # Loggers receive each window at its step, as the curve file and figures show it, with no Lightning log call per
+    # key.
     steps = [step for step, metrics in logger.calls if "rank_train/net.0/numerical_rank" in metrics]
-    assert steps == [2, 5, 8, 11, 14]
+    assert steps == [3, 6, 9, 12, 15]
 
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
@@ -128,6 +129,65 @@ def test_checkpoint_and_early_stopping_read_step_metrics(tmp_path: Path) -> None
     assert checkpoint.best_model_path and float(checkpoint.best_model_score) == max(
         values["net.0"]["effective_rank"] for values in monitor.curves.history.values()
     )
+
+
+def test_every_step_gives_the_initial_point_and_each_window_a_step_of_their_own(tmp_path: Path) -> None:
+    # The window of step 1 was logged at Lightning's logging step 0, where the initial point is.
+    key = "rank_train/net.0/effective_rank"
+    monitor = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=1, verbose=False)
+    logger = RecordingLogger()
+    _fit(tmp_path, [monitor], epochs=1, logger=logger)
+
+    logged = {step: metrics[key] for step, metrics in logger.calls if key in metrics}
+    assert sorted(logged) == monitor.curves.epochs == list(range(9))
+    for step, value in logged.items():
+        assert value == monitor.curves.history[step]["net.0"]["effective_rank"]
+
+
+def test_a_step_measurement_is_read_at_its_step_only(tmp_path: Path) -> None:
+    # A checkpoint saved at every step named the previous window's value at the steps between two windows.
+    keys = ("rank_train/net.0/effective_rank", "weight/net.0/spectral_norm")
+    seen: dict[int, list[float | None]] = {}
+
+    class _Read(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            values = [trainer.callback_metrics.get(key) for key in keys]
+            seen[trainer.global_step] = [None if value is None else float(value) for value in values]
+
+    monitor = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=3, log_at_init=False, verbose=False)
+    weights = WeightRankMonitor(layers=["net.0"], every_n_train_steps=3, log_at_init=False, verbose=False)
+    _fit(tmp_path, [monitor, weights, _Read()], epochs=1)
+
+    assert monitor.curves.epochs == weights.curves.epochs == [3, 6]
+    for step in range(1, 9):
+        expected = [None, None]
+        if step in (3, 6):
+            expected = [
+                monitor.curves.history[step]["net.0"]["effective_rank"],
+                weights.curves.history[step]["net.0"]["spectral_norm"],
+            ]
+        assert seen[step] == expected, step
+
+
+def test_early_stopping_with_validation_after_the_measured_steps_sees_each_measurement_once(tmp_path: Path) -> None:
+    key = "rank_train/net.0/effective_rank"
+    checked: list[float | None] = []
+
+    class _Stopping(EarlyStopping):
+        def _run_early_stopping_check(self, trainer: pl.Trainer) -> None:
+            value = trainer.callback_metrics.get(key)
+            checked.append(None if value is None else float(value))
+            super()._run_early_stopping_check(trainer)
+
+    monitor = ActivationRankMonitor(
+        layers=["net.0"], every_n_train_steps=4, window_batches=2, log_at_init=False, verbose=False
+    )
+    stopping = _Stopping(monitor=key, mode="max", patience=100, strict=False)
+    trainer = quiet_trainer([monitor, stopping], max_epochs=2, default_root_dir=tmp_path, val_check_interval=4)
+    trainer.fit(_model(), train_dataloaders=_loader(), val_dataloaders=_loader(16, seed=1))
+
+    assert monitor.curves.epochs == [4, 8, 12, 16]
+    assert checked == [monitor.curves.history[step]["net.0"]["effective_rank"] for step in (4, 8, 12, 16)]
 
 
 @pytest.mark.parametrize(
