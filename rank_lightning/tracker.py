@@ -157,15 +157,34 @@ class RankTracker:
         )
         self._explicit_batch = False
         self._root_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._loader: Any = None
 
     # -- a pass -----------------------------------------------------------------------------------------------------
+
+    def over(self, loader: Any) -> RankTracker:
+        """Tell the tracker that its passes go over ``loader``, one batch per :meth:`batch` (or forward pass), from
+        the next :meth:`start` on: ``with tracker.over(val_loader):``. Returns the tracker.
+
+        Under ``torch.distributed`` with a ``DistributedSampler`` (``drop_last=False``), the samples the sampler
+        repeats at the end of this process's pass to even out the processes are then left out, so the processes
+        together measure every sample once, as one process would (:mod:`rank_lightning.sampling`). Without
+        ``num_batches``, ``max_samples`` is spread over the loader's length.
+        """
+        self._loader = loader
+        return self
 
     def start(self) -> RankTracker:
         """Hook the layers; what runs from now on is measured (until :meth:`stop` or :meth:`compute`)."""
         self.stop()
         batches = math.inf if self.num_batches is None else self.num_batches
+        if self.num_batches is None and self._loader is not None:
+            try:
+                batches = len(self._loader)
+            except TypeError:  # an iterable dataset of unknown length
+                pass
         world_size = torch.distributed.get_world_size() if _distributed() else 1
-        self.stream.start(self.model, num_batches=batches, world_size=world_size)
+        loaders = () if self._loader is None else (self._loader,)
+        self.stream.start(self.model, num_batches=batches, world_size=world_size, loaders=loaders)
         self._root_hooks = [
             self.model.register_forward_pre_hook(self._implicit_batch_start, with_kwargs=True),
             self.model.register_forward_hook(self._implicit_batch_end),

@@ -240,3 +240,32 @@ def test_cls_reduction_names_left_padding(left):
     assert len(named) == (1 if left else 0)
     if left:
         assert "'proj'" in str(named[0].message) and "token_reduction='token'" in str(named[0].message)
+
+
+def test_a_pass_over_a_distributed_sampler_leaves_its_repeated_samples_out():
+    # 61 samples on 2 processes: the second process reads 31, its last a repeat of sample 0. Emulated on one process
+    # by the sampler's rank argument; the two processes' sums are what one process measures on all 61.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, CLASSES)).eval()
+    g = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(61, 6, generator=g), torch.randint(0, CLASSES, (61,), generator=g)
+    )
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    second = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+    own = torch.utils.data.DataLoader(torch.utils.data.Subset(data, list(range(1, 61, 2))), batch_size=8)
+
+    def measure(loader, tracker: RankTracker) -> tuple[dict, int]:
+        with torch.no_grad(), tracker:
+            for x, y in loader:
+                with tracker.batch(labels=y):
+                    model(x)
+            return tracker.inputs_measured, tracker.compute()
+
+    options = dict(layers=["1"], num_classes=CLASSES)
+    count, values = measure(second, RankTracker(model, **options).over(second))
+    assert count == 30  # samples 1, 3, ..., 59; not 31
+    assert measure(second, RankTracker(model, **options))[0] == 31  # without over(): the repeat is measured
+    expected_count, expected = measure(own, RankTracker(model, **options))
+    assert expected_count == 30
+    _assert_equal(values, expected)
