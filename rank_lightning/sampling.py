@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
-__all__ = ["limit_to_own_samples", "own_samples", "repeated_samples"]
+__all__ = ["limit_to_own_samples", "own_samples", "process_share", "repeated_samples"]
 
 
 def _padding_sampler(loader: Any) -> DistributedSampler | None:
@@ -64,3 +64,12 @@ def limit_to_own_samples(limit: int | None, loader: Any) -> int | None:
     if own is None:
         return limit
     return own if limit is None else min(limit, own)
+
+
+def process_share(total: int | None, world_size: int, rank: int) -> int | None:
+    """This process's share of ``total`` samples measured over ``world_size`` processes: ``total // world_size``,
+    one more on the first ``total % world_size`` processes, so the shares add up to ``total`` (``None``: all)."""
+    if total is None:
+        return None
+    world_size = max(world_size, 1)
+    return total // world_size + int(rank < total % world_size)

@@ -35,7 +35,7 @@ from rank_lightning.functional.reductions import check_token_mask
 from rank_lightning.functional.streaming import ClassGrouping, group_by_class
 from rank_lightning.layers import BatchReader, FeatureLayer, OutputSelector, forward_hooks, hidden_state
 from rank_lightning.metrics import ActivationSpectrum
-from rank_lightning.sampling import own_samples
+from rank_lightning.sampling import own_samples, process_share
 
 __all__ = ["ActivationStream"]
 _KINDS = {4: "conv maps", 3: "tokens"}
@@ -128,6 +128,7 @@ class ActivationStream:
         *,
         num_batches: float = math.inf,
         world_size: int = 1,
+        rank: int = 0,
         loaders: Sequence[Any] = (),
         name_uncalled: bool = True,
     ) -> None:
@@ -142,8 +143,8 @@ class ActivationStream:
         self.stop()
         for metric in self.metrics.values():
             metric.reset()
-        share = max(world_size, 1)
-        self.remaining = None if self.max_samples is None else math.ceil(self.max_samples / share)
+        # The shares of the processes (``rank`` of ``world_size``) add up to max_samples.
+        self.remaining = process_share(self.max_samples, world_size, rank)
         self._batches_left = num_batches if num_batches > 0 else math.inf
         layers = [FeatureLayer(name, path) for name, path in self.layers.items()]
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
@@ -269,14 +270,18 @@ class ActivationStream:
             self._warn(name, "shape", f"gives {shape}, {message} Set output_selector to pick its hidden state.")
             return
         activations = self._batch_first(name, activations.detach())
-        take = 0 if activations is None else self._claim(activations.shape[0])
-        if not take:
+        if activations is None:
             return
+        take = self._claim(activations.shape[0])
+        metric = self._metric_for(name, activations)
+        if metric is None or (not take and metric.update_count):
+            return
+        # A process whose rows are all taken (or repeats) still sizes its states at its first batch: it joins the
+        # pass's collective with sums of the same shapes as the others (zeros), not as a layer it never ran.
         labels = None if self._labels is None else self._grouping(take, activations.device)
         mask = self._mask_of(name, activations)
         mask = None if mask is None else mask[:take].to(activations.device)
-        metric = self._metric_for(name, activations)
-        if metric is not None and self._same_features(name, activations, metric):
+        if self._same_features(name, activations, metric):
             metric.update(activations[:take], labels, mask=mask)
 
     def _same_features(self, name: str, activations: Tensor, metric: ActivationSpectrum) -> bool:

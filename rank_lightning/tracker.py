@@ -183,8 +183,9 @@ class RankTracker:
             except TypeError:  # an iterable dataset of unknown length
                 pass
         world_size = torch.distributed.get_world_size() if _distributed() else 1
+        rank = torch.distributed.get_rank() if _distributed() else 0
         loaders = () if self._loader is None else (self._loader,)
-        self.stream.start(self.model, num_batches=batches, world_size=world_size, loaders=loaders)
+        self.stream.start(self.model, num_batches=batches, world_size=world_size, rank=rank, loaders=loaders)
         self._root_hooks = [
             self.model.register_forward_pre_hook(self._implicit_batch_start, with_kwargs=True),
             self.model.register_forward_hook(self._implicit_batch_end),

@@ -497,6 +497,7 @@ class ActivationRankMonitor(CurveMonitor):
             pl_module,
             num_batches=num_batches,
             world_size=trainer.world_size,
+            rank=trainer.global_rank,
             loaders=loaders or (),
             name_uncalled=name_uncalled,
         )

@@ -25,7 +25,7 @@ from rank_lightning.callbacks.base import Cadence, RankCallback, trainer_fn
 from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure, save_figure
-from rank_lightning.sampling import limit_to_own_samples
+from rank_lightning.sampling import limit_to_own_samples, process_share
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
 __all__ = ["AdversarialValidation", "grey_levels"]
@@ -279,7 +279,7 @@ class AdversarialValidation(RankCallback):
             self._active = "test" if trainer_fn(trainer) == "test" else "validate"
         self._inputs, self._labels = [], []
         world, rank = max(trainer.world_size, 1), trainer.global_rank
-        limit = None if self.max_samples is None else self.max_samples // world + int(rank < self.max_samples % world)
+        limit = process_share(self.max_samples, world, rank)
         # The samples a DistributedSampler repeats at the end of a process's pass are attacked once.
         loaders = trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders
         limit = limit_to_own_samples(limit, loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders)

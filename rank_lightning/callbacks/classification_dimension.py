@@ -34,7 +34,7 @@ from rank_lightning.layers import (
     random_state_kept,
 )
 from rank_lightning.plotting import classification_dimension_figure, save_figure
-from rank_lightning.sampling import limit_to_own_samples
+from rank_lightning.sampling import limit_to_own_samples, process_share
 from rank_lightning.validation import (
     check_choice,
     check_fraction,
@@ -369,7 +369,7 @@ class ClassificationDimension(RankCallback):
     def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
         """This process's head inputs and labels on ``loader`` (at most its share of ``max_samples``)."""
         path = self._head_path or self.find_head(pl_module)
-        limit = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
+        limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
         limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
         head = FeatureLayer("head", path, "input")
         captured: dict[str, Tensor] = {}
@@ -378,7 +378,8 @@ class ClassificationDimension(RankCallback):
         hooks = forward_hooks(pl_module, [head], lambda _, value: captured.setdefault("f", value))
         with hooks, eval_mode(pl_module), torch.no_grad():
             for batch in loader:
-                if limit is not None and taken >= limit:
+                # A process with nothing to take still runs one batch: its (0, d) features join the gather.
+                if limit is not None and taken >= limit and features:
                     break
                 x, y = self.reader.split(batch)
                 captured.clear()

@@ -146,7 +146,8 @@ class LowDimensionalEvaluation(RankCallback):
         left = limit_to_own_samples(None, loader)
         with torch.no_grad(), eval_mode(pl_module), capture_features(pl_module, [layer]) as captured:
             for index, batch in enumerate(loader):
-                if (self.max_batches is not None and index >= self.max_batches) or left == 0:
+                # A process with nothing left to take still runs one batch: its (0, d) features join the gather.
+                if (self.max_batches is not None and index >= self.max_batches) or (left == 0 and features):
                     break
                 inputs, targets = self.reader.split(trainer.strategy.batch_to_device(batch))
                 pl_module(inputs)

@@ -130,7 +130,9 @@ class LowRankProjection(RankCallback):
         if self.enabled and self.log_losses:
             for name, layer in layers:
                 for key, value in layer.last_losses.items():
-                    pl_module.log(f"lr_layer/{name}/{key}", value, on_step=False, on_epoch=True)
+                    # Each process's batches differ: the epoch's value is the mean over all processes (synchronised
+                    # once, at the epoch's end), so every process holds and logs the same number.
+                    pl_module.log(f"lr_layer/{name}/{key}", value, on_step=False, on_epoch=True, sync_dist=True)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

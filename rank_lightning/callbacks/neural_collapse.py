@@ -24,7 +24,7 @@ from rank_lightning.layers import (
     random_state_kept,
 )
 from rank_lightning.metrics import NeuralCollapseStatistics
-from rank_lightning.sampling import limit_to_own_samples
+from rank_lightning.sampling import limit_to_own_samples, process_share
 from rank_lightning.validation import check_choices, check_positive_int
 
 __all__ = ["NC_METRICS", "NeuralCollapseMonitor"]
@@ -177,7 +177,7 @@ class NeuralCollapseMonitor(CurveMonitor):
             self.warn_once(("no validation data",), "needs validation data; nothing measured")
             return {}
         path = self._head_path or self.find_head(pl_module)
-        limit = None if self.max_samples is None else math.ceil(self.max_samples / max(trainer.world_size, 1))
+        limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
         limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
         with random_state_kept(pl_module, [loader]):  # the loader's iterators draw seeds
             metric = self._stream(pl_module, loader, path, limit, None)
@@ -218,7 +218,8 @@ class NeuralCollapseMonitor(CurveMonitor):
         with forward_hooks(pl_module, layers, lambda layer, v: captured.setdefault(layer.name, v)):
             with eval_mode(pl_module), torch.no_grad():
                 for batch in loader:
-                    if limit is not None and taken >= limit:
+                    # A process with nothing to take still runs one batch, to join the collective with the metric.
+                    if limit is not None and taken >= limit and metric is not None:
                         break
                     x, y = self.reader.split(batch)
                     captured.clear()
@@ -250,5 +251,6 @@ class NeuralCollapseMonitor(CurveMonitor):
             return None
         if metric is None:
             metric = NeuralCollapseStatistics(logits.shape[1], features.shape[1]).to(features.device)
+        # Also with no row to take: the batch tells the precision of the features (NC1's cut-off), as on the others.
         metric.update(features[:take], labels, logits[:take] if second else None)
         return metric

@@ -48,7 +48,8 @@ class RankPretraining(RankCallback):
     (``r = 1`` to machine precision); there the gradient of ``r(H)`` vanishes (about 1e-14) and no ascent helps.
 
     ``r(H)`` of every block is measured before and after, averaged over the same minibatches, without changing the
-    weights or buffers (batch-norm running statistics are restored after measuring), and reported as a table.
+    weights or buffers (batch-norm running statistics are restored after measuring), and reported as a table
+    (under DDP, the mean over every process's minibatches, so that every process reports the same numbers).
 
     Args:
         layer: the layer whose output ``H`` is pre-trained, in the syntax every callback accepts
@@ -122,9 +123,9 @@ class RankPretraining(RankCallback):
         if target.name not in {layer.name for layer in monitored}:
             monitored.append(target)
         batches = self._batches(trainer)
-        before = self._measure(pl_module, monitored, batches)
+        before = self._measure(trainer, pl_module, monitored, batches)
         self._ascend(trainer, pl_module, target, batches)
-        after = self._measure(pl_module, monitored, batches)
+        after = self._measure(trainer, pl_module, monitored, batches)
         self.results = {name: {"r_before": before[name], "r_after": after[name]} for name in before}
         self.done = True
         metrics = {
@@ -158,15 +159,19 @@ class RankPretraining(RankCallback):
         return {name: reduce_activations(value, self.reduction) for name, value in captured.items()}
 
     def _measure(
-        self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batches: Sequence[Any]
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batches: Sequence[Any]
     ) -> dict[str, float]:
-        """Mean ``r(H)`` of each layer over ``batches``, in training mode, leaving weights and buffers unchanged."""
+        """Mean ``r(H)`` of each layer over ``batches`` (and over the processes' batches under DDP, so that every
+        process reports the same numbers), in training mode, leaving weights and buffers unchanged."""
         totals = dict.fromkeys((layer.name for layer in layers), 0.0)
         with torch.no_grad(), train_mode(pl_module), buffers_kept(pl_module):
             for batch in batches:
                 for name, features in self._features(pl_module, layers, batch).items():
                     totals[name] += float(participation_ratio(features))
-        return {name: total / len(batches) for name, total in totals.items()}
+        means = torch.tensor([total / len(batches) for total in totals.values()], dtype=torch.float64)
+        if trainer.world_size > 1:
+            means = trainer.strategy.reduce(means.to(pl_module.device), reduce_op="mean").cpu()
+        return dict(zip(totals, means.tolist()))
 
     def _ascend(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, target: FeatureLayer, batches: Sequence[Any]

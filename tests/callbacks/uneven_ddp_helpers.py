@@ -15,8 +15,16 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
-from rank_lightning.callbacks import ClassificationDimension, LowDimensionalEvaluation, NeuralCollapseMonitor
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    ClassificationDimension,
+    LowDimensionalEvaluation,
+    LowRankProjection,
+    NeuralCollapseMonitor,
+    RankPretraining,
+)
 from rank_lightning.functional.neural_collapse import NC_METRICS
+from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
 
 NUM_CLASSES = 3
 # Odd: Lightning's DistributedSampler gives each of two processes 31 validation and 34 training samples, the second
@@ -39,14 +47,21 @@ class FrozenMLP(pl.LightningModule):
     """An MLP trained with a zero learning rate, so that one process and two hold the same weights; ``inputs``
     passes the inputs through unchanged, for a callback that should see them."""
 
-    def __init__(self) -> None:
+    def __init__(self, val_samples: int = VAL_SAMPLES) -> None:
         super().__init__()
+        self.val_samples = val_samples
         self.inputs = nn.Identity()
         self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU())
         self.head = nn.Linear(16, NUM_CLASSES)
+        # For the activation monitor: full-rank outputs (4 < 5 inputs) of the features without the index column. The
+        # zero singular values of a rank-deficient layer come out of a float64 Gram as rounding noise that depends on
+        # the order of the sums (README), and the index column would make its spectrum span orders of magnitude.
+        self.probe = nn.Linear(5, 4).requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.inputs(x)))
+        x = self.inputs(x)
+        self.probe(x[:, 1:])
+        return self.head(self.body(x))
 
     def training_step(self, batch, batch_idx):
         return nn.functional.cross_entropy(self(batch[0]), batch[1])
@@ -61,7 +76,7 @@ class FrozenMLP(pl.LightningModule):
         return _loader(TRAIN_SAMPLES, 1, shuffle=True)
 
     def val_dataloader(self):
-        return _loader(VAL_SAMPLES, 2, shuffle=False)
+        return _loader(self.val_samples, 2, shuffle=False)
 
 
 class RecordingLowDimensionalEvaluation(LowDimensionalEvaluation):
@@ -80,8 +95,9 @@ class RecordingLowDimensionalEvaluation(LowDimensionalEvaluation):
 class _Save(pl.Callback):
     """At the end of the fit, writes what the other callbacks computed, as every process holds it."""
 
-    def __init__(self, directory: str, neural: Any, clsdim: Any, lowdim: Any) -> None:
+    def __init__(self, directory: str, neural: Any, clsdim: Any, lowdim: Any, activations: Any) -> None:
         self.directory, self.neural, self.clsdim, self.lowdim = directory, neural, clsdim, lowdim
+        self.activations = activations
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The classification dimension is computed on rank zero alone.
@@ -96,23 +112,27 @@ class _Save(pl.Callback):
                 "eigenvalues": result.eigenvalues.tolist(),
             },
             "lowdim_samples": self.lowdim.collected,
+            "activations": {str(epoch): values for epoch, values in self.activations.curves.history.items()},
         }
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(values))
 
 
-def fit(root: Path, devices: int) -> dict:
-    """Fit FrozenMLP for one epoch with the three callbacks on ``devices`` CPU processes; what rank 0 computed."""
+def fit(root: Path, devices: int, val_samples: int = VAL_SAMPLES, max_samples: int | None = None) -> dict:
+    """Fit FrozenMLP for one epoch on ``val_samples`` validation samples with the activation monitor (at the initial
+    point and after the epoch), neural collapse, the classification dimension (those three measuring at most
+    ``max_samples``) and the low-dimensional evaluation on ``devices`` CPU processes; what rank 0 computed."""
     torch.manual_seed(0)
     root.mkdir(parents=True, exist_ok=True)
-    neural = NeuralCollapseMonitor(head="head", verbose=False)
-    clsdim = ClassificationDimension(head="head", verbose=False)
+    activations = ActivationRankMonitor(layers=["probe"], max_samples=max_samples, verbose=False)
+    neural = NeuralCollapseMonitor(head="head", max_samples=max_samples, verbose=False)
+    clsdim = ClassificationDimension(head="head", max_samples=max_samples, verbose=False)
     lowdim = RecordingLowDimensionalEvaluation(dims=(2,), layer="inputs", verbose=False)
     strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        callbacks=[neural, clsdim, lowdim, _Save(str(root), neural, clsdim, lowdim)],
+        callbacks=[activations, neural, clsdim, lowdim, _Save(str(root), neural, clsdim, lowdim, activations)],
         max_epochs=1,
         logger=False,
         default_root_dir=root,
@@ -120,7 +140,68 @@ def fit(root: Path, devices: int) -> dict:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(FrozenMLP())
+    trainer.fit(FrozenMLP(val_samples))
     ranks = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(devices)]
     assert all(dict(values, clsdim=None) == dict(ranks[0], clsdim=None) for values in ranks), "the processes disagree"
+    return ranks[0]
+
+
+class LowRankMLP(pl.LightningModule):
+    """An MLP with an LR-Layer before its head, trained with a zero learning rate (one process and two hold the same
+    weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, NUM_CLASSES))
+        insert_lr_layer(self.net, "2", LRLayer(16, 2, projection="exact"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1]) + collect_auxiliary_losses(self)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return _loader(64, 1, shuffle=False)
+
+
+class _SaveMethods(pl.Callback):
+    """At the end of the fit, writes the pre-training table and the LR-Layer's logged losses, as every process holds
+    them."""
+
+    def __init__(self, directory: str, pretraining: Any) -> None:
+        self.directory, self.pretraining = directory, pretraining
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        losses = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("lr_layer/")}
+        values = {"pretraining": self.pretraining.results, "lr_layer": losses}
+        Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(values))
+
+
+def fit_methods(root: Path, devices: int) -> dict:
+    """Fit LowRankMLP for one epoch with RankPretraining and LowRankProjection on ``devices`` CPU processes; what
+    rank 0 reported, after checking that every process reports the same."""
+    torch.manual_seed(0)
+    root.mkdir(parents=True, exist_ok=True)
+    pretraining = RankPretraining(layer="net.1", num_batches=2, steps=1, verbose=False)
+    projection = LowRankProjection(threshold=None, switch_on_epoch=0, verbose=False)
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=[pretraining, projection, _SaveMethods(str(root), pretraining)],
+        max_epochs=1,
+        logger=False,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(LowRankMLP())
+    ranks = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(devices)]
+    assert all(values == ranks[0] for values in ranks), f"the processes disagree: {ranks}"
     return ranks[0]
