@@ -113,6 +113,26 @@ class FrozenConvNet(ConvNet):
         return torch.utils.data.DataLoader(data, batch_size=BATCH_SIZE, sampler=sampler)
 
 
+def _fitting_trainer(root: Path, devices: int, monitor: pl.Callback, **options: Any) -> pl.Trainer:
+    """A one-epoch CPU Trainer with ``monitor`` and a CSV logger on ``devices`` spawned DDP processes (one: no DDP)."""
+    # The side layer never reaches the loss: DDP must be told that some parameters get no gradient.
+    strategy = "auto"
+    if devices > 1:
+        strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60), find_unused_parameters=True)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=CSVLogger(root, name="run", version=0),
+        callbacks=[monitor],
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **options,
+    )
+
+
 def fit_by_step(root: Path, devices: int) -> dict:
     """Fit one epoch with a step cadence on ``devices`` CPU processes; returns the curve file rank zero wrote.
 
@@ -124,23 +144,7 @@ def fit_by_step(root: Path, devices: int) -> dict:
     monitor = ActivationRankMonitor(
         layers=["conv", "act"], every_n_train_steps=2, window_batches=2, log_at_init=False, verbose=False
     )
-    # The side layer never reaches the loss: DDP must be told that some parameters get no gradient.
-    strategy = "auto"
-    if devices > 1:
-        strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60), find_unused_parameters=True)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=CSVLogger(root, name="run", version=0),
-        callbacks=[monitor],
-        max_epochs=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(model)
+    _fitting_trainer(root, devices, monitor, use_distributed_sampler=False).fit(model)
     return json.loads((Path(root, "run", "version_0") / FIGURE_DIR / "rank_train_curves.json").read_text())
 
 
@@ -188,20 +192,6 @@ def fit_uneven(root: Path, devices: int, stage: str) -> dict:
     ``devices`` CPU processes; returns the curve file rank zero wrote."""
     torch.manual_seed(0)
     monitor = ActivationRankMonitor(layers=["conv", "act"], stage=stage, verbose=False)
-    strategy = "auto"
-    if devices > 1:
-        strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60), find_unused_parameters=True)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=CSVLogger(root, name="run", version=0),
-        callbacks=[monitor],
-        max_epochs=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(UnevenNet())
+    _fitting_trainer(root, devices, monitor).fit(UnevenNet())
     name = "rank_curves.json" if stage == "val" else "rank_train_curves.json"
     return json.loads((Path(root, "run", "version_0") / FIGURE_DIR / name).read_text())

@@ -480,28 +480,8 @@ class _SaveMetrics(pl.Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(metrics))
 
 
-@pytest.mark.slow
-def test_two_process_ddp_equals_one_process(tmp_path, model):
-    # 101 samples: 51 on rank 0 (indices 0, 2, ..., 100), 50 on rank 1 (1, ..., 99), together the first 101.
-    settings = dict(eps=[2 / 255, 8 / 255], max_samples=101, batch_size=32, verbose=False)
-    single = _validate(tmp_path, model, AdversarialValidation(**settings))
-    callback = AdversarialValidation(**settings)
-    trainer = _trainer(
-        tmp_path, [callback, _SaveMetrics(str(tmp_path))], inference_mode=False, strategy="ddp_spawn", devices=2
-    )
-    trainer.validate(model, datamodule=_datamodule())
-    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert per_rank[0] == per_rank[1]
-    assert per_rank[0]["adv/num_samples"] == 101
-    for key, value in single.items():
-        assert per_rank[0][f"adv/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-
-
-@pytest.mark.slow
-def test_two_processes_attack_the_sample_the_distributed_sampler_repeats_once(tmp_path, model):
-    # 359 validation samples: Lightning's sampler gives each process 180, the second process's last a repeat of the
-    # first sample, which was attacked and counted twice.
-    settings = dict(eps=[8 / 255], attacks=["fgsm"], max_samples=None, verbose=False)
+def _single_and_two_processes(tmp_path: Path, model: nn.Module, settings: dict[str, Any]) -> tuple[dict, dict]:
+    """The values one process logs and those both of two DDP processes hold (checked equal), under ``adv/``."""
     single = _validate(tmp_path / "single", model, AdversarialValidation(**settings))
     callback = AdversarialValidation(**settings)
     trainer = _trainer(
@@ -510,6 +490,25 @@ def test_two_processes_attack_the_sample_the_distributed_sampler_repeats_once(tm
     trainer.validate(model, datamodule=_datamodule())
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert per_rank[0] == per_rank[1]
-    assert single["num_samples"] == per_rank[0]["adv/num_samples"] == 359
+    return single, per_rank[0]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_equals_one_process(tmp_path, model):
+    # 101 samples: 51 on rank 0 (indices 0, 2, ..., 100), 50 on rank 1 (1, ..., 99), together the first 101.
+    settings = dict(eps=[2 / 255, 8 / 255], max_samples=101, batch_size=32, verbose=False)
+    single, ddp = _single_and_two_processes(tmp_path, model, settings)
+    assert ddp["adv/num_samples"] == 101
     for key, value in single.items():
-        assert per_rank[0][f"adv/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert ddp[f"adv/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_two_processes_attack_the_sample_the_distributed_sampler_repeats_once(tmp_path, model):
+    # 359 validation samples: Lightning's sampler gives each process 180, the second process's last a repeat of the
+    # first sample, which was attacked and counted twice.
+    settings = dict(eps=[8 / 255], attacks=["fgsm"], max_samples=None, verbose=False)
+    single, ddp = _single_and_two_processes(tmp_path, model, settings)
+    assert single["num_samples"] == ddp["adv/num_samples"] == 359
+    for key, value in single.items():
+        assert ddp[f"adv/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key

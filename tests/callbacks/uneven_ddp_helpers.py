@@ -117,6 +117,26 @@ class _Save(pl.Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(values))
 
 
+def _fit_and_read(model: pl.LightningModule, root: Path, devices: int, callbacks: list[pl.Callback]) -> list[dict]:
+    """Fit ``model`` for one epoch on ``devices`` spawned CPU processes (one: no DDP); the file each process's saving
+    callback wrote."""
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=callbacks,
+        max_epochs=1,
+        logger=False,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model)
+    return [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(devices)]
+
+
 def fit(root: Path, devices: int, val_samples: int = VAL_SAMPLES, max_samples: int | None = None) -> dict:
     """Fit FrozenMLP for one epoch on ``val_samples`` validation samples with the activation monitor (at the initial
     point and after the epoch), neural collapse, the classification dimension (those three measuring at most
@@ -127,21 +147,8 @@ def fit(root: Path, devices: int, val_samples: int = VAL_SAMPLES, max_samples: i
     neural = NeuralCollapseMonitor(head="head", max_samples=max_samples, verbose=False)
     clsdim = ClassificationDimension(head="head", max_samples=max_samples, verbose=False)
     lowdim = RecordingLowDimensionalEvaluation(dims=(2,), layer="inputs", verbose=False)
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        callbacks=[activations, neural, clsdim, lowdim, _Save(str(root), neural, clsdim, lowdim, activations)],
-        max_epochs=1,
-        logger=False,
-        default_root_dir=root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(FrozenMLP(val_samples))
-    ranks = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(devices)]
+    callbacks = [activations, neural, clsdim, lowdim, _Save(str(root), neural, clsdim, lowdim, activations)]
+    ranks = _fit_and_read(FrozenMLP(val_samples), root, devices, callbacks)
     assert all(dict(values, clsdim=None) == dict(ranks[0], clsdim=None) for values in ranks), "the processes disagree"
     return ranks[0]
 
@@ -188,20 +195,7 @@ def fit_methods(root: Path, devices: int) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     pretraining = RankPretraining(layer="net.1", num_batches=2, steps=1, verbose=False)
     projection = LowRankProjection(threshold=None, switch_on_epoch=0, verbose=False)
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        callbacks=[pretraining, projection, _SaveMethods(str(root), pretraining)],
-        max_epochs=1,
-        logger=False,
-        default_root_dir=root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(LowRankMLP())
-    ranks = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(devices)]
+    callbacks = [pretraining, projection, _SaveMethods(str(root), pretraining)]
+    ranks = _fit_and_read(LowRankMLP(), root, devices, callbacks)
     assert all(values == ranks[0] for values in ranks), f"the processes disagree: {ranks}"
     return ranks[0]
