@@ -117,6 +117,8 @@ class ActivationStream:
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._own_rows: int | None = None
+        self._own_loader = 0
+        self._offered_left: int | None = None
         self._name_uncalled = True
         self.batches_seen = self.inputs_measured = 0
 
@@ -143,8 +145,10 @@ class ActivationStream:
         self.stop()
         for metric in self.metrics.values():
             metric.reset()
-        # The shares of the processes (``rank`` of ``world_size``) add up to max_samples.
+        # The shares of the processes (``rank`` of ``world_size``) add up to max_samples; the largest share says when
+        # every process has offered enough rows (the same batch on every process, see ``exhausted``).
         self.remaining = process_share(self.max_samples, world_size, rank)
+        self._offered_left = process_share(self.max_samples, world_size, 0)
         self._batches_left = num_batches if num_batches > 0 else math.inf
         layers = [FeatureLayer(name, path) for name, path in self.layers.items()]
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
@@ -164,8 +168,16 @@ class ActivationStream:
 
     @property
     def done(self) -> bool:
-        """Whether the pass has measured all the rows it may (``max_samples`` reached)."""
+        """Whether this process has measured all the rows it may (its share of ``max_samples`` reached)."""
         return self.remaining == 0
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the batches so far offered the largest process share of ``max_samples``: where a pass of unknown
+        length may stop. Every process reaches it at the same batch (equal batch sizes), so a forward pass that is
+        itself a collective (FSDP, DeepSpeed ZeRO-3) runs as often on each; ``done`` may come a batch earlier on a
+        process with a smaller share."""
+        return self._offered_left is not None and self._offered_left <= 0
 
     def batch_start(
         self, batch: Any = None, *, labels: Tensor | None = None, mask: Tensor | None = None, loader: int = 0
@@ -178,22 +190,27 @@ class ActivationStream:
         self._labels = labels if self.num_classes else None
         self._mask = mask if mask is not None or batch is None else self.batch_reader.mask(batch)
         self._batch = BatchReader.batch_size(batch) if batch is not None else None
-        for known in (self._labels, self._mask):
-            if self._batch is None and known is not None:
+        for known in (labels, self._mask):  # labels tell the batch size even when no class metric uses them
+            if self._batch is None and isinstance(known, Tensor) and known.ndim:
                 self._batch = known.shape[0]
-        self._own_rows = self._count_own(loader)
+        self._own_loader = loader
+        self._own_rows = self._count_own(loader) if self._batch is not None else None
+        if self._offered_left is not None and self._batch is not None:
+            self._offered_left -= self._batch
         self._take = None
         self._groupings = {}
         self._seen_this_batch = set()
         self._in_batch = True
 
-    def _count_own(self, loader: int) -> int | None:
-        """Leading rows of this batch that are the process's own (``None``: all), counted off its loader's."""
+    def _count_own(self, loader: int, size: int | None = None) -> int | None:
+        """Leading rows of this batch (of ``size`` inputs, by default the batch's size) that are the process's own
+        (``None``: all), counted off its loader's."""
         left = self._own_left[loader] if loader < len(self._own_left) else None
-        if left is None or self._batch is None:
+        size = self._batch if size is None else size
+        if left is None or size is None:
             return None
-        self._own_left[loader] = max(left - self._batch, 0)
-        return min(left, self._batch)
+        self._own_left[loader] = max(left - size, 0)
+        return min(left, size)
 
     def _read_labels(self, batch: Any) -> Tensor | None:
         # An explicit label_key or label_fn that finds nothing raises here, at the first batch.
@@ -236,6 +253,10 @@ class ActivationStream:
         iterable dataset), the first ``max_samples`` rows are taken.
         """
         if self._take is None:
+            if self._batch is None:  # a batch whose size only its outputs tell
+                if self._offered_left is not None:
+                    self._offered_left -= size
+                self._own_rows = self._count_own(self._own_loader, size)
             if self._own_rows is not None:
                 size = min(size, self._own_rows)
             if self.remaining is None:
@@ -319,7 +340,7 @@ class ActivationStream:
         if self._mask is None or activations.ndim != 3:
             return None
         if self.reductions.get(3) == "cls":
-            if self.batches_seen == 0:  # once per pass: reading the mask's first column synchronises a GPU
+            if self.batches_seen == 0:  # a pass's first batch only: reading the mask's first column synchronises a GPU
                 self._check_cls_position(name)
             return None
         try:

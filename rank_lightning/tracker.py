@@ -163,7 +163,8 @@ class RankTracker:
 
     def over(self, loader: Any) -> RankTracker:
         """Tell the tracker that its passes go over ``loader``, one batch per :meth:`batch` (or forward pass), from
-        the next :meth:`start` on: ``with tracker.over(val_loader):``. Returns the tracker.
+        the next :meth:`start` to the end of the ``with`` block: ``with tracker.over(val_loader):``. Returns the
+        tracker.
 
         Under ``torch.distributed`` with a ``DistributedSampler`` (``drop_last=False``), the samples the sampler
         repeats at the end of this process's pass to even out the processes are then left out, so the processes
@@ -206,6 +207,7 @@ class RankTracker:
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.stop()
+        self._loader = None  # over() applies to its block only
 
     @contextmanager
     def batch(self, labels: Tensor | None = None, *, batch: Any = None, mask: Tensor | None = None) -> Iterator[None]:

@@ -269,3 +269,26 @@ def test_a_pass_over_a_distributed_sampler_leaves_its_repeated_samples_out():
     expected_count, expected = measure(own, RankTracker(model, **options))
     assert expected_count == 30
     _assert_equal(values, expected)
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_over_counts_batches_without_class_labels_and_ends_with_its_block(labelled):
+    # Without num_classes the batch size came from the labels only when they were used: with explicit labels or
+    # none, the repeat at the end of the pass was measured. And over() stayed on for later passes.
+    model = nn.Sequential(nn.Linear(6, 4)).eval()
+    g = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(61, 6, generator=g), torch.randint(0, CLASSES, (61,), generator=g)
+    )
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    second = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+    tracker = RankTracker(model, layers=["0"])
+    with torch.no_grad(), tracker.over(second):
+        for x, y in second:
+            with tracker.batch(labels=y) if labelled else tracker.batch():
+                model(x)
+        assert tracker.inputs_measured == 30
+    with torch.no_grad(), tracker:
+        for x, _ in torch.utils.data.DataLoader(data, batch_size=8):
+            model(x)
+        assert tracker.inputs_measured == 61

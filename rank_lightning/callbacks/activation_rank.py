@@ -430,8 +430,6 @@ class ActivationRankMonitor(CurveMonitor):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.cadence.by_step:
-            self.curves.clear_stale_metrics(trainer)  # the last window's values were read at its step
         if self._stream is not None and not self._stream.active and self.cadence.window_opens(trainer, batch_idx):
             self._target_step = self.cadence.next_step(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
@@ -442,6 +440,9 @@ class ActivationRankMonitor(CurveMonitor):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.cadence.by_step:
+            # The last window's values stayed one batch (every callback's batch end saw them once); a new one may come.
+            self.curves.clear_stale_metrics(trainer)
         if not self._monitoring("train"):
             return
         self._stream.batch_end()
@@ -492,7 +493,8 @@ class ActivationRankMonitor(CurveMonitor):
         name_uncalled: bool = True,
     ) -> None:
         """Hook the layers for a pass of ``num_batches`` batches (``inf`` when unknown) over ``loaders`` (whose
-        repeated samples under a ``DistributedSampler`` are left out; none for a step window, which ends before)."""
+        repeated samples under a ``DistributedSampler`` are left out; none for a step window, which measures its batches
+        as they come)."""
         self._stream.start(
             pl_module,
             num_batches=num_batches,
@@ -586,7 +588,9 @@ class ActivationRankMonitor(CurveMonitor):
         with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
-                    if self._stream.done or index >= batches:
+                    # A loader of unknown length stops once max_samples is offered (on every process at the same
+                    # batch); one of known length runs its batches, over which the rows are spread.
+                    if index >= batches or (math.isinf(batches) and self._stream.exhausted):
                         break
                     batch = trainer.strategy.batch_to_device(batch)
                     self._stream.batch_start(batch, loader=number)

@@ -645,7 +645,8 @@ class LayerCurves:
 
     def clear_stale_metrics(self, trainer: Any) -> None:
         """Remove the values this object logged from ``trainer.callback_metrics`` (:meth:`start_epoch` calls it, and
-        the step-cadence monitors at the start of every training batch).
+        the step-cadence monitors at the end of every training batch, before they measure: a step's values stay
+        from the end of its batch to the end of the next, so every callback's batch end sees them once).
 
         Lightning keeps the last value of every key in ``trainer.callback_metrics`` for the rest of the fit, so in the
         epochs (or steps) between two measurements ``EarlyStopping`` and ``ModelCheckpoint`` would read the previous
@@ -659,6 +660,11 @@ class LayerCurves:
         self._published = False
         for key in self._logged_keys:
             metrics.pop(key, None)
+
+    @property
+    def logged_keys(self) -> frozenset[str]:
+        """Every key this object has logged so far."""
+        return frozenset(self._logged_keys)
 
     def finish(self, trainer: Any) -> None:
         """End of fit: send the W&B charts if they miss recorded epochs, and write the figures (rank zero only)."""

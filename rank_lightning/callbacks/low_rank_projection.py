@@ -145,6 +145,11 @@ class LowRankProjection(RankCallback):
                 f"LowRankProjection monitors {self.monitor!r}, which was not logged this epoch; "
                 f"logged metrics are: {available}"
             )
+        if trainer.world_size > 1:
+            # A value logged without sync_dist differs between processes: the mean decides for all of them, so the
+            # LR-Layers switch on together (and every process logs their losses, which are synchronised).
+            local = torch.as_tensor(value, dtype=torch.float64, device=pl_module.device)
+            value = trainer.strategy.reduce(local, reduce_op="mean")
         if math.isfinite(float(value)):
             self._highest = max(float(value), self._highest if self._highest is not None else -math.inf)
         if float(value) >= self.threshold:

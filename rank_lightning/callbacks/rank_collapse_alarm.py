@@ -59,7 +59,9 @@ class RankCollapseAlarm(RankCallback):
     after validation, which is what the package's monitors do) and at the end of every training epoch
     (``on_train_epoch_end``, where callbacks run in list order: put the alarm after a monitor that logs there, e.g.
     ``WeightRankMonitor`` in a fit without validation). Each key is judged once per epoch; keys are compared only
-    with their own previous value. Only ``fit`` is watched, never the sanity check. ``"stop"`` sets
+    with their own previous value. The keys of monitors with a step cadence (``every_n_train_steps``) are also read
+    at the end of every training batch, where a measurement is present for one batch: each one is judged once, at
+    its step. Only ``fit`` is watched, never the sanity check. ``"stop"`` sets
     ``trainer.should_stop`` (agreed across DDP processes; the fit ends after the current epoch, as with
     ``EarlyStopping``); ``"raise"`` raises a ``RuntimeError`` on every process; ``"warn"`` warns on rank zero. A
     pattern that matched no key during the whole fit gets a warning at the end.
@@ -128,10 +130,20 @@ class RankCollapseAlarm(RankCallback):
         self._judged: dict[str, int] = {}
         self._width_of: dict[str, float | None] = {}
         self._matched: set[str] = set()
+        self._seen: dict[str, Any] = {}  # the value object last judged per key: one measurement is judged once
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Step-cadence measurements stay in callback_metrics for one batch only: judged here, each once.
+        keys = _step_cadence_keys(trainer)
+        if keys:
+            self._check(trainer, pl_module, only=keys)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -156,19 +168,30 @@ class RankCollapseAlarm(RankCallback):
                 out[key] = float(value.detach().cpu()) if isinstance(value, torch.Tensor) else float(value)
         return out
 
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, only: frozenset[str] | None = None) -> None:
+        """Judge the watched values (``only`` these keys, each value object once, for step measurements; else each
+        key once per epoch)."""
         if trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return
-        epoch, messages = trainer.current_epoch, []
-        for key, value in self.watched(trainer.callback_metrics).items():
-            if self._judged.get(key) == epoch:
+        epoch, messages, judged = trainer.current_epoch, [], False
+        metrics = trainer.callback_metrics
+        if only is not None:
+            metrics = {key: metrics[key] for key in only if key in metrics}
+        for key, value in self.watched(metrics).items():
+            current = trainer.callback_metrics.get(key)
+            if current is not None and current is self._seen.get(key):
+                continue  # this measurement was judged already
+            if only is None and self._judged.get(key) == epoch:
                 continue
-            self._judged[key] = epoch
+            self._judged[key], self._seen[key], judged = epoch, current, True
             reason = self.judge(key, value, pl_module)
             if reason is not None:
-                messages.append(f"{self._describe(key, value)} at epoch {epoch} {reason}")
+                when = f"step {trainer.global_step}" if only is not None else f"epoch {epoch}"
+                messages.append(f"{self._describe(key, value)} at {when} {reason}")
             if not math.isnan(value):
                 self._previous[key] = value
+        if only is not None and not judged:
+            return  # no measurement at this batch (on any process: they measure at the same steps); no collective
         self._act(trainer, messages)
 
     def judge(self, key: str, value: float, module: nn.Module | None = None) -> str | None:
@@ -266,3 +289,13 @@ def _width_from_model(key: str, module: nn.Module) -> float | None:
             return None
         return float(min(weight.shape[0], weight[0].numel()))
     return float(weights[-1].shape[0])
+
+
+def _step_cadence_keys(trainer: pl.Trainer) -> frozenset[str]:
+    """The keys logged so far by the trainer's monitors that measure by step (``every_n_train_steps``)."""
+    keys: set[str] = set()
+    for callback in getattr(trainer, "callbacks", None) or []:
+        cadence, curves = getattr(callback, "cadence", None), getattr(callback, "curves", None)
+        if getattr(cadence, "by_step", False) and curves is not None:
+            keys.update(curves.logged_keys)
+    return frozenset(keys)

@@ -325,8 +325,6 @@ class WeightRankMonitor(CurveMonitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_batch_start = trainer.global_step
-        if self.cadence.by_step:
-            self.curves.clear_stale_metrics(trainer)  # the last measurement's values were read at its step
 
     @override
     def on_train_batch_end(
@@ -334,6 +332,9 @@ class WeightRankMonitor(CurveMonitor):
     ) -> None:
         # Step cadence: right after every every_n_train_steps-th optimizer step, in the batch that took it (not after
         # the micro-batches that accumulate gradients towards it, nor those of a fit resumed at such a step).
+        if self.cadence.by_step:
+            # The last measurement stayed one batch (every callback's batch end saw it once); a new one may come.
+            self.curves.clear_stale_metrics(trainer)
         step, every = trainer.global_step, self.cadence.every_n_train_steps
         if every is None or step == 0 or step % every or step in (self._step_at_batch_start, self._last_monitored_step):
             return

@@ -66,6 +66,8 @@ def test_a_monitored_fit_ends_with_the_weights_of_the_unmonitored_one(tmp_path):
         # training mode; extra passes over the loaders every epoch; attacks; Jacobians; weight spectra.
         ActivationRankMonitor(log_at_init=True, verbose=False),
         ActivationRankMonitor(stage="train", log_at_init=True, verbose=False),
+        # No initial point: one training batch, in training mode, plans the states before training.
+        ActivationRankMonitor(every_n_train_steps=5, log_at_init=False, namespace="rank_steps", verbose=False),
         NeuralCollapseMonitor(log_at_init=True, verbose=False),
         ClassificationDimension(verbose=False),
         LowDimensionalEvaluation(dims=(2, 5), every_n_epochs=1, verbose=False),
@@ -80,4 +82,5 @@ def test_a_monitored_fit_ends_with_the_weights_of_the_unmonitored_one(tmp_path):
         assert torch.equal(monitored[name], value), name
     # Each monitor did measure.
     assert monitors[0].curves.epochs == monitors[1].curves.epochs == [-1, 0, 1]
-    assert monitors[2].result is not None and monitors[3].result is not None and monitors[4].results
+    assert monitors[2].curves.epochs == [5, 10, 15, 20, 25, 30]  # 17 batches per epoch
+    assert monitors[3].result is not None and monitors[4].result is not None and monitors[5].results

@@ -183,3 +183,29 @@ def test_a_pattern_that_never_matches_is_reported() -> None:
 def test_bad_arguments_raise_clear_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RankCollapseAlarm(**kwargs)
+
+
+@pytest.mark.parametrize("alarm_first", [False, True])
+def test_step_measurements_are_each_judged_once_whatever_the_callback_order(tmp_path, alarm_first):
+    # A step measurement stays in callback_metrics for one batch; the alarm read only validation and epoch ends, so
+    # under a step cadence it judged (at most) the epoch's last window.
+    from rank_lightning.callbacks import WeightRankMonitor
+    from tests.callbacks.trainer_helpers import SmallClassifier
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(80, 6, generator=g), torch.randint(0, 4, (80,), generator=g))
+    monitor = WeightRankMonitor(layers=["net.0"], every_n_train_steps=3, log_at_init=False, verbose=False)
+    alarm = RankCollapseAlarm(keys=["weight/*/spectral_norm"], min_value=1e9, verbose=False)
+    model = SmallClassifier((6, 12, 4), lr=0.1, activation=nn.Tanh, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = quiet_trainer([alarm, monitor] if alarm_first else [monitor, alarm], max_epochs=2)
+        trainer.fit(model, DataLoader(data, batch_size=8))
+
+    # 10 batches per epoch, 2 epochs: measured at steps 3, 6, ..., 18; each value judged once (at the end of its
+    # batch, or of the next when the alarm comes first).
+    assert monitor.curves.epochs == [3, 6, 9, 12, 15, 18]
+    values = [monitor.curves.history[step]["net.0"]["spectral_norm"] for step in monitor.curves.epochs]
+    assert [float(message.split(" = ")[1].split(" ")[0]) for message in alarm.alarms] == pytest.approx(values, rel=1e-5)
+    steps = [int(message.split(" at step ")[1].split(" ")[0]) for message in alarm.alarms]
+    assert steps == [step + int(alarm_first) for step in monitor.curves.epochs]

@@ -66,9 +66,11 @@ def test_an_odd_max_samples_is_shared_out_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_the_methods_report_one_number_on_every_process(tmp_path):
-    # RankPretraining's r(H) table and LowRankProjection's losses were each process's own batches' values: the two
-    # processes logged (and could decide on) different numbers.
+    # RankPretraining's r(H) table and LowRankProjection's losses were each process's own batches' values, and the
+    # LR-Layers switched on by each process's own accuracy: the two processes logged (and decided on) different
+    # numbers.
     reported = fit_methods(tmp_path, devices=2)  # raises if the processes disagree
     assert set(reported["pretraining"]) >= {"net.1"}
     assert all(math.isfinite(v) for values in reported["pretraining"].values() for v in values.values())
     assert {"lr_layer/net.2.0/reconstruction", "lr_layer/net.2.0/norm"} <= set(reported["lr_layer"])
+    assert reported["lr_layer"]["lr_layer/enabled"] == 1.0

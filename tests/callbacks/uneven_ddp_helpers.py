@@ -117,8 +117,10 @@ class _Save(pl.Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(values))
 
 
-def _fit_and_read(model: pl.LightningModule, root: Path, devices: int, callbacks: list[pl.Callback]) -> list[dict]:
-    """Fit ``model`` for one epoch on ``devices`` spawned CPU processes (one: no DDP); the file each process's saving
+def _fit_and_read(
+    model: pl.LightningModule, root: Path, devices: int, callbacks: list[pl.Callback], epochs: int = 1
+) -> list[dict]:
+    """Fit ``model`` for ``epochs`` on ``devices`` spawned CPU processes (one: no DDP); the file each process's saving
     callback wrote."""
     strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
     trainer = pl.Trainer(
@@ -126,7 +128,7 @@ def _fit_and_read(model: pl.LightningModule, root: Path, devices: int, callbacks
         devices=devices,
         strategy=strategy,
         callbacks=callbacks,
-        max_epochs=1,
+        max_epochs=epochs,
         logger=False,
         default_root_dir=root,
         enable_progress_bar=False,
@@ -166,6 +168,8 @@ class LowRankMLP(pl.LightningModule):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
+        # An accuracy logged without sync_dist that differs between the processes (1 on the first, 0 on the others).
+        self.log("train/acc", float(self.global_rank == 0), on_step=False, on_epoch=True)
         return nn.functional.cross_entropy(self(batch[0]), batch[1]) + collect_auxiliary_losses(self)
 
     def configure_optimizers(self):
@@ -194,8 +198,9 @@ def fit_methods(root: Path, devices: int) -> dict:
     torch.manual_seed(0)
     root.mkdir(parents=True, exist_ok=True)
     pretraining = RankPretraining(layer="net.1", num_batches=2, steps=1, verbose=False)
-    projection = LowRankProjection(threshold=None, switch_on_epoch=0, verbose=False)
+    # Switched on by the mean accuracy (0.5 on two processes) after the first epoch, on every process at once.
+    projection = LowRankProjection(threshold=0.4, verbose=False)
     callbacks = [pretraining, projection, _SaveMethods(str(root), pretraining)]
-    ranks = _fit_and_read(LowRankMLP(), root, devices, callbacks)
+    ranks = _fit_and_read(LowRankMLP(), root, devices, callbacks, epochs=2)
     assert all(values == ranks[0] for values in ranks), f"the processes disagree: {ranks}"
     return ranks[0]
