@@ -168,9 +168,9 @@ class RankCollapseAlarm(RankCallback):
                 out[key] = float(value.detach().cpu()) if isinstance(value, torch.Tensor) else float(value)
         return out
 
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, only: frozenset[str] | None = None) -> None:
-        """Judge the watched values (``only`` these keys, each value object once, for step measurements; else each
-        key once per epoch)."""
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, only: dict[str, int] | None = None) -> None:
+        """Judge the watched values (``only`` these keys, each value object once, for step measurements, named with
+        the step they were measured at; else each key once per epoch)."""
         if trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return
         epoch, messages, judged = trainer.current_epoch, [], False
@@ -186,7 +186,7 @@ class RankCollapseAlarm(RankCallback):
             self._judged[key], self._seen[key], judged = epoch, current, True
             reason = self.judge(key, value, pl_module)
             if reason is not None:
-                when = f"step {trainer.global_step}" if only is not None else f"epoch {epoch}"
+                when = f"step {only[key]}" if only is not None else f"epoch {epoch}"
                 messages.append(f"{self._describe(key, value)} at {when} {reason}")
             if not math.isnan(value):
                 self._previous[key] = value
@@ -291,11 +291,12 @@ def _width_from_model(key: str, module: nn.Module) -> float | None:
     return float(weights[-1].shape[0])
 
 
-def _step_cadence_keys(trainer: pl.Trainer) -> frozenset[str]:
-    """The keys logged so far by the trainer's monitors that measure by step (``every_n_train_steps``)."""
-    keys: set[str] = set()
+def _step_cadence_keys(trainer: pl.Trainer) -> dict[str, int]:
+    """The keys logged so far by the trainer's monitors that measure by step (``every_n_train_steps``), each with
+    the step of its monitor's latest measurement."""
+    keys: dict[str, int] = {}
     for callback in getattr(trainer, "callbacks", None) or []:
         cadence, curves = getattr(callback, "cadence", None), getattr(callback, "curves", None)
-        if getattr(cadence, "by_step", False) and curves is not None:
-            keys.update(curves.logged_keys)
-    return frozenset(keys)
+        if getattr(cadence, "by_step", False) and curves is not None and curves.epochs:
+            keys.update(dict.fromkeys(curves.logged_keys, curves.epochs[-1]))
+    return keys
