@@ -167,16 +167,10 @@ class ActivationStream:
         self._in_batch = False
 
     @property
-    def done(self) -> bool:
-        """Whether this process has measured all the rows it may (its share of ``max_samples`` reached)."""
-        return self.remaining == 0
-
-    @property
     def exhausted(self) -> bool:
         """Whether the batches so far offered the largest process share of ``max_samples``: where a pass of unknown
         length may stop. Every process reaches it at the same batch (equal batch sizes), so a forward pass that is
-        itself a collective (FSDP, DeepSpeed ZeRO-3) runs as often on each; ``done`` may come a batch earlier on a
-        process with a smaller share."""
+        itself a collective (FSDP, DeepSpeed ZeRO-3) runs as often on each, whatever its own share."""
         return self._offered_left is not None and self._offered_left <= 0
 
     def batch_start(

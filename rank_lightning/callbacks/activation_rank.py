@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning import streams
-from rank_lightning.callbacks.base import CurveMonitor
+from rank_lightning.callbacks.base import CurveMonitor, loader_list
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
@@ -392,7 +392,7 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stage == "val" and self.due(trainer):
-            self._start(trainer, pl_module, sum(trainer.num_val_batches), _as_list(trainer.val_dataloaders))
+            self._start(trainer, pl_module, sum(trainer.num_val_batches), loader_list(trainer.val_dataloaders))
 
     @override
     def on_validation_batch_start(
@@ -607,16 +607,11 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
         loader = trainer.train_dataloader
         batches = window if window is not None else trainer.num_training_batches
         return [(loader, batches)] if loader is not None and batches > 0 else []
-    loaders = _as_list(trainer.val_dataloaders)
+    loaders = loader_list(trainer.val_dataloaders)
     counts = list(trainer.num_val_batches)
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(loader, batches) for loader, batches in zip(loaders, counts) if batches > 0]
-
-
-def _as_list(loaders: Any) -> list[Any]:
-    """The trainer's evaluation loaders as a list (Lightning gives one loader bare)."""
-    return [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
 
 
 def _raised_by_package(error: BaseException) -> bool:

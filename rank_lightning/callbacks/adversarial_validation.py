@@ -21,7 +21,7 @@ from rank_lightning.attacks import (
     attack,
     l2_dissimilarity,
 )
-from rank_lightning.callbacks.base import Cadence, RankCallback, trainer_fn
+from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn
 from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure, save_figure
@@ -281,8 +281,8 @@ class AdversarialValidation(RankCallback):
         world, rank = max(trainer.world_size, 1), trainer.global_rank
         limit = process_share(self.max_samples, world, rank)
         # The samples a DistributedSampler repeats at the end of a process's pass are attacked once.
-        loaders = trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders
-        limit = limit_to_own_samples(limit, loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders)
+        loaders = loader_list(trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders)
+        limit = limit_to_own_samples(limit, next(iter(loaders), None))
         self._remaining = -1 if limit is None else limit
 
     def _collect(self, batch: Any, dataloader_idx: int) -> None:

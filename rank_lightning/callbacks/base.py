@@ -22,7 +22,7 @@ from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
 from rank_lightning.validation import check_positive_int
 
-__all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "gather_rows", "trainer_fn"]
+__all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "gather_rows", "loader_list", "trainer_fn"]
 
 
 def trainer_fn(trainer: pl.Trainer) -> str | None:
@@ -33,12 +33,15 @@ def trainer_fn(trainer: pl.Trainer) -> str | None:
     return str(getattr(fn, "value", fn))
 
 
+def loader_list(loaders: Any) -> list[Any]:
+    """The trainer's evaluation loaders (``trainer.val_dataloaders``, ``test_dataloaders``) as a list: Lightning
+    gives one loader bare, several as a list, none as ``None``."""
+    return [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
 def first_val_loader(trainer: pl.Trainer) -> Any:
     """The trainer's first validation dataloader, or ``None`` when there is none."""
-    loaders = trainer.val_dataloaders
-    if isinstance(loaders, (list, tuple)):
-        return loaders[0] if loaders else None
-    return loaders
+    return next(iter(loader_list(trainer.val_dataloaders)), None)
 
 
 def gather_rows(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -> Tensor:

@@ -662,6 +662,11 @@ class LayerCurves:
             metrics.pop(key, None)
 
     @property
+    def holds_values(self) -> bool:
+        """Whether ``trainer.callback_metrics`` may hold values this object logged (not cleared since)."""
+        return self._published
+
+    @property
     def logged_keys(self) -> frozenset[str]:
         """Every key this object has logged so far."""
         return frozenset(self._logged_keys)

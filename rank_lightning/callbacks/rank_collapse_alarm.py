@@ -292,11 +292,11 @@ def _width_from_model(key: str, module: nn.Module) -> float | None:
 
 
 def _step_cadence_keys(trainer: pl.Trainer) -> dict[str, int]:
-    """The keys logged so far by the trainer's monitors that measure by step (``every_n_train_steps``), each with
-    the step of its monitor's latest measurement."""
+    """The keys of the trainer's monitors that measure by step (``every_n_train_steps``) and hold a measurement in
+    ``callback_metrics`` now, each with the step of that measurement (empty at most batches: cheap to ask)."""
     keys: dict[str, int] = {}
     for callback in getattr(trainer, "callbacks", None) or []:
         cadence, curves = getattr(callback, "cadence", None), getattr(callback, "curves", None)
-        if getattr(cadence, "by_step", False) and curves is not None and curves.epochs:
+        if getattr(cadence, "by_step", False) and curves is not None and curves.holds_values and curves.epochs:
             keys.update(dict.fromkeys(curves.logged_keys, curves.epochs[-1]))
     return keys
