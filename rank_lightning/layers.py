@@ -1083,8 +1083,11 @@ class BatchReader:
             advice = "set label_key (an index for tuples, a key for dicts) or label_fn"
         raise ValueError(f"cannot find integer class labels at {self._label_where(batch, found)}; {advice}")
 
-    def mask(self, batch: Any) -> Tensor | None:
+    def mask(self, batch: Any, *, convert: bool = True) -> Tensor | None:
         """The ``(B, T)`` boolean attention mask of ``batch`` (true at the real tokens); ``None`` when there is none.
+
+        ``convert=False`` returns the mask as found, its shape checked but not its values (checking them reads a flag
+        back from a GPU).
 
         Without ``mask_key`` a dict batch's ``"attention_mask"`` is taken when present; other batches have none.
         Integer or float masks must hold only 0 and 1 (Hugging Face's ``attention_mask``); PyTorch's
@@ -1117,6 +1120,8 @@ class BatchReader:
             raise ValueError(
                 f"the attention mask at {where} in {_describe(batch)} must be a (B, T) tensor, found {found}"
             )
+        if not convert:
+            return value
         # Imported here: the functional package imports this module (functional/jacobian.py uses eval_mode).
         from rank_lightning.functional.reductions import token_mask
 

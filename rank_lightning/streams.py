@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rank_lightning.functional.reductions import check_token_mask
+from rank_lightning.functional.reductions import check_token_mask, token_mask
 from rank_lightning.functional.streaming import ClassGrouping, group_by_class
 from rank_lightning.layers import BatchReader, FeatureLayer, OutputSelector, forward_hooks, hidden_state
 from rank_lightning.metrics import ActivationSpectrum
@@ -114,6 +114,8 @@ class ActivationStream:
         self._labels: Tensor | None = None
         self._groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
+        self._wrong_masks: Tensor | None = None  # batches whose mask held values other than 0 and 1, on the device
+        self._left_padded: bool | None = None  # whether the pass's first batch pads on the left ("cls" reduction)
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._own_rows: int | None = None
@@ -182,7 +184,7 @@ class ActivationStream:
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
         self._labels = labels if self.num_classes else None
-        self._mask = mask if mask is not None or batch is None else self.batch_reader.mask(batch)
+        self._mask = self._read_mask(batch, mask)
         self._batch = BatchReader.batch_size(batch) if batch is not None else None
         for known in (labels, self._mask):  # labels tell the batch size even when no class metric uses them
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
@@ -195,6 +197,23 @@ class ActivationStream:
         self._groupings = {}
         self._seen_this_batch = set()
         self._in_batch = True
+
+    def _read_mask(self, batch: Any, mask: Tensor | None) -> Tensor | None:
+        """The batch's attention mask (``mask``, else read from ``batch``) as booleans.
+
+        Its values are checked at a pass's first batch, where a mask of other values than 0 and 1 raises; after that
+        the check runs on the mask's device and is read at the end of the pass (:meth:`compute` warns), so that a
+        monitored batch on a GPU does not wait for it.
+        """
+        if mask is None and batch is not None:
+            mask = self.batch_reader.mask(batch, convert=self.batches_seen == 0)
+        if not isinstance(mask, Tensor) or mask.dtype == torch.bool:
+            return mask  # anything but a tensor: the layers' check names it
+        if self.batches_seen == 0:
+            return token_mask(mask)
+        wrong = ((mask != 0) & (mask != 1)).any().to(torch.int64)
+        self._wrong_masks = wrong if self._wrong_masks is None else self._wrong_masks + wrong.to(self._wrong_masks)
+        return mask != 0
 
     def _count_own(self, loader: int, size: int | None = None) -> int | None:
         """Leading rows of this batch (of ``size`` inputs, by default the batch's size) that are the process's own
@@ -349,7 +368,9 @@ class ActivationStream:
     def _check_cls_position(self, name: str) -> None:
         """Warn when the first position of a sequence is padding (left padding): ``"cls"`` would measure its state."""
         mask = self._mask
-        if mask.ndim == 2 and mask.shape[1] and not bool(mask[:, 0].bool().all()):
+        if self._left_padded is None:  # read once for all layers
+            self._left_padded = mask.ndim == 2 and bool(mask.shape[1]) and not bool(mask[:, 0].bool().all())
+        if self._left_padded:
             message = (
                 "uses token_reduction='cls', but the attention mask marks the first position of some sequences as "
                 "padding (left padding), whose hidden state is measured there. Pad on the right, or use "
@@ -385,7 +406,8 @@ class ActivationStream:
         reduction = self.reductions.get(activations.ndim)
         self.layer_ndims[name] = activations.ndim
         options = dict(self.spectrum_options, reduction=reduction or "flatten")
-        metric = self._within_budget(name, _num_features(activations, options["reduction"]), options)
+        with activations.device:  # the states are made where they live: no copies (on a GPU, each one waits)
+            metric = self._within_budget(name, _num_features(activations, options["reduction"]), options)
         if metric is not None:
             self.metrics[name] = metric.to(activations.device)
         return metric
@@ -453,6 +475,13 @@ class ActivationStream:
         """
         inputs = torch.tensor(self.inputs_measured, device=device)
         self._max_samples_reached = self.max_samples is not None and self.remaining == 0
+        wrong_masks = 0 if self._wrong_masks is None else int(self._wrong_masks)
+        if wrong_masks:
+            message = (
+                f"the attention masks of {wrong_masks} batch(es) {when} held values other than 0 and 1 (read as real "
+                "tokens where not 0); the token layers may count padding. Pass a boolean or 0 / 1 mask (mask_key)."
+            )
+            self._warn("", "mask values", message)
         self.stop()
         if _distributed():
             dist.all_reduce(inputs)

@@ -44,6 +44,7 @@ __all__ = [
     "REDUCTIONS",
     "TOKEN_REDUCTIONS",
     "check_token_mask",
+    "masked_token_rows",
     "reduce_activations",
     "token_mask",
     "token_rows_per_sample",
@@ -120,17 +121,45 @@ def _reduce_conv(x: Tensor, reduction: str, dtype: torch.dtype | None) -> Tensor
 
 
 def _reduce_masked_tokens(x: Tensor, reduction: str, dtype: torch.dtype | None, keep: Tensor) -> Tensor:
+    rows, real = masked_token_rows(x, reduction, keep, dtype=dtype)
+    return rows if real is None else rows[real]
+
+
+def masked_token_rows(
+    x: Tensor, reduction: str, keep: Tensor, *, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Masked ``(B, T, D)`` tokens as rows in a layout fixed by the shapes alone, with a mask of the real rows.
+
+    :func:`reduce_activations` with a mask returns ``rows[real]``: the rows of the padded positions (``"token"``) or
+    of the samples without a real token (``"mean"``) left out. Their number depends on the mask's values, which a GPU
+    would have to read back; here every row stays in place and ``real`` (``None`` when every row is real: ``"cls"``,
+    and ``"flatten"`` whose padded positions are zeroed) says which rows to count. A sum that skips the rows where
+    ``real`` is false (:func:`~rank_lightning.functional.streaming.row_moments` with ``row_mask``) equals the sum
+    over ``rows[real]``.
+
+    Args:
+        x: ``(B, T, D)`` token activations.
+        reduction: one of :data:`TOKEN_REDUCTIONS`.
+        keep: ``(B, T)`` boolean mask, true at the real tokens (:func:`check_token_mask`).
+        dtype: convert to this dtype first (a mean over half-precision tokens is best taken in float64).
+
+    Returns:
+        ``(rows, real)``: ``(B*T, D)`` and ``keep.reshape(-1)`` for ``"token"``; ``(B, D)`` means over each sample's
+        real tokens and ``(B,)`` "has a real token" for ``"mean"``; ``(B, D)`` first tokens for ``"cls"`` and
+        ``(B, T*D)`` zero-padded rows for ``"flatten"``, both with ``real=None``.
+    """
+    if reduction not in TOKEN_REDUCTIONS:
+        raise ValueError(f"unknown token reduction {reduction!r}; valid choices are {TOKEN_REDUCTIONS}")
     if reduction == "cls":
-        return _cast(x[:, 0], dtype)
+        return _cast(x[:, 0], dtype), None
     if reduction == "token":
-        return _cast(x[keep], dtype)
+        return _cast(x.reshape(-1, x.shape[2]), dtype), keep.reshape(-1)
     # masked_fill, not a product: whatever a padded position holds (even inf or NaN) contributes exactly zero.
     zeroed = _cast(x, dtype).masked_fill(~keep.unsqueeze(2), 0)
     if reduction == "flatten":
-        return zeroed.flatten(1)
+        return zeroed.flatten(1), None
     counts = keep.sum(dim=1)
-    present = counts > 0
-    return zeroed[present].sum(dim=1) / counts[present].unsqueeze(1).to(zeroed.dtype)
+    return zeroed.sum(dim=1) / counts.clamp_min(1).unsqueeze(1).to(zeroed.dtype), counts > 0
 
 
 def check_token_mask(mask: Tensor, x: Tensor) -> Tensor:

@@ -158,15 +158,15 @@ class ClassGrouping(NamedTuple):
         )
 
 
-def class_counts(labels: Tensor, num_classes: int) -> Tensor:
+def class_counts(labels: Tensor, num_classes: int, *, row_mask: Tensor | None = None) -> Tensor:
     """Rows per class, ``(num_classes,)`` int64, of labels in ``[0, num_classes)``, without a host synchronisation.
 
     ``torch.bincount`` on a GPU reads the largest label back to size its output: a synchronisation per call. Adding
     ones at the labels into ``num_classes`` zeros gives the same counts on the device. Out-of-range labels raise.
+    With ``row_mask`` (``(N,)`` booleans) only the labels where it is true are counted.
     """
-    return torch.zeros(num_classes, dtype=torch.int64, device=labels.device).index_add_(
-        0, labels, torch.ones_like(labels, dtype=torch.int64)
-    )
+    ones = torch.ones_like(labels, dtype=torch.int64) if row_mask is None else row_mask.to(torch.int64)
+    return torch.zeros(num_classes, dtype=torch.int64, device=labels.device).index_add_(0, labels, ones)
 
 
 def group_by_class(labels: Tensor, num_classes: int) -> ClassGrouping:
@@ -212,7 +212,7 @@ class BatchMoments(NamedTuple):
     :func:`~rank_lightning.functional.total_cluster_variation_from_moments`).
 
     Attributes:
-        num_rows: rows in the batch (after the reduction).
+        num_rows: rows in the batch (after the reduction); an int64 device scalar where a row mask counted them.
         nonfinite: int64 scalar, 1 if the batch holds NaN or Inf, else 0 (a tensor, so no device sync).
         feature_sum: ``(d,)`` float64 ``X_b^T 1``.
         sum_squares: float64 scalar ``||X_b||_F^2 = sum_i ||x_i||^2``.
@@ -220,7 +220,7 @@ class BatchMoments(NamedTuple):
         class_sums: ``(C, d)`` float64 ``sum_{i in c} x_i``; ``None`` without labels.
     """
 
-    num_rows: int
+    num_rows: int | Tensor
     nonfinite: Tensor
     feature_sum: Tensor
     sum_squares: Tensor
@@ -234,12 +234,13 @@ def _nonfinite(feature_sum: Tensor) -> Tensor:
 
 
 def _class_moments(
-    labels: Tensor | None, num_classes: int | None, sums: Tensor, repeats: int = 1
+    labels: Tensor | None, num_classes: int | None, sums: Tensor, repeats: int = 1, row_mask: Tensor | None = None
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Rows per class (each label counting ``repeats`` rows) and per-class sums of ``sums`` (one row per label)."""
+    """Rows per class (each label counting ``repeats`` rows; with ``row_mask``, only where it is true) and per-class
+    sums of ``sums`` (one row per label)."""
     if labels is None or num_classes is None:
         return None, None
-    counts = class_counts(labels, num_classes) * repeats
+    counts = class_counts(labels, num_classes, row_mask=row_mask) * repeats
     class_sums = sums.new_zeros(num_classes, sums.shape[1]).index_add_(0, labels, sums)
     return counts, class_sums
 
@@ -338,6 +339,7 @@ def row_moments(
     reference: Tensor | None = None,
     precision: str = "float64",
     sorted_counts: Sequence[int] | None = None,
+    row_mask: Tensor | None = None,
 ) -> BatchMoments:
     """First moments of a batch of rows; with ``gram``, also adds the batch's Gram into its lower triangle.
 
@@ -362,16 +364,23 @@ def row_moments(
         precision: ``"float64"``, ``"float32"`` or ``"tf32"`` (resolved, see :func:`resolve_gram_precision`).
         sorted_counts: rows per class, on the host, when ``labels`` are known to be sorted (from a
             :class:`ClassGrouping`): the class Grams then need no synchronisation to find each class's rows.
+        row_mask: ``(N,)`` booleans: only the rows where it is true are counted (the moments equal those of
+            ``rows[row_mask]``), e.g. the real tokens of a padded batch
+            (:func:`~rank_lightning.functional.reductions.masked_token_rows`). The other rows are zeroed after the
+            shift, whatever they hold, and their Gram products add zeros; no count is read back to the host.
 
     Returns:
-        The batch's :class:`BatchMoments` (of ``x - r``).
+        The batch's :class:`BatchMoments` (of ``x - r``); with ``row_mask``, its ``num_rows`` is a device tensor.
     """
     num_rows, num_features = rows.shape
     # A batch of a few rows is a handful of small operations: one thread does them several times faster.
     with serial_if_small(rows, num_rows * num_features * num_features, _SERIAL_UPDATE_BELOW):
         shifted = rows.to(torch.float64) if reference is None else torch.sub(rows, reference.to(torch.float64))
+        if row_mask is not None:
+            shifted = shifted.masked_fill(~row_mask.unsqueeze(1), 0)
+            num_rows = row_mask.sum()
         feature_sum = shifted.sum(dim=0)
-        counts, class_sums = _class_moments(labels, num_classes, shifted)
+        counts, class_sums = _class_moments(labels, num_classes, shifted, row_mask=row_mask)
         with gram_product_dtype(precision) as dtype:
             factor = shifted.to(dtype)
             if class_grams is not None and labels is not None:
@@ -717,8 +726,9 @@ def subsample_update(
     uniform sample without replacement of every row streamed, and the bottom-k of a union is the bottom-k of the
     parts' bottom-k: subsamples kept apart (per DDP rank) merge exactly with :func:`merge_subsamples`.
 
-    Once the subsample is full, the evicted rows are overwritten in place rather than the whole subsample copied per
-    batch: ``sample`` is consumed, use the returned one.
+    On a CPU, once the subsample is full, the evicted rows are overwritten in place rather than the whole subsample
+    copied per batch; on other devices it is gathered anew, without a host synchronisation. ``sample`` is consumed:
+    use the returned one.
 
     Args:
         sample: the subsample so far (``None`` before the first batch).
@@ -737,6 +747,11 @@ def subsample_update(
     rows = rows.to(torch.promote_types(rows.dtype, kept_rows.dtype))
     kept_rows = kept_rows.to(rows.dtype)
     num_kept = kept_keys.shape[0]
+    if rows.device.type != "cpu":
+        # Evicting in place needs the number of rows that enter, which a GPU would read back to the host: there the
+        # subsample is the bottom-k of the kept and the new rows, gathered anew (the same rows, in another order).
+        both = (Subsample(kept_rows, kept_keys, kept_labels), Subsample(rows, keys, labels))
+        return merge_subsamples(both, capacity=capacity)
     if num_kept + keys.shape[0] <= capacity:
         return Subsample(torch.cat([kept_rows, rows]), torch.cat([kept_keys, keys]), torch.cat([kept_labels, labels]))
     chosen = torch.zeros(num_kept + keys.shape[0], dtype=torch.bool, device=keys.device)
@@ -809,14 +824,15 @@ def count_sketch(rows: Tensor, num_buckets: int, generator: torch.Generator) -> 
     Args:
         rows: ``(N, d)`` float64 rows.
         num_buckets: m, the rows of the sketch.
-        generator: CPU generator of the buckets and signs.
+        generator: generator of the buckets and signs, on the rows' device (drawn there, nothing is copied from the
+            host, which would wait for a GPU).
 
     Returns:
         The batch's :class:`SketchUpdate`; ``sketch.index_add_(0, u.buckets, u.rows)`` adds it.
     """
-    n = rows.shape[0]
-    buckets = torch.randint(num_buckets, (n,), generator=generator).to(rows.device)
-    signs = (torch.randint(2, (n,), generator=generator, dtype=torch.float64) * 2 - 1).to(rows.device)
+    n, device = rows.shape[0], rows.device
+    buckets = torch.randint(num_buckets, (n,), generator=generator, device=device)
+    signs = torch.randint(2, (n,), generator=generator, dtype=torch.float64, device=device) * 2 - 1
     return SketchUpdate(buckets, rows * signs.unsqueeze(1), signs)
 
 

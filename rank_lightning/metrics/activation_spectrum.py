@@ -16,7 +16,13 @@ from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
-from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations, token_rows_per_sample
+from rank_lightning.functional.reductions import (
+    REDUCTIONS,
+    check_token_mask,
+    masked_token_rows,
+    reduce_activations,
+    token_rows_per_sample,
+)
 from rank_lightning.functional.spectral import (
     SPECTRAL_METRICS,
     SpectralSummary,
@@ -502,11 +508,13 @@ class ActivationSpectrum(Metric):
             for name in ("num_samples", "num_nonfinite_batches", "sum_squares", "input_eps"):
                 setattr(self, name, getattr(self, name).to(device))
 
-    def _rng(self) -> torch.Generator:
-        if self._generator is None:
+    def _rng(self, device: torch.device) -> torch.Generator:
+        """The generator of the fallback's keys and buckets, on the device of the rows (a GPU then draws them itself:
+        copies from the host would wait for it). The same seed draws other numbers on a CPU and on a GPU."""
+        if self._generator is None or self._generator.device != device:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             # Ranks need independent keys and buckets, or their sketches would correlate.
-            self._generator = torch.Generator().manual_seed(self.seed + 1_000_003 * rank)
+            self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
         return self._generator
 
     def update(
@@ -523,7 +531,9 @@ class ActivationSpectrum(Metric):
                 synchronisation).
             mask: ``(B, T)`` attention mask of token activations (true / 1 at real tokens): padded positions never
                 reach the sums (see :func:`~rank_lightning.functional.reduce_activations`); ignored for other
-                shapes.
+                shapes. A boolean mask is taken as it is; one of 0 / 1 integers or floats has its values checked,
+                which on a GPU reads a flag back to the host (convert it with ``mask.bool()`` once per batch when
+                several layers share it).
         """
         activations, labels, mask = self._prepare(activations.detach(), labels, mask)
         if activations.shape[0] == 0:
@@ -536,11 +546,13 @@ class ActivationSpectrum(Metric):
             self._ensure_reference(lambda: _channel_mean(activations))
             moments = channel_gram_moments(activations, labels, reference=self.reference, **options)
         else:
-            rows, labels, counts = self._rows(activations, labels, mask)
+            rows, labels, counts, real = self._rows(activations, labels, mask)
             if rows.shape[0] == 0:
                 return
-            self._ensure_reference(lambda: rows.mean(dim=0, dtype=torch.float64))
-            moments = row_moments(rows, labels, reference=self.reference, sorted_counts=counts, **options)
+            self._ensure_reference(lambda: _row_mean(rows, real))
+            moments = row_moments(
+                rows, labels, reference=self.reference, sorted_counts=counts, row_mask=real, **options
+            )
             if self.path == "sketch":
                 self._add_to_sketch(rows)
             elif self.path == "sample_gram":
@@ -554,37 +566,44 @@ class ActivationSpectrum(Metric):
 
     def _rows(
         self, activations: Tensor, grouping: ClassGrouping | None, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, list[int] | None]:
-        """The batch as ``(N, d)`` rows, their labels and, when the rows are sorted by class, the rows per class.
+    ) -> tuple[Tensor, Tensor | None, list[int] | None, Tensor | None]:
+        """The batch as ``(N, d)`` rows, their labels, the rows per class when the rows are sorted by class, and which
+        rows are real (``None``: all; else padded token rows kept in place, see :meth:`_reduce`).
 
         Rows are in their own precision, except ``"mean"`` in float64.
         """
+        by_class = grouping is not None and self.uses_class_grams
+        if by_class:
+            # Inputs sorted by class give each class contiguous rows, with no float64 copy of the rows to group them.
+            activations = activations.index_select(0, grouping.order)
+            mask = mask.index_select(0, grouping.order) if mask is not None else None
+        rows, real, per_input = self._reduce(activations, mask)
         if grouping is None:
-            return self._reduce(activations, mask), None, None
-        if not self.uses_class_grams:
-            rows = self._reduce(activations, mask)
-            return rows, self._row_labels(grouping.labels, rows, activations, mask), None
-        # Inputs sorted by class give each class contiguous rows, with no float64 copy of the rows to group them.
-        activations = activations.index_select(0, grouping.order)
-        mask = mask.index_select(0, grouping.order) if mask is not None else None
-        rows = self._reduce(activations, mask)
-        labels = self._row_labels(grouping.sorted_labels, rows, activations, mask)
-        per_input = rows.shape[0] // max(activations.shape[0], 1)
-        counts = None if mask is not None and activations.ndim == 3 else [n * per_input for n in grouping.counts]
-        return rows, labels, counts
+            return rows, None, None, real
+        labels = grouping.sorted_labels if by_class else grouping.labels
+        if per_input is not None:
+            return rows, labels.repeat_interleave(per_input), None, real
+        repeats = rows.shape[0] // max(activations.shape[0], 1)
+        counts = [n * repeats for n in grouping.counts] if by_class else None
+        return rows, labels.repeat_interleave(repeats) if repeats > 1 else labels, counts, real
 
-    def _reduce(self, activations: Tensor, mask: Tensor | None) -> Tensor:
+    def _reduce(self, activations: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(rows, real, per_input)``: the reduced rows; for masked tokens whose padded rows stay in place, which
+        rows are real; for masked tokens whose real rows were selected, how many rows each input gave.
+
+        The real rows of masked tokens are selected on a CPU (less work) and on the fallback paths (which keep rows);
+        on a GPU the gram path keeps every row in place and counts only the real ones, so that the number of real
+        tokens is never read back to the host (a synchronisation per layer and batch).
+        """
         # A mean over half-precision values is taken in float64 (a bf16 mean loses 3 digits); reshapes are exact.
         dtype = torch.float64 if self.reduction == "mean" and activations.ndim > 2 else None
-        return reduce_activations(activations, self.reduction, dtype=dtype, mask=mask)
-
-    def _row_labels(self, labels: Tensor, rows: Tensor, activations: Tensor, mask: Tensor | None) -> Tensor:
-        """The label of every row: each position or token inherits its input's label."""
-        if mask is not None and activations.ndim == 3:
-            return labels.repeat_interleave(token_rows_per_sample(mask, self.reduction))
-        if rows.shape[0] > labels.shape[0]:
-            return labels.repeat_interleave(rows.shape[0] // labels.shape[0])
-        return labels
+        if mask is None or activations.ndim != 3:
+            return reduce_activations(activations, self.reduction, dtype=dtype), None, None
+        keep = check_token_mask(mask, activations)
+        rows, real = masked_token_rows(activations, self.reduction, keep, dtype=dtype)
+        if real is None or (self.path == "gram" and _keeps_padded_rows(rows.device)):
+            return rows, real, None
+        return rows[real], None, token_rows_per_sample(keep, self.reduction)
 
     def _prepare(
         self, activations: Tensor, labels: Tensor | None, mask: Tensor | None
@@ -637,13 +656,13 @@ class ActivationSpectrum(Metric):
             self.class_sums += moments.class_sums
 
     def _add_to_sketch(self, rows: Tensor) -> None:
-        sketched = count_sketch(torch.sub(rows, self.reference), self.sketch.shape[0], self._rng())
+        sketched = count_sketch(torch.sub(rows, self.reference), self.sketch.shape[0], self._rng(rows.device))
         self.sketch.index_add_(0, sketched.buckets, sketched.rows)
         self.sketch_signs.index_add_(0, sketched.buckets, sketched.signs)
         self.sketch_rows.index_add_(0, sketched.buckets, torch.ones_like(sketched.signs))
 
     def _add_to_subsample(self, rows: Tensor, labels: Tensor | None) -> None:
-        keys = torch.rand(rows.shape[0], generator=self._rng(), dtype=torch.float64).to(rows.device)
+        keys = torch.rand(rows.shape[0], generator=self._rng(rows.device), dtype=torch.float64, device=rows.device)
         kept = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0]) if self.sample_rows else None
         sample = subsample_update(kept, rows, keys, labels, capacity=self.fallback_size)
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
@@ -923,6 +942,20 @@ class ActivationSpectrum(Metric):
             class_counts=self.class_counts.clone() if self.num_classes else None,
             spectrum_rows=estimate.spectrum_rows,
         )
+
+
+def _keeps_padded_rows(device: torch.device) -> bool:
+    """Whether masked token rows stay in place, the padded ones counted out (:meth:`ActivationSpectrum._reduce`): off
+    the CPU, where selecting the real rows would read their number back to the host."""
+    return device.type != "cpu"
+
+
+def _row_mean(rows: Tensor, real: Tensor | None) -> Tensor:
+    """The float64 mean of the (real) rows, the first batch's reference point; NaN (then the origin) for none."""
+    if real is None:
+        return rows.mean(dim=0, dtype=torch.float64)
+    total = rows.masked_fill(~real.unsqueeze(1), 0).sum(dim=0, dtype=torch.float64)
+    return total / real.sum()
 
 
 def _channel_mean(maps: Tensor) -> Tensor:

@@ -1,0 +1,294 @@
+"""A monitored batch on a GPU makes the host wait at most once (to group the labels), checked without a GPU.
+
+A CUDA device is simulated with PyTorch's fake tensors (``FakeTensorMode``): tensors carry a device, a shape and a
+dtype but no values, and every operation runs through the GPU code paths of the package (class blocks padded into one
+product, token rows kept in place, the fallback's subsample gathered anew) as it would on a device. An operation that
+makes the host wait for a GPU shows as it runs:
+
+* a value read back to the host (``.item()``, ``bool()``, ``int()``, ``.tolist()``): ``aten._local_scalar_dense``,
+  recorded here (and answered with 0, so the code goes on);
+* an output whose size depends on values (``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor): fake
+  tensors raise ``DynamicOutputShapeException``, which fails the test;
+* a copy between the host and the device (a pageable copy waits for the GPU): recorded here.
+
+The one documented synchronisation of a labelled batch, ``group_by_class`` (it reads the class counts, which cut each
+class's rows out of the batch), is replaced by a stand-in that takes the counts from the test and counts its calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torchmetrics.metric
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import rank_lightning.streams as streams_module
+from rank_lightning.functional import streaming
+from rank_lightning.layers import BatchReader
+from rank_lightning.metrics import ActivationSpectrum
+from rank_lightning.metrics import activation_spectrum as spectrum_module
+from rank_lightning.streams import ActivationStream
+
+NUM_CLASSES = 5
+_COPIES = {"aten::_to_copy", "aten::copy_", "aten::_copy_from"}
+
+
+def _source() -> str:
+    """The innermost frames of the package that led here."""
+    frames = [f for f in traceback.extract_stack() if "/rank_lightning/" in f.filename.replace("\\", "/")]
+    return " <- ".join(f"{f.filename.rsplit('rank_lightning', 1)[-1]}:{f.lineno}" for f in frames[::-1][:3])
+
+
+class _Waits(TorchDispatchMode):
+    """Records every operation that would make the host wait for the device, by batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch = 0
+        self.found: list[tuple[int, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.found.append((self.batch, "value read back", _source()))
+            return 0
+        out = func(*args, **kwargs)
+        if func.name() in _COPIES:
+            devices = {t.device.type for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
+            if len(devices) > 1:
+                self.found.append((self.batch, f"copy {sorted(devices)}", _source()))
+        return out
+
+    def at(self, batch: int) -> list[tuple[str, str]]:
+        return [(what, where) for b, what, where in self.found if b == batch]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A fake-tensor mode with CUDA tensors, in which torchmetrics keeps its default states in the same mode."""
+    # torchmetrics deep-copies each state's default; a deep copy of a fake tensor would start a fake mode of its own.
+    monkeypatch.setattr(
+        torchmetrics.metric, "deepcopy", lambda v: v.clone() if isinstance(v, FakeTensor) else copy.deepcopy(v)
+    )
+    return FakeTensorMode()
+
+
+def _stream_on_fake_cuda(
+    monkeypatch,
+    mode: FakeTensorMode,
+    make_model: Callable[[], nn.Module],
+    layers: dict[str, str],
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    num_classes: int | None = NUM_CLASSES,
+    reductions: dict[int, str] | None = None,
+    options: dict | None = None,
+) -> tuple[_Waits, int]:
+    """Stream ``batches`` (dicts of CPU tensors, read by a ``BatchReader``) through ``make_model()`` on a fake GPU;
+    the waits recorded per batch and the number of ``group_by_class`` calls."""
+    counts = [torch.bincount(b["labels"], minlength=num_classes).tolist() if "labels" in b else None for b in batches]
+    current: list[list[int]] = []
+    calls = []
+
+    def grouping(labels: torch.Tensor, classes: int) -> streaming.ClassGrouping:
+        calls.append(classes)
+        order = torch.argsort(labels, stable=True)
+        sorted_labels = labels.index_select(0, order)
+        slots = streaming._slots(sorted_labels, order, streaming.class_counts(labels, classes))
+        return streaming.ClassGrouping(labels, order, sorted_labels, tuple(current[0]), slots)
+
+    monkeypatch.setattr(streams_module, "group_by_class", grouping)
+    waits = _Waits()
+    with mode:
+        with torch.device("cuda"):
+            model = make_model()
+        on_device = [{k: mode.from_tensor(v).to("cuda") for k, v in b.items()} for b in batches]
+        stream = ActivationStream(
+            layers,
+            num_classes=num_classes,
+            reductions=reductions or {4: "channel", 3: "token"},
+            spectrum_options=options or {},
+            batch_reader=BatchReader(label_key="labels" if num_classes else None, input_key="inputs"),
+        )
+        stream.start(model, num_batches=len(batches))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for index, (batch, batch_counts) in enumerate(zip(on_device, counts)):
+                current[:] = [batch_counts]
+                waits.batch = index
+                with waits, torch.no_grad():
+                    stream.batch_start(batch)
+                    model(batch["inputs"])
+                    stream.batch_end()
+        assert stream.metrics.keys() == layers.keys()
+        assert all(m.update_count == len(batches) and m.gram.device.type == "cuda" for m in stream.metrics.values())
+        stream.stop()
+    return waits, len(calls)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, NUM_CLASSES))
+
+
+def _convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1), nn.Flatten(), nn.Linear(6 * 36, 5)
+    )
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.block = nn.Linear(16, 16)
+        self.head = nn.Linear(16, NUM_CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.block(self.embed(ids))))
+
+
+def _labelled(inputs: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"inputs": inputs, "labels": torch.randint(0, NUM_CLASSES, (inputs.shape[0],), generator=generator)}
+
+
+def _token_batches(count: int, *, left_padding: bool = False) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(count):
+        batch = _labelled(torch.randint(0, 40, (8, 10), generator=generator), generator)
+        lengths = torch.randint(3, 11, (8, 1), generator=generator)
+        mask = (torch.arange(10) < lengths).long()  # Hugging Face's 0 / 1 integers, right padding
+        batch["attention_mask"] = mask.flip(1) if left_padding else mask
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32", "tf32", "auto"])
+def test_feature_layers_wait_only_to_group_the_labels(monkeypatch, fake_cuda, precision):
+    generator = torch.Generator().manual_seed(0)
+    batches = [_labelled(torch.randn(32, 12, generator=generator), generator) for _ in range(3)]
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch, fake_cuda, _mlp, {"a": "1", "b": "3"}, batches, options={"gram_precision": precision}
+    )
+    assert groupings == 3  # once per batch, for both layers
+    assert waits.found == []  # the states were even made on the device: no copies at the first batch
+
+
+@pytest.mark.parametrize("reduction", ["channel", "mean", "flatten"])
+@pytest.mark.parametrize("num_classes", [NUM_CLASSES, None])
+def test_conv_layers_wait_only_to_group_the_labels(monkeypatch, fake_cuda, reduction, num_classes):
+    generator = torch.Generator().manual_seed(0)
+    batches = [_labelled(torch.randn(16, 3, 6, 6, generator=generator), generator) for _ in range(3)]
+    if num_classes is None:
+        batches = [{"inputs": b["inputs"]} for b in batches]
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch,
+        fake_cuda,
+        _convnet,
+        {"conv1": "0", "conv2": "2"},
+        batches,
+        num_classes=num_classes,
+        reductions={4: reduction},
+    )
+    assert groupings == (3 if num_classes else 0)
+    assert waits.found == []
+
+
+@pytest.mark.parametrize("reduction", ["token", "mean", "flatten", "cls"])
+def test_masked_token_layers_read_the_mask_at_the_first_batch_only(monkeypatch, fake_cuda, reduction):
+    """The padded batches of a transformer: the real tokens are counted on the device, never read back."""
+    batches = _token_batches(4)
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch, fake_cuda, _Tokens, {"block": "block", "head": "head"}, batches, reductions={3: reduction}
+    )
+    assert groupings == 4
+    # The pass's first batch checks that the mask holds 0 and 1 (and, for "cls", that its first column is real),
+    # once for all layers; the later batches count wrong values on the device instead.
+    first = [what for what, _ in waits.at(0)]
+    assert first == ["value read back"] * (2 if reduction == "cls" else 1), waits.at(0)
+    assert [entry for entry in waits.found if entry[0] > 0] == []
+
+
+@pytest.mark.parametrize("fallback", ["sample_gram", "sketch"])
+def test_fallback_paths_wait_only_to_group_the_labels(monkeypatch, fake_cuda, fallback):
+    # The generator of keys and buckets lives on the rows' device; the fake CUDA draws from a CPU one in its stead.
+    monkeypatch.setattr(ActivationSpectrum, "_rng", lambda self, device: torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    batches = [_labelled(torch.randn(32, 12, generator=generator), generator) for _ in range(3)]
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch,
+        fake_cuda,
+        _mlp,
+        {"a": "1", "b": "3"},
+        batches,
+        options={"max_gram_features": 8, "fallback": fallback, "max_samples": 40},
+    )
+    assert groupings == 3
+    assert waits.found == []
+
+
+@pytest.mark.parametrize("reduction", ["token", "mean"])
+@pytest.mark.parametrize("num_classes", [NUM_CLASSES, None])
+def test_token_rows_kept_in_place_give_the_numbers_of_the_selected_rows(monkeypatch, reduction, num_classes):
+    """The GPU's layout (padded rows in place, counted out) against the CPU's (real rows selected), on a CPU."""
+    batches = _token_batches(3)
+    generator = torch.Generator().manual_seed(1)
+    tokens = [torch.randn(8, 10, 16, generator=generator, dtype=torch.float64) for _ in batches]
+    for t, b in zip(tokens, batches):
+        t.masked_fill_(~b["attention_mask"].bool().unsqueeze(2), float("nan"))  # padding may hold anything
+
+    def run() -> dict[str, float]:
+        metric = ActivationSpectrum(num_classes, reduction=reduction, center="both")
+        for t, b in zip(tokens, batches):
+            metric.update(t, b["labels"] if num_classes else None, mask=b["attention_mask"].bool())
+        return metric.compute().scalars(per_class=True)
+
+    selected = run()
+    monkeypatch.setattr(spectrum_module, "_keeps_padded_rows", lambda device: True)
+    kept = run()
+    assert kept.keys() == selected.keys() and "spectrum_rows" in kept
+    assert (
+        kept["spectrum_rows"]
+        == selected["spectrum_rows"]
+        == (sum(int(b["attention_mask"].sum()) for b in batches) if reduction == "token" else 24)
+    )
+    for key, value in selected.items():
+        assert kept[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def test_a_mask_of_other_values_after_the_first_batch_is_named_at_the_end_of_the_pass():
+    batches = _token_batches(3)
+    batches[2]["attention_mask"] = batches[2]["attention_mask"] * 2  # 0 / 2: not a 0 / 1 mask
+    model = _Tokens()
+    warned: list[tuple[str, str, str]] = []
+    stream = ActivationStream(
+        {"block": "block"},
+        num_classes=None,
+        reductions={3: "token"},
+        spectrum_options={},
+        batch_reader=BatchReader(input_key="inputs"),
+        warn=lambda *args: warned.append(args),
+    )
+    stream.start(model, num_batches=3)
+    with torch.no_grad():
+        for batch in batches:
+            stream.batch_start(batch)
+            model(batch["inputs"])
+            stream.batch_end()
+    values, _ = stream.compute("cpu", metrics=("numerical_rank",), centered=False, per_class=False, when="at epoch 0")
+    assert "token/numerical_rank" in values["block"]
+    assert [(layer, kind) for layer, kind, _ in warned] == [("", "mask values")]
+    assert "1 batch(es) at epoch 0 held values other than 0 and 1" in warned[0][2]
+
+    # At a pass's first batch the same mask is refused at once, naming where it was found.
+    stream.start(model, num_batches=1)
+    with pytest.raises(ValueError, match=r"attention mask at 'attention_mask'.*values other than 0 and 1"):
+        stream.batch_start(batches[2])
