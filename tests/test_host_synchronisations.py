@@ -29,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import GPT2Config, GPT2Model
 
 import rank_lightning.streams as streams_module
 from rank_lightning.functional import streaming
@@ -57,14 +58,17 @@ class _Waits(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Only the package's own: a model may wait in its forward (transformers copies small tensors from the host).
+        source = _source()
         if func is torch.ops.aten._local_scalar_dense.default:
-            self.found.append((self.batch, "value read back", _source()))
+            if source:
+                self.found.append((self.batch, "value read back", source))
             return 0
         out = func(*args, **kwargs)
-        if func.name() in _COPIES:
+        if source and func.name() in _COPIES:
             devices = {t.device.type for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
             if len(devices) > 1:
-                self.found.append((self.batch, f"copy {sorted(devices)}", _source()))
+                self.found.append((self.batch, f"copy {sorted(devices)}", source))
         return out
 
     def at(self, batch: int) -> list[tuple[str, str]]:
@@ -91,9 +95,11 @@ def _stream_on_fake_cuda(
     num_classes: int | None = NUM_CLASSES,
     reductions: dict[int, str] | None = None,
     options: dict | None = None,
+    call_with_batch: bool = False,
 ) -> tuple[_Waits, int]:
-    """Stream ``batches`` (dicts of CPU tensors, read by a ``BatchReader``) through ``make_model()`` on a fake GPU;
-    the waits recorded per batch and the number of ``group_by_class`` calls."""
+    """Stream ``batches`` (dicts of CPU tensors, read by a ``BatchReader``) through ``make_model()`` on a fake GPU,
+    called with the batch's inputs (or the whole batch); the waits recorded per batch and the number of
+    ``group_by_class`` calls."""
     counts = [torch.bincount(b["labels"], minlength=num_classes).tolist() if "labels" in b else None for b in batches]
     current: list[list[int]] = []
     calls = []
@@ -126,7 +132,7 @@ def _stream_on_fake_cuda(
                 waits.batch = index
                 with waits, torch.no_grad():
                     stream.batch_start(batch)
-                    model(batch["inputs"])
+                    model(batch if call_with_batch else batch["inputs"])
                     stream.batch_end()
         assert stream.metrics.keys() == layers.keys()
         assert all(m.update_count == len(batches) and m.gram.device.type == "cuda" for m in stream.metrics.values())
@@ -214,6 +220,27 @@ def test_masked_token_layers_read_the_mask_at_the_first_batch_only(monkeypatch, 
     # once for all layers; the later batches count wrong values on the device instead.
     first = [what for what, _ in waits.at(0)]
     assert first == ["value read back"] * (2 if reduction == "cls" else 1), waits.at(0)
+    assert [entry for entry in waits.found if entry[0] > 0] == []
+
+
+def test_gpt2_blocks_read_the_mask_at_the_first_batch_only(monkeypatch, fake_cuda):
+    """Hugging Face blocks (tuples in transformers 4.x, tensors in 5.x) fed a padded dict batch, as users have them."""
+
+    class Causal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=10, vocab_size=40)
+            self.model = GPT2Model(config)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.model(input_ids=batch["inputs"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+    batches = _token_batches(3)
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch, fake_cuda, Causal, {"h0": "model.h.0", "h1": "model.h.1"}, batches, call_with_batch=True
+    )
+    assert groupings == 3
+    assert [what for what, _ in waits.at(0)] == ["value read back"]  # the mask's values, once for both blocks
     assert [entry for entry in waits.found if entry[0] > 0] == []
 
 
