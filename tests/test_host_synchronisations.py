@@ -61,8 +61,10 @@ class _Waits(TorchDispatchMode):
         # Only the package's own: a model may wait in its forward (transformers copies small tensors from the host).
         source = _source()
         if func is torch.ops.aten._local_scalar_dense.default:
-            if source:
-                self.found.append((self.batch, "value read back", source))
+            entry = (self.batch, "value read back", source)
+            # ``.tolist()`` reads fake elements one by one, a GPU's in one copy: one read per line in a row.
+            if source and (not self.found or self.found[-1] != entry):
+                self.found.append(entry)
             return 0
         out = func(*args, **kwargs)
         if source and func.name() in _COPIES:
@@ -319,3 +321,21 @@ def test_a_mask_of_other_values_after_the_first_batch_is_named_at_the_end_of_the
     stream.start(model, num_batches=1)
     with pytest.raises(ValueError, match=r"attention mask at 'attention_mask'.*values other than 0 and 1"):
         stream.batch_start(batches[2])
+
+
+def test_neural_collapse_first_pass_reads_the_label_range_once_per_batch(fake_cuda):
+    from rank_lightning.metrics import NeuralCollapseStatistics
+
+    generator = torch.Generator().manual_seed(0)
+    waits = _Waits()
+    with fake_cuda:
+        with torch.device("cuda"):
+            metric = NeuralCollapseStatistics(NUM_CLASSES, 12)
+        for index in range(3):
+            features = fake_cuda.from_tensor(torch.randn(32, 12, generator=generator)).to("cuda")
+            labels = fake_cuda.from_tensor(torch.randint(0, NUM_CLASSES, (32,), generator=generator)).to("cuda")
+            waits.batch = index
+            with waits:
+                metric.update(features, labels)
+    # The smallest and largest label in one read (two before); the class counts and sums stay on the device.
+    assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)]

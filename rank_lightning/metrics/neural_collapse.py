@@ -14,7 +14,7 @@ from rank_lightning.functional.neural_collapse import (
     neural_collapse_from_residuals,
     residual_moments,
 )
-from rank_lightning.functional.streaming import row_moments
+from rank_lightning.functional.streaming import class_counts, row_moments
 from rank_lightning.validation import check_positive_int
 
 __all__ = ["NeuralCollapseStatistics"]
@@ -111,7 +111,7 @@ class NeuralCollapseStatistics(Metric):
         )
         self.projected_scatter[: projected.shape[0]] += projected
         self.class_scatter += scatter
-        self.second_counts += torch.bincount(labels, minlength=self.num_classes)
+        self.second_counts += class_counts(labels, self.num_classes)  # bincount would read its largest label back
         if logits is not None:
             nearest = self._present[nearest_class_centre(features, self._means)]
             self.agreements += (nearest == logits.detach().argmax(dim=1)).sum()
@@ -124,8 +124,10 @@ class NeuralCollapseStatistics(Metric):
             raise ValueError(
                 f"labels must be ({features.shape[0]},) integers, got {tuple(labels.shape)} {labels.dtype}"
             )
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
-            raise ValueError(f"labels must lie in [0, {self.num_classes}), got {labels.min()}..{labels.max()}")
+        if labels.numel():
+            low, high = torch.stack((labels.min(), labels.max())).tolist()  # one read from a GPU, not two
+            if low < 0 or high >= self.num_classes:
+                raise ValueError(f"labels must lie in [0, {self.num_classes}), got {low}..{high}")
         if logits is not None and logits.shape != (features.shape[0], self.num_classes):
             raise ValueError(f"logits must be ({features.shape[0]}, {self.num_classes}), got {tuple(logits.shape)}")
 
