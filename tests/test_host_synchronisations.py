@@ -55,22 +55,44 @@ class _Waits(TorchDispatchMode):
         super().__init__()
         self.batch = 0
         self.found: list[tuple[int, str, str]] = []
+        self._in_list = 0
+
+    def __enter__(self):
+        # ``.tolist()`` reads a fake tensor element by element (a GPU's in one copy): one read per call.
+        self._tolist = FakeTensor.tolist
+
+        def tolist(tensor: torch.Tensor):
+            self._record("value read back")
+            self._in_list += 1
+            try:
+                return self._tolist(tensor)
+            finally:
+                self._in_list -= 1
+
+        FakeTensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        FakeTensor.tolist = self._tolist
+        return super().__exit__(*args)
+
+    def _record(self, what: str) -> None:
+        # Only the package's own: a model may wait in its forward (transformers copies small tensors from the host).
+        source = _source()
+        if source:
+            self.found.append((self.batch, what, source))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # Only the package's own: a model may wait in its forward (transformers copies small tensors from the host).
-        source = _source()
         if func is torch.ops.aten._local_scalar_dense.default:
-            entry = (self.batch, "value read back", source)
-            # ``.tolist()`` reads fake elements one by one, a GPU's in one copy: one read per line in a row.
-            if source and (not self.found or self.found[-1] != entry):
-                self.found.append(entry)
+            if not self._in_list:
+                self._record("value read back")
             return 0
         out = func(*args, **kwargs)
-        if source and func.name() in _COPIES:
+        if func.name() in _COPIES:
             devices = {t.device.type for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
             if len(devices) > 1:
-                self.found.append((self.batch, f"copy {sorted(devices)}", source))
+                self._record(f"copy {sorted(devices)}")
         return out
 
     def at(self, batch: int) -> list[tuple[str, str]]:
@@ -266,31 +288,52 @@ def test_fallback_paths_wait_only_to_group_the_labels(monkeypatch, fake_cuda, fa
 
 @pytest.mark.parametrize("reduction", ["token", "mean"])
 @pytest.mark.parametrize("num_classes", [NUM_CLASSES, None])
-def test_token_rows_kept_in_place_give_the_numbers_of_the_selected_rows(monkeypatch, reduction, num_classes):
-    """The GPU's layout (padded rows in place, counted out) against the CPU's (real rows selected), on a CPU."""
-    batches = _token_batches(3)
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_token_rows_kept_in_place_give_the_spectra_of_the_real_rows(monkeypatch, reduction, num_classes, precision):
+    """The GPU's layout (padded rows in place, counted out), forced on a CPU, against the CPU's (real rows selected)
+    and against the SVD of the real rows gathered one by one.
+
+    The tokens lie far from the origin and the first batch is all padding: the sums must still be taken around a point
+    near the data (a point at the origin loses the centred spectrum's digits to cancellation, float32 products all).
+    """
+    batches = _token_batches(4)
+    batches[0]["attention_mask"].zero_()
     generator = torch.Generator().manual_seed(1)
-    tokens = [torch.randn(8, 10, 16, generator=generator, dtype=torch.float64) for _ in batches]
+    scales = torch.logspace(0, -2, 16)
+    tokens = [300 + torch.randn(8, 10, 16, generator=generator) * scales for _ in batches]
     for t, b in zip(tokens, batches):
         t.masked_fill_(~b["attention_mask"].bool().unsqueeze(2), float("nan"))  # padding may hold anything
+    real_rows = []
+    for t, b in zip(tokens, batches):
+        for sample, keep in zip(t.double(), b["attention_mask"].bool()):
+            if keep.any():
+                real_rows += list(sample[keep]) if reduction == "token" else [sample[keep].mean(dim=0)]
+    rows = torch.stack(real_rows)
+    expected = {
+        "uncentered": torch.linalg.svdvals(rows),
+        "centered": torch.linalg.svdvals(rows - rows.mean(dim=0)),
+    }
 
-    def run() -> dict[str, float]:
-        metric = ActivationSpectrum(num_classes, reduction=reduction, center="both")
+    def run() -> tuple[dict[str, float], object]:
+        metric = ActivationSpectrum(num_classes, reduction=reduction, center="both", gram_precision=precision)
         for t, b in zip(tokens, batches):
             metric.update(t, b["labels"] if num_classes else None, mask=b["attention_mask"].bool())
-        return metric.compute().scalars(per_class=True)
+        result = metric.compute()
+        return result.scalars(per_class=True), result
 
-    selected = run()
+    selected, _ = run()
     monkeypatch.setattr(spectrum_module, "_keeps_padded_rows", lambda device: True)
-    kept = run()
-    assert kept.keys() == selected.keys() and "spectrum_rows" in kept
-    assert (
-        kept["spectrum_rows"]
-        == selected["spectrum_rows"]
-        == (sum(int(b["attention_mask"].sum()) for b in batches) if reduction == "token" else 24)
-    )
+    kept, result = run()
+    assert result.num_samples == rows.shape[0]
+    assert kept.keys() == selected.keys()
+    # float32 products of values near 300: a few float32 roundings of the largest value squared, relative to the
+    # spectrum's own largest value; float64 ones: the Gram's resolution.
+    tolerance = 1e-9 if precision == "float64" else 3e-5
+    for side, values in expected.items():
+        streamed = getattr(result, side).spectrum.singular_values[: values.shape[0]]
+        assert float((streamed - values).abs().max()) <= tolerance * float(values[0]), side
     for key, value in selected.items():
-        assert kept[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+        assert kept[key] == pytest.approx(value, rel=tolerance, abs=tolerance), key
 
 
 def test_a_mask_of_other_values_after_the_first_batch_is_named_at_the_end_of_the_pass():
@@ -338,4 +381,25 @@ def test_neural_collapse_first_pass_reads_the_label_range_once_per_batch(fake_cu
             with waits:
                 metric.update(features, labels)
     # The smallest and largest label in one read (two before); the class counts and sums stay on the device.
-    assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)]
+    assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)], waits.found
+
+
+def test_neural_collapse_second_pass_reads_once_per_batch(fake_cuda):
+    """The label range and whether every label's class has a mean, in one read."""
+    from rank_lightning.metrics import NeuralCollapseStatistics
+
+    generator = torch.Generator().manual_seed(0)
+    features, labels = torch.randn(64, 12, generator=generator), torch.arange(64) % NUM_CLASSES
+    metric = NeuralCollapseStatistics(NUM_CLASSES, 12)
+    metric.update(features, labels)
+    metric.start_second_pass()  # on the CPU: the fake tensors have no values to find the means with
+    waits = _Waits()
+    with fake_cuda:
+        for name in [*metric._defaults, "_means", "_present", "_directions"]:
+            setattr(metric, name, fake_cuda.from_tensor(getattr(metric, name)).to("cuda"))
+        for index in range(3):
+            batch = [fake_cuda.from_tensor(t).to("cuda") for t in (features, labels, torch.randn(64, NUM_CLASSES))]
+            waits.batch = index
+            with waits:
+                metric.update(*batch)
+    assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)], waits.found

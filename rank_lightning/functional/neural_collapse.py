@@ -67,6 +67,7 @@ __all__ = [
     "between_class_directions",
     "cdnv",
     "class_means",
+    "class_rows",
     "class_scatter_from_moments",
     "nc1",
     "nc2",
@@ -354,8 +355,23 @@ def class_scatter_from_moments(class_sum_squares: Tensor, class_counts: Tensor, 
     return scatter.clamp_min(0)
 
 
+def class_rows(present: Tensor, num_classes: int) -> Tensor:
+    """``(num_classes,)`` int64: the row of each class among the means of the classes ``present``, -1 for the others
+    (on ``present``'s device)."""
+    row_of = torch.full((num_classes,), -1, dtype=torch.long, device=present.device)
+    row_of[present] = torch.arange(present.shape[0], device=present.device)
+    return row_of
+
+
 def residual_moments(
-    features: Tensor, labels: Tensor, means: Tensor, present: Tensor, directions: Tensor, num_classes: int
+    features: Tensor,
+    labels: Tensor,
+    means: Tensor,
+    present: Tensor,
+    directions: Tensor,
+    num_classes: int,
+    *,
+    check: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """What one batch adds in the second pass: residuals ``r_i = h_i - mu_{y_i}`` around known class means.
 
@@ -366,15 +382,15 @@ def residual_moments(
         present: ``(C',)`` class indices of the rows of ``means``.
         directions: ``(d, r)`` :attr:`BetweenClassDirections.directions`.
         num_classes: C, the length of the per-class output.
+        check: raise for a label of a class not ``present`` (a read from the device); ``False`` for a caller that
+            checked (a label of a class not present would take another class's mean).
 
     Returns:
         ``(projected, class_scatter)``: ``(r,)`` ``sum_i (u_k^T r_i)^2`` and ``(num_classes,)``
         ``sum_{i in c} ||r_i||^2``, both float64.
     """
-    row_of = torch.full((num_classes,), -1, dtype=torch.long, device=means.device)
-    row_of[present] = torch.arange(present.shape[0], device=means.device)
-    rows = row_of[labels.to(means.device)]
-    if bool((rows < 0).any()):
+    rows = class_rows(present.to(means.device), num_classes)[labels.to(means.device)]
+    if check and bool((rows < 0).any()):
         missing = sorted(set(labels[rows < 0].tolist()))
         raise ValueError(f"labels {missing} belong to classes that had no sample when the means were computed")
     residuals = features.detach().to(torch.float64) - means[rows]

@@ -549,7 +549,7 @@ class ActivationSpectrum(Metric):
             rows, labels, counts, real = self._rows(activations, labels, mask)
             if rows.shape[0] == 0:
                 return
-            self._ensure_reference(lambda: _row_mean(rows, real))
+            self._ensure_reference(lambda: _row_mean(rows, real), until_rows=real is not None)
             moments = row_moments(
                 rows, labels, reference=self.reference, sorted_counts=counts, row_mask=real, **options
             )
@@ -559,10 +559,17 @@ class ActivationSpectrum(Metric):
                 self._add_to_subsample(rows, labels)
         self._add_moments(moments)
 
-    def _ensure_reference(self, mean: Any) -> None:
-        """Set the reference point from the first batch (``mean`` computes that batch's mean)."""
+    def _ensure_reference(self, mean: Any, *, until_rows: bool = False) -> None:
+        """Set the reference point from the first batch (``mean`` computes that batch's mean).
+
+        ``until_rows``: the batch may hold no real row (padded tokens kept in place), whose mean is no point near the
+        data. Then every batch replaces the point, on the device, for as long as no row was counted: the sums so far
+        are exact zeros, the same around any point.
+        """
         if self.reference.numel() == 0:
             self.reference = reference_point(mean())
+        elif until_rows:
+            self.reference = torch.where(self.num_samples > 0, self.reference, reference_point(mean()))
 
     def _rows(
         self, activations: Tensor, grouping: ClassGrouping | None, mask: Tensor | None

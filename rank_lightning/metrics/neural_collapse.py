@@ -10,6 +10,7 @@ from rank_lightning.functional.neural_collapse import (
     NeuralCollapse,
     between_class_directions,
     class_means,
+    class_rows,
     nearest_class_centre,
     neural_collapse_from_residuals,
     residual_moments,
@@ -107,7 +108,7 @@ class NeuralCollapseStatistics(Metric):
             self.class_sums += moments.class_sums
             return
         projected, scatter = residual_moments(
-            features, labels, self._means, self._present, self._directions, self.num_classes
+            features, labels, self._means, self._present, self._directions, self.num_classes, check=False
         )
         self.projected_scatter[: projected.shape[0]] += projected
         self.class_scatter += scatter
@@ -125,9 +126,17 @@ class NeuralCollapseStatistics(Metric):
                 f"labels must be ({features.shape[0]},) integers, got {tuple(labels.shape)} {labels.dtype}"
             )
         if labels.numel():
-            low, high = torch.stack((labels.min(), labels.max())).tolist()  # one read from a GPU, not two
+            # The label range and, in the second pass, whether a label's class has a mean: one read from a GPU.
+            reads = [labels.min(), labels.max()]
+            if self.second_pass:
+                row_of = class_rows(self._present, self.num_classes).to(labels.device)
+                reads.append((row_of[labels.clamp(0, self.num_classes - 1)] < 0).any().to(labels.dtype))
+            low, high, *missing = torch.stack(reads).tolist()
             if low < 0 or high >= self.num_classes:
                 raise ValueError(f"labels must lie in [0, {self.num_classes}), got {low}..{high}")
+            if any(missing):
+                absent = sorted(set(labels.tolist()) - set(self._present.tolist()))
+                raise ValueError(f"labels {absent} belong to classes that had no sample when the means were computed")
         if logits is not None and logits.shape != (features.shape[0], self.num_classes):
             raise ValueError(f"logits must be ({features.shape[0]}, {self.num_classes}), got {tuple(logits.shape)}")
 

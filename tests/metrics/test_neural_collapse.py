@@ -96,3 +96,14 @@ def test_float32_features_drop_rounding_directions_when_streamed() -> None:
     result = metric.compute()
     assert result.nc1 == pytest.approx(neural_collapse(x64, y).nc1, rel=1e-5)
     assert result.nc1 == pytest.approx(neural_collapse(x32, y).nc1, rel=1e-10)
+
+
+def test_second_pass_labels_of_a_class_without_mean_raise_naming_it() -> None:
+    x, y, _, _ = mixture(seed=4)
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    seen = y < 3
+    metric.update(x[seen], y[seen])
+    metric.start_second_pass()
+    metric.update(x[seen], y[seen])  # the classes of the first pass: accepted
+    with pytest.raises(ValueError, match=r"labels \[3\] belong to classes that had no sample"):
+        metric.update(x, y)
