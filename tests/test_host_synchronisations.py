@@ -269,21 +269,60 @@ def test_gpt2_blocks_read_the_mask_at_the_first_batch_only(monkeypatch, fake_cud
 
 
 @pytest.mark.parametrize("fallback", ["sample_gram", "sketch"])
-def test_fallback_paths_wait_only_to_group_the_labels(monkeypatch, fake_cuda, fallback):
+@pytest.mark.parametrize("layers", ["features", "padded tokens"])
+def test_fallback_paths_wait_only_to_group_the_labels(monkeypatch, fake_cuda, fallback, layers):
     # The generator of keys and buckets lives on the rows' device; the fake CUDA draws from a CPU one in its stead.
-    monkeypatch.setattr(ActivationSpectrum, "_rng", lambda self, device: torch.Generator().manual_seed(0))
-    generator = torch.Generator().manual_seed(0)
-    batches = [_labelled(torch.randn(32, 12, generator=generator), generator) for _ in range(3)]
-    waits, groupings = _stream_on_fake_cuda(
-        monkeypatch,
-        fake_cuda,
-        _mlp,
-        {"a": "1", "b": "3"},
-        batches,
-        options={"max_gram_features": 8, "fallback": fallback, "max_samples": 40},
-    )
+    drawn = []
+    monkeypatch.setattr(ActivationSpectrum, "_rng", lambda self, device: drawn.append(device) or torch.Generator())
+    options = {"max_gram_features": 8, "fallback": fallback, "max_samples": 40}
+    if layers == "features":
+        generator = torch.Generator().manual_seed(0)
+        batches = [_labelled(torch.randn(32, 12, generator=generator), generator) for _ in range(3)]
+        waits, groupings = _stream_on_fake_cuda(
+            monkeypatch, fake_cuda, _mlp, {"a": "1", "b": "3"}, batches, options=options
+        )
+        assert waits.found == []
+    else:
+        batches = _token_batches(3)
+        waits, groupings = _stream_on_fake_cuda(
+            monkeypatch, fake_cuda, _Tokens, {"block": "block", "head": "head"}, batches, options=options
+        )
+        assert [what for what, _ in waits.at(0)] == ["value read back"]  # the mask's values
+        assert [entry for entry in waits.found if entry[0] > 0] == []
     assert groupings == 3
-    assert waits.found == []
+    assert drawn and {device.type for device in drawn} == {"cuda"}  # keys and buckets drawn on the device
+
+
+@pytest.mark.parametrize("num_classes", [NUM_CLASSES, None])
+def test_padded_rows_kept_in_place_never_enter_the_fallbacks(monkeypatch, num_classes):
+    """The subsample of the real rows (all of them: exact) and a sketch that counts only them, on the GPU's layout."""
+    monkeypatch.setattr(spectrum_module, "_keeps_padded_rows", lambda device: True)
+    batches = _token_batches(3)
+    generator = torch.Generator().manual_seed(2)
+    tokens = [5 + torch.randn(8, 10, 16, generator=generator, dtype=torch.float64) for _ in batches]
+    for t, b in zip(tokens, batches):
+        t.masked_fill_(~b["attention_mask"].bool().unsqueeze(2), float("nan"))
+    rows = torch.cat([t[b["attention_mask"].bool()] for t, b in zip(tokens, batches)])
+
+    def run(fallback: str, capacity: int) -> ActivationSpectrum:
+        metric = ActivationSpectrum(
+            num_classes, reduction="token", max_gram_features=8, fallback=fallback, max_samples=capacity
+        )
+        for t, b in zip(tokens, batches):
+            metric.update(t, b["labels"] if num_classes else None, mask=b["attention_mask"].bool())
+        return metric
+
+    every_row = run("sample_gram", capacity=240)  # room for all 240 positions: the padded ones must still stay out
+    result = every_row.compute()
+    assert result.spectrum_rows == result.num_samples == rows.shape[0] < 240
+    expected = torch.linalg.svdvals(rows)
+    streamed = result.uncentered.spectrum.singular_values[: expected.shape[0]]
+    assert float((streamed - expected).abs().max()) <= 1e-12 * float(expected[0])
+
+    sketched = run("sketch", capacity=32)
+    assert float(sketched.sketch_rows.sum()) == rows.shape[0]  # every real row in one bucket, no padded one
+    assert torch.isfinite(sketched.sketch).all()  # the padded positions' NaN never reached it
+    assert torch.isfinite(torch.tensor(list(sketched.compute().scalars().values()))).all()
 
 
 @pytest.mark.parametrize("reduction", ["token", "mean"])

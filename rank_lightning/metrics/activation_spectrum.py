@@ -554,9 +554,9 @@ class ActivationSpectrum(Metric):
                 rows, labels, reference=self.reference, sorted_counts=counts, row_mask=real, **options
             )
             if self.path == "sketch":
-                self._add_to_sketch(rows)
+                self._add_to_sketch(rows, real)
             elif self.path == "sample_gram":
-                self._add_to_subsample(rows, labels)
+                self._add_to_subsample(rows, labels, real)
         self._add_moments(moments)
 
     def _ensure_reference(self, mean: Any, *, until_rows: bool = False) -> None:
@@ -598,9 +598,10 @@ class ActivationSpectrum(Metric):
         """``(rows, real, per_input)``: the reduced rows; for masked tokens whose padded rows stay in place, which
         rows are real; for masked tokens whose real rows were selected, how many rows each input gave.
 
-        The real rows of masked tokens are selected on a CPU (less work) and on the fallback paths (which keep rows);
-        on a GPU the gram path keeps every row in place and counts only the real ones, so that the number of real
-        tokens is never read back to the host (a synchronisation per layer and batch).
+        The real rows of masked tokens are selected on a CPU (less work); on a GPU every row stays in place and only
+        the real ones are counted, so that their number is never read back to the host (a synchronisation per layer
+        and batch): the sums skip the others, the sketch adds them with weight 0, the subsample gives them an
+        infinite key.
         """
         # A mean over half-precision values is taken in float64 (a bf16 mean loses 3 digits); reshapes are exact.
         dtype = torch.float64 if self.reduction == "mean" and activations.ndim > 2 else None
@@ -608,7 +609,7 @@ class ActivationSpectrum(Metric):
             return reduce_activations(activations, self.reduction, dtype=dtype), None, None
         keep = check_token_mask(mask, activations)
         rows, real = masked_token_rows(activations, self.reduction, keep, dtype=dtype)
-        if real is None or (self.path == "gram" and _keeps_padded_rows(rows.device)):
+        if real is None or _keeps_padded_rows(rows.device):
             return rows, real, None
         return rows[real], None, token_rows_per_sample(keep, self.reduction)
 
@@ -662,14 +663,23 @@ class ActivationSpectrum(Metric):
             self.class_counts += moments.class_counts
             self.class_sums += moments.class_sums
 
-    def _add_to_sketch(self, rows: Tensor) -> None:
-        sketched = count_sketch(torch.sub(rows, self.reference), self.sketch.shape[0], self._rng(rows.device))
+    def _add_to_sketch(self, rows: Tensor, real: Tensor | None) -> None:
+        """Add the (real) rows to the CountSketch; a row where ``real`` is false adds zeros, whatever it holds."""
+        shifted = torch.sub(rows, self.reference)
+        if real is not None:
+            shifted = shifted.masked_fill(~real.unsqueeze(1), 0)
+        sketched = count_sketch(shifted, self.sketch.shape[0], self._rng(rows.device))
+        counted = torch.ones_like(sketched.signs) if real is None else real.to(sketched.signs.dtype)
         self.sketch.index_add_(0, sketched.buckets, sketched.rows)
-        self.sketch_signs.index_add_(0, sketched.buckets, sketched.signs)
-        self.sketch_rows.index_add_(0, sketched.buckets, torch.ones_like(sketched.signs))
+        self.sketch_signs.index_add_(0, sketched.buckets, sketched.signs * counted)
+        self.sketch_rows.index_add_(0, sketched.buckets, counted)
 
-    def _add_to_subsample(self, rows: Tensor, labels: Tensor | None) -> None:
+    def _add_to_subsample(self, rows: Tensor, labels: Tensor | None, real: Tensor | None) -> None:
+        """Add the (real) rows to the bottom-k subsample; a row where ``real`` is false gets an infinite key: it never
+        displaces a real row, and :meth:`_subsample` leaves it out."""
         keys = torch.rand(rows.shape[0], generator=self._rng(rows.device), dtype=torch.float64, device=rows.device)
+        if real is not None:
+            keys = keys.masked_fill(~real, math.inf)
         kept = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0]) if self.sample_rows else None
         sample = subsample_update(kept, rows, keys, labels, capacity=self.fallback_size)
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
@@ -865,6 +875,9 @@ class ActivationSpectrum(Metric):
         sample = merge_subsamples(
             [Subsample(*(dim_zero_cat(s) if isinstance(s, list) else s for s in states))], capacity=self.fallback_size
         )
+        real = torch.isfinite(sample.keys)  # padded token rows kept in place hold an infinite key
+        if not bool(real.all()):
+            sample = Subsample(sample.rows[real], sample.keys[real], sample.labels[real])
         return sample._replace(rows=sample.rows.to(torch.float64), labels=sample.labels.long())
 
     def _sample_estimate(self, n: int) -> _Estimate:
