@@ -908,11 +908,17 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
 
     The module itself or its nearest ancestor (the model itself excluded) decides: its own ``batch_first`` flag
     (``nn.MultiheadAttention``, ``nn.Transformer``), else the flag shared by the attention modules inside it
-    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``).
+    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``). Every module of a Hugging Face
+    ``transformers`` model (a ``PreTrainedModel``, the model itself included) is batch-first: its hidden states are
+    ``(B, T, D)``, also when a batch has as many sequences as tokens.
     """
     parts = path.split(".") if path else []
-    for depth in range(len(parts), 0, -1):
+    for depth in range(len(parts), -1, -1):
         module = model.get_submodule(".".join(parts[:depth]))
+        if _hugging_face_model(module):
+            return True
+        if depth == 0:
+            break
         own = getattr(module, "batch_first", None)
         if isinstance(own, bool):
             return own
@@ -920,6 +926,13 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
         if len(flags) == 1:
             return flags.pop()
     return None
+
+
+def _hugging_face_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` ``PreTrainedModel`` (told by its classes, without importing it)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
+    )
 
 
 # -- batches ---------------------------------------------------------------------------------------------------------

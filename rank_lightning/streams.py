@@ -540,10 +540,26 @@ class ActivationStream:
             )
         self._check_classes(name, result.class_counts, result.num_samples)
         self._check_cap(name, metric, result)
+        self._check_tolerance(metric, metrics)
         reduction = self.reductions.get(self.layer_ndims.get(name, 2))
         prefix = f"{reduction}/" if reduction and self.layer_ndims.get(name, 2) > 2 else ""
         scalars = result.scalars(metrics, centered=centered, per_class=per_class)
         return {f"{prefix}{key}": value for key, value in scalars.items()}
+
+    def _check_tolerance(self, metric: ActivationSpectrum, metrics: tuple[str, ...]) -> None:
+        """Warn when half-precision activations get the float32 tolerance, which counts their rounding as rank."""
+        eps = float(metric.input_eps)
+        if "numerical_rank" not in metrics or metric.rank_tolerance is not None or metric.tolerance_dtype is not None:
+            return
+        if eps <= torch.finfo(torch.float32).eps:
+            return
+        dtype = "bfloat16" if eps == torch.finfo(torch.bfloat16).eps else "float16"
+        message = (
+            f"the monitored activations were computed in {dtype} (mixed precision), but numerical_rank takes the "
+            "float32 tolerance, under which their rounding noise counts as rank. Set tolerance_dtype='input' for "
+            f"the tolerance of {dtype}, or rank_tolerance."
+        )
+        self._warn("", "tolerance", message)
 
     def _check_classes(self, name: str, counts: Tensor | None, rows: int) -> None:
         if counts is None or not counts.numel() or not int(counts.sum()):

@@ -9,6 +9,7 @@ in Lightning: on the same batches both give the same numbers.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -154,10 +155,18 @@ class RankTracker:
             output_selector=output_selector,
             max_samples=max_samples,
             memory_budget_mb=memory_budget_mb,
+            warn=self._warn_once,
         )
+        self._warned: set[tuple[str, str]] = set()
         self._explicit_batch = False
         self._root_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._loader: Any = None
+
+    def _warn_once(self, layer: str, kind: str, message: str) -> None:
+        """Warn about a layer's problem of one kind once, as the callbacks do (not at every pass)."""
+        if (layer, kind) not in self._warned:
+            self._warned.add((layer, kind))
+            warnings.warn(f"layer {layer!r} {message}" if layer else message, UserWarning, stacklevel=4)
 
     # -- a pass -----------------------------------------------------------------------------------------------------
 

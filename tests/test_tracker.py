@@ -292,3 +292,17 @@ def test_over_counts_batches_without_class_labels_and_ends_with_its_block(labell
         for x, _ in torch.utils.data.DataLoader(data, batch_size=8):
             model(x)
         assert tracker.inputs_measured == 61
+
+
+def test_a_layer_problem_is_warned_once_not_at_every_pass():
+    (x, y), model = _batches(count=1)[0], _model()
+    tracker = RankTracker(model, layers=["fc1"], num_classes=CLASSES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with torch.no_grad(), tracker:
+                with tracker.batch(labels=y):
+                    model(x)
+                tracker.compute()
+    capped = [str(w.message) for w in caught if "fewer than its 32 features" in str(w.message)]
+    assert len(capped) == 1 and capped[0].startswith("layer 'fc1'"), capped

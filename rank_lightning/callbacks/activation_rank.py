@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning import streams
-from rank_lightning.callbacks.base import CurveMonitor, loader_list
+from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_precision
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
@@ -585,7 +585,9 @@ class ActivationRankMonitor(CurveMonitor):
         # The loaders draw seeds and orders, dropout draws masks: the fit's random streams stay those of the
         # unmonitored fit.
         kept = random_state_kept(pl_module, [loader for loader, _ in loaders])
-        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept:
+        # Under the steps' precision (bf16 autocast): the point must be comparable with the monitored passes'.
+        precision = step_precision(trainer, self.stage)
+        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
                     # A loader of unknown length stops once max_samples is offered (on every process at the same

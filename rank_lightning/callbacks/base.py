@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,15 @@ def loader_list(loaders: Any) -> list[Any]:
     """The trainer's evaluation loaders (``trainer.val_dataloaders``, ``test_dataloaders``) as a list: Lightning
     gives one loader bare, several as a list, none as ``None``."""
     return [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def step_precision(trainer: pl.Trainer, stage: str) -> AbstractContextManager[Any]:
+    """The precision context Lightning runs a ``"train"`` or ``"val"`` step in (``torch.autocast`` under
+    ``bf16-mixed`` and ``16-mixed``): an extra pass made in it measures the activations the steps produce."""
+    plugin = getattr(trainer.strategy, "precision_plugin", None)
+    if plugin is None:
+        return nullcontext()
+    return plugin.train_step_context() if stage == "train" else plugin.val_step_context()
 
 
 def first_val_loader(trainer: pl.Trainer) -> Any:

@@ -56,7 +56,13 @@ def test_a_bf16_mixed_fit_counts_rounding_noise_only_with_a_float32_tolerance(tm
     monitor = ActivationRankMonitor(
         layers=["low"], metrics=["numerical_rank"], tolerance_dtype=tolerance_dtype, verbose=False
     )
-    results = _validate(tmp_path, monitor, precision="bf16-mixed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = _validate(tmp_path, monitor, precision="bf16-mixed")
+    advice = [str(w.message) for w in caught if "tolerance_dtype='input'" in str(w.message)]
+    # The float32 tolerance on bf16 activations is named, once, with what to set; the bf16 one needs no advice.
+    assert len(advice) == (1 if tolerance_dtype is None else 0), advice
+    assert not advice or "computed in bfloat16" in advice[0]
 
     # Under autocast the layer computes in bf16: its rank-4 output carries rounding noise of about 4e-3 s_1, which
     # the float32 tolerance (about 4e-6 s_1) counts as rank and the bf16 one (eps_bf16 = 7.8e-3) does not.
@@ -101,6 +107,26 @@ class _Trained(_LowRank):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _Frozen(_Trained):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("cadence", [{}, {"every_n_train_steps": 2, "window_batches": 1}])
+def test_the_initial_point_of_a_bf16_mixed_fit_is_measured_under_its_autocast(tmp_path, cadence):
+    """The untrained model's point is comparable with the later ones: measured in bf16 as the steps run, not float32.
+
+    With a learning rate of 0 nothing changes between the points; bf16's rounding noise is counted as rank by the
+    float32 tolerance (``WIDTH``) wherever the layer computed in bf16, and a float32 pass shows the true ``RANK``.
+    """
+    monitor = ActivationRankMonitor(layers=["low"], metrics=["numerical_rank"], verbose=False, **cadence)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, max_epochs=1, precision="bf16-mixed")
+    trainer.fit(_Frozen(), _loader(), _loader())
+    history = monitor.curves.history
+    assert len(history) == 3 if cadence else 2  # the initial point, then the windows or the epoch
+    assert [values["low"]["numerical_rank"] for values in history.values()] == [WIDTH] * len(history)
 
 
 @pytest.mark.parametrize("cadence", [{"every_n_epochs": 2}, {"every_n_train_steps": 3}])

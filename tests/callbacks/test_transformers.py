@@ -163,6 +163,25 @@ def test_gpt2_blocks_are_measured_on_their_real_tokens_only():
         assert _logged(trainer, path, "token", "effective_rank") != pytest.approx(float(effective_rank(every.double())))
 
 
+def test_gpt2_blocks_are_batch_first_also_with_as_many_sequences_as_tokens():
+    """B == T leaves a block's layout ambiguous from its shape; a Hugging Face model's blocks are always batch-first."""
+    torch.manual_seed(0)
+    square = [_causal_lm_batches(1, seed=seed)[0] for seed in (3, 4)]
+    for batch in square:  # LENGTH sequences of LENGTH tokens
+        for key, value in batch.items():
+            batch[key] = torch.cat([value, value.roll(1, dims=-1)])
+        assert batch["input_ids"].shape == (LENGTH, LENGTH)
+    module = _gpt2()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(module, ActivationRankMonitor(log_at_init=False), square, square)
+    assert not [w for w in caught if "layout" in str(w.message)]  # no "token layout cannot be told"
+    outputs = _block_outputs(module, GPT2_BLOCKS, square, module)
+    masks = [batch["attention_mask"].bool() for batch in square]
+    for path in GPT2_BLOCKS:
+        _assert_matches(trainer, path, "token", torch.cat([h[m] for h, m in zip(outputs[path], masks, strict=True)]))
+
+
 def test_bert_blocks_take_the_masked_mean_and_the_class_labels():
     torch.manual_seed(0)
     module, val = _bert(), _padded_batches(2, seed=1)
