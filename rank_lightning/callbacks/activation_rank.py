@@ -114,8 +114,8 @@ class ActivationRankMonitor(CurveMonitor):
             setup.
         max_samples: inputs per monitored epoch, spread evenly over the epoch's batches (the first rows of every
             batch), so that a loader sorted by class still gives rows of every class; a warning names the classes
-            that got no row. Under DDP each of the W processes takes ``ceil(max_samples / W)`` of its own. ``None``
-            for all.
+            that got no row. Under DDP the W processes share it exactly (``max_samples // W`` each, one more on the
+            first ``max_samples % W``), without the samples a ``DistributedSampler`` repeats. ``None`` for all.
         conv_reduction: reduction of conv activations.
         token_reduction: reduction of token activations.
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
