@@ -116,6 +116,7 @@ class ActivationStream:
         self._mask: Tensor | None = None
         self._wrong_masks: Tensor | None = None  # batches whose mask held values other than 0 and 1, on the device
         self._left_padded: bool | None = None  # whether the pass's first batch pads on the left ("cls" reduction)
+        self._autocast: torch.dtype | bool | None = None  # the autocast dtype the layers ran under, False for none
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._own_rows: int | None = None
@@ -306,6 +307,9 @@ class ActivationStream:
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return
+        if self._autocast is None:  # float32 outputs of a bf16 sublayer (a residual stream) carry its rounding too
+            device = activations.device.type
+            self._autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else False
         take = self._claim(activations.shape[0])
         metric = self._metric_for(name, activations)
         if metric is None or (not take and metric.update_count):
@@ -475,6 +479,7 @@ class ActivationStream:
         """
         inputs = torch.tensor(self.inputs_measured, device=device)
         self._max_samples_reached = self.max_samples is not None and self.remaining == 0
+        autocast = self._autocast or None
         wrong_masks = 0 if self._wrong_masks is None else int(self._wrong_masks)
         if wrong_masks:
             message = (
@@ -488,6 +493,7 @@ class ActivationStream:
         values = {}
         for name in self._measured_everywhere(device):
             values[name] = self._values_of(name, metrics=metrics, centered=centered, per_class=per_class, when=when)
+            self._check_tolerance(self.metrics[name], metrics, autocast)
         for metric in self.metrics.values():
             metric.reset()
         return values, int(inputs)
@@ -540,24 +546,32 @@ class ActivationStream:
             )
         self._check_classes(name, result.class_counts, result.num_samples)
         self._check_cap(name, metric, result)
-        self._check_tolerance(metric, metrics)
         reduction = self.reductions.get(self.layer_ndims.get(name, 2))
         prefix = f"{reduction}/" if reduction and self.layer_ndims.get(name, 2) > 2 else ""
         scalars = result.scalars(metrics, centered=centered, per_class=per_class)
         return {f"{prefix}{key}": value for key, value in scalars.items()}
 
-    def _check_tolerance(self, metric: ActivationSpectrum, metrics: tuple[str, ...]) -> None:
-        """Warn when half-precision activations get the float32 tolerance, which counts their rounding as rank."""
-        eps = float(metric.input_eps)
+    def _check_tolerance(
+        self, metric: ActivationSpectrum, metrics: tuple[str, ...], autocast: torch.dtype | None
+    ) -> None:
+        """Warn when activations computed in half precision (outputs in bf16 / fp16, or float32 outputs of layers run
+        under autocast) get the float32 tolerance, under which their rounding noise counts as rank."""
         if "numerical_rank" not in metrics or metric.rank_tolerance is not None or metric.tolerance_dtype is not None:
             return
-        if eps <= torch.finfo(torch.float32).eps:
+        eps = float(metric.input_eps)
+        if eps > torch.finfo(torch.float32).eps:
+            dtype = "bfloat16" if eps == torch.finfo(torch.bfloat16).eps else "float16"
+            where, advice = f"were computed in {dtype}", "tolerance_dtype='input'"
+        elif autocast in (torch.bfloat16, torch.float16):
+            dtype = str(autocast).removeprefix("torch.")
+            where = f"ran under {dtype} autocast (float32 outputs that add {dtype} results, a residual stream)"
+            advice = f"tolerance_dtype=torch.{dtype}"
+        else:
             return
-        dtype = "bfloat16" if eps == torch.finfo(torch.bfloat16).eps else "float16"
         message = (
-            f"the monitored activations were computed in {dtype} (mixed precision), but numerical_rank takes the "
-            "float32 tolerance, under which their rounding noise counts as rank. Set tolerance_dtype='input' for "
-            f"the tolerance of {dtype}, or rank_tolerance."
+            f"the monitored activations {where}, but numerical_rank takes the float32 tolerance, under which their "
+            f"rounding noise counts as rank. Set {advice} for the tolerance of {dtype} (tolerance_dtype=torch.float32 "
+            "keeps the float32 rule without this warning)."
         )
         self._warn("", "tolerance", message)
 

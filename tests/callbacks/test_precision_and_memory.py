@@ -109,6 +109,47 @@ class _Trained(_LowRank):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(INPUTS, INPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)  # float32 + bf16 under autocast: a float32 output carrying bf16 rounding
+
+
+class _ResidualNet(_LowRank):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Residual()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.block(x))
+
+
+@pytest.mark.parametrize(
+    ("options", "advice"),
+    [
+        ({}, "tolerance_dtype=torch.bfloat16"),
+        ({"tolerance_dtype": torch.float32}, None),
+        ({"rank_tolerance": 1e-3}, None),
+    ],
+)
+def test_float32_outputs_of_a_layer_run_under_bf16_autocast_name_the_bf16_tolerance(tmp_path, options, advice):
+    monitor = ActivationRankMonitor(layers=["block"], metrics=["numerical_rank"], verbose=False, **options)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, precision="bf16-mixed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(_ResidualNet(), _loader(), verbose=False)
+    named = [str(w.message) for w in caught if "float32 tolerance" in str(w.message)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _Residual()(torch.randn(2, INPUTS)).dtype == torch.float32  # "input" would find float32's tolerance
+    if advice is None:
+        assert named == []  # an explicit tolerance is the user's choice
+    else:
+        assert len(named) == 1 and "ran under bfloat16 autocast" in named[0] and advice in named[0], named
+
+
 class _Frozen(_Trained):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
