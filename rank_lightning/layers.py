@@ -46,6 +46,7 @@ __all__ = [
     "FeatureLayer",
     "LayerType",
     "OutputSelector",
+    "batch_first_when_ambiguous",
     "buffers_kept",
     "capture_features",
     "check_layer_types",
@@ -63,6 +64,7 @@ __all__ = [
     "module_blocks",
     "random_state_kept",
     "select_layers",
+    "token_layouts",
     "train_mode",
 ]
 
@@ -908,17 +910,11 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
 
     The module itself or its nearest ancestor (the model itself excluded) decides: its own ``batch_first`` flag
     (``nn.MultiheadAttention``, ``nn.Transformer``), else the flag shared by the attention modules inside it
-    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``). Every module of a Hugging Face
-    ``transformers`` model (a ``PreTrainedModel``, the model itself included) is batch-first: its hidden states are
-    ``(B, T, D)``, also when a batch has as many sequences as tokens.
+    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``).
     """
     parts = path.split(".") if path else []
-    for depth in range(len(parts), -1, -1):
+    for depth in range(len(parts), 0, -1):
         module = model.get_submodule(".".join(parts[:depth]))
-        if _hugging_face_model(module):
-            return True
-        if depth == 0:
-            break
         own = getattr(module, "batch_first", None)
         if isinstance(own, bool):
             return own
@@ -926,6 +922,40 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
         if len(flags) == 1:
             return flags.pop()
     return None
+
+
+# Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).
+_SEQUENCE_FIRST_MODEL_TYPES = frozenset({"xlnet", "fsmt", "transfo-xl", "longformer", "led", "reformer"})
+
+
+def batch_first_when_ambiguous(model: nn.Module, path: str) -> bool | None:
+    """The layout of the module at ``path`` for a ``(B, T, D)``-or-``(T, B, D)`` output whose shape cannot tell (as many
+    sequences as tokens): batch-first inside a Hugging Face ``transformers`` model (a ``PreTrainedModel``, the model
+    itself included), whose hidden states are ``(B, T, D)``; ``None`` (undecided) elsewhere and for the model types
+    that run layers sequence-first inside (XLNet, FSMT, Longformer, ...). The shape decides whenever it can.
+    """
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if _hugging_face_model(module):
+            model_type = getattr(getattr(module, "config", None), "model_type", None)
+            return None if model_type in _SEQUENCE_FIRST_MODEL_TYPES else True
+    return None
+
+
+def token_layouts(
+    model: nn.Module, layers: Mapping[str, str], token_layout: str = "auto"
+) -> tuple[dict[str, bool], dict[str, bool]]:
+    """``(layouts, when_ambiguous)`` of the monitored ``layers`` (``name -> module path``), each ``name ->
+    batch_first``: the layouts given by ``token_layout`` (``"batch_first"`` or ``"sequence_first"`` for all) or
+    declared by the modules (:func:`declared_batch_first`), and for the other layers the layout a batch whose shape
+    cannot tell is read in (:func:`batch_first_when_ambiguous`)."""
+    if token_layout != "auto":
+        return dict.fromkeys(layers, token_layout == "batch_first"), {}
+    declared = {name: declared_batch_first(model, path) for name, path in layers.items()}
+    layouts = {name: flag for name, flag in declared.items() if flag is not None}
+    guessed = {name: batch_first_when_ambiguous(model, path) for name, path in layers.items() if name not in layouts}
+    return layouts, {name: flag for name, flag in guessed.items() if flag is not None}
 
 
 def _hugging_face_model(module: nn.Module) -> bool:

@@ -58,6 +58,9 @@ class ActivationStream:
         batch_reader: where labels and the attention mask are in a batch.
         layouts: ``logged name -> batch_first`` for token layers whose layout is known; others are learnt from a
             batch whose shape tells it (the batch size in exactly one leading dimension).
+        ambiguous_layouts: ``logged name -> batch_first`` for a batch whose shape cannot tell (as many sequences as
+            tokens), where the model's kind says it (:func:`~rank_lightning.layers.batch_first_when_ambiguous`);
+            other layers skip such a batch with a warning.
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
         max_samples: inputs per pass, spread evenly over the pass's batches; ``None`` for all.
@@ -79,6 +82,7 @@ class ActivationStream:
         spectrum_options: Mapping[str, Any],
         batch_reader: BatchReader,
         layouts: Mapping[str, bool] | None = None,
+        ambiguous_layouts: Mapping[str, bool] | None = None,
         output_selector: OutputSelector | None = None,
         max_samples: int | None = None,
         memory_budget_mb: float | None = None,
@@ -91,6 +95,7 @@ class ActivationStream:
         self.spectrum_options = dict(spectrum_options)
         self.batch_reader = batch_reader
         self.layouts = dict(layouts or {})
+        self.ambiguous_layouts = dict(ambiguous_layouts or {})
         self.output_selector = output_selector
         self.max_samples = max_samples
         self.memory_budget_mb = memory_budget_mb
@@ -116,7 +121,7 @@ class ActivationStream:
         self._mask: Tensor | None = None
         self._wrong_masks: Tensor | None = None  # batches whose mask held values other than 0 and 1, on the device
         self._left_padded: bool | None = None  # whether the pass's first batch pads on the left ("cls" reduction)
-        self._autocast: torch.dtype | bool | None = None  # the autocast dtype the layers ran under, False for none
+        self._autocast: dict[str, torch.dtype | None] = {}  # the autocast dtype each layer ran under (None: none)
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._own_rows: int | None = None
@@ -307,9 +312,9 @@ class ActivationStream:
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return
-        if self._autocast is None:  # float32 outputs of a bf16 sublayer (a residual stream) carry its rounding too
+        if name not in self._autocast:  # float32 outputs of a bf16 sublayer (a residual stream) carry its rounding
             device = activations.device.type
-            self._autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else False
+            self._autocast[name] = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         take = self._claim(activations.shape[0])
         metric = self._metric_for(name, activations)
         if metric is None or (not take and metric.update_count):
@@ -393,6 +398,8 @@ class ActivationStream:
         layout = self.layouts.get(name)
         if layout is None and (shape[0] == batch) != (shape[1] == batch):
             layout = self.layouts[name] = shape[0] == batch  # unambiguous: remembered for later batches
+        if layout is None and shape[0] == batch:  # as many tokens as sequences: read as the model's kind says
+            layout = self.ambiguous_layouts.get(name)
         if layout is None:
             reason = "in both leading dimensions" if shape[0] == batch else "in neither leading dimension"
             message = f"gives {shape} with the batch size {batch} {reason}: its token layout cannot be told. "
@@ -479,7 +486,7 @@ class ActivationStream:
         """
         inputs = torch.tensor(self.inputs_measured, device=device)
         self._max_samples_reached = self.max_samples is not None and self.remaining == 0
-        autocast = self._autocast or None
+        autocast = dict(self._autocast)
         wrong_masks = 0 if self._wrong_masks is None else int(self._wrong_masks)
         if wrong_masks:
             message = (
@@ -493,7 +500,7 @@ class ActivationStream:
         values = {}
         for name in self._measured_everywhere(device):
             values[name] = self._values_of(name, metrics=metrics, centered=centered, per_class=per_class, when=when)
-            self._check_tolerance(self.metrics[name], metrics, autocast)
+            self._check_tolerance(self.metrics[name], metrics, autocast.get(name))
         for metric in self.metrics.values():
             metric.reset()
         return values, int(inputs)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
-from rank_lightning.layers import BatchReader, OutputSelector, check_layer_types, declared_batch_first, select_layers
+from rank_lightning.layers import BatchReader, OutputSelector, check_layer_types, select_layers, token_layouts
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.streams import ActivationStream
 from rank_lightning.validation import check_choice, check_choices, check_names, check_positive, check_positive_int
@@ -145,13 +145,15 @@ class RankTracker:
         ActivationSpectrum(**spectrum_options)  # bad settings fail here, not at the first batch
         types = None if layer_types is None else check_layer_types(layer_types)
         self.layers = select_layers(model, check_names("layers", layers), types)
+        layouts, ambiguous_layouts = token_layouts(model, self.layers, layout)
         self.stream = ActivationStream(
             self.layers,
             num_classes=num_classes,
             reductions=reductions,
             spectrum_options=spectrum_options,
             batch_reader=BatchReader(label_key=label_key, label_fn=label_fn, mask_key=mask_key),
-            layouts=_layouts(model, self.layers, layout),
+            layouts=layouts,
+            ambiguous_layouts=ambiguous_layouts,
             output_selector=output_selector,
             max_samples=max_samples,
             memory_budget_mb=memory_budget_mb,
@@ -275,11 +277,3 @@ class RankTracker:
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _layouts(model: nn.Module, layers: dict[str, str], token_layout: str) -> dict[str, bool]:
-    """``layer -> batch_first`` for token layers whose layout is given or declared by the module."""
-    if token_layout != "auto":
-        return dict.fromkeys(layers, token_layout == "batch_first")
-    declared = {name: declared_batch_first(model, path) for name, path in layers.items()}
-    return {name: flag for name, flag in declared.items() if flag is not None}

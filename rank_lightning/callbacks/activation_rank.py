@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning import streams
-from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_precision
+from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_inputs, step_precision
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
@@ -22,11 +22,11 @@ from rank_lightning.layers import (
     OutputSelector,
     buffers_kept,
     check_layer_types,
-    declared_batch_first,
     eval_mode,
     module_blocks,
     random_state_kept,
     select_layers,
+    token_layouts,
     train_mode,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
@@ -69,8 +69,10 @@ class ActivationRankMonitor(CurveMonitor):
     default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout comes from ``token_layout``, else from the
     ``batch_first`` flag of the layer or its nearest ancestor
     (:func:`~rank_lightning.layers.declared_batch_first`), else from a batch whose shape tells it (the batch size in
-    exactly one leading dimension); a batch whose shape cannot tell (``T == B``,
-    e.g. a last partial batch) is skipped with a warning, never guessed.
+    exactly one leading dimension); a batch whose shape cannot tell (``T == B``, e.g. a last partial batch) is read
+    batch-first in a Hugging Face model, whose hidden states are
+    (:func:`~rank_lightning.layers.batch_first_when_ambiguous`), and is skipped with a warning elsewhere, never
+    guessed.
 
     Outputs that are not a tensor (Hugging Face blocks return tuples, models return ``ModelOutput``) are read
     through :func:`~rank_lightning.layers.hidden_state` (the first tensor of a tuple, ``last_hidden_state`` of a
@@ -247,6 +249,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._configure({name: value for name, value in locals().items() if name != "self"})
         self._layers: dict[str, str] = {}
         self._layouts: dict[str, bool] = {}
+        self._ambiguous_layouts: dict[str, bool] = {}
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
@@ -316,11 +319,7 @@ class ActivationRankMonitor(CurveMonitor):
             ValueError: a name or pattern that matches no layer (the message lists the valid names).
         """
         self._layers = select_layers(module, self.layers, self.layer_types)
-        if self.token_layout != "auto":
-            self._layouts = dict.fromkeys(self._layers, self.token_layout == "batch_first")
-        else:
-            declared = {name: declared_batch_first(module, path) for name, path in self._layers.items()}
-            self._layouts = {name: flag for name, flag in declared.items() if flag is not None}
+        self._layouts, self._ambiguous_layouts = token_layouts(module, self._layers, self.token_layout)
         return self.monitored
 
     @override
@@ -344,6 +343,7 @@ class ActivationRankMonitor(CurveMonitor):
             spectrum_options=self.spectrum_options,
             batch_reader=self.batch_reader,
             layouts=self._layouts,
+            ambiguous_layouts=self._ambiguous_layouts,
             output_selector=self.output_selector,
             max_samples=self.max_samples,
             memory_budget_mb=self.memory_budget_mb,
@@ -594,7 +594,7 @@ class ActivationRankMonitor(CurveMonitor):
                     # batch); one of known length runs its batches, over which the rows are spread.
                     if index >= batches or (math.isinf(batches) and self._stream.exhausted):
                         break
-                    batch = trainer.strategy.batch_to_device(batch)
+                    batch = step_inputs(trainer, batch)
                     self._stream.batch_start(batch, loader=number)
                     _forward_batch(pl_module, batch, self.batch_reader)
                     self._stream.batch_end()

@@ -49,6 +49,14 @@ def step_precision(trainer: pl.Trainer, stage: str) -> AbstractContextManager[An
     return plugin.train_step_context() if stage == "train" else plugin.val_step_context()
 
 
+def step_inputs(trainer: pl.Trainer, batch: Any) -> Any:
+    """``batch`` as Lightning's steps receive it: on the module's device, and converted by the precision plugin
+    (``bf16-true`` and ``64-true`` cast floating inputs to the weights' dtype), for an extra forward pass."""
+    batch = trainer.strategy.batch_to_device(batch)
+    plugin = getattr(trainer.strategy, "precision_plugin", None)
+    return batch if plugin is None else plugin.convert_input(batch)
+
+
 def first_val_loader(trainer: pl.Trainer) -> Any:
     """The trainer's first validation dataloader, or ``None`` when there is none."""
     return next(iter(loader_list(trainer.val_dataloaders)), None)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows
+from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows, step_inputs
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
@@ -349,7 +349,7 @@ class ClassificationDimension(RankCallback):
             with eval_mode(pl_module), torch.no_grad(), random_state_kept(pl_module, [loader]):
                 for batch in loader:
                     x, _ = self.reader.split(batch)
-                    pl_module(x.to(pl_module.device))
+                    pl_module(step_inputs(pl_module.trainer, x))
                     break
         features, logits = captured.get("features"), captured.get("logits")
         if self.ks is not None and isinstance(features, Tensor) and features.ndim >= 2:
@@ -383,7 +383,7 @@ class ClassificationDimension(RankCallback):
                     break
                 x, y = self.reader.split(batch)
                 captured.clear()
-                pl_module(x.to(pl_module.device))
+                pl_module(step_inputs(pl_module.trainer, x))
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
                 take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)

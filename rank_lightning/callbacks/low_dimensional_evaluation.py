@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows
+from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows, step_inputs
 from rank_lightning.functional.embedding import low_dimensional_accuracy
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.layers import (
@@ -149,7 +149,7 @@ class LowDimensionalEvaluation(RankCallback):
                 # A process with nothing left to take still runs one batch: its (0, d) features join the gather.
                 if (self.max_batches is not None and index >= self.max_batches) or (left == 0 and features):
                     break
-                inputs, targets = self.reader.split(trainer.strategy.batch_to_device(batch))
+                inputs, targets = self.reader.split(step_inputs(trainer, batch))
                 pl_module(inputs)
                 take = targets.shape[0] if left is None else min(targets.shape[0], left)
                 features.append(reduce_activations(captured[layer.name], self.reduction)[:take].float())

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
+from rank_lightning.callbacks.base import CurveMonitor, first_val_loader, step_inputs
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import (
@@ -223,7 +223,7 @@ class NeuralCollapseMonitor(CurveMonitor):
                         break
                     x, y = self.reader.split(batch)
                     captured.clear()
-                    pl_module(x.to(pl_module.device))
+                    pl_module(step_inputs(pl_module.trainer, x))
                     take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
                     metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second)
                     if metric is None:

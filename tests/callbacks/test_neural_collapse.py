@@ -141,3 +141,14 @@ def test_non_finite_features_log_nan_without_stopping(tmp_path: Path) -> None:
     trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
     trainer.validate(_Broken(), datamodule=_datamodule())
     assert all(math.isnan(v) for v in monitor.result.as_dict().values())
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_its_own_pass_casts_the_inputs_as_the_steps_do(tmp_path: Path, precision: str) -> None:
+    """Under bf16-true and 64-true the weights are bf16 / float64: float32 inputs would fail the forward pass."""
+    torch.manual_seed(1)
+    model, datamodule = _Classifier(), _datamodule()
+    monitor = NeuralCollapseMonitor(metrics=("nc1",), head="fc", verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, precision=precision)
+    trainer.validate(model, datamodule=datamodule)
+    assert math.isfinite(float(trainer.callback_metrics["neural_collapse/fc/nc1"]))

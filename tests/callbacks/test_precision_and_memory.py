@@ -155,19 +155,25 @@ class _Frozen(_Trained):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "64-true"])
 @pytest.mark.parametrize("cadence", [{}, {"every_n_train_steps": 2, "window_batches": 1}])
-def test_the_initial_point_of_a_bf16_mixed_fit_is_measured_under_its_autocast(tmp_path, cadence):
-    """The untrained model's point is comparable with the later ones: measured in bf16 as the steps run, not float32.
+def test_the_initial_point_is_measured_in_the_precision_the_steps_run_in(tmp_path, cadence, precision):
+    """The untrained model's point is comparable with the later ones: measured as the steps run (bf16 autocast, inputs
+    cast to bf16 or float64 weights), not in float32, and not dropped for inputs of another dtype than the weights.
 
     With a learning rate of 0 nothing changes between the points; bf16's rounding noise is counted as rank by the
-    float32 tolerance (``WIDTH``) wherever the layer computed in bf16, and a float32 pass shows the true ``RANK``.
+    float32 tolerance (``WIDTH``) wherever the layer computed in bf16, and a float64 pass shows the true ``RANK``.
     """
     monitor = ActivationRankMonitor(layers=["low"], metrics=["numerical_rank"], verbose=False, **cadence)
-    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, max_epochs=1, precision="bf16-mixed")
-    trainer.fit(_Frozen(), _loader(), _loader())
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path, max_epochs=1, precision=precision)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Frozen(), _loader(), _loader())
+    assert not [w for w in caught if "no initial point" in str(w.message)]
     history = monitor.curves.history
-    assert len(history) == 3 if cadence else 2  # the initial point, then the windows or the epoch
-    assert [values["low"]["numerical_rank"] for values in history.values()] == [WIDTH] * len(history)
+    assert len(history) == (3 if cadence else 2)  # the initial point, then the windows or the epoch
+    expected = RANK if precision == "64-true" else WIDTH
+    assert [values["low"]["numerical_rank"] for values in history.values()] == [expected] * len(history)
 
 
 @pytest.mark.parametrize("cadence", [{"every_n_epochs": 2}, {"every_n_train_steps": 3}])

@@ -418,3 +418,40 @@ def test_the_package_vit_logs_its_blocks_tokens_and_class_token():
     for block in ("block0", "block1"):
         assert _logged(trainer, block, "token", "spectrum_rows") == tokens
     assert float(trainer.callback_metrics["rank/cls/spectrum_rows"]) == 2 * BATCH
+
+
+class _XLNetModule(HuggingFaceModule):
+    """XLNet runs its layers sequence-first: each block returns ``(T, B, D)`` hidden states."""
+
+    def forward(self, batch: dict[str, Tensor]) -> Any:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self(batch)
+
+
+def test_a_hugging_face_model_with_sequence_first_layers_is_read_by_shape_and_never_guessed():
+    from transformers import XLNetConfig, XLNetModel
+
+    torch.manual_seed(0)
+    module = _XLNetModule(XLNetModel(XLNetConfig(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_inner=32)))
+    blocks = ["model.layer.0", "model.layer.1"]
+    batches = _padded_batches(2, seed=5)  # 4 sequences of 8 tokens: the (8, 4, 16) outputs tell their layout
+    monitor = ActivationRankMonitor(layers=blocks, token_reduction="mean", log_at_init=False)
+    trainer = quiet_trainer([monitor], max_epochs=1)
+    trainer.validate(module, DataLoader(batches, batch_size=None), verbose=False)
+    outputs = _block_outputs(module, blocks, batches, module)
+    for path in blocks:
+        # Each sequence's mean over its real tokens, from the (T, B, D) outputs turned batch-first.
+        means = [
+            torch.stack([h.transpose(0, 1)[b][m[b]].double().mean(0) for b in range(BATCH)])
+            for h, m in zip(outputs[path], [batch["attention_mask"].bool() for batch in batches], strict=True)
+        ]
+        _assert_matches(trainer, path, "mean", torch.cat(means))
+
+    # As many sequences as tokens: an XLNet layer's layout is not guessed (batch-first would be wrong).
+    square = [{k: torch.cat([v, v]) for k, v in batch.items()} for batch in _padded_batches(1, seed=6)]
+    assert square[0]["input_ids"].shape == (LENGTH, LENGTH)
+    monitor = ActivationRankMonitor(layers=blocks, token_reduction="mean", log_at_init=False)
+    with pytest.warns(UserWarning, match="token layout cannot be told"):
+        quiet_trainer([monitor], max_epochs=1).validate(module, DataLoader(square, batch_size=None), verbose=False)
