@@ -910,11 +910,15 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
 
     The module itself or its nearest ancestor (the model itself excluded) decides: its own ``batch_first`` flag
     (``nn.MultiheadAttention``, ``nn.Transformer``), else the flag shared by the attention modules inside it
-    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``).
+    (``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``: their ``self_attn``). The search stops at a Hugging
+    Face model: attention modules somewhere inside a whole model (Mask2Former's decoder) declare nothing about its
+    other layers (its backbone's blocks).
     """
     parts = path.split(".") if path else []
     for depth in range(len(parts), 0, -1):
         module = model.get_submodule(".".join(parts[:depth]))
+        if _hugging_face_model(module):
+            return None
         own = getattr(module, "batch_first", None)
         if isinstance(own, bool):
             return own
@@ -925,7 +929,7 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
 
 
 # Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).
-_SEQUENCE_FIRST_MODEL_TYPES = frozenset({"xlnet", "fsmt", "transfo-xl", "longformer", "led", "reformer"})
+_SEQUENCE_FIRST_MODEL_TYPES = frozenset({"xlnet", "fsmt", "transfo-xl", "longformer", "led"})
 
 
 def batch_first_when_ambiguous(model: nn.Module, path: str) -> bool | None:

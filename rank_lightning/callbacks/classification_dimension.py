@@ -348,8 +348,8 @@ class ClassificationDimension(RankCallback):
         with forward_hooks(pl_module, layers, lambda layer, value: captured.setdefault(layer.name, value)):
             with eval_mode(pl_module), torch.no_grad(), random_state_kept(pl_module, [loader]):
                 for batch in loader:
-                    x, _ = self.reader.split(batch)
-                    pl_module(step_inputs(pl_module.trainer, x))
+                    x, _ = self.reader.split(step_inputs(pl_module.trainer, batch))
+                    pl_module(x)
                     break
         features, logits = captured.get("features"), captured.get("logits")
         if self.ks is not None and isinstance(features, Tensor) and features.ndim >= 2:
@@ -381,9 +381,9 @@ class ClassificationDimension(RankCallback):
                 # A process with nothing to take still runs one batch: its (0, d) features join the gather.
                 if limit is not None and taken >= limit and features:
                     break
-                x, y = self.reader.split(batch)
+                x, y = self.reader.split(step_inputs(pl_module.trainer, batch))
                 captured.clear()
-                pl_module(step_inputs(pl_module.trainer, x))
+                pl_module(x)
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
                 take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)

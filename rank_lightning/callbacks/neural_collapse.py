@@ -221,9 +221,10 @@ class NeuralCollapseMonitor(CurveMonitor):
                     # A process with nothing to take still runs one batch, to join the collective with the metric.
                     if limit is not None and taken >= limit and metric is not None:
                         break
-                    x, y = self.reader.split(batch)
+                    # The whole batch, as the steps get it (the module's batch-transfer hooks, the precision's cast).
+                    x, y = self.reader.split(step_inputs(pl_module.trainer, batch))
                     captured.clear()
-                    pl_module(step_inputs(pl_module.trainer, x))
+                    pl_module(x)
                     take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
                     metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second)
                     if metric is None:

@@ -298,3 +298,21 @@ def test_features_without_principal_directions_are_logged_as_nan(tmp_path, model
     with open(directory / "accuracy_vs_k.csv") as f:
         assert all(np.isnan(float(r["accuracy"])) for r in csv.DictReader(f))
     assert not (directory / "accuracy_vs_k.png").exists()
+
+
+class _ShiftedInputs(TinyNet):
+    """A module whose batch-transfer hook takes the whole ``(x, y)`` batch, as Lightning's steps pass it."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x + 1.0, y
+
+
+def test_its_own_pass_gives_the_batch_transfer_hook_the_whole_batch(tmp_path):
+    model, val = _ShiftedInputs(), make_data(30, seed=7)
+    callback = ClassificationDimension(max_samples=20, threshold=0.9, verbose=False)
+    make_trainer(tmp_path, [callback]).validate(model, make_loader(val))
+    features = _reference_features(model, val.tensors[0][:20] + 1.0)  # the inputs the steps see
+    expected = classification_dimension(features, val.tensors[1][:20], model.head, threshold=0.9)
+    assert callback.result.cls_dim == expected.cls_dim
+    assert callback.result.accuracies == pytest.approx(expected.accuracies)

@@ -152,3 +152,24 @@ def test_its_own_pass_casts_the_inputs_as_the_steps_do(tmp_path: Path, precision
     trainer = quiet_trainer([monitor], default_root_dir=tmp_path, precision=precision)
     trainer.validate(model, datamodule=datamodule)
     assert math.isfinite(float(trainer.callback_metrics["neural_collapse/fc/nc1"]))
+
+
+class _ShiftedInputs(_Classifier):
+    """A module whose batch-transfer hook takes the whole ``(x, y)`` batch, as Lightning's steps pass it."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x + 1.0, y
+
+
+def test_its_own_passes_give_the_batch_transfer_hook_the_whole_batch(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model, datamodule = _ShiftedInputs(), _datamodule()
+    monitor = NeuralCollapseMonitor(metrics=("nc1",), head="fc", verbose=False)
+    quiet_trainer([monitor], default_root_dir=tmp_path).validate(model, datamodule=datamodule)
+    datamodule.setup("validate")
+    xs, ys = zip(*datamodule.val_dataloader())
+    with torch.no_grad():
+        features = model.net(torch.cat(xs) + 1.0)  # the inputs the steps see
+    expected = neural_collapse(features, torch.cat(ys), num_classes=4, head_weight=model.fc.weight)
+    assert monitor.result.nc1 == pytest.approx(float(expected.nc1), rel=1e-9)

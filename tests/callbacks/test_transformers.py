@@ -455,3 +455,22 @@ def test_a_hugging_face_model_with_sequence_first_layers_is_read_by_shape_and_ne
     monitor = ActivationRankMonitor(layers=blocks, token_reduction="mean", log_at_init=False)
     with pytest.warns(UserWarning, match="token layout cannot be told"):
         quiet_trainer([monitor], max_epochs=1).validate(module, DataLoader(square, batch_size=None), verbose=False)
+
+
+def test_attention_elsewhere_in_a_wrapped_hugging_face_model_declares_nothing_about_its_blocks():
+    """A sequence-first ``nn.MultiheadAttention`` somewhere in a Hugging Face model (Mask2Former's decoder beside its
+    Swin backbone) says nothing about the model's other layers: the search for a declared layout stops at the model."""
+    from rank_lightning.layers import token_layouts
+
+    torch.manual_seed(0)
+    module = _gpt2()
+    module.model.transformer.decoder_attention = nn.MultiheadAttention(16, 2)  # batch_first=False, never called
+    blocks = {path: path for path in GPT2_BLOCKS}
+    layouts, ambiguous = token_layouts(module, blocks)
+    assert layouts == {} and ambiguous == dict.fromkeys(GPT2_BLOCKS, True)  # the shapes decide; B == T batch-first
+    val = _causal_lm_batches(2, seed=1)
+    trainer = _fit(module, ActivationRankMonitor(log_at_init=False), _causal_lm_batches(2, seed=0), val)
+    outputs = _block_outputs(module, GPT2_BLOCKS, val, module)
+    masks = [batch["attention_mask"].bool() for batch in val]
+    for path in GPT2_BLOCKS:
+        _assert_matches(trainer, path, "token", torch.cat([h[m] for h, m in zip(outputs[path], masks, strict=True)]))
