@@ -434,7 +434,7 @@ def test_neural_collapse_second_pass_reads_once_per_batch(fake_cuda):
     metric.start_second_pass()  # on the CPU: the fake tensors have no values to find the means with
     waits = _Waits()
     with fake_cuda:
-        for name in [*metric._defaults, "_means", "_present", "_directions"]:
+        for name in [*metric._defaults, "_means", "_present", "_row_of", "_directions"]:
             setattr(metric, name, fake_cuda.from_tensor(getattr(metric, name)).to("cuda"))
         for index in range(3):
             batch = [fake_cuda.from_tensor(t).to("cuda") for t in (features, labels, torch.randn(64, NUM_CLASSES))]

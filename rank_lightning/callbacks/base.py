@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,18 +43,14 @@ def loader_list(loaders: Any) -> list[Any]:
 def step_precision(trainer: pl.Trainer, stage: str) -> AbstractContextManager[Any]:
     """The precision context Lightning runs a ``"train"`` or ``"val"`` step in (``torch.autocast`` under
     ``bf16-mixed`` and ``16-mixed``): an extra pass made in it measures the activations the steps produce."""
-    plugin = getattr(trainer.strategy, "precision_plugin", None)
-    if plugin is None:
-        return nullcontext()
+    plugin = trainer.strategy.precision_plugin
     return plugin.train_step_context() if stage == "train" else plugin.val_step_context()
 
 
 def step_inputs(trainer: pl.Trainer, batch: Any) -> Any:
     """``batch`` as Lightning's steps receive it: on the module's device, and converted by the precision plugin
     (``bf16-true`` and ``64-true`` cast floating inputs to the weights' dtype), for an extra forward pass."""
-    batch = trainer.strategy.batch_to_device(batch)
-    plugin = getattr(trainer.strategy, "precision_plugin", None)
-    return batch if plugin is None else plugin.convert_input(batch)
+    return trainer.strategy.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
 
 
 def first_val_loader(trainer: pl.Trainer) -> Any:

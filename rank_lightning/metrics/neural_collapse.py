@@ -85,6 +85,7 @@ class NeuralCollapseStatistics(Metric):
         self.input_dtype: torch.dtype | None = None
         self._means: Tensor | None = None
         self._present: Tensor | None = None
+        self._row_of: Tensor | None = None  # each class's row among the means (-1: no mean), for the second pass
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
 
@@ -129,7 +130,7 @@ class NeuralCollapseStatistics(Metric):
             # The label range and, in the second pass, whether a label's class has a mean: one read from a GPU.
             reads = [labels.min(), labels.max()]
             if self.second_pass:
-                row_of = class_rows(self._present, self.num_classes).to(labels.device)
+                row_of = self._row_of.to(labels.device)
                 reads.append((row_of[labels.clamp(0, self.num_classes - 1)] < 0).any().to(labels.dtype))
             low, high, *missing = torch.stack(reads).tolist()
             if low < 0 or high >= self.num_classes:
@@ -147,6 +148,7 @@ class NeuralCollapseStatistics(Metric):
         with self.sync_context():
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
         self._present, self._means, global_mean = class_means(*self._totals)
+        self._row_of = class_rows(self._present, self.num_classes)
         counts = self._totals[0][self._present]
         basis = between_class_directions(self._means, global_mean, dtype=self.input_dtype, counts=counts)
         self._directions = basis.directions
@@ -180,5 +182,5 @@ class NeuralCollapseStatistics(Metric):
     def reset(self) -> None:
         """Clear both passes."""
         super().reset()
-        self._means = self._present = self._directions = self._totals = None
+        self._means = self._present = self._row_of = self._directions = self._totals = None
         self.input_dtype = None
