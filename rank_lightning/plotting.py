@@ -280,6 +280,8 @@ def axis_label(metric: str) -> str:
 
 _SPLITS = {"val": "validation set", "train": "training batches", "test": "test set"}
 _KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size", "tolerance_dtype")
+# Reductions with several rows per input (every spatial position or token a row, SPEC "Conventions").
+_ROWS_PER_INPUT = {"channel", "token"}
 # Coarser than float32: their tolerance is their eps alone (functional.default_rank_tolerance; named here because
 # figure workers draw without importing torch).
 _COARSE_DTYPES = ("bfloat16", "float16")
@@ -308,7 +310,8 @@ def caption_text(facts: Mapping[str, Any]) -> str:
 
     Args:
         facts: any of ``split`` (``"val"``, ``"train"``, ``"test"`` or words), ``samples`` (N, the number of samples
-            measured), ``reduction`` (a string, or a mapping from the kind of activations to its reduction, such as
+            measured; shown as inputs where a reduction makes each position or token a row), ``reduction`` (a
+            string, or a mapping from the kind of activations to its reduction, such as
             ``{"conv maps": "channel", "tokens": "token"}``),
             ``rank_tolerance`` (a float, or ``None`` for the default), ``tolerance_size`` (``"min"``/``"max"``, the
             ``K`` of the default tolerance) and ``tolerance_dtype`` (whose ``eps`` the default tolerance takes:
@@ -321,10 +324,12 @@ def caption_text(facts: Mapping[str, Any]) -> str:
     parts = []
     if facts.get("split") is not None:
         parts.append(f"split: {_SPLITS.get(facts['split'], facts['split'])}")
-    samples = facts.get("samples")
+    samples, reduction = facts.get("samples"), facts.get("reduction")
     if samples is not None:
-        parts.append(f"N = {samples:,} samples" if isinstance(samples, int) else f"N = {samples}")
-    reduction = facts.get("reduction")
+        # Under a reduction whose rows are positions or tokens, N counts the inputs, not the rows of the spectra.
+        reductions = reduction.values() if isinstance(reduction, Mapping) else [reduction]
+        unit = "inputs" if any(isinstance(r, str) and r in _ROWS_PER_INPUT for r in reductions) else "samples"
+        parts.append(f"N = {samples:,} {unit}" if isinstance(samples, int) else f"N = {samples}")
     if isinstance(reduction, Mapping):
         reduction = ", ".join(f"{name} ({kind})" for kind, name in reduction.items())
     if reduction:

@@ -96,13 +96,19 @@ def test_value_axes_carry_units(metric, label):
 def test_the_caption_states_split_samples_reduction_and_tolerance():
     facts = {"split": "val", "samples": 4096, "reduction": "channel", "rank_tolerance": 1e-6, "seed": 3, "note": None}
     assert caption_text(facts) == (
-        "split: validation set · N = 4,096 samples · reduction: channel · rank tolerance: eps = 1e-06 (relative to "
+        "split: validation set · N = 4,096 inputs · reduction: channel · rank tolerance: eps = 1e-06 (relative to "
         "$s_1$) · seed: 3"
     )
     assert caption_text({"split": "train", "rank_tolerance": None}) == (
         "split: training batches · rank tolerance: default"
     )
     assert caption_text({"tolerance_size": "max"}) == "rank tolerance: float32 eps \u00d7 max(rows, columns) (default)"
+    # N counts inputs where each of their tokens or positions is a row of the spectra, else samples (rows).
+    tokens = {"samples": 16, "reduction": {"tokens": "token"}}
+    assert caption_text(tokens) == "N = 16 inputs · reduction: token (tokens)"
+    pooled = {"samples": 16, "reduction": {"conv maps": "mean", "tokens": "cls"}}
+    assert caption_text(pooled).startswith("N = 16 samples")
+    assert caption_text({"samples": 16, "reduction": "flatten"}).startswith("N = 16 samples")
     assert caption_text({}) == ""
 
 

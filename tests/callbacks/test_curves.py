@@ -612,7 +612,7 @@ def test_described_facts_caption_the_figures_and_travel_in_state_and_curve_file(
     curves.record_and_log(trainer, SimpleNamespace(log_dict=lambda *a, **k: None), {"fc": {"numerical_rank": 3}})
     curves.write_figures(trainer)
     assert captions == [
-        "split: validation set · N = 4,096 samples · reduction: channel (conv maps) · "
+        "split: validation set · N = 4,096 inputs · reduction: channel (conv maps) · "
         "rank tolerance: float32 eps \u00d7 min(rows, columns) (default) · dtype: torch.float64"
     ]
     facts = read_curve_file(tmp_path / FIGURE_DIR / "rank_curves.json")["facts"]
