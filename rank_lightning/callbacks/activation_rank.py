@@ -539,7 +539,12 @@ class ActivationRankMonitor(CurveMonitor):
     # -- the initial point ----------------------------------------------------------------------------------------
 
     @override
+    def measures_each_validation(self) -> bool:
+        return super().measures_each_validation() and self.stage == "val"
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
         if not loaders or self._stream is None:
             return

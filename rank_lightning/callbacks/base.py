@@ -23,7 +23,16 @@ from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
 from rank_lightning.validation import check_positive_int
 
-__all__ = ["Cadence", "CurveMonitor", "RankCallback", "first_val_loader", "gather_rows", "loader_list", "trainer_fn"]
+__all__ = [
+    "Cadence",
+    "CurveMonitor",
+    "RankCallback",
+    "first_val_loader",
+    "gather_rows",
+    "loader_list",
+    "trainer_fn",
+    "validations_per_epoch",
+]
 
 
 def trainer_fn(trainer: pl.Trainer) -> str | None:
@@ -190,6 +199,19 @@ class Cadence:
         return trainer.global_step >= target_step
 
 
+def validations_per_epoch(trainer: pl.Trainer) -> float:
+    """How many validation runs a training epoch of ``trainer.fit`` holds (``inf`` for an epoch of unknown length that
+    validates every ``val_check_interval`` batches; ``1`` when validation runs at epoch ends or not at all), from
+    what Lightning sets up when training starts (``val_check_batch``, ``num_training_batches``)."""
+    every = getattr(trainer, "val_check_batch", None)
+    batches = getattr(trainer, "num_training_batches", None)
+    if not getattr(trainer, "enable_validation", False) or not isinstance(every, (int, float)) or math.isinf(every):
+        return 1.0
+    if not isinstance(batches, (int, float)) or every <= 0:
+        return 1.0
+    return math.inf if math.isinf(batches) else float(max(1, int(batches // every)))
+
+
 class RankCallback(pl.Callback):
     """Base of the package's callbacks: messages on rank zero, each warning once.
 
@@ -290,6 +312,36 @@ class CurveMonitor(RankCallback):
             and trainer_fn(trainer) == "fit"
             and trainer.global_step == 0
             and self.curves.initial_point not in self.curves.epochs
+        )
+
+    def measures_each_validation(self) -> bool:
+        """Whether this monitor measures at the end of every validation run of a ``fit`` (its epoch cadence permitting):
+        true for the epoch cadence, which subclasses that measure other data narrow."""
+        return not self.cadence.by_step
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Key the curves by optimizer step when validation runs several times per epoch (``val_check_interval``
+        below an epoch, as in ``max_steps`` runs of one long epoch): keyed by epoch, each measurement would replace
+        the one before it in the curve file and the figures. Subclasses call it before their initial point."""
+        per_epoch = validations_per_epoch(trainer)
+        if not self.measures_each_validation() or per_epoch <= 1 or self.curves.x_axis == "step":
+            return
+        interval = getattr(trainer, "val_check_interval", None)
+        several = "more than once" if math.isinf(per_epoch) else f"{per_epoch:g} times"
+        if self.curves.epochs:  # resumed from a checkpoint whose curves are keyed by epoch
+            message = (
+                f"validation runs {several} per training epoch (val_check_interval={interval!r}) but the curves "
+                "loaded from the checkpoint are keyed by epoch: in the curve file and the figures each measurement "
+                "replaces the one before it in the same epoch (the loggers keep every one, at its step). Start a new "
+                "fit to key the curves by step."
+            )
+            self.warn_once(("several validations per epoch",), message)
+            return
+        self.curves.key_by_step()
+        self.info(
+            f"validation runs {several} per training epoch (val_check_interval={interval!r}): the curves are keyed "
+            "by optimizer step, not by epoch"
         )
 
     @override

@@ -395,7 +395,9 @@ class LayerCurves:
             metric-vs-depth figures and charts.
         x_axis: what the history is keyed by: ``"epoch"`` (``trainer.current_epoch``, the initial point at ``-1``)
             or ``"step"`` (``trainer.global_step``, optimizer steps; the initial point at step ``0``), for monitors
-            with a step cadence. Figures, charts and the curve file name it.
+            with a step cadence (and, by :meth:`key_by_step`, for epoch-cadence monitors of fits that validate
+            several times per epoch). Figures, charts and the curve file name it; a loaded state keyed by step keeps
+            the history keyed by step.
 
     Raises:
         ValueError: a namespace containing ``"/"``, a ``max_depth_curves`` below 2, or a cadence that is not a
@@ -535,6 +537,24 @@ class LayerCurves:
                     self._metrics.append(metric)
         self._history[int(epoch)] = stored
         return stored
+
+    def key_by_step(self) -> None:
+        """Key the history by optimizer step from now on (``x_axis="step"``), for an epoch-cadence monitor whose fit
+        validates several times per epoch: keyed by epoch, each measurement would replace the one before it in the
+        same epoch.
+
+        Raises:
+            RuntimeError: the history already holds values keyed by epoch.
+        """
+        if self.x_axis == "step":
+            return
+        if self._history:
+            raise RuntimeError(
+                f"LayerCurves({self.namespace!r}) holds {len(self._history)} point(s) keyed by epoch; it cannot be "
+                "keyed by step from now on"
+            )
+        self.x_axis = "step"
+        self._facts["x_axis"] = "step"
 
     @property
     def initial_point(self) -> int:
@@ -765,6 +785,8 @@ class LayerCurves:
         self._layers = list(state_dict["layers"])
         self._metrics = list(state_dict["metrics"])
         self._facts = {**state_dict.get("facts", {}), **self._facts}
+        if self._facts.get("x_axis") == "step":  # a fit keyed by step (key_by_step) goes on keyed by step
+            self.x_axis = "step"
         self._superseded = [
             {"resumed_at": b["resumed_at"], "history": _epochs_as_int(b["history"])}
             for b in state_dict.get("superseded", [])

@@ -158,6 +158,7 @@ class NeuralCollapseMonitor(CurveMonitor):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         if self.initial_point_due(trainer):
             values = self.measure(trainer, pl_module)
             if values:

@@ -305,6 +305,7 @@ class WeightRankMonitor(CurveMonitor):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         if self.initial_point_due(trainer):
             spectra = self._checked_spectra(pl_module, "before training")
             self.curves.record_initial(trainer, {name: self._metrics_of(s) for name, s in spectra.items()})
