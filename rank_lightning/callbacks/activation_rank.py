@@ -383,6 +383,7 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop()
+        super().on_exception(trainer, pl_module, exception)
 
     # -- when ---------------------------------------------------------------------------------------------------
 

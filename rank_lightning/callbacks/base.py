@@ -367,11 +367,44 @@ class CurveMonitor(RankCallback):
         self.curves.finish(trainer)
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit stopped by an exception (Ctrl-C included) still gets the figures of what it recorded; a failure to
+        draw them is a warning, never a second exception over the first."""
+        if trainer_fn(trainer) != "fit" or not trainer.is_global_zero or not self.curves.epochs:
+            return
+        try:
+            self.curves.finish(trainer)
+        except Exception as error:  # the run's own exception is the one to see
+            self.warn_once(("figures after exception",), f"could not draw the figures of the stopped fit: {error!r}")
+
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
         self.curves.note_checkpoint(checkpoint.get("epoch"), checkpoint.get("global_step"))
+        self._adopt_saved_state(checkpoint)
+
+    def _adopt_saved_state(self, checkpoint: dict[str, Any]) -> None:
+        """Find this monitor's curves in a checkpoint that keyed them otherwise: the key holds settings such as
+        ``layers``, which a resumed fit may name differently (the layers the defaults chose, now listed). The state of
+        the same class whose curves have this namespace (unique among the monitors of a Trainer) is filed under
+        :attr:`state_key`, where Lightning's ``load_state_dict`` looks next."""
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict) or self.state_key in states:
+            return
+        prefix = type(self).__qualname__
+        for key, state in list(states.items()):
+            curves = state.get("curves") if isinstance(state, dict) else None
+            if (
+                isinstance(key, str)
+                and (key == prefix or key.startswith(prefix + "{"))
+                and isinstance(curves, dict)
+                and curves.get("namespace") == self.curves.namespace
+            ):
+                states[self.state_key] = state
+                self.info(f"continuing the curves of namespace {self.curves.namespace!r} saved as {key}")
+                return
 
     @override
     def state_dict(self) -> dict[str, Any]:

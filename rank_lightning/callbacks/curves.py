@@ -81,6 +81,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -349,7 +350,8 @@ def write_curve_file(
     Two keys are added only when there is something to say: ``"facts"`` (how the values were measured,
     :meth:`LayerCurves.describe`) and ``"superseded"`` (``[{"resumed_at": epoch, "history": {...}}, ...]``: the
     values of epochs that a resumed fit trained again). NaN and Inf are written as JSON's ``NaN`` / ``Infinity``
-    literals, which :func:`read_curve_file` reads back.
+    literals, which :func:`read_curve_file` reads back. The file is replaced in one step (written beside it, then
+    renamed), so that a run killed while writing leaves the previous version whole.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     content: dict[str, Any] = {"namespace": namespace, "layers": layers, "metrics": metrics}
@@ -360,7 +362,13 @@ def write_curve_file(
         content["superseded"] = [
             {"resumed_at": block["resumed_at"], "history": _epochs_as_text(block["history"])} for block in superseded
         ]
-    path.write_text(json.dumps(content))
+    # Written beside and renamed over the old file: a run killed while writing leaves the previous file whole.
+    text, partial = json.dumps(content), path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def read_curve_file(path: str | Path) -> dict[str, Any]:

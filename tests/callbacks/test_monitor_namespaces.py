@@ -2,6 +2,7 @@
 same namespace is an error at setup instead of files overwritten without a word."""
 
 import pytest
+import torch
 from pytorch_lightning.loggers import CSVLogger
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
@@ -50,3 +51,50 @@ def test_a_namespace_that_cannot_name_keys_is_named(bad):
         ActivationRankMonitor(namespace=bad)
     with pytest.raises(ValueError, match=rf"namespace={bad!r} cannot name logged keys and files"):
         WeightRankMonitor(namespace=bad)
+
+
+def _monitors(layers):
+    return [
+        ActivationRankMonitor(layers=layers, verbose=False),
+        WeightRankMonitor(layers=layers, verbose=False),
+        ActivationRankMonitor(stage="train", layers=layers, verbose=False),
+    ]
+
+
+def _fit_to(tmp_path, callbacks, epochs, ckpt_path=None):
+    trainer = quiet_trainer(callbacks, max_epochs=epochs, default_root_dir=tmp_path)
+    trainer.fit(SmallClassifier(widths=(5, 12, 8, 3), seed=0), small_loader(), small_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_resumed_fit_continues_the_curves_whatever_its_layers_argument(tmp_path):
+    first = _monitors(None)
+    checkpoint = str(tmp_path / "first.ckpt")
+    _fit_to(tmp_path, first, 1).save_checkpoint(checkpoint)
+    # The layers the defaults chose, now named: other state keys, the same namespaces.
+    resumed = _monitors(["net.0", "net.2", "net.4"])
+    _fit_to(tmp_path, resumed, 2, checkpoint)
+    for before, after in zip(first, resumed, strict=True):
+        assert after.state_key != before.state_key
+        assert after.curves.epochs == [*before.curves.epochs, 1]
+        assert {e: after.curves.history[e] for e in before.curves.epochs} == before.curves.history
+
+
+def test_curves_saved_under_another_key_of_their_class_are_found(tmp_path):
+    first = _monitors(None)
+    checkpoint = tmp_path / "first.ckpt"
+    _fit_to(tmp_path, first, 1).save_checkpoint(checkpoint)
+    saved = torch.load(checkpoint, weights_only=False)
+    # Keys of other settings (a key with a namespace that is not the curves' own is a state of another monitor).
+    old_keys = [
+        "ActivationRankMonitor{'layers': ['net.4'], 'stage': 'val'}",
+        "WeightRankMonitor",
+        "ActivationRankMonitor{'layers': ['net.0'], 'stage': 'train'}",
+    ]
+    saved["callbacks"] = {old: saved["callbacks"][m.state_key] for old, m in zip(old_keys, first, strict=True)}
+    torch.save(saved, checkpoint)
+    resumed = _monitors(None)
+    _fit_to(tmp_path, resumed, 2, str(checkpoint))
+    for before, after in zip(first, resumed, strict=True):
+        assert after.curves.epochs == [*before.curves.epochs, 1]
+        assert {e: after.curves.history[e] for e in before.curves.epochs} == before.curves.history
