@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from rank_lightning import streams
 from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_inputs, step_precision
-from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace
+from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, log_rank_equal
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
     BatchReader,
@@ -49,18 +49,19 @@ class ActivationRankMonitor(CurveMonitor):
     package's modules the default layers are the backbone's ``blocks()``; otherwise a choice is made and reported
     (see :func:`~rank_lightning.layers.default_layers`).
 
-    Timing: with ``stage="val"``, during validation of every ``every_n_epochs``-th epoch of ``fit``
-    (``(epoch + 1) % every_n_epochs == 0``) and of every ``trainer.validate`` run; with ``stage="train"``, over the
-    training batches of those epochs (validation run in between is not measured). With ``every_n_train_steps=N``
-    (step cadence, for long runs logged by step): over the ``window_batches`` training batches before every N-th
-    optimizer step, from the training forward pass itself (no extra forward), logged at that step
+    Timing: with ``stage="val"``, during validation of every ``every_n_epochs``-th epoch of ``fit`` (``(epoch + 1) %
+    every_n_epochs == 0``), of every ``trainer.validate`` run and (``on_test``) of every ``trainer.test`` run, whose
+    values go to keys of their own (``rank_test/...``, see Logged metrics) and not into the curves; with
+    ``stage="train"``, over the training batches of those epochs (validation run in between is not measured). With
+    ``every_n_train_steps=N`` (step cadence, for long runs logged by step): over the ``window_batches`` training batches
+    before every N-th optimizer step, from the training forward pass itself (no extra forward), logged at that step
     (:class:`~rank_lightning.callbacks.base.Cadence`); gradient accumulation counts optimizer steps, and every DDP
-    process closes the same window. Step curves are keyed by ``trainer.global_step`` in the curve file, the figures
-    and the W&B charts; the initial point is step ``0``. Sanity checks are skipped. Hooks
-    exist only while an epoch is monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64
-    history) is rewritten every monitored epoch and the figures are drawn at the end of fit, both in
-    ``<run dir>/rank_curves/`` (:class:`~rank_lightning.callbacks.curves.LayerCurves`); the history is saved in
-    checkpoints, so a resumed run continues its curves.
+    process closes the same window. Step curves are keyed by ``trainer.global_step`` in the curve file, the figures and
+    the W&B charts; the initial point is step ``0``. Sanity checks are skipped. Hooks exist only while an epoch is
+    monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64 history) is rewritten every
+    monitored epoch and the figures are drawn at the end of fit, both in ``<run dir>/rank_curves/``
+    (:class:`~rank_lightning.callbacks.curves.LayerCurves`); the history is saved in checkpoints, so a resumed run
+    continues its curves.
 
     Activations of conv layers ``(B, C, H, W)`` and token layers ``(B, T, D)`` are reduced to a samples x features
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
@@ -162,6 +163,7 @@ class ActivationRankMonitor(CurveMonitor):
             ``batch[0]`` or the first of ``x``, ``input``, ``inputs``, ``image``, ``images``, ``pixel_values``,
             ``input_ids``).
         log_at_init: measure the untrained model at the start of a fresh ``fit`` (see above).
+        on_test: with ``stage="val"``, also measure the test data of every ``trainer.test`` run.
         figures_every_n_epochs: also redraw the PNG figures after every this many monitored epochs (by default they
             are drawn once, at the end of fit and of ``trainer.validate``).
         verbose: report the monitored layers at setup (rank zero).
@@ -207,6 +209,10 @@ class ActivationRankMonitor(CurveMonitor):
         ``rank_curves/<r><metric>_vs_epoch`` and ``rank_curves/<r><metric>_vs_depth`` and the table
         ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``); the charts hold the whole history
         and are sent after the first monitored epoch, every fifth one and at the end of fit.
+
+        ``trainer.test`` (``on_test``, ``stage="val"``): the same metrics of the test data under
+        ``rank_test/<layer>/<r><metric>`` (``<namespace>_test/``), logged through the module, so that
+        ``trainer.test`` returns them; they are not recorded in the curves and draw no figure.
     """
 
     def __init__(
@@ -242,6 +248,7 @@ class ActivationRankMonitor(CurveMonitor):
         token_layout: Literal["auto", "batch_first", "sequence_first"] = "auto",
         input_key: int | str | None = None,
         log_at_init: bool = True,
+        on_test: bool = True,
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,
     ) -> None:
@@ -265,6 +272,7 @@ class ActivationRankMonitor(CurveMonitor):
             window_batches=o["window_batches"],
             figures_every_n_epochs=o["figures_every_n_epochs"],
             log_at_init=o["log_at_init"],
+            on_test=o["on_test"] and stage == "val",
             verbose=o["verbose"],
         )
         for name in ("max_samples", "num_classes"):
@@ -334,7 +342,12 @@ class ActivationRankMonitor(CurveMonitor):
         how = ""
         if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
             how = " (default choice: the module has no blocks(); pass layers=[...] to choose)"
-        self.info(f"monitoring {len(self._layers)} layers{how}, {classes}: {names}")
+        if stage == "test" and not self.cadence.on_test:
+            why = "stage='train' measures training batches" if self.stage == "train" else "on_test=False"
+            self.info(f"trainer.test is not monitored ({why})")
+        else:
+            data = f", the test data under {self.curves.namespace}_test/" if stage == "test" else ""
+            self.info(f"monitoring {len(self._layers)} layers{how}, {classes}{data}: {names}")
         self._stop()
         self._stream = ActivationStream(
             self._layers,
@@ -420,6 +433,42 @@ class ActivationRankMonitor(CurveMonitor):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._monitoring("val"):
             self._finish(trainer, pl_module)
+
+    # -- trainer.test: the test data under keys of their own, outside the curves ---------------------------------
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stage == "val" and self.due(trainer):
+            self._start(trainer, pl_module, sum(trainer.num_test_batches), loader_list(trainer.test_dataloaders))
+
+    @override
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._monitoring("val"):
+            return
+        values, _ = self._stream.compute(
+            pl_module.device, metrics=self.metrics, centered=self.center, per_class=self.log_per_class, when="in test"
+        )
+        namespace = f"{self.curves.namespace}_test"
+        scalars = {f"{namespace}/{layer}/{key}": value for layer, row in values.items() for key, value in row.items()}
+        log_rank_equal(pl_module, scalars)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

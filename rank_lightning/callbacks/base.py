@@ -254,6 +254,7 @@ class CurveMonitor(RankCallback):
             are then keyed by step.
         window_batches: training batches per step measurement (monitors that stream batches).
         on_validate: also monitor ``trainer.validate`` runs.
+        on_test: also monitor ``trainer.test`` runs (monitors that measure data).
         figures_every_n_epochs: also draw the figures after every this many monitored epochs; ``None`` draws them
             at the end of fit only.
         log_at_init: also measure once before the first training step of a fresh ``fit``, recorded as epoch ``-1``
@@ -269,6 +270,7 @@ class CurveMonitor(RankCallback):
         every_n_train_steps: int | None = None,
         window_batches: int = 1,
         on_validate: bool = True,
+        on_test: bool = False,
         figures_every_n_epochs: int | None = None,
         log_at_init: bool = False,
         verbose: bool = True,
@@ -294,6 +296,7 @@ class CurveMonitor(RankCallback):
         self.cadence = Cadence(
             every_n_epochs,
             on_validate=on_validate,
+            on_test=on_test,
             every_n_train_steps=every_n_train_steps,
             window_batches=window_batches,
         )
