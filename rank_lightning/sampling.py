@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-__all__ = ["limit_to_own_samples", "own_samples", "process_share", "repeated_samples"]
+__all__ = ["limit_to_own_samples", "own_samples", "process_share", "repeated_samples", "side_loader"]
 
 
 def _padding_sampler(loader: Any) -> DistributedSampler | None:
@@ -73,3 +73,40 @@ def process_share(total: int | None, world_size: int, rank: int) -> int | None:
         return None
     world_size = max(world_size, 1)
     return total // world_size + int(rank < total % world_size)
+
+
+def side_loader(loader: Any) -> Any:
+    """A loader to iterate beside a loop that is iterating ``loader`` itself: ``loader`` when a pass of its own leaves
+    the loop's iterator alone, else a plain ``DataLoader`` over the same dataset, batches and collation.
+
+    A ``DataLoader`` with ``persistent_workers=True`` keeps one iterator and ``iter()`` resets it, and a resumable
+    loader (one with ``state_dict``, such as torchdata's ``StatefulDataLoader``) saves the position of its last iterator
+    in checkpoints: a monitor's pass over the training loader would make the fit skip batches, or resume at the
+    monitor's position. The copy shares the batch sampler (so a ``DistributedSampler``'s share and padding stay those of
+    the loop) and starts workers of its own for the pass, if the loader has workers. Collections of loaders (a list,
+    tuple or mapping, as Lightning accepts them) are copied loader by loader.
+    """
+    if isinstance(loader, dict):
+        return {key: side_loader(inner) for key, inner in loader.items()}
+    if isinstance(loader, (list, tuple)):
+        return type(loader)(side_loader(inner) for inner in loader)
+    if not isinstance(loader, DataLoader):
+        return loader
+    persistent = loader.persistent_workers and loader.num_workers > 0
+    if not persistent and not callable(getattr(loader, "state_dict", None)):
+        return loader
+    workers = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context if loader.num_workers else None,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,
+    }
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **workers)
+    if loader.batch_sampler is None:  # batching off: one sample at a time
+        return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **workers)
+    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **workers)

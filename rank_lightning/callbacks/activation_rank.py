@@ -30,6 +30,7 @@ from rank_lightning.layers import (
     train_mode,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
+from rank_lightning.sampling import side_loader
 from rank_lightning.streams import ActivationStream
 from rank_lightning.validation import check_choice, check_choices, check_names, check_positive, check_positive_int
 
@@ -661,14 +662,14 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     ``limit_*_batches``; ``inf`` for a loader of unknown length, whose rows then stop at ``max_samples``), or one
     step ``window`` of training batches."""
     if stage == "train":
-        loader = trainer.train_dataloader
+        loader = side_loader(trainer.train_dataloader)  # Lightning holds the training iterator already
         batches = window if window is not None else trainer.num_training_batches
         return [(loader, batches)] if loader is not None and batches > 0 else []
     loaders = loader_list(trainer.val_dataloaders)
     counts = list(trainer.num_val_batches)
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
-    return [(loader, batches) for loader, batches in zip(loaders, counts) if batches > 0]
+    return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
 
 
 def _raised_by_package(error: BaseException) -> bool:

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
+from rank_lightning.sampling import side_loader
 from rank_lightning.validation import check_positive_int
 
 __all__ = [
@@ -63,8 +64,10 @@ def step_inputs(trainer: pl.Trainer, batch: Any) -> Any:
 
 
 def first_val_loader(trainer: pl.Trainer) -> Any:
-    """The trainer's first validation dataloader, or ``None`` when there is none."""
-    return next(iter(loader_list(trainer.val_dataloaders)), None)
+    """The trainer's first validation dataloader, or ``None`` when there is none, for a callback's own pass: a copy
+    where iterating the loader itself would move the state of its persistent workers or of its resumable position
+    (:func:`~rank_lightning.sampling.side_loader`)."""
+    return side_loader(next(iter(loader_list(trainer.val_dataloaders)), None))
 
 
 def gather_rows(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -> Tensor:

@@ -178,10 +178,11 @@ class ClassificationDimension(RankCallback):
 
     Timing: once at the end of ``fit`` (``on_train_end``), and at the end of every ``trainer.validate`` run
     (:class:`~rank_lightning.callbacks.base.Cadence` with ``every_n_epochs=None``; the validation loop is not changed,
-    the features are read in a pass of their own). Under DDP every process reads its share of the data (at most
-    ``ceil(max_samples / world_size)`` samples) and the features are gathered; rank zero computes and broadcasts the
-    numbers, so every process logs the same values. Lightning's distributed sampler pads the last batch with repeated
-    samples, which then count twice.
+    the features are read in a pass of their own). Under DDP every process reads its share of the data
+    (``max_samples`` shared out exactly: ``max_samples // world_size``, one more on the first
+    ``max_samples % world_size`` processes) and the features are gathered; rank zero computes and broadcasts the
+    numbers, so every process logs the same values. The samples Lightning's distributed sampler repeats to pad the
+    processes to one length are left out (:func:`~rank_lightning.sampling.own_samples`): each sample counts once.
 
     Files, written by rank zero into ``<run dir>/clsdim/``:
     ``accuracy_vs_k.csv`` (columns ``k``, ``accuracy``, ``relative_accuracy`` = accuracy / full accuracy,

@@ -22,7 +22,7 @@ from rank_lightning.layers import (
     feature_layer,
     random_state_kept,
 )
-from rank_lightning.sampling import limit_to_own_samples
+from rank_lightning.sampling import limit_to_own_samples, side_loader
 from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
 
 __all__ = ["LowDimensionalEvaluation"]
@@ -123,7 +123,8 @@ class LowDimensionalEvaluation(RankCallback):
             return self._evaluate_kept(trainer, pl_module, val_loaders)
 
     def _evaluate_kept(self, trainer: pl.Trainer, pl_module: pl.LightningModule, val_loaders: Any) -> dict[int, float]:
-        train_x, train_y = self._collect(trainer, pl_module, trainer.train_dataloader)
+        # Its own pass beside the training loop's (a validation inside an epoch interrupts it).
+        train_x, train_y = self._collect(trainer, pl_module, side_loader(trainer.train_dataloader))
         val_x, val_y = self._collect(trainer, pl_module, val_loaders)
         max_dim = min(train_x.shape)
         dims = [m for m in self.dims if m <= max_dim]

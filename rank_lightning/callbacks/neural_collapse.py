@@ -47,9 +47,10 @@ class NeuralCollapseMonitor(CurveMonitor):
     Both passes must see the same samples: a validation loader without random augmentation (the order may differ;
     with ``max_samples`` the first batches are taken, so the order must not change). The cost is two forward passes
     over those samples per monitored epoch, besides the validation loop itself, whose ``limit_val_batches`` does not
-    apply. Under DDP every process reads its share (at most ``ceil(max_samples / world_size)`` samples) and the sums
-    are all-reduced, so every process logs the numbers one process would compute on all the samples; Lightning's
-    distributed sampler pads the last batch with repeated samples, which then count twice.
+    apply. Under DDP every process reads its share (``max_samples`` shared out exactly: ``max_samples // world_size``,
+    one more on the first ``max_samples % world_size`` processes) and the sums are all-reduced, so every process logs
+    the numbers one process would compute on all the samples; the samples Lightning's distributed sampler repeats to
+    pad the processes to one length are left out (:func:`~rank_lightning.sampling.own_samples`).
 
     Timing: at the end of validation (``on_validation_epoch_end``) in every ``every_n_epochs``-th epoch of ``fit``
     and, with ``on_validate``, of every ``trainer.validate`` run; with ``log_at_init``, also once before the first
