@@ -596,6 +596,32 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._initial_point(trainer, pl_module)
+        self._resume_inside_epoch(trainer, pl_module)
+
+    def _resume_inside_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit resumed inside a monitored training epoch (``stage="train"``, epoch cadence): Lightning does not start
+        that epoch again (no ``on_train_epoch_start``), so its pass starts here, over the batches still to come, and a
+        warning says that the epoch's values stand on those only."""
+        fit_loop = getattr(trainer, "fit_loop", None)
+        if (
+            self.stage != "train"
+            or self.cadence.by_step
+            or self._stream is None
+            or not getattr(fit_loop, "restarted_mid_epoch", False)
+            or not self.due(trainer)
+        ):
+            return
+        done = fit_loop.epoch_loop.batch_progress.current.processed  # completed lags a checkpoint of batch end
+        remaining = trainer.num_training_batches - done
+        self._start(trainer, pl_module, remaining, [trainer.train_dataloader])
+        message = (
+            f"the fit resumed inside epoch {trainer.current_epoch}, after {done} of its batches: that epoch is "
+            "measured on the batches still to come (its spectrum_rows counts them)."
+        )
+        self.warn_once(("resumed inside epoch",), message)
+
+    def _initial_point(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
         if not loaders or self._stream is None:
             return
@@ -623,7 +649,10 @@ class ActivationRankMonitor(CurveMonitor):
                     "The LightningModule defines no forward(): define one that runs the model, or log_at_init=False."
                 )
             else:
-                advice = "Set input_key to the batch entry that forward() takes, or log_at_init=False."
+                advice = (
+                    "forward() is called with the batch's inputs (input_key), a dict batch's entries by name, or the "
+                    "batch itself: give forward() one of these signatures, set input_key, or log_at_init=False."
+                )
             self.warn_once(("init",), message + advice)
             return
         if not initial:
