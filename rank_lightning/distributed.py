@@ -23,10 +23,11 @@ exact route:
   bytes than all-reducing the larger Gram.
 * **Gather one layer at a time**: ``DTensor.full_tensor()``, FSDP1's ``summon_full_params`` of the one wrapped
   unit that holds the layer (``recurse=False``, ``writeback=False``), or DeepSpeed's ``GatheredParameters`` of the
-  one parameter; the full matrix is decomposed and released before the next is gathered, so at most one layer's
-  weights are held in full at a time. Used for the SVD route (``decomposition="svd"``, float64 weights, and the
-  ill-conditioned matrices that ``decomposition="auto"`` redoes by the SVD), for pieces that split both rows and
-  columns, and for FSDP1 and DeepSpeed, whose flat slices cut rows apart.
+  one parameter; every matrix read from that parameter (the q/k/v parts of a fused projection, every expert of a
+  stack) is decomposed from the one gathered copy, which is released before the next parameter is gathered, so at
+  most one parameter is held in full at a time. Used for the SVD route (``decomposition="svd"``, float64 weights,
+  and the ill-conditioned matrices that ``decomposition="auto"`` redoes by the SVD), for pieces that split both rows
+  and columns (or split the experts of a stack), and for FSDP1 and DeepSpeed, whose flat slices cut rows apart.
 
 A layout that is neither of these (a 1-D or empty tensor where a matrix is expected, freed storage) raises a
 ``RuntimeError`` naming the strategies that are supported, never a spectrum of a piece. Every process must call
@@ -45,7 +46,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rank_lightning.functional.reductions import weight_as_matrix
 from rank_lightning.functional.spectral import Spectrum
 from rank_lightning.functional.weights import needs_exact_svd, weight_spectra, weight_spectra_from_grams
 from rank_lightning.validation import check_choice
@@ -163,8 +163,8 @@ def _local_gram(matrix: WeightMatrix, tensor: Any, side: str) -> Tensor:
     """Float64 Gram of this process's piece of the matrix (zeros when it holds none of it)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = tensor.to_local()
-    piece = weight_as_matrix(local.mT if matrix.transpose else local)
+    # The experts' dimension is never split on this route (_dtensor_plan): the piece holds every expert.
+    piece = matrix.whole(tensor.to_local())
     if matrix.rows is not None:
         start, stop = matrix.rows
         if side == "feature":
@@ -213,16 +213,28 @@ def _gather_context(
     return nullcontext()
 
 
-def _gather_spectrum(matrix: WeightMatrix, layout: str, owner: nn.Module | None, decomposition: str) -> Spectrum:
-    """Spectrum of one matrix gathered in full for this layer only; the full weight is released on return."""
-    tensor = matrix.stored()
+def _gather_spectra(
+    group: Sequence[WeightMatrix], layout: str, owner: nn.Module | None, decomposition: str
+) -> list[Spectrum]:
+    """Spectra of the matrices read from one parameter (the parts of a fused projection, every expert of a stack),
+    gathered in full once for them; the full parameter is released on return."""
+    first = group[0]
+    tensor = first.stored()
     if layout == "dtensor":
-        full = [matrix.from_stored(tensor.full_tensor())]  # type: ignore[attr-defined]
-        return weight_spectra(full, decomposition=decomposition)[0]  # type: ignore[arg-type]
-    with _gather_context(matrix, tensor, layout, owner):
-        whole = matrix.stored()
-        _check_plain(matrix, whole)
-        return weight_spectra([matrix.from_stored(whole)], decomposition=decomposition)[0]  # type: ignore[arg-type]
+        full = tensor.full_tensor()  # type: ignore[attr-defined]
+        return weight_spectra([m.from_stored(full) for m in group], decomposition=decomposition)  # type: ignore[arg-type]
+    with _gather_context(first, tensor, layout, owner):
+        whole = first.stored()
+        _check_plain(first, whole)
+        return weight_spectra([m.from_stored(whole) for m in group], decomposition=decomposition)  # type: ignore[arg-type]
+
+
+def _by_parameter(matrices: Sequence[WeightMatrix], indices: Sequence[int]) -> list[list[int]]:
+    """``indices`` grouped by the parameter their matrices are read from, in order of first appearance."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for index in indices:
+        groups.setdefault((id(matrices[index].module), matrices[index].attribute), []).append(index)
+    return list(groups.values())
 
 
 def weight_matrix_spectra(
@@ -261,7 +273,7 @@ def weight_matrix_spectra(
     spectra: dict[int, Spectrum] = {}
     plain: list[int] = []
     jobs: list[_GramJob] = []
-    gathers: list[tuple[int, str, nn.Module | None]] = []
+    gathers: dict[int, tuple[str, nn.Module | None]] = {}
     with torch.no_grad():
         for index, matrix in enumerate(matrices):
             tensor, owner = matrix.stored(), owners.get(id(matrix.module))
@@ -274,15 +286,17 @@ def weight_matrix_spectra(
                 _check_plain(matrix, tensor)
                 plain.append(index)
             else:
-                gathers.append((index, layout, owner))
+                gathers[index] = (layout, owner)
         weights = [matrices[i].from_stored(matrices[i].stored()) for i in plain]
         spectra.update(zip(plain, weight_spectra(weights, decomposition=decomposition)))
         if jobs:
             spectra.update(_summed_gram_spectra(matrices, jobs, decomposition))
-        if any(layout == "fsdp" for _, layout, _ in gathers):
+        if any(layout == "fsdp" for layout, _ in gathers.values()):
             _initialise_fsdp(owners)
-        for index, layout, owner in gathers:
-            spectra[index] = _gather_spectrum(matrices[index], layout, owner, decomposition)
+        for group in _by_parameter(matrices, list(gathers)):
+            layout, owner = gathers[group[0]]
+            read = _gather_spectra([matrices[i] for i in group], layout, owner, decomposition)
+            spectra.update(zip(group, read))
     return [spectra[i] for i in range(len(matrices))]
 
 
@@ -299,7 +313,7 @@ def _summed_gram_spectra(matrices: Sequence[WeightMatrix], jobs: list[_GramJob],
         # Every process must gather the same layers; the summed Grams agree, the maximum makes it certain.
         flags = flags.to(jobs[0].gram.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    for job, flag in zip(jobs, flags.tolist()):
-        if flag:
-            spectra[job.index] = _gather_spectrum(matrices[job.index], "dtensor", None, "svd")
+    redo = [job.index for job, flag in zip(jobs, flags.tolist()) if flag]
+    for group in _by_parameter(matrices, redo):
+        spectra.update(zip(group, _gather_spectra([matrices[i] for i in group], "dtensor", None, "svd")))
     return spectra

@@ -279,7 +279,7 @@ def axis_label(metric: str) -> str:
 
 
 _SPLITS = {"val": "validation set", "train": "training batches", "test": "test set"}
-_KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size", "tolerance_dtype")
+_KNOWN_FACTS = ("split", "samples", "reduction", "rank_tolerance", "tolerance_size", "tolerance_dtype", "measured")
 # Reductions with several rows per input (every spatial position or token a row, SPEC "Conventions").
 _ROWS_PER_INPUT = {"channel", "token"}
 # Coarser than float32: their tolerance is their eps alone (functional.default_rank_tolerance; named here because
@@ -287,7 +287,7 @@ _ROWS_PER_INPUT = {"channel", "token"}
 _COARSE_DTYPES = ("bfloat16", "float16")
 
 
-def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: Any = None) -> str:
+def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: Any = None, measured: Any = None) -> str:
     if rank_tolerance is not None:
         value = f"{rank_tolerance:.3g}" if isinstance(rank_tolerance, float) else str(rank_tolerance)
         return f"rank tolerance: eps = {value} (relative to $s_1$)"
@@ -297,7 +297,8 @@ def _tolerance_text(rank_tolerance: Any, tolerance_size: Any, tolerance_dtype: A
     if tolerance_dtype is not None:
         tolerance_dtype = str(tolerance_dtype).removeprefix("torch.")
     if tolerance_dtype == "input":
-        return "rank tolerance: eps of the activations' dtype" + (f" ({size.strip()} for float32)" if size else "")
+        values = measured or "activations"
+        return f"rank tolerance: eps of the {values}' dtype" + (f" ({size.strip()} for float32)" if size else "")
     if tolerance_dtype in _COARSE_DTYPES:  # K-free: see default_rank_tolerance
         return f"rank tolerance: {tolerance_dtype} eps"
     return f"rank tolerance: {tolerance_dtype or 'float32'} eps{size}" + (
@@ -314,8 +315,9 @@ def caption_text(facts: Mapping[str, Any]) -> str:
             string, or a mapping from the kind of activations to its reduction, such as
             ``{"conv maps": "channel", "tokens": "token"}``),
             ``rank_tolerance`` (a float, or ``None`` for the default), ``tolerance_size`` (``"min"``/``"max"``, the
-            ``K`` of the default tolerance) and ``tolerance_dtype`` (whose ``eps`` the default tolerance takes:
-            ``None`` for float32, ``"input"`` or a dtype name); any other key is shown as ``"<key>: <value>"``.
+            ``K`` of the default tolerance), ``tolerance_dtype`` (whose ``eps`` the default tolerance takes:
+            ``None`` for float32, ``"input"`` or a dtype name) and ``measured`` (``"activations"``, the default, or
+            ``"weights"``: whose dtype ``"input"`` is); any other key is shown as ``"<key>: <value>"``.
             ``None`` values are left out, except ``rank_tolerance=None``, which means the default tolerance.
 
     Returns:
@@ -336,7 +338,12 @@ def caption_text(facts: Mapping[str, Any]) -> str:
         parts.append(f"reduction: {reduction}")
     if "rank_tolerance" in facts or facts.get("tolerance_size") is not None:
         parts.append(
-            _tolerance_text(facts.get("rank_tolerance"), facts.get("tolerance_size"), facts.get("tolerance_dtype"))
+            _tolerance_text(
+                facts.get("rank_tolerance"),
+                facts.get("tolerance_size"),
+                facts.get("tolerance_dtype"),
+                facts.get("measured"),
+            )
         )
     parts += [f"{key.replace('_', ' ')}: {v}" for key, v in facts.items() if key not in _KNOWN_FACTS and v is not None]
     return " · ".join(parts)

@@ -11,6 +11,8 @@ import numbers
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 __all__ = [
     "SetupError",
     "check_choice",
@@ -23,9 +25,12 @@ __all__ = [
     "check_positive",
     "check_positive_int",
     "check_positive_ints",
+    "check_tolerance_dtype",
 ]
 
 T = TypeVar("T")
+
+_TOLERANCE_DTYPES = ("input", "float16", "bfloat16", "float32", "float64")
 
 
 class SetupError(RuntimeError):
@@ -139,3 +144,23 @@ def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...
     if not selected or not all(isinstance(value, str) and value for value in selected):
         raise ValueError(f"{name} must be None or a non-empty list of non-empty strings, got {values!r}")
     return selected
+
+
+def check_tolerance_dtype(value: Any, rank_tolerance: float | None) -> str | torch.dtype | None:
+    """``None``, ``"input"`` or a floating ``torch.dtype`` (a dtype name is turned into the dtype): the
+    ``tolerance_dtype`` of a monitor, whose epsilon the default rank tolerance takes.
+
+    Raises:
+        ValueError: any other value, or a ``tolerance_dtype`` beside an explicit ``rank_tolerance``.
+    """
+    if value is None:
+        return None
+    dtype = getattr(torch, value, None) if isinstance(value, str) and value != "input" else value
+    if dtype != "input" and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(
+            f"unknown tolerance_dtype {value!r}; valid choices are: None, a floating torch.dtype, "
+            + ", ".join(repr(c) for c in _TOLERANCE_DTYPES)
+        )
+    if rank_tolerance is not None:
+        raise ValueError(f"rank_tolerance={rank_tolerance} and tolerance_dtype={value!r} exclude each other")
+    return dtype

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.pytorch_utils import Conv1D
 
 from rank_lightning.callbacks import WeightRankMonitor
@@ -21,7 +23,7 @@ from rank_lightning.distributed import shard_layout, weight_matrix_spectra
 from rank_lightning.weight_matrices import matrices_of
 
 WORLD_SIZE = 2
-LAYERS = ("tall", "wide", "conv", "attn.c_attn", "mha", "one_row", "row_parallel")
+LAYERS = ("tall", "wide", "conv", "attn.c_attn", "mha", "one_row", "row_parallel", "experts", "expert_rows")
 CASES = [
     (sharding, decomposition) for sharding in ("auto", "gram", "gather") for decomposition in ("auto", "svd", "gram")
 ]
@@ -35,9 +37,19 @@ class Attention(nn.Module):
         self.c_attn = Conv1D(3 * embed, embed)
 
 
+def _experts() -> nn.Module:
+    """Mixtral's expert stacks, (3, 12, 5) gate/up and (3, 5, 6) down, with seeded Gaussian values."""
+    layer = MixtralExperts(MixtralConfig(hidden_size=5, intermediate_size=6, num_local_experts=3))
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_()
+    return layer
+
+
 class Layouts(nn.Module):
     """Layers whose shards exercise every route: tall and wide Linear, Conv2d, Conv1D, fused q/k/v split over
-    processes, a one-row Linear (one process holds nothing), and a column-split (row-parallel) Linear."""
+    processes, a one-row Linear (one process holds nothing), a column-split (row-parallel) Linear, and expert stacks
+    split by expert (FSDP2) or by each expert's rows (gate and up on different processes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,6 +60,8 @@ class Layouts(nn.Module):
         self.mha = nn.MultiheadAttention(5, 1)
         self.one_row = nn.Linear(8, 1)
         self.row_parallel = nn.Linear(12, 7)
+        self.experts = _experts()
+        self.expert_rows = _experts()
 
 
 def _init(rank: int, port: int) -> None:
@@ -62,11 +76,15 @@ def _shard(model: Layouts) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    for name in ("tall", "wide", "conv", "attn", "mha", "one_row"):
+    for name in ("tall", "wide", "conv", "attn", "mha", "one_row", "experts"):
         fully_shard(getattr(model, name), mesh=mesh)
     # Tensor parallelism's row-wise layer: every process holds some input columns of the weight.
     weight = model.row_parallel.weight
     model.row_parallel.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(1)]))
+    # Every expert's rows split: one process holds the gate rows of gate_up_proj, the other the up rows.
+    for name in ("gate_up_proj", "down_proj"):
+        stack = getattr(model.expert_rows, name)
+        setattr(model.expert_rows, name, nn.Parameter(distribute_tensor(stack.detach(), mesh, [Shard(1)])))
 
 
 def _matrices(model: nn.Module) -> list:
@@ -82,7 +100,7 @@ def layouts_worker(rank: int, port: int, out: str) -> None:
     _shard(model)
     results: dict = {"placements": {}, "cases": {}}
     for name, param in model.named_parameters():
-        if name.endswith("weight"):
+        if name.endswith(("weight", "_proj")):
             results["placements"][name] = [p.dim if p.is_shard() else str(p) for p in getattr(param, "placements", ())]
     sharded_matrices, plain_matrices = _matrices(model), _matrices(reference)
     for sharding, decomposition in CASES:
@@ -139,7 +157,7 @@ def fsdp1_worker(rank: int, port: int, out: str, use_orig_params: bool) -> None:
 
     def measured() -> dict:
         spectra = weight_matrix_spectra(monitor._matrices, root=wrapped)
-        return {name: monitor._metrics_of(spectrum) for name, spectrum in zip(monitor.monitored, spectra)}
+        return monitor._values(dict(zip(monitor.monitored, spectra)))
 
     before = measured()
     wrapped(torch.arange(8).view(2, 4)).sum().backward()

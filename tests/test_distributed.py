@@ -39,6 +39,7 @@ def test_the_layouts_are_really_sharded(sharded_results):
     # Shard(0): rows of the stored tensor; for Conv1D (stored (in, out)) those are the matrix's columns.
     assert placements["tall.weight"] == placements["mha.in_proj_weight"] == placements["attn.c_attn.weight"] == [0]
     assert placements["row_parallel.weight"] == [1]
+    assert placements["experts.gate_up_proj"] == [0] and placements["expert_rows.gate_up_proj"] == [1]
 
 
 @pytest.mark.slow
@@ -46,6 +47,9 @@ def test_the_layouts_are_really_sharded(sharded_results):
 def test_sharded_spectra_equal_the_unsharded_ones(sharded_results, case):
     spectra = sharded_results["cases"][case]
     assert set(spectra) >= {"tall", "wide", "conv", "attn.c_attn.q_proj", "attn.c_attn.v_proj", "mha.k_proj"}
+    assert {f"{stack}.2.{part}" for stack in ("experts", "expert_rows") for part in ("gate_proj", "up_proj")} <= set(
+        spectra
+    )
     # The Gram route of either model leaves an absolute error of about sqrt(eps64) * s_1 on the smallest values.
     tolerance = 1e-7 if case.endswith("/gram") else 1e-10
     for name, (sharded, plain) in spectra.items():

@@ -1,12 +1,26 @@
-"""Weight matrices as layers store them: Conv1D read as its transpose, fused q/k/v split, wrapper names removed."""
+"""Weight matrices as layers store them: Conv1D read as its transpose, fused q/k/v split, wrapper names removed,
+expert stacks read expert by expert as transformers' forward passes use them."""
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import nn
+from transformers.models.aria.modeling_aria import AriaExperts
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.pytorch_utils import Conv1D
 
-from rank_lightning.weight_matrices import FUSED_PARTS, is_conv1d, is_weight_layer, logged_name, matrices_of
+from rank_lightning.weight_matrices import (
+    FUSED_PARTS,
+    GATE_UP_PARTS,
+    is_conv1d,
+    is_weight_layer,
+    logged_name,
+    matrices_of,
+    unread_stacks,
+)
 
 
 def _read(matrices):
@@ -74,3 +88,94 @@ def test_conv_weights_are_reshaped_and_wrapper_segments_leave_the_name():
     assert logged_name("a._fsdp_wrapped_module.b") == "a.b"
     with pytest.raises(ValueError, match="BatchNorm1d"):
         matrices_of("norm", nn.BatchNorm1d(3))
+
+
+def _experts(cls, config):
+    """A transformers experts layer with its uninitialised stacks filled with seeded Gaussian values."""
+    torch.manual_seed(0)
+    layer = cls(config)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_()
+    return layer
+
+
+def _route_all_to(layer, x, expert):
+    """The experts layer's own forward pass with every token sent to ``expert`` with weight 1."""
+    index = torch.full((x.shape[0], 1), expert)
+    return layer(x, index, torch.ones(x.shape[0], 1))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_concatenated_expert_stacks_split_into_gate_and_up_that_reproduce_the_forward_pass(transposed):
+    # Mixtral stores (E, 2I, H) and (E, H, I) for F.linear; Aria stores (E, H, 2I) and (E, I, H) (is_transposed).
+    options = dict(hidden_size=8, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2)
+    if transposed:
+        layer = _experts(AriaExperts, transformers.AriaTextConfig(moe_num_experts=3, **options))
+    else:
+        layer = _experts(MixtralExperts, transformers.MixtralConfig(num_local_experts=3, **options))
+    assert layer.is_transposed is transposed and is_weight_layer(layer) and unread_stacks(layer) == []
+    matrices = matrices_of("mlp.experts", layer)
+    parts = [*GATE_UP_PARTS, "down_proj"]
+    assert [m.name for m in matrices] == [f"mlp.experts.{e}.{part}" for e in range(3) for part in parts]
+    read = _read(matrices)
+    x = torch.randn(5, 8)
+    for e in range(3):
+        gate, up, down = (read[f"mlp.experts.{e}.{part}"] for part in parts)
+        assert gate.shape == up.shape == (6, 8) and down.shape == (8, 6)
+        expected = (nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+        torch.testing.assert_close(_route_all_to(layer, x, e), expected)
+    whole = _read(matrices_of("mlp.experts", layer, split_fused=False))
+    assert list(whole) == [f"mlp.experts.{e}.{part}" for e in range(3) for part in ("gate_up_proj", "down_proj")]
+    torch.testing.assert_close(
+        whole["mlp.experts.2.gate_up_proj"], torch.cat([read["mlp.experts.2.gate_proj"], read["mlp.experts.2.up_proj"]])
+    )
+
+
+def test_interleaved_and_gateless_expert_stacks_are_read_whole():
+    # GPT-OSS: (E, H, 2I) with gate and up columns alternating (is_concatenated=False): one matrix per expert.
+    config = transformers.GptOssConfig(
+        hidden_size=8, intermediate_size=6, num_local_experts=3, num_hidden_layers=1, num_attention_heads=2, head_dim=4
+    )
+    layer = _experts(GptOssExperts, config)
+    read = _read(matrices_of("experts", layer))
+    assert list(read) == [f"experts.{e}.{part}" for e in range(3) for part in ("gate_up_proj", "down_proj")]
+    assert unread_stacks(layer) == []  # the biases are 2-D
+    x = torch.randn(5, 8)
+    for e in range(3):
+        # The forward pass computes x @ W[e] (+ bias): the (out, in) matrix is W[e]^T.
+        torch.testing.assert_close(x @ read[f"experts.{e}.gate_up_proj"].T, x @ layer.gate_up_proj[e].detach())
+        torch.testing.assert_close(read[f"experts.{e}.down_proj"], layer.down_proj[e].detach().T)
+    # Nemotron-H's experts have no gate (has_gate=False): up_proj (E, I, H) and down_proj (E, H, I).
+    gateless = _experts(
+        NemotronHExperts, transformers.NemotronHConfig(hidden_size=8, moe_intermediate_size=6, n_routed_experts=3)
+    )
+    read = _read(matrices_of("experts", gateless))
+    assert list(read) == [f"experts.{e}.{part}" for e in range(3) for part in ("up_proj", "down_proj")]
+    x = torch.randn(5, 8)
+    for e in range(3):
+        expected = gateless.act_fn(x @ read[f"experts.{e}.up_proj"].T) @ read[f"experts.{e}.down_proj"].T
+        torch.testing.assert_close(_route_all_to(gateless, x, e), expected)
+
+
+class _UndeclaredStack(nn.Module):
+    """Experts in a layout that nothing declares: (E, ?, ?) could be (E, out, in) or (E, in, out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6, 5))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, 5))  # a (1, T, D) token is no stack of matrices
+
+
+def test_3d_parameters_in_no_declared_layout_are_named_not_read():
+    stack = _UndeclaredStack()
+    assert is_weight_layer(stack) and matrices_of("moe", stack) == [] and unread_stacks(stack) == ["w"]
+    tokens = nn.Module()
+    tokens.cls_token = nn.Parameter(torch.zeros(1, 1, 5))
+    assert not is_weight_layer(tokens) and not is_weight_layer(nn.Embedding(4, 5))
+    # A declared experts layer with a stack it does not declare: the known ones are read, the other is named.
+    layer = _experts(
+        MixtralExperts, transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=2)
+    )
+    layer.scales = nn.Parameter(torch.ones(2, 6, 8))
+    assert unread_stacks(layer) == ["scales"] and len(matrices_of("experts", layer)) == 2 * 3

@@ -512,8 +512,9 @@ class LayerCurves:
         Facts are merged with earlier ones (a later call may update ``samples``, for one). Known facts, formatted by
         :func:`~rank_lightning.plotting.caption_text`: ``split`` (``"val"``, ``"train"``), ``samples`` (N, the number
         of samples measured), ``reduction`` (a string or ``{kind of activations: reduction}``), ``rank_tolerance``
-        (a float, or ``None`` for the default) and ``tolerance_size`` (``"min"`` / ``"max"``); any other fact is
-        shown as ``"<name>: <value>"``. Values that JSON cannot hold are stored as text.
+        (a float, or ``None`` for the default), ``tolerance_size`` (``"min"`` / ``"max"``), ``tolerance_dtype`` and
+        ``measured`` (``"activations"`` or ``"weights"``); any other fact is shown as ``"<name>: <value>"``. Values
+        that JSON cannot hold are stored as text.
 
         Example: ``curves.describe(split="val", samples=4096, reduction={"conv maps": "channel"},
         rank_tolerance=None, tolerance_size="min")``.

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import pytorch_lightning as pl
+import torch
 from torch import nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import CurveMonitor
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, wandb_loggers
 from rank_lightning.distributed import SHARDINGS, weight_matrix_spectra
-from rank_lightning.functional.spectral import Spectrum, summarize
+from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
 from rank_lightning.layers import check_layer_types, select_layers
 from rank_lightning.validation import (
@@ -22,8 +24,9 @@ from rank_lightning.validation import (
     check_names,
     check_positive,
     check_positive_ints,
+    check_tolerance_dtype,
 )
-from rank_lightning.weight_matrices import WeightMatrix, is_weight_layer, matrices_of
+from rank_lightning.weight_matrices import WeightMatrix, is_weight_layer, logged_name, matrices_of, unread_stacks
 
 __all__ = ["DECOMPOSITIONS", "WEIGHT_METRICS", "WeightRankMonitor"]
 
@@ -38,6 +41,20 @@ WEIGHT_METRICS: tuple[str, ...] = (
 """Metric families the monitor can log (names of :func:`~rank_lightning.functional.spectral.summarize`); all but
 ``alpha`` are logged by default."""
 _TOLERANCE_SIZES = ("min", "max")
+_HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _tolerance_advice(names: list[str], dtype: torch.dtype) -> str:
+    """The warning for half-precision weights measured with the float32 tolerance, naming up to ten layers."""
+    shown = ", ".join(repr(name) for name in names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    subject = f"layer {shown} stores its" if len(names) == 1 else f"layers {shown} store their"
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (
+        f"{subject} weights in {dtype_name}, but numerical_rank takes the float32 tolerance, under which their "
+        "rounding noise counts as rank. Set tolerance_dtype='input' for the tolerance of each weight's dtype (or "
+        f"tolerance_dtype=torch.{dtype_name}; tolerance_dtype=torch.float32 keeps the float32 rule without this "
+        "warning)."
+    )
 
 
 def _strategy_root(module: nn.Module) -> nn.Module:
@@ -52,7 +69,8 @@ class WeightRankMonitor(CurveMonitor):
 
     Works with any LightningModule (nothing to inherit) and with both ``pytorch_lightning`` and
     ``lightning.pytorch`` trainers. Monitored by default: every ``nn.Linear``, ``nn.Conv1d/2d/3d``,
-    ``nn.MultiheadAttention`` and ``transformers``' ``Conv1D`` (GPT-2's projections). Matrices, every one read as
+    ``nn.MultiheadAttention``, ``transformers``' ``Conv1D`` (GPT-2's projections) and every layer holding 3-D expert
+    stacks (``transformers`` 5.x mixture-of-experts layers such as ``MixtralExperts``). Matrices, every one read as
     ``(out, fan_in)`` (:mod:`rank_lightning.weight_matrices`):
 
     * Linear: the ``(out, in)`` weight.
@@ -62,17 +80,26 @@ class WeightRankMonitor(CurveMonitor):
     * Attention: the query, key and value blocks of the input projection (``<name>.q_proj``, ``<name>.k_proj``,
       ``<name>.v_proj``, each ``(embed_dim, in)``) and the output projection ``<name>.out_proj``; GPT-2's fused
       ``c_attn`` likewise as ``<name>.q_proj``, ``<name>.k_proj``, ``<name>.v_proj`` (``split_fused``).
+    * Experts: every expert ``e`` of a fused ``(E, ., .)`` stack on its own, in the layout the layer declares through
+      ``transformers``' ``use_experts_implementation`` (``is_transposed``, ``is_concatenated``, ``has_gate``): a
+      concatenated ``gate_up_proj`` ``(E, 2I, H)`` as ``<name>.<e>.gate_proj`` and ``<name>.<e>.up_proj`` (rows
+      ``[0, I)`` and ``[I, 2I)``, split like ``c_attn``; ``<name>.<e>.gate_up_proj`` with ``split_fused=False`` or
+      when gate and up rows alternate), ``up_proj`` and ``down_proj`` as ``<name>.<e>.up_proj`` and
+      ``<name>.<e>.down_proj``. The experts of all layers go through the batched decompositions below together. A
+      3-D parameter in no layout the monitor knows (a stack of a layer that declares none, such as Llama 4's, or
+      another 3-D parameter of an experts layer) is not measured, and a warning names it once.
 
     Sharded weights (``ModelParallelStrategy`` / FSDP2 ``DTensor``, ``FSDPStrategy``, ``DeepSpeedStrategy`` ZeRO-3)
     are never analysed piece by piece: the Gram of a matrix split by rows is the sum of its pieces' Grams (one
     all-reduce for all layers), otherwise the matrix is gathered one layer at a time (see ``sharding`` and
     :mod:`rank_lightning.distributed`); a layout that is not supported raises an error naming the strategies that are.
 
-    Spectra are computed in float64 with one batched decomposition per distinct matrix shape
-    (:func:`~rank_lightning.functional.weights.weight_spectra`, see ``decomposition``); the metrics come from
-    :func:`~rank_lightning.functional.spectral.summarize`. Values are computed identically on every rank and logged on
-    every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them. A matrix holding NaN or Inf never stops
-    training: its metrics are NaN while it does, with a warning naming the layer (once); the others are unaffected.
+    Spectra are computed in float64 with one batched decomposition per distinct matrix shape (per GiB of float64
+    matrices of that shape; :func:`~rank_lightning.functional.weights.weight_spectra`, see ``decomposition``); the
+    metrics come from :func:`~rank_lightning.functional.spectral.summarize`. Values are computed identically on every
+    rank and logged on every rank, so ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them. A matrix holding NaN
+    or Inf never stops training: its metrics are NaN while it does, with a warning naming the layer (once); the
+    others are unaffected.
 
     Timing: during ``fit``, after validation in every ``every_n_epochs``-th epoch (``(epoch + 1) % every_n_epochs ==
     0``), or at the end of that training epoch when no validation ran; with ``every_n_train_steps=N``, right after
@@ -96,10 +123,20 @@ class WeightRankMonitor(CurveMonitor):
             not the micro-batches of gradient accumulation); the curves are then keyed by ``trainer.global_step``
             (figures, charts ``weight_curves/<metric>_vs_step``, ``step_XXXXXXXX.npz``) and the initial point is step
             ``0``. Setting both cadences is an error.
-        rank_tolerance: relative tolerance ``eps`` of the numerical rank; ``None`` is ``finfo(float32).eps * K``
-            (Feng et al. eq. 4).
+        rank_tolerance: relative tolerance ``eps`` of the numerical rank; ``None`` is the default of
+            ``tolerance_dtype``: ``finfo(float32).eps * K`` (Feng et al. eq. 4), for bfloat16 and float16 their
+            ``eps`` (:func:`~rank_lightning.functional.default_rank_tolerance`).
         tolerance_size: ``K`` of the default tolerance: ``"min"`` (``min(out, in)``, Feng) or ``"max"`` (NumPy,
             WeightWatcher).
+        tolerance_dtype: the dtype of the default tolerance, as in
+            :class:`~rank_lightning.callbacks.ActivationRankMonitor`: ``None`` for float32 (Feng et al.'s
+            convention, right for float32 weights), a ``torch.dtype`` or its name (``torch.bfloat16``), or
+            ``"input"`` for each matrix's stored dtype (bf16 under ``precision="bf16-true"``; float32 master weights
+            under ``"bf16-mixed"``, whose float32 tolerance is right for them). Weights stored in bfloat16 or float16
+            carry rounding noise of about ``eps * s_1`` that a float32 tolerance counts as rank (a rank-8 matrix
+            rounded to bf16 reads as full rank): measured with the default tolerance, such layers are named in a
+            warning with the setting to use (each layer once, at most ten named per warning). Exclusive with
+            ``rank_tolerance``.
         decomposition: how spectra are computed, in float64 either way (error bounds in
             :func:`~rank_lightning.functional.weights.weight_spectra`). ``"svd"``: ``torch.linalg.svdvals``, exact to
             rounding (within a few ``eps_float64 * s_1``). ``"gram"``: eigenvalues of the smaller Gram matrix,
@@ -109,8 +146,10 @@ class WeightRankMonitor(CurveMonitor):
             narrower the Gram route, with an exact SVD for every matrix whose ``s_min < 1e-3 * s_1``, so that every
             singular value is accurate to about ``1e-10`` relative; ``"svd"`` for float64 weights.
         split_fused: read fused query/key/value projections (``nn.MultiheadAttention.in_proj_weight``, GPT-2's
-            ``c_attn``) as three matrices ``<name>.q_proj``, ``.k_proj``, ``.v_proj``; ``False``: as one matrix
-            (``<name>.in_proj`` for ``nn.MultiheadAttention``, ``<name>`` for ``c_attn``).
+            ``c_attn``) as three matrices ``<name>.q_proj``, ``.k_proj``, ``.v_proj``, and experts' fused
+            ``gate_up_proj`` as ``<name>.<e>.gate_proj`` and ``.up_proj``; ``False``: as one matrix
+            (``<name>.in_proj`` for ``nn.MultiheadAttention``, ``<name>`` for ``c_attn``,
+            ``<name>.<e>.gate_up_proj`` for experts).
         sharding: how weights sharded by a strategy are read, exactly either way
             (:data:`~rank_lightning.distributed.SHARDINGS`): ``"auto"`` (default) sums the pieces' Grams where that
             Gram is the smaller one and gathers one layer at a time otherwise; ``"gram"`` sums Grams wherever the
@@ -129,7 +168,7 @@ class WeightRankMonitor(CurveMonitor):
 
     Raises:
         ValueError: at construction for an invalid setting, at setup for a layer or layer type that does not match
-            the model (the message lists the valid names).
+            the model (the message lists the valid names) or a choice that holds no matrix the monitor can read.
 
     Example::
 
@@ -144,10 +183,13 @@ class WeightRankMonitor(CurveMonitor):
         For every monitored matrix ``<layer>`` (module name, without the ``_fsdp_wrapped_module`` segments FSDP
         inserts; ``<attention>.q_proj`` / ``.k_proj`` / ``.v_proj`` / ``.out_proj`` for ``nn.MultiheadAttention``,
         ``<c_attn>.q_proj`` / ``.k_proj`` / ``.v_proj`` for GPT-2's fused ``c_attn``; ``<attention>.in_proj`` and
-        ``<c_attn>`` with ``split_fused=False``) and the selected metrics (key names from
+        ``<c_attn>`` with ``split_fused=False``; ``<experts>.<e>.gate_proj`` / ``.up_proj`` / ``.down_proj`` for
+        expert ``e`` of an experts layer, ``<experts>.<e>.gate_up_proj`` with ``split_fused=False``) and the
+        selected metrics (key names from
         :meth:`~rank_lightning.functional.spectral.SpectralSummary.as_dict`):
 
-        * ``weight/<layer>/numerical_rank``: ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4).
+        * ``weight/<layer>/numerical_rank``: ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4; ``eps`` from
+          ``rank_tolerance`` or ``tolerance_dtype``, as stated in the figures' caption).
         * ``weight/<layer>/stable_rank``: ``sum_i s_i^2 / s_1^2``.
         * ``weight/<layer>/effective_rank``: ``exp(H(p))``, ``p = s / sum s`` (Roy & Vetterli).
         * ``weight/<layer>/spectral_norm``: ``s_1``.
@@ -175,6 +217,7 @@ class WeightRankMonitor(CurveMonitor):
         every_n_train_steps: int | None = None,
         rank_tolerance: float | None = None,
         tolerance_size: Literal["min", "max"] = "min",
+        tolerance_dtype: str | torch.dtype | None = None,
         decomposition: Literal["auto", "svd", "gram"] = "auto",
         split_fused: bool = True,
         sharding: Literal["auto", "gram", "gather"] = "auto",
@@ -204,10 +247,10 @@ class WeightRankMonitor(CurveMonitor):
         check_positive("rank_tolerance", rank_tolerance, allow_none=True)
         self.rank_tolerance = rank_tolerance
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, _TOLERANCE_SIZES)
+        self.tolerance_dtype = check_tolerance_dtype(tolerance_dtype, rank_tolerance)
         self.decomposition = check_choice("decomposition", decomposition, DECOMPOSITIONS)
-        self.split_fused = split_fused
         self.sharding = check_choice("sharding", sharding, SHARDINGS)
-        self.save_singular_values = save_singular_values
+        self.split_fused, self.save_singular_values = split_fused, save_singular_values
         self._matrices: list[WeightMatrix] = []
         self._resolved_for: int | None = None
         self._last_monitored_epoch: int | None = None
@@ -233,12 +276,14 @@ class WeightRankMonitor(CurveMonitor):
         """Resolve ``layers`` and ``layer_types`` against ``module`` and return the monitored matrix names.
 
         Raises:
-            ValueError: a name, pattern or type that matches no monitorable layer; the message lists the valid ones.
+            ValueError: a name, pattern or type that matches no monitorable layer (the message lists the valid ones),
+                or layers that hold no matrix the monitor can read (only 3-D parameters in no known layout, which
+                are named in a warning).
         """
         candidates = {name: m for name, m in module.named_modules() if name and is_weight_layer(m)}
         if not candidates:
             raise ValueError(
-                f"{type(module).__name__} has no Linear, Conv, MultiheadAttention or Conv1D layer to monitor"
+                f"{type(module).__name__} has no Linear, Conv, MultiheadAttention, Conv1D or expert layer to monitor"
             )
         chosen = select_layers(
             module,
@@ -250,12 +295,27 @@ class WeightRankMonitor(CurveMonitor):
         )
         matrices: dict[str, WeightMatrix] = {}
         for path in chosen.values():
+            self._warn_unread(path, candidates[path])
             for matrix in matrices_of(path, candidates[path], split_fused=self.split_fused):
                 # An attention's out_proj is also a Linear of its own; keep it once.
                 matrices.setdefault(matrix.name, matrix)
+        if not matrices:
+            raise ValueError(f"the chosen layers hold no weight matrix the monitor can read: {', '.join(chosen)}")
         self._matrices = list(matrices.values())
         self._resolved_for = id(module)
         return self.monitored
+
+    def _warn_unread(self, path: str, layer: nn.Module) -> None:
+        """Name (once) every 3-D parameter of a chosen layer that is not read as weight matrices."""
+        for attribute in unread_stacks(layer):
+            name = f"{logged_name(path)}.{attribute}"
+            shape = tuple(getattr(layer, attribute).shape)
+            message = (
+                f"parameter {name!r} ({type(layer).__name__}, shape {shape}) is 3-D in no layout the monitor reads "
+                "as weight matrices, and is not measured; expert stacks are read where transformers' "
+                "use_experts_implementation declares their layout (gate_up_proj, up_proj, down_proj; is_transposed)."
+            )
+            self.warn_once(("unread", name), message)
 
     def spectra(self, module: nn.Module) -> dict[str, Spectrum]:
         """Float64 spectra of the monitored matrices of ``module``, one batched decomposition per distinct shape.
@@ -284,31 +344,54 @@ class WeightRankMonitor(CurveMonitor):
         Returns:
             ``layer -> metric -> value`` in depth order (tail errors as ``tail_error_k<k>``).
         """
-        return {name: self._metrics_of(spec) for name, spec in self.spectra(module).items()}
+        return self._values(self.spectra(module))
 
-    def _metrics_of(self, spec: Spectrum) -> dict[str, float]:
+    def _values(self, spectra: dict[str, Spectrum]) -> dict[str, dict[str, float]]:
+        dtypes = self._stored_dtypes()
+        return {name: self._metrics_of(spec, dtypes[name]) for name, spec in spectra.items()}
+
+    def _stored_dtypes(self) -> dict[str, torch.dtype]:
+        return {matrix.name: matrix.stored().dtype for matrix in self._matrices}
+
+    def _metrics_of(self, spec: Spectrum, dtype: torch.dtype) -> dict[str, float]:
         summary = summarize(
             spec,
-            rank_tolerance=self.rank_tolerance,
+            rank_tolerance=self._rank_tolerance(spec, dtype),
             tolerance_size=self.tolerance_size,
             variance_ratio_ks=(),
             tail_ranks=self.tail_ranks if "tail_error" in self.metrics else (),
         )
         return summary.as_dict(self.metrics)
 
+    def _rank_tolerance(self, spec: Spectrum, stored: torch.dtype) -> float | None:
+        """``rank_tolerance``, or the default for ``tolerance_dtype`` (``"input"``: the weight's stored dtype; see
+        :func:`~rank_lightning.functional.default_rank_tolerance`)."""
+        if self.rank_tolerance is not None or self.tolerance_dtype is None:
+            return self.rank_tolerance
+        dtype = stored if self.tolerance_dtype == "input" else self.tolerance_dtype
+        eps = torch.finfo(dtype).eps if dtype.is_floating_point else None  # type: ignore[union-attr]
+        size = self.tolerance_size
+        return default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=size, dtype_eps=eps)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
-        self.curves.describe(rank_tolerance=self.rank_tolerance, tolerance_size=self.tolerance_size)
+        dtype = self.tolerance_dtype
+        self.curves.describe(
+            rank_tolerance=self.rank_tolerance,
+            tolerance_size=self.tolerance_size,
+            tolerance_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+            measured="weights",
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if self.initial_point_due(trainer):
             spectra = self._checked_spectra(pl_module, "before training")
-            self.curves.record_initial(trainer, {name: self._metrics_of(s) for name, s in spectra.items()})
+            self.curves.record_initial(trainer, self._values(spectra))
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -343,18 +426,33 @@ class WeightRankMonitor(CurveMonitor):
         self._monitor(trainer, pl_module)
 
     def _checked_spectra(self, pl_module: pl.LightningModule, when: str) -> dict[str, Spectrum]:
-        """:meth:`spectra`, with a warning (once per layer) naming every matrix that holds NaN or Inf."""
+        """:meth:`spectra`, with a warning (once per layer) naming every matrix that holds NaN or Inf, and every
+        half-precision matrix measured with the float32 tolerance."""
         spectra = self.spectra(pl_module)
         for name, spectrum in spectra.items():
             if not spectrum.is_finite:
                 message = f"layer {name!r} has NaN or Inf weights ({when}): its metrics are NaN while it does; the "
                 self.warn_once(("nonfinite", name), message + "other layers are measured as usual.", RuntimeWarning)
+        self._check_tolerance()
         return spectra
+
+    def _check_tolerance(self) -> None:
+        """Warn, naming each layer once, when weights stored in bfloat16 or float16 get the float32 tolerance, under
+        which their rounding noise counts as rank (a rank-8 matrix rounded to bf16 reads as full rank)."""
+        if "numerical_rank" not in self.metrics or self.rank_tolerance is not None or self.tolerance_dtype is not None:
+            return
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, dtype in self._stored_dtypes().items():
+            if dtype in _HALF_PRECISION and ("tolerance", name) not in self._warned:
+                self._warned.add(("tolerance", name))
+                by_dtype.setdefault(dtype, []).append(name)
+        for dtype, names in by_dtype.items():
+            warnings.warn(f"{type(self).__name__}: {_tolerance_advice(names, dtype)}", UserWarning, stacklevel=3)
 
     def _monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         when = f"at step {trainer.global_step}" if self.cadence.by_step else f"at epoch {trainer.current_epoch}"
         spectra = self._checked_spectra(pl_module, when)
-        self.curves.record_and_log(trainer, pl_module, {name: self._metrics_of(s) for name, s in spectra.items()})
+        self.curves.record_and_log(trainer, pl_module, self._values(spectra))
         self._last_monitored_epoch = trainer.current_epoch
         if self.save_singular_values and trainer.is_global_zero:
             self._save_singular_values(trainer, spectra)

@@ -30,7 +30,8 @@ _AUTO_CONDITION = 1e-3
 def weight_spectra(
     matrices: Sequence[Tensor], *, decomposition: Literal["auto", "svd", "gram"] = "auto"
 ) -> list[Spectrum]:
-    """Float64 spectra of weight matrices, one batched decomposition per distinct shape and device.
+    """Float64 spectra of weight matrices, one batched decomposition per distinct shape and device (per GiB of
+    float64 matrices of that shape).
 
     Every matrix is read as ``(out, fan_in)`` (rows are the spectrum's ``num_samples``); bring conv kernels into that
     form first with :func:`~rank_lightning.functional.weight_as_matrix`. ``eps64 = 2.2e-16`` below is the float64
@@ -90,11 +91,21 @@ def _shape_groups(matrices: Sequence[Tensor]) -> list[tuple[torch.device, list[i
     return [(device, members) for (_, device), members in groups.items()]
 
 
+# Bytes of one float64 batch of same-shape matrices: a mixture of experts holds hundreds of matrices of one shape, all
+# of which in one float64 batch would take several times the memory of the model's weights.
+_BATCH_BYTES = 2**30
+
+
 def _group_spectra(matrices: list[Tensor], device: torch.device, route: str) -> list[Spectrum]:
-    """Spectra of same-shape matrices in one batched decomposition by ``route``."""
+    """Spectra of same-shape matrices in batched decompositions by ``route``, ``_BATCH_BYTES`` of float64 at a time."""
     rows, cols = matrices[0].shape
+    size = max(1, _BATCH_BYTES // (rows * cols * 8))
     with serial_if_small(torch.empty(0, device=device), min(rows, cols), SERIAL_SVD_BELOW):
-        return _decomposed(matrices, device, route)
+        return [
+            spectrum
+            for start in range(0, len(matrices), size)
+            for spectrum in _decomposed(matrices[start : start + size], device, route)
+        ]
 
 
 def _decomposed(matrices: list[Tensor], device: torch.device, route: str) -> list[Spectrum]:

@@ -60,6 +60,7 @@ from rank_lightning.validation import (
     check_positive,
     check_positive_int,
     check_positive_ints,
+    check_tolerance_dtype,
 )
 
 __all__ = [
@@ -91,7 +92,6 @@ _CENTER_CHOICES = (False, True, "both")
 _SPECTRAL_FAMILIES = tuple(m for m in ACTIVATION_METRICS if m in SPECTRAL_METRICS)
 _CLUSTER_FAMILIES = tuple(m for m in ACTIVATION_METRICS if m not in SPECTRAL_METRICS)
 _FLOAT64_BYTES = 8
-_TOLERANCE_DTYPES = ("input", "float16", "bfloat16", "float32", "float64")
 SPECTRUM_ROWS_KEY = "spectrum_rows"
 """The key :meth:`ActivationSpectrumResult.scalars` adds to every spectral selection: the rows behind the spectrum."""
 
@@ -375,7 +375,7 @@ class ActivationSpectrum(Metric):
         check_positive("soft_rank_tau", soft_rank_tau)
         check_positive("rank_tolerance", rank_tolerance, allow_none=True)
         self.soft_rank_tau, self.rank_tolerance = soft_rank_tau, rank_tolerance
-        self.tolerance_dtype = _check_tolerance_dtype(tolerance_dtype, rank_tolerance)
+        self.tolerance_dtype = check_tolerance_dtype(tolerance_dtype, rank_tolerance)
         self.gram_precision = check_choice("gram_precision", gram_precision, GRAM_PRECISIONS)
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, ("min", "max"))
         self.alpha_req_range = check_alpha_req_range(alpha_req_range)
@@ -988,18 +988,3 @@ def _channel_mean(maps: Tensor) -> Tensor:
     """
     sums = maps.sum(dim=(2, 3), dtype=torch.promote_types(maps.dtype, torch.float32))
     return sums.mean(dim=0, dtype=torch.float64) / (maps.shape[2] * maps.shape[3])
-
-
-def _check_tolerance_dtype(value: Any, rank_tolerance: float | None) -> str | torch.dtype | None:
-    """``None``, ``"input"`` or a floating ``torch.dtype`` (a dtype name is turned into the dtype)."""
-    if value is None:
-        return None
-    dtype = getattr(torch, value, None) if isinstance(value, str) and value != "input" else value
-    if dtype != "input" and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(
-            f"unknown tolerance_dtype {value!r}; valid choices are: None, a floating torch.dtype, "
-            + ", ".join(repr(c) for c in _TOLERANCE_DTYPES)
-        )
-    if rank_tolerance is not None:
-        raise ValueError(f"rank_tolerance={rank_tolerance} and tolerance_dtype={value!r} exclude each other")
-    return dtype

@@ -84,6 +84,8 @@ def test_captions_and_titles_follow_the_settings():
     assert text == "rank tolerance: float64 eps \u00d7 max(rows, columns)"
     text = caption_text({"rank_tolerance": None, "tolerance_size": "min", "tolerance_dtype": "input"})
     assert text == "rank tolerance: eps of the activations' dtype (\u00d7 min(rows, columns) for float32)"
+    text = caption_text({"rank_tolerance": None, "tolerance_dtype": "input", "measured": "weights"})
+    assert text == "rank tolerance: eps of the weights' dtype"  # "measured" is no caption part of its own
     history = {step: {"a": {"numerical_rank": float(step)}} for step in (0, 50, 100)}
     figure = layer_curves_figure("rank", "numerical_rank", ["a"], history, x_label="step")
     titles = [axes.get_title() for axes in figure.axes]

@@ -1,6 +1,7 @@
 import csv
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -399,3 +400,123 @@ def test_setup_reports_the_monitored_matrices_on_rank_zero(tmp_path, callback_me
     _fit(pl.Trainer, _Model(), monitor, default_root_dir=tmp_path)
     expected = [f"WeightRankMonitor: monitoring 5 weight matrices: {', '.join([*ATTENTION, 'head'])}"]
     assert callback_messages == (expected if verbose else [])
+
+
+WIDE, NARROW, LOW_RANK = 256, 64, 8
+
+
+class _HalfPrecisionWeights(pl.LightningModule):
+    """``low``: a (256, 64) weight of rank 8, which bf16 rounding makes numerically full rank under float32's
+    tolerance; the optimizer does not move it (lr 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.low = nn.Linear(NARROW, WIDE, bias=False)
+        with torch.no_grad():
+            self.low.weight.copy_(
+                torch.randn(WIDE, LOW_RANK, generator=generator) @ torch.randn(LOW_RANK, NARROW, generator=generator)
+            )
+
+    def training_step(self, batch, batch_idx):
+        return self.low(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _half_precision_loader() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, NARROW, generator=generator)))
+
+
+def _bf16_reference(weight: torch.Tensor, eps: float) -> dict[str, float]:
+    """The metrics from float64 ``torch.linalg.svdvals`` of the stored bf16 weight, relative tolerance ``eps``."""
+    s = torch.linalg.svdvals(weight.detach().double())
+    p = s / s.sum()
+    return {
+        "numerical_rank": float((s >= eps * s[0]).sum()),
+        "stable_rank": float(s.square().sum() / s[0] ** 2),
+        "effective_rank": math.exp(-float((p * p.log()).sum())),
+        "spectral_norm": float(s[0]),
+        "tail_error_k10": math.sqrt(float(s[10:].square().sum() / s.square().sum())),
+    }
+
+
+@pytest.mark.parametrize(
+    ("tolerance_dtype", "eps", "advice"),
+    [
+        (None, torch.finfo(torch.float32).eps * NARROW, True),
+        ("input", torch.finfo(torch.bfloat16).eps, False),
+        (torch.bfloat16, torch.finfo(torch.bfloat16).eps, False),
+        ("float32", torch.finfo(torch.float32).eps * NARROW, False),
+    ],
+)
+def test_bf16_true_weights_take_the_tolerance_of_tolerance_dtype(tmp_path, tolerance_dtype, eps, advice):
+    model = _HalfPrecisionWeights()
+    monitor = WeightRankMonitor(
+        tail_ranks=(10,), tolerance_dtype=tolerance_dtype, decomposition="svd", every_n_train_steps=1, verbose=False
+    )
+    trainer = quiet_trainer([monitor], max_steps=1, precision="bf16-true", default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _half_precision_loader())
+    assert model.low.weight.dtype == torch.bfloat16
+    named = [str(w.message) for w in caught if "float32 tolerance" in str(w.message)]
+    # The initial point and the step both measured bf16 weights: the layer is named once, with its dtype and the fix.
+    assert named == (
+        [
+            "WeightRankMonitor: layer 'low' stores its weights in bfloat16, but numerical_rank takes the float32 "
+            "tolerance, under which their rounding noise counts as rank. Set tolerance_dtype='input' for the "
+            "tolerance of each weight's dtype (or tolerance_dtype=torch.bfloat16; tolerance_dtype=torch.float32 "
+            "keeps the float32 rule without this warning)."
+        ]
+        if advice
+        else []
+    )
+    expected = _bf16_reference(model.low.weight, eps)
+    logged = {metric: float(trainer.callback_metrics[f"weight/low/{metric}"]) for metric in expected}
+    assert logged == pytest.approx(expected, rel=1e-12)
+    # Feng's float32 rule counts bf16 rounding noise (about 1e-3 s_1) as rank; bf16's own eps (7.8e-3) does not.
+    assert logged["numerical_rank"] == (NARROW if tolerance_dtype in (None, "float32") else LOW_RANK)
+
+
+def test_float16_weights_measured_directly_follow_their_dtype():
+    model = _HalfPrecisionWeights().half()
+    values = WeightRankMonitor(tolerance_dtype="input", decomposition="svd", verbose=False).measure(model)
+    expected = _bf16_reference(model.low.weight, torch.finfo(torch.float16).eps)
+    assert values["low"]["numerical_rank"] == expected["numerical_rank"] == LOW_RANK
+    # float32 and float64 weights keep Feng's eps * K in their own precision.
+    double = WeightRankMonitor(tolerance_dtype="input", decomposition="svd", verbose=False).measure(model.double())
+    s = torch.linalg.svdvals(model.low.weight.detach())
+    assert double["low"]["numerical_rank"] == float((s >= torch.finfo(torch.float64).eps * NARROW * s[0]).sum())
+
+
+@pytest.mark.parametrize(
+    ("tolerance_dtype", "caption"),
+    [
+        (None, "rank tolerance: float32 eps \u00d7 min(rows, columns) (default)"),
+        ("input", "rank tolerance: eps of the weights' dtype (\u00d7 min(rows, columns) for float32)"),
+        (torch.bfloat16, "rank tolerance: bfloat16 eps"),
+    ],
+)
+def test_the_caption_states_the_tolerance_and_its_dtype(tmp_path, tolerance_dtype, caption):
+    monitor = WeightRankMonitor(tolerance_dtype=tolerance_dtype, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=1, limit_train_batches=1, default_root_dir=tmp_path)
+    trainer.fit(_HalfPrecisionWeights(), _half_precision_loader())
+    assert monitor.curves.caption() == caption
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"tolerance_dtype": "int8"},
+            "unknown tolerance_dtype 'int8'; valid choices are: None, a floating torch.dtype",
+        ),
+        ({"tolerance_dtype": "input", "rank_tolerance": 1e-3}, "rank_tolerance=0.001 and tolerance_dtype='input'"),
+    ],
+)
+def test_tolerance_dtype_is_validated(options, message):
+    with pytest.raises(ValueError, match=message):
+        WeightRankMonitor(**options)

@@ -98,6 +98,29 @@ def test_non_finite_matrices_give_nan_spectra_without_touching_the_others(decomp
     np.testing.assert_allclose(spectra[0].singular_values.numpy(), _numpy_svd(matrices[0]), rtol=1e-10)
 
 
+@pytest.mark.parametrize("decomposition", DECOMPOSITIONS)
+def test_many_matrices_of_one_shape_are_decomposed_in_bounded_batches_with_the_same_values(decomposition, monkeypatch):
+    import rank_lightning.functional.weights as weights
+
+    generator = torch.Generator().manual_seed(0)
+    matrices = [torch.randn(6, 4, generator=generator) for _ in range(7)]
+    matrices[3] = _with_spectrum(6, 4, -5, torch.float32, 0)  # "auto" redoes it by the SVD, inside its batch
+    whole = weight_spectra(matrices, decomposition=decomposition)
+    sizes: list[int] = []
+    decomposed = weights._decomposed
+
+    def recording(group, device, route):
+        sizes.append(len(group))
+        return decomposed(group, device, route)
+
+    monkeypatch.setattr(weights, "_decomposed", recording)
+    monkeypatch.setattr(weights, "_BATCH_BYTES", 3 * 6 * 4 * 8)  # three float64 matrices per batch
+    batched = weight_spectra(matrices, decomposition=decomposition)
+    assert sizes == [3, 3, 1]
+    for got, expected in zip(batched, whole):
+        torch.testing.assert_close(got.singular_values, expected.singular_values, rtol=1e-13, atol=0)
+
+
 def test_empty_input_and_invalid_arguments():
     assert weight_spectra([]) == []
     with pytest.raises(ValueError, match="unknown decomposition 'qr'; valid choices are: auto, svd, gram"):
