@@ -27,11 +27,13 @@ spectra and tail errors, ``ActivationRankMonitor`` for per-layer TCV) log every 
 * ``OUT/<point>/version_<n>.log``: the run's output;
 * ``OUT/<point>/tensorboard/version_<n>/``: TensorBoard events (``tensorboard --logdir OUT``).
 
-Nothing is overwritten: sweeping again into the same ``OUT`` adds ``version_<n+1>`` to every point, and the aggregate
-takes, per point, the newest version that finished with exit status 0. The aggregate (regenerated from the runs on
-every call) is ``OUT/sweep.csv`` and ``OUT/sweep.md``, one row per grid point, namespace (``weight``: weight matrices,
-``rank``: activations) and layer with the last monitored epoch's metrics and the run's final ``val/acc``, ``val/loss``
-and ``train/loss_epoch``, and ``OUT/sweep.png``, every selected metric per layer against the x key (the weight decay by
+Runs are never overwritten: sweeping again into the same ``OUT`` adds ``version_<n+1>`` to every point. The aggregate
+is a view of those runs, written anew on every call (and by ``--aggregate-only``) from, per point, the newest version
+that finished with exit status 0, so that it always shows the folder's latest runs; its ``run`` column names the
+version behind each row, and an earlier version stays in its folder, where ``analysis.report`` reads it. The aggregate
+is ``OUT/sweep.csv`` and ``OUT/sweep.md``, one row per grid point, namespace (``weight``: weight matrices, ``rank``:
+activations) and layer with the last monitored epoch's metrics and the run's final ``val/acc``, ``val/loss`` and
+``train/loss_epoch``, and ``OUT/sweep.png``, every selected metric per layer against the x key (the weight decay by
 default; a log axis when the values span a decade, with 0 drawn one decade below the smallest positive value and
 labelled ``0``), one row of panels per combination of the other keys.
 
@@ -739,7 +741,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="swept LightningCLI argument (repeatable)"
     )
     parser.add_argument("--weight-decays", nargs="+", metavar="WD", help=f"short for --grid {WEIGHT_DECAY_KEY}=...")
-    parser.add_argument("--out", required=True, metavar="OUT_DIR", help="sweep folder (created; never overwritten)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT_DIR",
+        help="sweep folder (created; runs are never overwritten, sweep.csv/.md/.png are written anew from them)",
+    )
     parser.add_argument("--processes", type=int, default=1, help="runs at the same time (default: %(default)s)")
     parser.add_argument("--aggregate-only", action="store_true", help="only tabulate and draw the runs in OUT_DIR")
     parser.add_argument("--x", metavar="KEY", help="grid key on the figure's x axis (default: the weight decay)")
