@@ -1,10 +1,17 @@
 """Where the analysis commands write and what they show while they work.
 
 * :func:`fresh_directory`: the output folder of a run, never one that already holds files (a numbered ``run_<n>``
-  folder inside the requested one instead), so a second run cannot overwrite the first one's results.
+  folder inside the requested one instead), so a second run cannot overwrite the first one's results;
+* :func:`fresh_file`: the same for a command that writes one file: a numbered ``<stem>_<n><suffix>`` beside the
+  requested file when it exists;
 * :func:`progress_bar`: a ``rich`` progress bar on standard output, drawn only on a terminal and when not asked to be
   quiet (a log file or a pipe gets no control characters).
 * :func:`print_written`: the closing summary, one line per group of files, short whatever the number of files.
+
+Both number from 2: the requested folder or file holds the first run, ``run_2`` (``<stem>_2``) the second, ``run_3``
+the third. Neither creates anything: the writer creates the folders it needs (a run that fails leaves no empty folder
+behind), and a path that cannot be written (an existing file where a folder is asked for, or the reverse) raises before
+the work starts.
 """
 
 from __future__ import annotations
@@ -17,10 +24,19 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["fresh_directory", "print_written", "progress_bar", "show_progress"]
+__all__ = ["fresh_directory", "fresh_file", "print_written", "progress_bar", "show_progress"]
 
 # Files of a group named in full in the summary; longer groups show their first and last file.
 _NAMED_FILES = 3
+
+
+def _check_ancestors(target: Path) -> None:
+    """Raise when the nearest existing folder above ``target`` is a file: no folder could be created there."""
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"cannot create {str(target)!r}: {str(parent)!r} is an existing file")
+            return
 
 
 def fresh_directory(target: str | Path) -> Path:
@@ -35,17 +51,44 @@ def fresh_directory(target: str | Path) -> Path:
         does not exist: ``target`` itself holds the first run.
 
     Raises:
-        NotADirectoryError: ``target`` is an existing file.
+        NotADirectoryError: ``target``, or the nearest existing folder above it, is an existing file.
     """
     target = Path(target)
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"output folder {str(target)!r} is an existing file")
+    _check_ancestors(target)
     if not target.exists() or not any(target.iterdir()):
         return target
     number = 2
     while (target / f"run_{number}").exists():
         number += 1
     return target / f"run_{number}"
+
+
+def fresh_file(target: str | Path) -> Path:
+    """The file a run writes, chosen before the work starts; the writer creates its folder.
+
+    Args:
+        target: the requested file, e.g. ``runs/theorem5.png``.
+
+    Returns:
+        ``target`` when it does not exist, else the first ``<stem>_<n><suffix>`` beside it (``runs/theorem5_2.png``,
+        ``n = 2, 3, ...``) that does not exist: ``target`` itself holds the first run.
+
+    Raises:
+        IsADirectoryError: ``target`` is an existing folder.
+        NotADirectoryError: the nearest existing folder above ``target`` is a file.
+    """
+    target = Path(target)
+    if target.is_dir():
+        raise IsADirectoryError(f"output file {str(target)!r} is an existing folder")
+    _check_ancestors(target)
+    if not target.exists():
+        return target
+    number = 2
+    while (candidate := target.with_name(f"{target.stem}_{number}{target.suffix}")).exists():
+        number += 1
+    return candidate
 
 
 def show_progress(quiet: bool, stream: TextIO | None = None) -> bool:
@@ -82,11 +125,19 @@ def print_written(directory: Path, groups: Mapping[str, Sequence[Path]], *, requ
     """Print where a run wrote and, per group, how many files and which.
 
     Args:
-        directory: the folder written into (from :func:`fresh_directory`).
+        directory: the folder written into (from :func:`fresh_directory`, or the folder of :func:`fresh_file`'s file).
         groups: ``group name -> files``, e.g. ``{"figures": [...], "tables": [...]}``; empty groups are left out.
-        requested: the folder that was asked for, named when the run went into a ``run_<n>`` folder inside it.
+        requested: the folder that was asked for, named when the run went into a ``run_<n>`` folder inside it; or,
+            for a run that writes one file, the file that was asked for, named when it existed (the run then wrote
+            a numbered file beside it).
     """
-    note = "" if Path(requested) == directory else f" ({requested} already held a run's files)"
+    requested = Path(requested)
+    if requested == directory or any(requested == path for paths in groups.values() for path in paths):
+        note = ""
+    elif requested.parent == directory:
+        note = f" ({requested} already existed)"
+    else:
+        note = f" ({requested} already held a run's files)"
     print(f"written to {directory}{note}:")
     width = max(len(name) for name in groups)
     for name, paths in groups.items():

@@ -11,12 +11,19 @@ Command::
 TensorBoard included) is one run. Runs are labelled by their path relative to the deepest folder all runs share.
 
 Logged keys ``<namespace>/<layer>/<metric>`` (``rank/...`` and ``rank_train/...`` from ``ActivationRankMonitor``,
-``weight/...`` from ``WeightRankMonitor``) are read from ``metrics.csv`` (from the curves file when a run has no
-CSV); the layers' depth order comes from the curves file (CSV columns are sorted by name), else from a natural sort
-of the names.
+``weight/...`` from ``WeightRankMonitor``; ``--namespaces jacobian`` for ``JacobianRankMonitor``) are read from the
+run's curve file ``rank_curves/<namespace>_curves.json`` where it has one, else from ``metrics.csv``. The curve file
+holds the run's whole history: a run resumed from a checkpoint carries the epochs before the resume in it, while its
+``metrics.csv`` (a new version folder, or the same one rewritten by ``CSVLogger``) starts at the resume. Where a
+resumed fit trained epochs again, the figures and the table show the values of the fit that went on to the end (the
+history the final weights come from); the values they replaced stay under ``"superseded"`` in the curve file, and
+the report names those epochs. A curve file keyed by optimizer step (the step cadence) is read only for a run
+without CSV values of its namespace. The layers' depth order comes from the curve file (CSV columns are sorted by
+name), else from a natural sort of the names. A run without any key of the requested namespaces is skipped, with
+the namespaces it does have.
 
-Written to ``OUT_DIR``, or to a new ``OUT_DIR/run_<n>`` when ``OUT_DIR`` already holds files (nothing is
-overwritten):
+Written to ``OUT_DIR`` (created when missing), or, when it already holds files, to a new ``OUT_DIR/run_<n>``: the
+second report into ``run_2``, the third into ``run_3`` (nothing is overwritten):
 
 * ``<namespace>_<metric>_vs_epoch.png``: one panel per layer, metric against epoch, one line per run;
 * ``<namespace>_<metric>_vs_depth.png``: metric at each run's last epoch against layer depth, one line per run;
@@ -44,7 +51,16 @@ from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
 from rank_lightning.figure_workers import FigureJob, draw_figures
 from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure
 
-__all__ = ["RunCurves", "find_runs", "load_run", "main", "summary_rows", "write_figures", "write_summary"]
+__all__ = [
+    "RunCurves",
+    "available_namespaces",
+    "find_runs",
+    "load_run",
+    "main",
+    "summary_rows",
+    "write_figures",
+    "write_summary",
+]
 
 DEFAULT_NAMESPACES: tuple[str, ...] = ("rank", "rank_train", "weight")
 DEFAULT_FINAL_METRICS: tuple[str, ...] = ("val/acc",)
@@ -61,6 +77,8 @@ class RunCurves:
         layers: ``namespace -> layers in depth order``.
         final: last logged value of each requested final metric found in the run (e.g. ``val/acc``).
         metric_order: ``namespace -> metrics`` in the order the callback computed them, when a curves file says so.
+        superseded: ``namespace -> epochs`` that a resumed fit trained again: their earlier values, kept under
+            ``"superseded"`` in the curve file, are not in :attr:`curves`.
     """
 
     label: str
@@ -69,6 +87,7 @@ class RunCurves:
     layers: dict[str, list[str]] = field(default_factory=dict)
     final: dict[str, float] = field(default_factory=dict)
     metric_order: dict[str, list[str]] = field(default_factory=dict)
+    superseded: dict[str, list[int]] = field(default_factory=dict)
 
     def metrics(self, namespace: str) -> list[str]:
         """Metrics of ``namespace``: in the callback's order when known, else in first-seen order over the layers."""
@@ -158,17 +177,47 @@ def _read_metrics_csv(run: RunCurves, path: Path, namespaces: Sequence[str], fin
                 run.final[key] = values[-1]
 
 
-def _read_curve_file(run: RunCurves, path: Path, fill: bool) -> None:
+def _read_curve_file(run: RunCurves, path: Path) -> None:
     content = read_curve_file(path)
     namespace = content["namespace"]
     run.layers[namespace] = list(content["layers"])
     run.metric_order[namespace] = list(content["metrics"])
-    if not fill:
+    by_step = content["facts"].get("x_axis") == "step"
+    if not content["history"] or (by_step and namespace in run.curves):
         return
+    # The whole history, which a resumed run's metrics.csv lacks (it starts at the resume); an epoch-keyed curve file
+    # wins over the CSV. A step-keyed one is read only without CSV values, whose epochs the report's axes show.
+    curves: dict[str, dict[str, dict[int, float]]] = {}
     for epoch, layers in content["history"].items():
         for layer, metrics in layers.items():
             for metric, value in metrics.items():
-                run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})[epoch] = value
+                curves.setdefault(layer, {}).setdefault(metric, {})[epoch] = value
+    run.curves[namespace] = curves
+    superseded = {epoch for block in content["superseded"] for epoch in block["history"]}
+    if superseded:
+        run.superseded[namespace] = sorted(superseded)
+
+
+def available_namespaces(directory: str | Path) -> list[str]:
+    """The namespaces of per-layer keys a run holds: those of its curve files, then the other ``<namespace>`` of
+    ``metrics.csv`` columns ``<namespace>/<layer>/<metric>``.
+
+    Args:
+        directory: the run directory.
+
+    Returns:
+        The namespaces, curve files' first (sorted), then the CSV's in column order.
+    """
+    directory = Path(directory)
+    found = dict.fromkeys(
+        sorted(p.name.removesuffix("_curves.json") for p in (directory / FIGURE_DIR).glob("*_curves.json"))
+    )
+    csv_path = directory / "metrics.csv"
+    if csv_path.is_file():
+        with csv_path.open(newline="") as file:
+            header = next(csv.reader(file), [])
+        found.update(dict.fromkeys(column.split("/", 1)[0] for column in header if column.count("/") >= 2))
+    return list(found)
 
 
 def load_run(
@@ -178,7 +227,11 @@ def load_run(
     namespaces: Sequence[str] = DEFAULT_NAMESPACES,
     final_metrics: Sequence[str] = DEFAULT_FINAL_METRICS,
 ) -> RunCurves:
-    """Read one run's curves from its ``metrics.csv`` and ``rank_curves/<namespace>_curves.json`` files.
+    """Read one run's curves from its ``rank_curves/<namespace>_curves.json`` files and ``metrics.csv``.
+
+    A namespace's curves come from its curve file, which holds the run's whole history (also the epochs before a
+    resume), else from ``metrics.csv``; a curve file keyed by optimizer step only for a run without CSV values of the
+    namespace. Values a resumed fit replaced are left out (``RunCurves.superseded`` names their epochs).
 
     Args:
         directory: the run directory.
@@ -197,7 +250,7 @@ def load_run(
     for namespace in namespaces:
         curve_file = directory / FIGURE_DIR / f"{namespace}_curves.json"
         if curve_file.is_file():
-            _read_curve_file(run, curve_file, fill=namespace not in run.curves)
+            _read_curve_file(run, curve_file)
     for namespace, layers in run.curves.items():
         known = [layer for layer in run.layers.get(namespace, []) if layer in layers]
         extra = sorted((layer for layer in layers if layer not in known), key=_natural_key)
@@ -325,6 +378,35 @@ def _labels(runs: Sequence[str], shown: int = 6) -> str:
     return f"{', '.join(runs[: shown - 1])}, ... ({len(runs) - shown} more), {runs[-1]}"
 
 
+def _epoch_ranges(epochs: Iterable[int]) -> str:
+    """``"2-5, 8"`` for epochs 2, 3, 4, 5, 8."""
+    ranges: list[list[int]] = []
+    for epoch in sorted(epochs):
+        if ranges and epoch == ranges[-1][1] + 1:
+            ranges[-1][1] = epoch
+        else:
+            ranges.append([epoch, epoch])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def _skipped(runs: Sequence[RunCurves], namespaces: Sequence[str], *, keep: bool) -> list[str]:
+    """Runs without keys of ``namespaces``, grouped by the other namespaces they have, each group with the
+    ``--namespaces`` that reports it (``keep``: together with ``namespaces``)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for run in runs:
+        others = tuple(ns for ns in available_namespaces(run.directory) if ns not in namespaces)
+        groups.setdefault(others, []).append(run.label)
+    lines = []
+    for others, labels in groups.items():
+        if others:
+            option = " ".join([*namespaces, *others] if keep else others)
+            have = "it has" if len(labels) == 1 else "they have"
+            lines.append(f"{_labels(labels)} ({have} {', '.join(others)}: --namespaces {option})")
+        else:
+            lines.append(f"{_labels(labels)} (no <namespace>/<layer>/<metric> keys at all)")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m rank_lightning.analysis.report`` (see the module docstring)."""
     parser = argparse.ArgumentParser(
@@ -362,9 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
             for label, directory in progress.track(found, description="reading runs")
         ]
-    empty = [run.label for run in runs if not run.curves]
+    empty = [run for run in runs if not run.curves]
+    requested = " ".join(args.namespaces)
     if len(empty) == len(runs):
-        parser.error(f"no keys with the namespaces {args.namespaces} in the runs {empty}")
+        parser.error(
+            f"no keys of the namespaces {requested} in {'; '.join(_skipped(empty, args.namespaces, keep=False))}"
+        )
     runs = [run for run in runs if run.curves]
     try:
         out_dir = fresh_directory(args.out)
@@ -375,8 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         figures = write_figures(runs, out_dir, on_figure=lambda _: progress.advance(drawing))
     tables = write_summary(runs, out_dir)
     print(f"{len(runs)} run(s): {_labels([run.label for run in runs])}")
-    if empty:
-        print(f"skipped (no rank curves): {_labels(empty)}")
+    for line in _skipped(empty, args.namespaces, keep=True):
+        print(f"skipped, no keys of {requested}: {line}")
+    replaced = [f"{run.label} {ns} {_epoch_ranges(epochs)}" for run in runs for ns, epochs in run.superseded.items()]
+    if replaced:
+        print(
+            f"values replaced by a resumed fit, not drawn: epochs {'; '.join(replaced)} "
+            f"(kept under 'superseded' in the run's {FIGURE_DIR}/<namespace>_curves.json)"
+        )
     print_written(out_dir, {"figures": figures, "tables": tables}, requested=args.out)
     return 0
 

@@ -27,11 +27,12 @@ Usage::
 
     python -m rank_lightning.analysis.structural_impetus --channels 16 --size 8 --samples 2048 --seed 0 --out DIR
 
-prints the table and, with ``--out``, writes into ``DIR`` (or a new ``DIR/run_<n>`` when ``DIR`` already holds files)
-``structural_impetus.png`` (the figure, drawn like Feng et al. Fig. 3: the feature dimension and the Jacobian rank
-before and after each component, side by side), ``structural_impetus.csv`` (every number the figure shows) and
-``structural_impetus.md`` (the table). On a terminal a progress bar follows the components (``--quiet`` turns it
-off); a summary of what was written, and where, closes the run.
+prints the table and, with ``--out``, writes into ``DIR`` (created when missing; when it already holds files, into a
+new ``DIR/run_<n>``: ``run_2`` for the second run, ``run_3`` for the third) ``structural_impetus.png`` (the figure,
+drawn like Feng et al. Fig. 3: the feature dimension and the Jacobian rank before and after each component, side by
+side), ``structural_impetus.csv`` (every number the figure shows) and ``structural_impetus.md`` (the table). On a
+terminal a progress bar follows the components (``--quiet`` turns it off); a summary of what was written, and where,
+closes the run.
 """
 
 from __future__ import annotations

@@ -27,15 +27,24 @@ spectra and tail errors, ``ActivationRankMonitor`` for per-layer TCV) log every 
 * ``OUT/<point>/version_<n>.log``: the run's output;
 * ``OUT/<point>/tensorboard/version_<n>/``: TensorBoard events (``tensorboard --logdir OUT``).
 
-Nothing is overwritten: sweeping again into the same ``OUT`` adds ``version_<n+1>`` to every point, and the aggregate
-takes, per point, the newest version that finished with exit status 0. The aggregate (regenerated from the runs on
-every call) is ``OUT/sweep.csv`` and ``OUT/sweep.md``, one row per grid point, namespace (``weight``: weight matrices,
-``rank``: activations) and layer with the last monitored epoch's metrics and the run's final ``val/acc``, ``val/loss``
-and ``train/loss_epoch``, and ``OUT/sweep.png``, every selected metric per layer against the x key (the weight decay by
+Runs are never overwritten: sweeping again into the same ``OUT`` adds ``version_<n+1>`` to every point. The aggregate
+is a view of those runs, written anew on every call (and by ``--aggregate-only``) from, per point, the newest version
+that finished with exit status 0, so that it always shows the folder's latest runs; its ``run`` column names the
+version behind each row, and an earlier version stays in its folder, where ``analysis.report`` reads it. The aggregate
+is ``OUT/sweep.csv`` and ``OUT/sweep.md``, one row per grid point, namespace (``weight``: weight matrices, ``rank``:
+activations) and layer with the last monitored epoch's metrics and the run's final ``val/acc``, ``val/loss`` and
+``train/loss_epoch``, and ``OUT/sweep.png``, every selected metric per layer against the x key (the weight decay by
 default; a log axis when the values span a decade, with 0 drawn one decade below the smallest positive value and
 labelled ``0``), one row of panels per combination of the other keys.
 
-Parallel runs share the machine: unless ``OMP_NUM_THREADS`` is set, each run gets ``cpu_count // processes`` threads.
+Threads: every run gets ``--threads`` CPU threads (``OMP_NUM_THREADS``; by default the value already set in the
+environment, else 1), whatever ``--processes`` is, and its record says how many. The thread count changes the order
+of floating-point sums in the CPU kernels, and with it a run's numbers (``configs/zangrando_mlp_digits.yaml`` after 40
+epochs: the first layer's stable rank is 9.997 on one thread and 9.991 on two, the same on every repeat of either):
+a fixed count gives a point the same numbers in a sweep of any width and when run alone. One thread is also the faster
+choice for the small CPU models of the configs (on 2 cores, one 40-epoch run of that config took 27-40 s on one thread,
+45-48 s on two); for large models, raise ``--threads`` and keep ``--processes`` times ``--threads`` at most the number
+of cores.
 """
 
 from __future__ import annotations
@@ -361,6 +370,7 @@ def run_sweep(
     out: str | Path,
     *,
     processes: int = 1,
+    threads: int | None = None,
     extra_args: Sequence[str] = (),
     echo: Callable[[str], None] = print,
     on_done: Callable[[SweepRun], None] | None = None,
@@ -372,6 +382,8 @@ def run_sweep(
         points: the grid points (:func:`grid_points`).
         out: the sweep folder.
         processes: runs at the same time.
+        threads: CPU threads of every run (``OMP_NUM_THREADS``), the same whatever ``processes`` is, so that a point's
+            numbers do not depend on how many ran beside it; ``None``: ``OMP_NUM_THREADS`` of the environment, else 1.
         extra_args: further command-line arguments for every run (after the grid's).
         echo: receives one progress line per started and finished run.
         on_done: called with each run once it has ended (e.g. to advance a progress bar).
@@ -381,9 +393,13 @@ def run_sweep(
     """
     if processes < 1:
         raise ValueError(f"processes must be a positive integer, got {processes!r}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     out = Path(out).absolute()
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("OMP_NUM_THREADS", "1")
     base = [*train_command(), "fit", *(f"--config={config}" for config in configs)]
     total = len(points)
 
@@ -399,7 +415,12 @@ def run_sweep(
             completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
         run.returncode, run.seconds = completed.returncode, time.monotonic() - start
         content = json.loads(run.record_path.read_text())
-        content.update(command=command, returncode=run.returncode, seconds=round(run.seconds, 1))
+        content.update(
+            command=command,
+            omp_num_threads=env["OMP_NUM_THREADS"],
+            returncode=run.returncode,
+            seconds=round(run.seconds, 1),
+        )
         run.record_path.write_text(json.dumps(content, indent=2))
         status = "done  " if run.returncode == 0 else f"FAILED (exit {run.returncode}, see {run.log_path})"
         echo(f"[{index + 1}/{total}] {status} {run.label} in {run.seconds:.0f} s")
@@ -739,8 +760,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="swept LightningCLI argument (repeatable)"
     )
     parser.add_argument("--weight-decays", nargs="+", metavar="WD", help=f"short for --grid {WEIGHT_DECAY_KEY}=...")
-    parser.add_argument("--out", required=True, metavar="OUT_DIR", help="sweep folder (created; never overwritten)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT_DIR",
+        help="sweep folder (created; runs are never overwritten, sweep.csv/.md/.png are written anew from them)",
+    )
     parser.add_argument("--processes", type=int, default=1, help="runs at the same time (default: %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads of every run, whatever --processes is (default: OMP_NUM_THREADS when set, else 1)",
+    )
     parser.add_argument("--aggregate-only", action="store_true", help="only tabulate and draw the runs in OUT_DIR")
     parser.add_argument("--x", metavar="KEY", help="grid key on the figure's x axis (default: the weight decay)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn outside a terminal)")
@@ -772,6 +804,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--config is required unless --aggregate-only")
         if args.processes < 1:
             parser.error(f"--processes must be a positive integer, got {args.processes}")
+        if args.threads is not None and args.threads < 1:
+            parser.error(f"--threads must be a positive integer, got {args.threads}")
         try:
             grid = parse_grid(args.grid, args.weight_decays)
             points = grid_points(grid)
@@ -810,6 +844,7 @@ def _run_with_progress(args: argparse.Namespace, points: Sequence[GridPoint], ex
             points,
             args.out,
             processes=args.processes,
+            threads=args.threads,
             extra_args=extra,
             echo=progress.console.print,
             on_done=lambda run: progress.advance(task),

@@ -28,10 +28,13 @@ O(1 / L) and the measured ranks a few units below the predicted ones.
 
 Usage::
 
-    python -m rank_lightning.analysis.theorem5 --width 128 --depth 50 --seeds 3 --out theorem5.png
+    python -m rank_lightning.analysis.theorem5 --width 128 --depth 50 --seeds 3 --out runs/theorem5.png
 
-On a terminal a progress bar follows the layers of each network (``--quiet``, or output to a file or pipe, turns it
-off); the closing lines say how long it took and where the figure was written.
+The figure goes to ``--out`` (default ``theorem5.png``), whose folder is created when missing, or, when that file
+already exists, to a new ``<stem>_<n>.png`` beside it (``runs/theorem5_2.png``, then ``_3``, ...), so a second run
+never overwrites the first one's figure. On a terminal a progress bar follows the layers of each network
+(``--quiet``, or output to a file or pipe, turns it off); the closing lines say how long it took and where the
+figure was written.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rank_lightning.analysis.output import print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import fresh_file, print_written, progress_bar, show_progress
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank, spectrum
 from rank_lightning.functional.theory import gaussian_product_log_singular_ratio, gaussian_product_numerical_rank
 
@@ -191,8 +194,8 @@ def rate_table(rates: Tensor, depth: int, dtype: torch.dtype = torch.float64) ->
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[LayerRanks], path: str, *, title: str) -> None:
-    """Save ranks against depth (log scale: exponential decay is a straight line)."""
+def plot(rows: Sequence[LayerRanks], path: str | Path, *, title: str) -> None:
+    """Save ranks against depth (log scale: exponential decay is a straight line); the folder is created if missing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,6 +212,7 @@ def plot(rows: Sequence[LayerRanks], path: str, *, title: str) -> None:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -224,11 +228,19 @@ def main(argv: Sequence[str] | None = None) -> list[LayerRanks]:
     parser.add_argument("--samples", type=int, default=None, help="Gaussian inputs N for the features (default 2n)")
     parser.add_argument("--seeds", type=int, default=3, help="number of random networks averaged (paper: 3)")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float64", help="precision of the products")
-    parser.add_argument("--out", default="theorem5.png", help="path of the figure")
+    parser.add_argument(
+        "--out",
+        default="theorem5.png",
+        help="path of the figure; its folder is created, and an existing file is kept (a new <stem>_<n>.png beside it)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn outside a terminal)")
     args = parser.parse_args(argv)
     if args.width < 2 or args.depth < 1 or args.seeds < 1:
         parser.error("--width must be at least 2, --depth and --seeds at least 1")
+    try:
+        figure = fresh_file(args.out)
+    except OSError as error:
+        parser.error(str(error))
 
     start = time.perf_counter()
     with progress_bar(show_progress(args.quiet)) as progress:
@@ -249,10 +261,9 @@ def main(argv: Sequence[str] | None = None) -> list[LayerRanks]:
     print(to_markdown(rows))
     print(f"\nPer-layer rate (1/L) log(s_k / s_1) of the Jacobian at L = {args.depth} (mean over seeds):\n")
     print(rate_table(rates, args.depth, _DTYPES[args.dtype]))
-    plot(rows, args.out, title=f"MLP-{args.depth}, width {args.width}, {args.dtype}")
+    plot(rows, figure, title=f"MLP-{args.depth}, width {args.width}, {args.dtype}")
     print(f"\n{args.seeds} network(s) of {args.depth} layers in {time.perf_counter() - start:.1f} s")
-    figure = Path(args.out).absolute()
-    print_written(figure.parent, {"figure": [figure]}, requested=figure.parent)
+    print_written(figure.absolute().parent, {"figure": [figure.absolute()]}, requested=Path(args.out).absolute())
     return rows
 
 

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import fresh_directory, fresh_file, print_written, progress_bar, show_progress
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Terminal(io.StringIO):
@@ -33,6 +35,42 @@ def test_a_file_is_no_output_folder(tmp_path):
         fresh_directory(tmp_path / "taken")
 
 
+def test_a_folder_below_a_file_cannot_be_created(tmp_path):
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"cannot create '.*taken/out': '.*taken' is an existing file"):
+        fresh_directory(tmp_path / "taken" / "out")
+    with pytest.raises(NotADirectoryError, match=r"'.*taken' is an existing file"):
+        fresh_file(tmp_path / "taken" / "figure.png")
+
+
+def test_an_existing_file_gets_the_next_free_numbered_name_beside_it(tmp_path):
+    target = tmp_path / "runs" / "theorem5.png"
+    assert fresh_file(target) == target
+    assert not (tmp_path / "runs").exists(), "the writer creates the folder, not the choice"
+    target.parent.mkdir()
+    target.write_bytes(b"first")
+    assert fresh_file(target) == tmp_path / "runs" / "theorem5_2.png"
+    (tmp_path / "runs" / "theorem5_2.png").write_bytes(b"second")
+    assert fresh_file(target) == tmp_path / "runs" / "theorem5_3.png"
+    with pytest.raises(IsADirectoryError, match=r"output file '.*runs' is an existing folder"):
+        fresh_file(tmp_path / "runs")
+
+
+def test_the_readme_numbers_later_runs_as_the_tools_do(tmp_path):
+    section = (ROOT / "README.md").read_text().split("\n## Comparing runs\n", 1)[1].split("\n## ", 1)[0]
+    text = " ".join(section.split())
+    assert "the second report goes to `run_2`" in text and "the third to `run_3`" in text
+    assert "`theorem5_2.png`" in text
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "summary.csv").write_text("first report")
+    assert fresh_directory(out) == out / "run_2"
+    (out / "run_2").mkdir()
+    assert fresh_directory(out) == out / "run_3"
+    (tmp_path / "theorem5.png").write_bytes(b"first figure")
+    assert fresh_file(tmp_path / "theorem5.png").name == "theorem5_2.png"
+
+
 def test_progress_is_drawn_only_on_a_terminal():
     assert show_progress(False, _Terminal())
     assert not show_progress(True, _Terminal())
@@ -54,6 +92,14 @@ def test_the_summary_names_the_folder_and_shortens_long_lists(tmp_path, capsys):
         "    9 figures  figure_0.png, ..., figure_8.png",
         "    1 tables   summary.csv",
     ]
+
+
+def test_the_summary_of_a_numbered_file_names_the_file_that_existed(tmp_path, capsys):
+    requested, written = tmp_path / "theorem5.png", tmp_path / "theorem5_2.png"
+    print_written(tmp_path, {"figure": [written]}, requested=requested)
+    assert capsys.readouterr().out.splitlines()[0] == f"written to {tmp_path} ({requested} already existed):"
+    print_written(tmp_path, {"figure": [requested]}, requested=requested)
+    assert capsys.readouterr().out.splitlines()[0] == f"written to {tmp_path}:"
 
 
 def test_the_summary_of_the_requested_folder_has_no_note(tmp_path, capsys):

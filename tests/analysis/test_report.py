@@ -12,8 +12,9 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
-from rank_lightning.analysis.report import find_runs, load_run, main
+from rank_lightning.analysis.report import available_namespaces, find_runs, load_run, main
 from rank_lightning.callbacks import WeightRankMonitor
+from rank_lightning.callbacks.curves import FIGURE_DIR, write_curve_file
 
 METRICS = ["numerical_rank", "stable_rank"]
 DEPTH_ORDER = ["z_in", "m_mid", "a_out"]
@@ -48,18 +49,20 @@ def _loader(seed: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def _train(weight_decay: float, **trainer_options) -> tuple[WeightRankMonitor, pl.Trainer]:
+def _train(
+    weight_decay: float, *, max_epochs: int = 2, ckpt_path: Path | None = None, **trainer_options
+) -> tuple[WeightRankMonitor, pl.Trainer]:
     torch.manual_seed(0)
     monitor = WeightRankMonitor(metrics=METRICS, verbose=False)
     trainer = pl.Trainer(
-        max_epochs=2,
+        max_epochs=max_epochs,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
         callbacks=[monitor],
         **trainer_options,
     )
-    trainer.fit(_Classifier(weight_decay), _loader(0), _loader(1))
+    trainer.fit(_Classifier(weight_decay), _loader(0), _loader(1), ckpt_path=ckpt_path)
     return monitor, trainer
 
 
@@ -114,6 +117,56 @@ def test_runs_without_csv_are_read_from_the_curve_file(tmp_path):
     assert run.final == {}
 
 
+def _csv_epochs(run: Path, key: str) -> list[int]:
+    return [int(row["epoch"]) for row in _read(run / "metrics.csv") if row.get(key)]
+
+
+def test_a_run_resumed_into_a_new_version_folder_is_reported_from_its_first_epoch(tmp_path):
+    root = tmp_path / "logs"
+    _, first = _train(0.0, logger=CSVLogger(root, name="run"))
+    first.save_checkpoint(tmp_path / "last.ckpt")
+    resumed, _ = _train(0.0, max_epochs=4, ckpt_path=tmp_path / "last.ckpt", logger=CSVLogger(root, name="run"))
+    run_dir = root / "run" / "version_1"
+    # The resumed run's CSV starts at the resume; its curve file holds the whole history.
+    assert _csv_epochs(run_dir, "weight/m_mid/stable_rank") == [2, 3]
+    history = resumed.curves.history
+    assert sorted(history) == [-1, 0, 1, 2, 3]
+
+    run = load_run(run_dir)
+    for layer in DEPTH_ORDER:
+        for metric in METRICS:
+            assert run.curves["weight"][layer][metric] == {e: history[e][layer][metric] for e in history}
+    assert run.superseded == {}
+    assert run.final == {"val/acc": pytest.approx(float(_read(run_dir / "metrics.csv")[-1]["val/acc"]))}
+
+
+@pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty")
+def test_a_run_resumed_into_its_own_folder_shows_the_values_of_the_last_fit_and_names_the_replaced_ones(
+    tmp_path, capsys
+):
+    root = tmp_path / "logs"
+    _, first = _train(0.0, max_epochs=1, logger=CSVLogger(root, name="run", version=0))
+    first.save_checkpoint(tmp_path / "epoch_0.ckpt")
+    _train(0.0, max_epochs=3, ckpt_path=tmp_path / "epoch_0.ckpt", logger=CSVLogger(root, name="run", version=0))
+    # Resumed once more from epoch 0, into the same folder, with a larger weight decay: epochs 1 and 2 are replaced.
+    logger = CSVLogger(root, name="run", version=0)
+    with pytest.warns(UserWarning, match="epochs 1-2 are trained again"):
+        last, _ = _train(0.5, max_epochs=3, ckpt_path=tmp_path / "epoch_0.ckpt", logger=logger)
+    run_dir = root / "run" / "version_0"
+    assert _csv_epochs(run_dir, "weight/m_mid/stable_rank") == [1, 2]
+
+    run = load_run(run_dir)
+    history = last.curves.history
+    assert sorted(history) == [-1, 0, 1, 2]
+    assert run.curves["weight"]["z_in"]["stable_rank"] == {e: history[e]["z_in"]["stable_rank"] for e in history}
+    assert run.superseded == {"weight": [1, 2]}
+
+    assert main([str(run_dir), "--out", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert "values replaced by a resumed fit, not drawn: epochs version_0 weight 1-2" in out
+    assert {r["epoch"] for r in _read(tmp_path / "report" / "summary.csv")} == {"2"}
+
+
 def _write_csv(path: Path, rows: list[dict[str, object]]) -> None:
     path.mkdir(parents=True)
     columns = sorted({key for row in rows for key in row})
@@ -143,6 +196,34 @@ def test_csv_parsing_without_curve_file_uses_natural_layer_order(tmp_path):
     assert math.isnan(run.curves["weight"]["layer2"]["stable_rank"][1])
     assert run.final == {"val/acc": 0.5}
     assert run.last_epoch("rank") == 1
+
+
+def _jacobian_run(directory: Path) -> Path:
+    """A run of JacobianRankMonitor (configs/feng_digits.yaml): curves under ``jacobian``, a CSV with other keys."""
+    history = {epoch: {"layer1": {"rank": 8.0 - epoch}, "layer2": {"rank": 6.0 - epoch}} for epoch in (0, 1)}
+    write_curve_file(
+        directory / FIGURE_DIR / "jacobian_curves.json", "jacobian", ["layer1", "layer2"], ["rank"], history
+    )
+    _write_csv(directory / "csv", [{"epoch": 1, "jacobian/layer1/rank": 7.0, "clsdim/cls_dim": 8, "val/acc": 0.9}])
+    (directory / "csv" / "metrics.csv").rename(directory / "metrics.csv")
+    return directory
+
+
+def test_runs_of_other_namespaces_are_skipped_with_the_namespaces_they_have(tmp_path, capsys):
+    weights, jacobian = _one_run(tmp_path / "logs"), _jacobian_run(tmp_path / "logs" / "feng")
+    assert available_namespaces(jacobian) == ["jacobian"]
+    assert main([str(weights), str(jacobian), "--out", str(tmp_path / "report")]) == 0
+    suggestion = "feng (it has jacobian: --namespaces rank rank_train weight jacobian)"
+    assert f"skipped, no keys of rank rank_train weight: {suggestion}" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(jacobian), "--out", str(tmp_path / "alone")])
+    assert exit_info.value.code == 2
+    assert "no keys of the namespaces rank rank_train weight in feng (it has jacobian: --namespaces jacobian)" in (
+        capsys.readouterr().err
+    )
+    assert main([str(jacobian), "--out", str(tmp_path / "alone"), "--namespaces", "jacobian"]) == 0
+    assert [r["layer"] for r in _read(tmp_path / "alone" / "summary.csv")] == ["layer1", "layer2"]
 
 
 @pytest.mark.parametrize("make", [False, True], ids=["missing", "empty"])

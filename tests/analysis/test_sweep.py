@@ -151,10 +151,12 @@ def test_runner_never_overwrites_and_aggregates_the_newest_finished_version(tmp_
     second = run_sweep(["c.yaml"], points, out, processes=1, echo=messages.append)
     assert [r.version for r in second] == [1, 1]
     assert (out / "weight_decay=0/version_0/metrics.csv").read_text() == kept
-    threads = str(max(1, (os.cpu_count() or 1) // 2))
-    assert f"threads {threads}" in first[0].log_path.read_text()
+    # One thread per run however many run at once, so that a point's numbers do not depend on --processes.
+    for run in (*first, *second):
+        assert "threads 1" in run.log_path.read_text()
     record = json.loads(second[1].record_path.read_text())
     assert record["values"] == {WEIGHT_DECAY_KEY: "0.01"} and record["returncode"] == 0
+    assert record["omp_num_threads"] == "1"
     assert "--config=c.yaml" in record["command"] and f"--{WEIGHT_DECAY_KEY}=0.01" in record["command"]
     failed = run_sweep(["c.yaml"], grid_points(parse_grid([], ["-1"])), out, echo=messages.append)
     assert failed[0].returncode == 3 and any("FAILED" in m for m in messages)
@@ -171,6 +173,21 @@ def test_runner_never_overwrites_and_aggregates_the_newest_finished_version(tmp_
     assert "| weight_decay | run | namespace | layer |" in md_path.read_text()
     assert figure.stat().st_size > 10_000
     assert any("skipped weight_decay=-1/version_0" in m for m in messages)
+
+
+def test_threads_are_the_same_for_every_number_of_processes(tmp_path, monkeypatch):
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, "train_command", lambda: [sys.executable, str(fake)])
+    points = grid_points(parse_grid([], ["0", "0.01"]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    for processes in (1, 2):
+        runs = run_sweep(["c.yaml"], points, tmp_path / "env", processes=processes, echo=lambda _: None)
+        assert all("threads 3" in run.log_path.read_text() for run in runs)
+        runs = run_sweep(["c.yaml"], points, tmp_path / "flag", processes=processes, threads=2, echo=lambda _: None)
+        assert all("threads 2" in run.log_path.read_text() for run in runs)
+    with pytest.raises(ValueError, match="threads must be a positive integer, got 0"):
+        run_sweep(["c.yaml"], points, tmp_path / "none", threads=0)
 
 
 # Aggregation of synthetic logs

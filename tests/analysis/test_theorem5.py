@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from rank_lightning.analysis.theorem5 import deep_linear_mlp, main, theorem5_ranks
 from rank_lightning.functional.theory import gaussian_product_numerical_rank
@@ -56,3 +57,33 @@ def test_on_layer_is_called_once_per_layer_and_seed():
     calls = []
     theorem5_ranks(6, 4, seeds=(0, 1), on_layer=lambda: calls.append(1))
     assert len(calls) == 8
+
+
+def test_a_missing_folder_is_created_and_a_second_run_keeps_the_first_figure(tmp_path, monkeypatch, capsys):
+    # The README's command, in a folder without runs/.
+    monkeypatch.chdir(tmp_path)
+    args = ["--width", "8", "--depth", "3", "--seeds", "1", "--quiet", "--out", "runs/theorem5.png"]
+    main(args)
+    first = (tmp_path / "runs" / "theorem5.png").read_bytes()
+    capsys.readouterr()
+
+    main(args)
+    main(args)
+    assert (tmp_path / "runs" / "theorem5.png").read_bytes() == first
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [
+        "theorem5.png",
+        "theorem5_2.png",
+        "theorem5_3.png",
+    ]
+    text = capsys.readouterr().out
+    assert f"written to {tmp_path / 'runs'} ({tmp_path / 'runs' / 'theorem5.png'} already existed):" in text
+    assert "    1 figure  theorem5_3.png\n" in text
+
+
+def test_a_folder_is_no_figure_and_is_refused_before_the_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--width", "8", "--depth", "3", "--seeds", "1", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert f"output file {str(tmp_path)!r} is an existing folder" in captured.err
+    assert "| layer |" not in captured.out
