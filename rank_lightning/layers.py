@@ -4,7 +4,9 @@ Every callback that hooks or reads a model goes through this module, so they all
 
 * a block name from ``module.blocks()`` (the package's LightningModules: ``"layer3"``, ``"pool"``);
 * an exact name from ``named_modules()`` (``"backbone.layer3"``);
-* a glob pattern matched with ``fnmatch`` against block names and module names (``"layer*"``, ``"*.relu"``);
+* a glob pattern matched with ``fnmatch`` against block names and module names (``"layer*"``, ``"*.relu"``), whose
+  ``*`` and ``?`` match dots too: ``"encoder.block.*"`` is every block and every module inside them (for the blocks
+  alone, match the index, ``"encoder.block.?"`` for blocks 0 to 9, or name the blocks' class in ``layer_types``);
 * module types (``layer_types``): classes (``nn.Conv2d``), class names (``"Conv2d"``, matched against the class and
   its bases) or dotted import paths (``"torch.nn.Linear"``).
 
@@ -37,6 +39,7 @@ from rank_lightning.validation import check_names
 
 __all__ = [
     "ACTIVATION_TYPES",
+    "DECODER_MASK_KEY",
     "GLOB_CHARACTERS",
     "HIDDEN_STATE_KEYS",
     "INPUT_KEYS",
@@ -54,6 +57,7 @@ __all__ = [
     "classifier_head",
     "compiled_modules",
     "declared_batch_first",
+    "decoder_layers",
     "default_layers",
     "eval_mode",
     "feature_layer",
@@ -75,6 +79,10 @@ INPUT_KEYS: tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel
 """Keys tried, in order, for the inputs of a dict batch when no ``input_key`` is given."""
 MASK_KEY = "attention_mask"
 """Key of the ``(B, T)`` attention mask in a dict batch when no ``mask_key`` is given (Hugging Face's name)."""
+DECODER_MASK_KEY = "decoder_attention_mask"
+"""Key of the ``(B, T')`` mask of an encoder-decoder's target tokens in a dict batch (Hugging Face's name), read for the
+layers in the decoder (:func:`decoder_layers`) when the mask is looked up by default (``mask_key`` ``None`` or
+``"attention_mask"``)."""
 HIDDEN_STATE_KEYS: tuple[str, ...] = ("last_hidden_state", "hidden_states")
 """Fields tried, in order, for the hidden states of a dict, ``ModelOutput`` or dataclass output (see
 :func:`hidden_state`)."""
@@ -295,11 +303,16 @@ def match_layer_types(
     return kept
 
 
-def _kind(module: nn.Module) -> Any:
+_STACK = "stack"
+
+
+def _kind(module: nn.Module, *, stacks: bool = False) -> Any:
     # Plain containers are told apart by what they hold: torchvision VGG's ``features`` and ``classifier`` are both
     # nn.Sequential, ResNet's ``layer1`` .. ``layer4`` are nn.Sequentials of the same residual block.
     if isinstance(module, _PLAIN_CONTAINERS):
         return type(module), frozenset(type(child) for child in module.children())
+    if stacks and _stack_blocks(module) is not None:
+        return _STACK  # an encoder and a decoder are blocks of one kind, whatever their classes (BART's)
     return type(module)
 
 
@@ -308,15 +321,16 @@ def _never_called(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward
 
 
-def _block_runs(container: nn.Module) -> list[list[str]]:
+def _block_runs(container: nn.Module, *, stacks: bool = False) -> list[list[str]]:
     """Runs of the container's children that repeat: >= 2 parameterised children with children, of the same kind.
 
     Children that are never called (a ModuleList, a ModuleDict) cannot be blocks; each run keeps the children's order.
+    With ``stacks``, the children that are stacks (:func:`_stack_blocks`) are of one kind whatever their classes.
     """
     runs: dict[Any, list[str]] = {}
     for name, child in container.named_children():
         if _has_children(child) and _parameter_count(child) > 0 and not _never_called(child):
-            runs.setdefault(_kind(child), []).append(name)
+            runs.setdefault(_kind(child, stacks=stacks), []).append(name)
     return [names for names in runs.values() if len(names) >= 2]
 
 
@@ -335,16 +349,17 @@ def _weight_layers(module: nn.Module) -> list[str]:
     ]
 
 
-def _repeated_blocks(module: nn.Module, weights: Sequence[str]) -> list[str]:
+def _repeated_blocks(module: nn.Module, weights: Sequence[str], *, stacks: bool = False) -> list[str]:
     """The repeated blocks holding the most weight layers, if they hold at least half of them; else nothing.
 
     One run of blocks of one kind is looked for first (ties: the deepest container, then the first); when no run
     holds half of the weight layers, the runs of one container together (Inception: blocks of several classes).
+    ``stacks``: stacks side by side are blocks of one kind (:func:`_block_runs`).
     """
     single: list[list[str]] = []
     together: list[list[str]] = []
     for path, container in module.named_modules():
-        runs = _block_runs(container)
+        runs = _block_runs(container, stacks=stacks)
         members = {name for run in runs for name in run}
         prefix = f"{path}." if path else ""
         single += [[prefix + name for name in run] for run in runs]
@@ -362,19 +377,28 @@ def _repeated_blocks(module: nn.Module, weights: Sequence[str]) -> list[str]:
     return []
 
 
-def _stack_layers(module: nn.Module, blocks: Sequence[str]) -> list[str]:
-    """The layers inside ``blocks`` when each is a stack of its own (an encoder and a decoder); else ``blocks``.
+def _stack_blocks(block: nn.Module) -> list[str] | None:
+    """The repeated blocks of ``block`` (paths inside it) when it is a stack; else ``None``.
 
     A stack is a module that is not a plain container and whose repeated blocks, held in a container it loops over
-    (a ModuleList, never called itself), hold at least half of its weight layers. ResNet's stages (``nn.Sequential``)
-    and a block's parallel branches are no stacks.
+    (a ModuleList, never called itself), hold at least half of its weight layers: an encoder, a decoder. ResNet's
+    stages (``nn.Sequential``) and a block's parallel branches are no stacks.
     """
+    if isinstance(block, _PLAIN_CONTAINERS):
+        return None
+    found = _repeated_blocks(block, _weight_layers(block))
+    parents = {name.rpartition(".")[0] for name in found}
+    if not found or len(parents) != 1 or not _never_called(block.get_submodule(parents.pop())):
+        return None
+    return found
+
+
+def _stack_layers(module: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The layers inside ``blocks`` when each is a stack of its own (an encoder and a decoder); else ``blocks``."""
     inner: list[str] = []
     for path in blocks:
-        block = module.get_submodule(path)
-        found = [] if isinstance(block, _PLAIN_CONTAINERS) else _repeated_blocks(block, _weight_layers(block))
-        parents = {name.rpartition(".")[0] for name in found}
-        if not found or len(parents) != 1 or not _never_called(block.get_submodule(parents.pop())):
+        found = _stack_blocks(module.get_submodule(path))
+        if found is None:
             return list(blocks)
         inner += [f"{path}.{name}" for name in found]
     return inner
@@ -394,10 +418,13 @@ def default_layers(module: nn.Module) -> dict[str, str]:
        weight layers (modules owning a parameter of >= 2 dimensions), ties to the deepest container, then the
        first; and only when they hold at least half of the network's weight layers. When no single run does, the
        runs of one container together are tried the same way (Inception's blocks of several classes). Every block
-       is kept, the last one too: a head of another type is never among them. When the chosen blocks are stacks
-       (modules, not plain containers, whose own repeated blocks sit in a ModuleList they loop over and hold at
-       least half of their weight layers, as the encoder and decoder of T5), their layers are chosen instead, stack
-       by stack, so that depth has more than two points.
+       is kept, the last one too: a head of another type is never among them. Stacks (modules, not plain
+       containers, whose own repeated blocks sit in a ModuleList they loop over and hold at least half of their
+       weight layers: an encoder, a decoder) side by side in one module are blocks of one kind whatever their
+       classes: T5's two ``T5Stack``, BART's, Marian's and Whisper's encoder and decoder, ``nn.Transformer``'s
+       ``TransformerEncoder`` and ``TransformerDecoder``, the two towers of CLIP. When the chosen blocks are stacks,
+       their layers are chosen instead, stack by stack in module order (the encoder's, then the decoder's), so that
+       depth has more than two points.
     3. Else, a network of layers (an MLP, a VGG-like CNN): its hidden representations. The head is the last weight
        layer, the hidden layers are the others. The activation modules (:data:`ACTIVATION_TYPES`) anywhere in the
        network are chosen when they are at least as many as the hidden layers (``nn.Sequential(Linear, ReLU,
@@ -412,7 +439,7 @@ def default_layers(module: nn.Module) -> dict[str, str]:
     if blocks is not None:
         return blocks
     weights = _weight_layers(module)
-    chosen = _stack_layers(module, _repeated_blocks(module, weights))
+    chosen = _stack_layers(module, _repeated_blocks(module, weights, stacks=True))
     if not chosen:
         hidden = weights[:-1]
         activations = [path for path, m in module.named_modules() if isinstance(m, ACTIVATION_TYPES)]
@@ -969,6 +996,41 @@ def _hugging_face_model(module: nn.Module) -> bool:
     )
 
 
+def _decoder_of(module: nn.Module) -> nn.Module | None:
+    """The decoder of a Hugging Face encoder-decoder model (a ``PreTrainedModel`` whose ``config.is_encoder_decoder``
+    is true): its ``get_decoder()``; ``None`` for other modules, and where ``get_decoder()`` gives no submodule of its
+    own (T5's stacks carry their model's flag and give themselves)."""
+    if not _hugging_face_model(module) or not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        return None
+    try:
+        decoder = module.get_decoder()
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not module else None
+
+
+def decoder_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
+    """The names of ``layers`` (``name -> module path``) in the decoder of a Hugging Face encoder-decoder model (T5,
+    BART, Marian, Whisper, ``EncoderDecoderModel``: a ``PreTrainedModel`` whose ``config.is_encoder_decoder`` is true;
+    its decoder is ``get_decoder()``), the decoder itself included.
+
+    Their tokens are the target's, not the source's: the batch's ``attention_mask`` (the encoder's) does not belong to
+    them, even when source and target are padded to one length. The outermost such model on a layer's path decides;
+    a layer that holds the whole model is not in its decoder.
+    """
+    found = []
+    for name, path in layers.items():
+        parts = path.split(".") if path else []
+        modules = [model.get_submodule(".".join(parts[:depth])) for depth in range(len(parts) + 1)]
+        for depth, module in enumerate(modules):
+            decoder = _decoder_of(module)
+            if decoder is not None:
+                if any(inner is decoder for inner in modules[depth + 1 :]):
+                    found.append(name)
+                break
+    return found
+
+
 # -- batches ---------------------------------------------------------------------------------------------------------
 
 
@@ -1032,7 +1094,9 @@ class BatchReader:
         mask_key: where the ``(B, T)`` attention mask is (true / 1 at the real tokens, false / 0 at padding): an
             index (tuples/lists), a key (dicts) or a function ``batch -> mask``; ``None``: :data:`MASK_KEY`
             (``"attention_mask"``) of a dict batch, if there is one, and no mask for other batches; ``False``: never
-            a mask.
+            a mask. With ``None`` or ``"attention_mask"`` (Hugging Face's names, :attr:`default_mask_lookup`) the
+            layers in the decoder of an encoder-decoder read :meth:`decoder_mask` instead; any other ``mask_key``
+            names the one mask of every layer.
 
     Labels named by ``label_key`` or ``label_fn`` must be there: :meth:`labels` raises at the first batch when they
     are not. Labels looked for at the default places are optional unless asked for (``required``). The same holds
@@ -1136,7 +1200,8 @@ class BatchReader:
         ``convert=False`` returns the mask as found, its shape checked but not its values (checking them reads a flag
         back from a GPU).
 
-        Without ``mask_key`` a dict batch's ``"attention_mask"`` is taken when present; other batches have none.
+        Without ``mask_key`` a dict batch's ``"attention_mask"`` is taken when present; other batches have none. In
+        an encoder-decoder that mask is the encoder's: the decoder's layers read :meth:`decoder_mask`.
         Integer or float masks must hold only 0 and 1 (Hugging Face's ``attention_mask``); PyTorch's
         ``key_padding_mask`` marks the padding instead and is passed inverted, e.g.
         ``mask_key=lambda batch: ~batch["padding_mask"]``.
@@ -1160,6 +1225,33 @@ class BatchReader:
                     f"cannot find the attention mask at {where} in {_describe(batch)}; set mask_key to where the "
                     "(B, T) mask is, or to False for none"
                 )
+        return self._checked_mask(batch, value, where, convert)
+
+    @property
+    def default_mask_lookup(self) -> bool:
+        """Whether the mask is looked up by Hugging Face's names: ``mask_key`` is ``None`` or ``"attention_mask"``.
+
+        The batch's ``attention_mask`` is then the encoder's, and the layers in the decoder of an encoder-decoder
+        (:func:`decoder_layers`) read :meth:`decoder_mask`. Naming ``"attention_mask"`` is the default lookup, except
+        that a batch without it is an error.
+        """
+        return self.mask_key is None or (isinstance(self.mask_key, str) and self.mask_key == MASK_KEY)
+
+    def decoder_mask(self, batch: Any, *, convert: bool = True) -> Tensor | None:
+        """The ``(B, T')`` mask of an encoder-decoder's target tokens: :data:`DECODER_MASK_KEY`
+        (``"decoder_attention_mask"``) of a dict batch under the :attr:`default_mask_lookup`; ``None`` when the batch
+        has none or another ``mask_key`` is set (that mask is then every layer's). Checked and converted as
+        :meth:`mask`.
+
+        Raises:
+            ValueError: a value that is not a ``(B, T')`` tensor of booleans or 0 / 1 values.
+        """
+        if not self.default_mask_lookup or not isinstance(batch, Mapping):
+            return None
+        return self._checked_mask(batch, batch.get(DECODER_MASK_KEY), repr(DECODER_MASK_KEY), convert)
+
+    @staticmethod
+    def _checked_mask(batch: Any, value: Any, where: str, convert: bool) -> Tensor | None:
         if value is None:
             return None
         found = f"a Tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"

@@ -2,7 +2,8 @@
 
 :class:`ActivationStream` is the part of activation monitoring that knows nothing of Lightning: forward hooks on the
 chosen layers, the hidden state of each layer's output (:func:`~rank_lightning.layers.hidden_state`), the batch and
-token layout, padded tokens (the batch's attention mask), how many rows of each batch are measured (at most
+token layout, padded tokens (the batch's attention mask; in the decoder of a Hugging Face encoder-decoder, the
+decoder's own: :func:`~rank_lightning.layers.decoder_layers`), how many rows of each batch are measured (at most
 ``max_samples``, never the samples a ``DistributedSampler`` repeats: :mod:`rank_lightning.sampling`), a memory
 budget over all layers, and the collective ``compute`` that every process joins. The Lightning callback
 :class:`~rank_lightning.callbacks.ActivationRankMonitor` decides *when* a pass runs; the plain-PyTorch
@@ -33,7 +34,16 @@ from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import check_token_mask, token_mask
 from rank_lightning.functional.streaming import ClassGrouping, group_by_class
-from rank_lightning.layers import BatchReader, FeatureLayer, OutputSelector, forward_hooks, hidden_state
+from rank_lightning.layers import (
+    DECODER_MASK_KEY,
+    MASK_KEY,
+    BatchReader,
+    FeatureLayer,
+    OutputSelector,
+    decoder_layers,
+    forward_hooks,
+    hidden_state,
+)
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import own_samples, process_share
 
@@ -55,7 +65,11 @@ class ActivationStream:
         num_classes: classes of the labels; ``None`` skips the class metrics.
         reductions: reduction of conv (``4``) and token (``3``) outputs, e.g. ``{4: "channel", 3: "token"}``.
         spectrum_options: the :class:`~rank_lightning.metrics.ActivationSpectrum` settings every layer shares.
-        batch_reader: where labels and the attention mask are in a batch.
+        batch_reader: where labels and the attention mask are in a batch. Under its default mask lookup
+            (:attr:`~rank_lightning.layers.BatchReader.default_mask_lookup`) the token layers in the decoder of a
+            Hugging Face encoder-decoder (:func:`~rank_lightning.layers.decoder_layers`, found at :meth:`start`) read
+            the batch's ``decoder_attention_mask``, the others its ``attention_mask``; a batch with an attention mask
+            but no decoder mask measures those layers whole, with a warning naming each.
         layouts: ``logged name -> batch_first`` for token layers whose layout is known; others are learnt from a
             batch whose shape tells it (the batch size in exactly one leading dimension).
         ambiguous_layouts: ``logged name -> batch_first`` for a batch whose shape cannot tell (as many sequences as
@@ -104,6 +118,7 @@ class ActivationStream:
         self._info = info or (lambda message: None)
         self.metrics: dict[str, ActivationSpectrum] = {}
         self.layer_ndims: dict[str, int] = {}
+        self._decoder_layers: frozenset[str] = frozenset()  # the layers that read the decoder's mask
         self._planned: dict[str, int] = {}
         self._reported_plan: dict[str, int] = {}  # printed once, and again only if layers are added
         self._max_samples_reached = False
@@ -119,8 +134,9 @@ class ActivationStream:
         self._labels: Tensor | None = None
         self._groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
-        self._wrong_masks: Tensor | None = None  # batches whose mask held values other than 0 and 1, on the device
-        self._left_padded: bool | None = None  # whether the pass's first batch pads on the left ("cls" reduction)
+        self._decoder_mask: Tensor | None = None
+        self._wrong_masks: Tensor | None = None  # batches whose masks held values other than 0 and 1, on the device
+        self._left_padded: dict[bool, bool] = {}  # whether the pass's first batch pads on the left, per decoder flag
         self._autocast: dict[str, torch.dtype | None] = {}  # the autocast dtype each layer ran under (None: none)
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
@@ -159,6 +175,10 @@ class ActivationStream:
         self._offered_left = process_share(self.max_samples, world_size, 0)
         self._batches_left = num_batches if num_batches > 0 else math.inf
         layers = [FeatureLayer(name, path) for name, path in self.layers.items()]
+        # A decoder's tokens are the target's: the batch's attention_mask (the encoder's) is not theirs, even when
+        # source and target are padded to one length. A mask_key of the user's own is every layer's.
+        reads_decoder_mask = self.batch_reader.default_mask_lookup
+        self._decoder_layers = frozenset(decoder_layers(module, self.layers) if reads_decoder_mask else ())
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
         self._own_left = [own_samples(loader) for loader in loaders]
         self._name_uncalled = name_uncalled
@@ -182,17 +202,28 @@ class ActivationStream:
         return self._offered_left is not None and self._offered_left <= 0
 
     def batch_start(
-        self, batch: Any = None, *, labels: Tensor | None = None, mask: Tensor | None = None, loader: int = 0
+        self,
+        batch: Any = None,
+        *,
+        labels: Tensor | None = None,
+        mask: Tensor | None = None,
+        decoder_mask: Tensor | None = None,
+        loader: int = 0,
     ) -> None:
         """Begin a batch: its labels (``labels`` or read from ``batch``), its attention mask (``mask`` or read from
-        ``batch``) and its size, which tells the batch dimension of every layer's output; ``loader`` is the index of
-        the batch's loader among the ``loaders`` of :meth:`start`."""
+        ``batch``), the mask of the decoder's tokens for the layers in the decoder of an encoder-decoder
+        (``decoder_mask`` or read from ``batch``) and its size, which tells the batch dimension of every layer's
+        output; ``loader`` is the index of the batch's loader among the ``loaders`` of :meth:`start`."""
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
         self._labels = labels if self.num_classes else None
-        self._mask = self._read_mask(batch, mask)
+        self._mask, wrong = self._read_mask(batch, mask, self.batch_reader.mask)
+        self._decoder_mask, wrong_decoder = None, None
+        if self._decoder_layers:
+            self._decoder_mask, wrong_decoder = self._read_mask(batch, decoder_mask, self.batch_reader.decoder_mask)
+        self._count_wrong_masks(wrong, wrong_decoder)
         self._batch = BatchReader.batch_size(batch) if batch is not None else None
-        for known in (labels, self._mask):  # labels tell the batch size even when no class metric uses them
+        for known in (labels, self._mask, self._decoder_mask):  # labels tell the batch size even without class metrics
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
                 self._batch = known.shape[0]
         self._own_loader = loader
@@ -204,22 +235,34 @@ class ActivationStream:
         self._seen_this_batch = set()
         self._in_batch = True
 
-    def _read_mask(self, batch: Any, mask: Tensor | None) -> Tensor | None:
-        """The batch's attention mask (``mask``, else read from ``batch``) as booleans.
+    def _read_mask(
+        self, batch: Any, mask: Tensor | None, read: Callable[..., Tensor | None]
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """A mask of the batch (``mask``, else ``read(batch)``: the reader's ``mask`` or ``decoder_mask``) as
+        booleans, and after a pass's first batch whether it holds other values than 0 and 1 (on its device).
 
         Its values are checked at a pass's first batch, where a mask of other values than 0 and 1 raises; after that
         the check runs on the mask's device and is read at the end of the pass (:meth:`compute` warns), so that a
         monitored batch on a GPU does not wait for it.
         """
         if mask is None and batch is not None:
-            mask = self.batch_reader.mask(batch, convert=self.batches_seen == 0)
+            mask = read(batch, convert=self.batches_seen == 0)
         if not isinstance(mask, Tensor) or mask.dtype == torch.bool:
-            return mask  # anything but a tensor: the layers' check names it
+            return mask, None  # anything but a tensor: the layers' check names it
         if self.batches_seen == 0:
-            return token_mask(mask)
-        wrong = ((mask != 0) & (mask != 1)).any().to(torch.int64)
+            return token_mask(mask), None
+        return mask != 0, ((mask != 0) & (mask != 1)).any()
+
+    def _count_wrong_masks(self, *flags: Tensor | None) -> None:
+        """Count the batch, on the device, when one of its masks held values other than 0 and 1."""
+        found = [flag for flag in flags if flag is not None]
+        if not found:
+            return
+        wrong = found[0]
+        for flag in found[1:]:
+            wrong = wrong | flag.to(wrong.device)
+        wrong = wrong.to(torch.int64)
         self._wrong_masks = wrong if self._wrong_masks is None else self._wrong_masks + wrong.to(self._wrong_masks)
-        return mask != 0
 
     def _count_own(self, loader: int, size: int | None = None) -> int | None:
         """Leading rows of this batch (of ``size`` inputs, by default the batch's size) that are the process's own
@@ -358,28 +401,42 @@ class ActivationStream:
         return grouping
 
     def _mask_of(self, name: str, activations: Tensor) -> Tensor | None:
-        """The batch's attention mask when it fits this token layer's ``(B, T)``; else ``None`` with a warning."""
-        if self._mask is None or activations.ndim != 3:
+        """The mask of this token layer's positions when it fits its ``(B, T)``: the batch's attention mask, or in the
+        decoder of an encoder-decoder the decoder's mask; else ``None`` with a warning."""
+        if activations.ndim != 3:
             return None
-        if self.reductions.get(3) == "cls":
+        decoder = name in self._decoder_layers
+        mask = self._decoder_mask if decoder else self._mask
+        cls = self.reductions.get(3) == "cls"
+        if mask is None:
+            if decoder and self._mask is not None and not cls:
+                message = (
+                    f"is in the decoder of an encoder-decoder model, but the batch has no {DECODER_MASK_KEY!r} (its "
+                    f"{MASK_KEY!r} is the encoder's): its padded target positions are measured too. Put the target's "
+                    f"mask in the batch as {DECODER_MASK_KEY!r} (true / 1 at the real target tokens, e.g. labels != "
+                    "-100 for right-padded labels), or measure the decoder apart with a mask_key naming its mask."
+                )
+                self._warn(name, "decoder mask", message)
+            return None
+        if cls:
             if self.batches_seen == 0:  # a pass's first batch only: reading the mask's first column synchronises a GPU
-                self._check_cls_position(name)
+                self._check_cls_position(name, mask, decoder)
             return None
         try:
             # Also fits a mask to tokens cut at the batch's longest sequence (nested tensors padded back).
-            return check_token_mask(self._mask, activations)
+            return check_token_mask(mask, activations)
         except ValueError as error:
-            self._warn(
-                name, "mask", f"cannot use the batch's attention mask ({error}); its padded positions are measured too."
-            )
+            what = repr(DECODER_MASK_KEY) if decoder else "attention mask"
+            self._warn(name, "mask", f"cannot use the batch's {what} ({error}); its padded positions are measured too.")
             return None
 
-    def _check_cls_position(self, name: str) -> None:
+    def _check_cls_position(self, name: str, mask: Tensor, decoder: bool) -> None:
         """Warn when the first position of a sequence is padding (left padding): ``"cls"`` would measure its state."""
-        mask = self._mask
-        if self._left_padded is None:  # read once for all layers
-            self._left_padded = mask.ndim == 2 and bool(mask.shape[1]) and not bool(mask[:, 0].bool().all())
-        if self._left_padded:
+        left_padded = self._left_padded.get(decoder)
+        if left_padded is None:  # read once for all layers of the mask
+            left_padded = mask.ndim == 2 and bool(mask.shape[1]) and not bool(mask[:, 0].bool().all())
+            self._left_padded[decoder] = left_padded
+        if left_padded:
             message = (
                 "uses token_reduction='cls', but the attention mask marks the first position of some sequences as "
                 "padding (left padding), whose hidden state is measured there. Pad on the right, or use "

@@ -82,7 +82,10 @@ class RankTracker:
             :func:`~rank_lightning.layers.hidden_state`).
         label_key: where :meth:`batch`'s ``batch=`` holds the labels (index or key); default as the callbacks.
         label_fn: ``batch -> labels``, instead of ``label_key``.
-        mask_key: where ``batch=`` holds the attention mask (default ``attention_mask`` of dict batches).
+        mask_key: where ``batch=`` holds the attention mask (default ``attention_mask`` of dict batches). By default
+            (and with ``"attention_mask"``) the layers in the decoder of a Hugging Face encoder-decoder read the
+            batch's ``decoder_attention_mask`` instead (:func:`~rank_lightning.layers.decoder_layers`); another
+            ``mask_key`` names the mask of every layer.
 
     Raises:
         ValueError: a bad setting, or a layer name that matches no layer of ``model`` (the valid names listed).
@@ -221,18 +224,29 @@ class RankTracker:
         self._loader = None  # over() applies to its block only
 
     @contextmanager
-    def batch(self, labels: Tensor | None = None, *, batch: Any = None, mask: Tensor | None = None) -> Iterator[None]:
-        """The forward passes inside are one batch, with these labels (and attention mask).
+    def batch(
+        self,
+        labels: Tensor | None = None,
+        *,
+        batch: Any = None,
+        mask: Tensor | None = None,
+        decoder_mask: Tensor | None = None,
+    ) -> Iterator[None]:
+        """The forward passes inside are one batch, with these labels (and attention masks).
 
         Args:
             labels: ``(B,)`` class labels of the batch.
-            batch: the batch as the loader gave it; labels (and the mask) are read from it when not given, as the
+            batch: the batch as the loader gave it; labels (and the masks) are read from it when not given, as the
                 callbacks read them (``batch[1]``, or a dict's ``labels``/``label``/``y``/...; ``label_key``).
             mask: ``(B, T)`` attention mask of token inputs (padded positions are not measured).
+            decoder_mask: ``(B, T')`` mask of the target tokens of a Hugging Face encoder-decoder, taken by the
+                layers in its decoder (``decoder_attention_mask`` of ``batch`` when not given); ``mask`` is then the
+                encoder's. With a ``mask_key`` of the tracker's own (other than ``"attention_mask"``), ``mask`` is
+                every layer's and ``decoder_mask`` is not used.
         """
         if not self.stream.active:
             raise RuntimeError("RankTracker.batch() outside a pass: use `with tracker:` (or tracker.start()) first")
-        self.stream.batch_start(batch, labels=labels, mask=mask)
+        self.stream.batch_start(batch, labels=labels, mask=mask, decoder_mask=decoder_mask)
         self._explicit_batch = True
         try:
             yield

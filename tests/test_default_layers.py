@@ -301,6 +301,48 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _roberta() -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=3,
+    )  # fmt: skip
+    return RobertaForSequenceClassification(config)
+
+
+def _distilbert() -> nn.Module:
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    config = DistilBertConfig(vocab_size=50, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=16)
+    return DistilBertForSequenceClassification(config)
+
+
+def _decoder_only(name: str) -> Callable[[], nn.Module]:
+    """Llama-style causal language models of one family (``"Mistral"``, ``"Qwen2"``, ``"GPTNeoX"``)."""
+
+    def make() -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, f"{name}Config")(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return getattr(transformers, f"{name}ForCausalLM")(config)
+
+    return make
+
+
+def _hugging_face_vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8, patch_size=4,
+        num_labels=3,
+    )  # fmt: skip
+    return ViTForImageClassification(config)
+
+
 def _tokens() -> torch.Tensor:
     return torch.randint(0, 50, (2, 8))
 
@@ -325,6 +367,16 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], list[s
     "transformers_gpt2": (_gpt2, _tokens, ["transformer.h.0", "transformer.h.1", "transformer.h.2"]),
     "transformers_bert": (_bert, _tokens, ["bert.encoder.layer.0", "bert.encoder.layer.1", "bert.encoder.layer.2"]),
     "transformers_llama": (_llama, _tokens, ["model.layers.0", "model.layers.1"]),
+    "transformers_roberta": (_roberta, _tokens, ["roberta.encoder.layer.0", "roberta.encoder.layer.1"]),
+    "transformers_distilbert": (
+        _distilbert,
+        _tokens,
+        ["distilbert.transformer.layer.0", "distilbert.transformer.layer.1"],
+    ),
+    "transformers_mistral": (_decoder_only("Mistral"), _tokens, ["model.layers.0", "model.layers.1"]),
+    "transformers_qwen2": (_decoder_only("Qwen2"), _tokens, ["model.layers.0", "model.layers.1"]),
+    "transformers_gpt_neox": (_decoder_only("GPTNeoX"), _tokens, ["gpt_neox.layers.0", "gpt_neox.layers.1"]),
+    "transformers_vit": (_hugging_face_vit, lambda: torch.randn(2, 3, 8, 8), ["vit.layers.0", "vit.layers.1"]),
     "torchvision_vit": (
         _torchvision_vit,
         lambda: torch.randn(2, 3, 8, 8),
@@ -446,6 +498,89 @@ def test_an_encoder_decoder_gets_the_layers_of_both_stacks():
 
     with torch.no_grad(), forward_hooks(model, [FeatureLayer(path, path) for path in expected], count):
         model.eval()(input_ids=_tokens(), decoder_input_ids=_tokens()[:, :5])
+    assert calls == dict.fromkeys(expected, 1)
+
+
+def _bart() -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+    )  # fmt: skip
+    return BartForConditionalGeneration(config)
+
+
+def _marian() -> nn.Module:
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+        pad_token_id=0, decoder_start_token_id=0,
+    )  # fmt: skip
+    return MarianMTModel(config)
+
+
+def _torch_transformer() -> nn.Module:
+    return nn.Transformer(16, 2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=32, batch_first=True)
+
+
+def _run_seq2seq(model: nn.Module) -> None:
+    if isinstance(model, nn.Transformer):
+        model(torch.randn(2, 6, 16), torch.randn(2, 5, 16))
+    else:
+        model(input_ids=_tokens(), decoder_input_ids=_tokens()[:, :5])
+
+
+@pytest.mark.parametrize(
+    ("make_model", "encoder", "decoder"),
+    [
+        (_bart, "model.encoder.layers", "model.decoder.layers"),
+        (_marian, "model.encoder.layers", "model.decoder.layers"),
+        (_torch_transformer, "encoder.layers", "decoder.layers"),
+    ],
+    ids=["bart", "marian", "nn_transformer"],
+)
+def test_an_encoder_and_a_decoder_of_two_classes_are_both_chosen(make_model, encoder, decoder):
+    """BART's, Marian's and ``nn.Transformer``'s encoder and decoder layers are of two classes: as stacks side by side
+    they are blocks of one kind, so the encoder is not left out for the decoder, whose layers hold more weights."""
+    torch.manual_seed(0)
+    model = make_model()
+    expected = [f"{encoder}.{i}" for i in range(2)] + [f"{decoder}.{i}" for i in range(3)]
+    assert list(default_layers(model)) == expected
+    assert list(default_layers(Classifier(model))) == [f"net.{path}" for path in expected]
+    calls = dict.fromkeys(expected, 0)
+
+    def count(layer: FeatureLayer, _: object) -> None:
+        calls[layer.path] += 1
+
+    with torch.no_grad(), forward_hooks(model, [FeatureLayer(path, path) for path in expected], count):
+        _run_seq2seq(model.eval())
+    assert calls == dict.fromkeys(expected, 1)
+
+
+def test_the_two_towers_of_a_dual_encoder_are_both_chosen():
+    """CLIP's text and vision towers are stacks side by side: neither holds half of the weight layers, so each
+    alone was no choice and the default fell back to every weight layer."""
+    from transformers import CLIPConfig, CLIPModel
+
+    tower = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32}
+    config = CLIPConfig(
+        text_config={**tower, "vocab_size": 50, "max_position_embeddings": 16},
+        vision_config={**tower, "image_size": 8, "patch_size": 4},
+        projection_dim=8,
+    )
+    model = CLIPModel(config)
+    expected = [f"{tower}_model.encoder.layers.{i}" for tower in ("text", "vision") for i in range(2)]
+    assert list(default_layers(model)) == expected
+    calls = dict.fromkeys(expected, 0)
+
+    def count(layer: FeatureLayer, _: object) -> None:
+        calls[layer.path] += 1
+
+    with torch.no_grad(), forward_hooks(model, [FeatureLayer(path, path) for path in expected], count):
+        model.eval()(input_ids=_tokens(), pixel_values=torch.randn(2, 3, 8, 8))
     assert calls == dict.fromkeys(expected, 1)
 
 

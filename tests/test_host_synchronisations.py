@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import GPT2Config, GPT2Model
+from transformers import GPT2Config, GPT2Model, T5Config, T5Model
 
 import rank_lightning.streams as streams_module
 from rank_lightning.functional import streaming
@@ -265,6 +265,38 @@ def test_gpt2_blocks_read_the_mask_at_the_first_batch_only(monkeypatch, fake_cud
     )
     assert groupings == 3
     assert [what for what, _ in waits.at(0)] == ["value read back"]  # the mask's values, once for both blocks
+    assert [entry for entry in waits.found if entry[0] > 0] == []
+
+
+@pytest.mark.parametrize("reduction", ["token", "cls"])
+def test_an_encoder_decoder_reads_each_of_its_masks_at_the_first_batch_only(monkeypatch, fake_cuda, reduction):
+    """T5 fed source and target masks of one shape: the decoder's layers take the decoder's mask, whose values are
+    checked at the first batch, as the encoder's are (and, for "cls", its first column); later batches never wait."""
+
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = T5Model(T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2))
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.model(
+                input_ids=batch["inputs"],
+                attention_mask=batch["attention_mask"],
+                decoder_input_ids=batch["inputs"],
+                decoder_attention_mask=batch["decoder_attention_mask"],
+            ).last_hidden_state
+
+    batches = _token_batches(3)
+    for batch in batches:
+        batch["decoder_attention_mask"] = batch["attention_mask"].roll(1, 0)  # the targets' own lengths
+    layers = {"encoder": "model.encoder.block.1", "decoder": "model.decoder.block.1"}
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch, fake_cuda, Seq2Seq, layers, batches, reductions={3: reduction}, call_with_batch=True
+    )
+    assert groupings == 3
+    # One read per mask (two for "cls", whose first columns are read once per mask too), at the first batch only.
+    first = [what for what, _ in waits.at(0)]
+    assert first == ["value read back"] * (4 if reduction == "cls" else 2), waits.at(0)
     assert [entry for entry in waits.found if entry[0] > 0] == []
 
 

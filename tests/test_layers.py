@@ -13,6 +13,7 @@ from rank_lightning.layers import (
     check_layer_types,
     check_output_selector,
     compiled_modules,
+    decoder_layers,
     default_layers,
     eval_mode,
     feature_layer,
@@ -175,6 +176,14 @@ def test_layer_types_that_match_nothing_list_the_types_present():
 )
 def test_select_layers_speaks_one_syntax(layers, layer_types, expected):
     assert select_layers(_Net(), layers, layer_types) == expected
+
+
+def test_glob_characters_match_dots_too_as_fnmatch_does():
+    """``*`` is the block and everything inside it; the blocks alone match their index or keep their class."""
+    net = _Net()
+    assert list(select_layers(net, ["layer1*"]).values()) == ["layer1", "layer1.0", "layer1.1", "layer1.2"]
+    assert list(select_layers(net, ["layer?"]).values()) == ["layer1", "layer2"]
+    assert list(select_layers(net, ["layer*"], [nn.Sequential]).values()) == ["layer1", "layer2"]
 
 
 def test_select_layers_expands_containers_to_leaf_candidates_named_by_path():
@@ -573,6 +582,79 @@ def test_batch_reader_reads_the_attention_mask(reader, batch, expected):
 def test_a_mask_that_is_not_there_or_not_a_mask_is_an_error_saying_where_it_looked(reader, batch, message):
     with pytest.raises(ValueError, match=message):
         reader.mask(batch)
+
+
+_TARGET_MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+_SEQ2SEQ = {"input_ids": _IDS, "attention_mask": _MASK, "decoder_attention_mask": _TARGET_MASK}
+
+
+@pytest.mark.parametrize(
+    ("reader", "batch", "default", "expected"),
+    [
+        (BatchReader(), _SEQ2SEQ, True, _TARGET_MASK.bool()),
+        (BatchReader(mask_key="attention_mask"), _SEQ2SEQ, True, _TARGET_MASK.bool()),  # Hugging Face's name
+        (BatchReader(), {**_SEQ2SEQ, "decoder_attention_mask": _TARGET_MASK.bool()}, True, _TARGET_MASK.bool()),
+        (BatchReader(), {"input_ids": _IDS, "attention_mask": _MASK}, True, None),  # no target mask in this batch
+        (BatchReader(), (_IDS, _MASK, _TARGET_MASK), True, None),
+        (BatchReader(mask_key="source_mask"), {**_SEQ2SEQ, "source_mask": _MASK}, False, None),  # every layer's
+        (BatchReader(mask_key=lambda b: b["attention_mask"]), _SEQ2SEQ, False, None),
+        (BatchReader(mask_key=2), (_IDS, _MASK, _TARGET_MASK), False, None),
+        (BatchReader(mask_key=False), _SEQ2SEQ, False, None),
+    ],
+    ids=["default", "named_default", "bool", "absent", "tuple", "own_key", "function", "index", "none"],
+)
+def test_the_decoder_mask_is_read_under_hugging_faces_names_only(reader, batch, default, expected):
+    assert reader.default_mask_lookup is default
+    mask = reader.decoder_mask(batch)
+    if expected is None:
+        assert mask is None
+    else:
+        assert mask.dtype == torch.bool
+        assert torch.equal(mask, expected)
+
+
+def test_a_decoder_mask_that_is_not_a_mask_is_an_error_saying_where_it_looked():
+    with pytest.raises(
+        ValueError, match=r"the attention mask at 'decoder_attention_mask' .* values other than 0 and 1"
+    ):
+        BatchReader().decoder_mask({**_SEQ2SEQ, "decoder_attention_mask": _TARGET_MASK * 2})
+    with pytest.raises(ValueError, match=r"at 'decoder_attention_mask' .* must be a \(B, T\) tensor, found a list"):
+        BatchReader().decoder_mask({**_SEQ2SEQ, "decoder_attention_mask": [1, 0]})
+
+
+def test_decoder_layers_are_those_inside_the_decoder_of_a_hugging_face_encoder_decoder():
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    net = nn.Module()
+    net.t5 = T5ForConditionalGeneration(T5Config(vocab_size=20, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_heads=2))
+    net.bart = BartForConditionalGeneration(
+        BartConfig(vocab_size=20, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                   decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=8)
+    )  # fmt: skip
+    net.gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=20, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+    paths = [
+        "t5.encoder.block.0",  # T5's stacks carry their model's is_encoder_decoder: the model's decoder decides
+        "t5.encoder",
+        "t5.decoder.block.1",
+        "t5.decoder.block.1.layer.0.SelfAttention.q",
+        "t5.decoder",
+        "t5",  # holds both stacks
+        "t5.lm_head",
+        "bart.model.encoder.layers.0",
+        "bart.model.decoder.layers.0",
+        "gpt2.transformer.h.0",  # a decoder-only model has no encoder's mask to mistake
+        "",
+    ]
+    expected = ["t5.decoder.block.1", "t5.decoder.block.1.layer.0.SelfAttention.q", "t5.decoder"]
+    assert decoder_layers(net, {path or "net": path for path in paths}) == [*expected, "bart.model.decoder.layers.0"]
+    assert decoder_layers(net.t5, {"block": "decoder.block.0", "encoder": "encoder.block.0"}) == ["block"]
 
 
 @pytest.mark.parametrize("mask_key", [True, 1.5, b"mask"])

@@ -306,3 +306,61 @@ def test_a_layer_problem_is_warned_once_not_at_every_pass():
                 tracker.compute()
     capped = [str(w.message) for w in caught if "fewer than its 32 features" in str(w.message)]
     assert len(capped) == 1 and capped[0].startswith("layer 'fc1'"), capped
+
+
+def _seq2seq_batches(count: int = 2, size: int = 4, length: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Source and target padded to one length, each of its own: the encoder's mask fits the decoder's shape."""
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(count):
+        source = torch.arange(length)[None] < torch.randint(2, length + 1, (size, 1), generator=generator)
+        target = torch.arange(length)[None] < torch.randint(2, length, (size, 1), generator=generator)
+        batches.append(
+            {
+                "input_ids": torch.randint(1, 40, (size, length), generator=generator) * source,
+                "attention_mask": source.long(),
+                "labels": torch.randint(1, 40, (size, length), generator=generator).masked_fill(~target, -100),
+                "decoder_attention_mask": target.long(),
+            }
+        )
+    return batches
+
+
+def test_the_decoder_of_an_encoder_decoder_is_measured_on_the_target_tokens():
+    """A T5 model called with keyword inputs, or given both masks by hand: each stack's own real tokens."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config).eval()
+    batches = _seq2seq_batches()
+    tracker = RankTracker(model)
+    assert list(tracker.layers) == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+    outputs: dict[str, list[torch.Tensor]] = {path: [] for path in tracker.layers}
+    with torch.no_grad(), tracker:
+        handles = [
+            model.get_submodule(path).register_forward_hook(
+                lambda _m, _a, out, path=path: outputs[path].append(out[0] if isinstance(out, tuple) else out)
+            )
+            for path in tracker.layers
+        ]
+        for batch in batches:
+            model(**batch)  # keyword inputs: both masks read from them
+        for handle in handles:
+            handle.remove()
+        implicit = tracker.compute()
+        for batch in batches:
+            with tracker.batch(mask=batch["attention_mask"], decoder_mask=batch["decoder_attention_mask"]):
+                model(**batch)
+        explicit = tracker.compute()
+    _assert_equal(explicit, implicit)
+    for path, states in outputs.items():
+        key = "attention_mask" if path.startswith("encoder") else "decoder_attention_mask"
+        rows = torch.cat([h[batch[key].bool()] for h, batch in zip(states, batches, strict=True)]).double()
+        s = torch.linalg.svdvals(rows)
+        assert implicit[path]["token/spectrum_rows"] == rows.shape[0]
+        expected = float((s**2).sum() ** 2 / (s**4).sum())
+        assert implicit[path]["token/participation_ratio"] == pytest.approx(expected, rel=1e-12)
+        shares = s / s.sum()
+        expected = float(torch.exp(-(shares * shares.log()).sum()))
+        assert implicit[path]["token/effective_rank"] == pytest.approx(expected, rel=1e-12)

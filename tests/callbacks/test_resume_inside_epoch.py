@@ -15,13 +15,13 @@ from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, smal
 def test_a_fit_resumed_inside_a_monitored_epoch_measures_the_rest_of_it(tmp_path: Path) -> None:
     every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     first = ActivationRankMonitor(layers=["net.0"], stage="train", max_samples=None, verbose=False)
-    trainer = quiet_trainer([first, every_step], max_epochs=3, enable_checkpointing=True)
+    trainer = quiet_trainer([first, every_step], max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path)
     # 32 rows in batches of 8: 4 steps per epoch; step 6 is the second batch of epoch 1.
     trainer.fit(SmallClassifier(seed=0), small_loader(32), small_loader(16))
     assert first.curves.epochs == [-1, 0, 1, 2]
 
     resumed = ActivationRankMonitor(layers=["net.0"], stage="train", max_samples=None, verbose=False)
-    again = quiet_trainer([resumed], max_epochs=3)
+    again = quiet_trainer([resumed], max_epochs=3, default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match=r"the fit resumed inside epoch 1, after 2 of its batches: that epoch is "):
         again.fit(SmallClassifier(seed=0), small_loader(32), small_loader(16), ckpt_path=str(tmp_path / "step=6.ckpt"))
     assert resumed.curves.epochs == [-1, 0, 1, 2]

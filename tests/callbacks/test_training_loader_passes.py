@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,9 +55,9 @@ class _Recorder(pl.LightningModule):
         return DataLoader(_dataset(), batch_size=8)
 
 
-def _batches(callbacks: list, **kwargs: Any) -> list[list[int]]:
+def _batches(root: Path, callbacks: list, **kwargs: Any) -> list[list[int]]:
     model = _Recorder(num_workers=1, persistent_workers=True)
-    quiet_trainer(callbacks, max_epochs=2, **kwargs).fit(model)
+    quiet_trainer(callbacks, max_epochs=2, default_root_dir=root, **kwargs).fit(model)
     return model.seen
 
 
@@ -70,10 +71,10 @@ def _batches(callbacks: list, **kwargs: Any) -> list[list[int]]:
     ],
     ids=["step cadence", "step cadence, no initial point", "training data", "low-dimensional evaluation"],
 )
-def test_persistent_workers_train_on_the_batches_of_the_unmonitored_fit(make) -> None:
+def test_persistent_workers_train_on_the_batches_of_the_unmonitored_fit(tmp_path: Path, make) -> None:
     every_batch = [list(range(start, start + 8)) for start in range(0, ROWS, 8)] * 2
-    assert _batches([], val_check_interval=0.5) == every_batch
-    assert _batches([make()], val_check_interval=0.5) == every_batch
+    assert _batches(tmp_path, [], val_check_interval=0.5) == every_batch
+    assert _batches(tmp_path, [make()], val_check_interval=0.5) == every_batch
 
 
 class _Resumable(DataLoader):
@@ -141,11 +142,11 @@ class _ValidationRecorder(_Recorder):
         return DataLoader(_Noisy(), batch_size=8, num_workers=1, persistent_workers=True)
 
 
-def test_passes_over_a_persistent_validation_loader_leave_its_workers_random_state() -> None:
+def test_passes_over_a_persistent_validation_loader_leave_its_workers_random_state(tmp_path: Path) -> None:
     def validated(callbacks: list) -> torch.Tensor:
         pl.seed_everything(0, verbose=False)
         model = _ValidationRecorder()
-        quiet_trainer(callbacks, max_epochs=2).fit(model)
+        quiet_trainer(callbacks, max_epochs=2, default_root_dir=tmp_path).fit(model)
         return torch.cat(model.validated)
 
     plain = validated([])

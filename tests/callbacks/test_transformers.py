@@ -7,8 +7,11 @@ a few steps on CPU inside a LightningModule with dict batches (``input_ids``, ``
 
 from __future__ import annotations
 
+import ast
+import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,12 +19,21 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.functional import effective_rank, participation_ratio, total_cluster_variation
-from rank_lightning.layers import hidden_state
+from rank_lightning.layers import check_layer_types, hidden_state, select_layers
 from rank_lightning.models import create_model
 from tests.callbacks.trainer_helpers import quiet_trainer
 
@@ -474,3 +486,144 @@ def test_attention_elsewhere_in_a_wrapped_hugging_face_model_declares_nothing_ab
     masks = [batch["attention_mask"].bool() for batch in val]
     for path in GPT2_BLOCKS:
         _assert_matches(trainer, path, "token", torch.cat([h[m] for h, m in zip(outputs[path], masks, strict=True)]))
+
+
+# -- encoder-decoder models: each stack leaves out its own padding -----------------------------------------------------
+
+
+def _t5(encoder_layers: int = 2) -> HuggingFaceModule:
+    config = T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=encoder_layers, num_decoder_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return HuggingFaceModule(T5ForConditionalGeneration(config))
+
+
+def _bart() -> HuggingFaceModule:
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+    )  # fmt: skip
+    return HuggingFaceModule(BartForConditionalGeneration(config))
+
+
+SEQ2SEQ = {
+    "t5": (_t5, "model.encoder.block", "model.decoder.block"),
+    "bart": (_bart, "model.model.encoder.layers", "model.model.decoder.layers"),
+}
+
+
+def _seq2seq_batches(count: int, seed: int, *, decoder_mask: bool = True) -> list[dict[str, Tensor]]:
+    """Source and target both padded to ``LENGTH`` (``padding="max_length"``), each of its own length: the encoder's
+    ``attention_mask`` has the decoder's ``(B, T)`` shape and marks other positions. Labels are padded with -100."""
+    batches = _padded_batches(count, seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    for batch in batches:
+        lengths = torch.randint(2, LENGTH, (BATCH,), generator=generator)
+        target = torch.arange(LENGTH)[None] < lengths[:, None]
+        batch["labels"] = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=generator).masked_fill(~target, -100)
+        if decoder_mask:
+            batch["decoder_attention_mask"] = target.long()
+    return batches
+
+
+def _assert_spectrum_of(trainer: pl.Trainer, layer: str, rows: Tensor) -> None:
+    """The logged metrics of ``layer`` are those of the singular values of ``rows``, computed directly in float64."""
+    s = torch.linalg.svdvals(rows.double())
+    squares, shares = s**2, s / s.sum()
+    expected = {
+        "participation_ratio": float(squares.sum() ** 2 / (squares**2).sum()),
+        "stable_rank": float(squares.sum() / squares[0]),
+        "variance_ratio_1": float(squares[0] / squares.sum()),
+        "effective_rank": float(torch.exp(-(shares * shares.log()).sum())),
+    }
+    assert float(trainer.callback_metrics[f"rank/{layer}/token/spectrum_rows"]) == rows.shape[0]
+    for metric, value in expected.items():
+        # A post-LayerNorm output (BART's layers) has a null direction, the ones vector, whose singular value is
+        # float32 rounding (~1e-7 s_1): the float64 Gram resolves its eigenvalue (~1e-14 of the largest) to a few
+        # digits only, and the effective rank, which weighs every singular value, to about 1e-8.
+        tolerance = 1e-8 if metric == "effective_rank" and float(s[-1] / s[0]) < 1e-6 else 1e-12
+        assert float(trainer.callback_metrics[f"rank/{layer}/token/{metric}"]) == pytest.approx(value, rel=tolerance)
+
+
+def _validate(module: pl.LightningModule, monitors: list[ActivationRankMonitor], batches: list[Any]) -> pl.Trainer:
+    trainer = quiet_trainer(monitors, max_epochs=1)
+    trainer.validate(module, DataLoader(batches, batch_size=None), verbose=False)
+    return trainer
+
+
+def _stack_rows(outputs: dict, paths: list[str], masks: list[Tensor]) -> dict[str, Tensor]:
+    return {path: torch.cat([h[m] for h, m in zip(outputs[path], masks, strict=True)]) for path in paths}
+
+
+@pytest.mark.parametrize("mask_key", [None, "attention_mask"])
+@pytest.mark.parametrize("name", list(SEQ2SEQ))
+def test_each_stack_of_an_encoder_decoder_leaves_out_its_own_padding(name, mask_key):
+    """The decoder's layers read ``decoder_attention_mask``, not the encoder's mask of the same shape; by default and
+    when the encoder's mask is named by Hugging Face's name. Both stacks are monitored by default."""
+    make, encoder, decoder = SEQ2SEQ[name]
+    torch.manual_seed(0)
+    module, batches = make(), _seq2seq_batches(2, seed=1)
+    sources = [batch["attention_mask"].bool() for batch in batches]
+    targets = [batch["decoder_attention_mask"].bool() for batch in batches]
+    assert sum(int(m.sum()) for m in sources) != sum(int(m.sum()) for m in targets)
+    monitor = ActivationRankMonitor(mask_key=mask_key, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _validate(module, [monitor], batches)
+    assert not [w for w in caught if "mask" in str(w.message)]
+    encoder_paths, decoder_paths = [f"{encoder}.{i}" for i in range(2)], [f"{decoder}.{i}" for i in range(2)]
+    assert list(monitor.monitored) == encoder_paths + decoder_paths
+    outputs = _block_outputs(module, encoder_paths + decoder_paths, batches, module)
+    rows = {**_stack_rows(outputs, encoder_paths, sources), **_stack_rows(outputs, decoder_paths, targets)}
+    for path, real in rows.items():
+        _assert_spectrum_of(trainer, path, real)
+
+
+def test_a_decoder_without_its_mask_is_measured_whole_with_a_warning_per_layer():
+    torch.manual_seed(0)
+    module, batches = _t5(), _seq2seq_batches(2, seed=1, decoder_mask=False)
+    decoder_paths = ["model.decoder.block.0", "model.decoder.block.1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _validate(module, [ActivationRankMonitor(verbose=False)], batches)
+    named = [str(w.message) for w in caught if "decoder_attention_mask" in str(w.message)]
+    assert len(named) == 2  # once per decoder layer, although two batches lacked the mask
+    for path, message in zip(decoder_paths, named, strict=True):
+        assert f"layer {path!r} is in the decoder of an encoder-decoder model" in message
+        assert "its padded target positions are measured too" in message and "labels != -100" in message
+    encoder = "model.encoder.block.1"  # still leaves out the source's padding
+    outputs = _block_outputs(module, [encoder, *decoder_paths], batches, module)
+    sources = [batch["attention_mask"].bool() for batch in batches]
+    _assert_spectrum_of(trainer, encoder, _stack_rows(outputs, [encoder], sources)[encoder])
+    for path in decoder_paths:
+        _assert_spectrum_of(trainer, path, torch.cat([h.reshape(-1, h.shape[-1]) for h in outputs[path]]))
+
+
+def test_a_mask_key_of_ones_own_is_the_mask_of_every_layer():
+    """Any other ``mask_key`` is every layer's mask, as documented: here the target's mask for the encoder too."""
+    torch.manual_seed(0)
+    module, batches = _t5(), _seq2seq_batches(2, seed=1)
+    monitor = ActivationRankMonitor(mask_key="decoder_attention_mask", verbose=False)
+    trainer = _validate(module, [monitor], batches)
+    targets = [batch["decoder_attention_mask"].bool() for batch in batches]
+    outputs = _block_outputs(module, list(monitor.monitored.values()), batches, module)
+    for path, rows in _stack_rows(outputs, list(monitor.monitored.values()), targets).items():
+        _assert_spectrum_of(trainer, path, rows)
+
+
+def test_the_documented_patterns_select_the_blocks_of_one_stack_and_nothing_inside_them():
+    """``*`` crosses dots (``fnmatch``): the patterns docs/transformers.md gives for T5 must select the blocks alone."""
+    module = _t5(encoder_layers=11)  # two-digit indices
+    stacks = [[f"model.encoder.block.{i}" for i in range(11)], ["model.decoder.block.0", "model.decoder.block.1"]]
+    docs = (Path(__file__).parents[2] / "docs" / "transformers.md").read_text()
+    checked = 0
+    for layers, types in re.findall(r"layers=(\[[^\]]*\])(?:, layer_types=(\[[^\]]*\]))?", docs):
+        patterns = ast.literal_eval(layers)
+        if not all(str(pattern).startswith(("model.encoder.", "model.decoder.")) for pattern in patterns):
+            continue
+        layer_types = check_layer_types(ast.literal_eval(types)) if types else None
+        assert list(select_layers(module, patterns, layer_types).values()) in stacks, (patterns, layer_types)
+        checked += 1
+    assert checked >= 3
+    assert len(select_layers(module, ["model.encoder.block.*"])) > 11  # the blocks and the modules inside them
