@@ -335,7 +335,7 @@ class ActivationRankMonitor(CurveMonitor):
         return self.monitored
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.cadence.check_window(trainer)
         self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
@@ -525,6 +525,7 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_start(trainer, pl_module)
         # Validation interrupts a monitored training epoch or window: its forward passes are not training data.
         if self._monitoring("train"):
             self._stream.pause()

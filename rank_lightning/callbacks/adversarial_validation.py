@@ -241,7 +241,7 @@ class AdversarialValidation(RankCallback):
     # -- setup -----------------------------------------------------------------------------------------------------
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         stage = str(getattr(stage, "value", stage))
         loop = {"validate": "validate_loop", "test": "test_loop"}.get(stage)
         if loop is not None and getattr(getattr(trainer, loop, None), "inference_mode", False):

@@ -215,6 +215,15 @@ def validations_per_epoch(trainer: pl.Trainer) -> float:
     return math.inf if math.isinf(batches) else float(max(1, int(batches // every)))
 
 
+def builds_layers_later(pl_module: Any) -> bool:
+    """Whether ``pl_module`` overrides ``configure_model``, where Lightning's sharded strategies have the layers built
+    after the callbacks' ``setup`` (either Lightning package)."""
+    for cls in type(pl_module).__mro__:
+        if cls.__name__ == "LightningModule" and cls.__module__.startswith(("pytorch_lightning.", "lightning.")):
+            return getattr(type(pl_module), "configure_model", None) is not getattr(cls, "configure_model", None)
+    return False
+
+
 class RankCallback(pl.Callback):
     """Base of the package's callbacks: messages on rank zero, each warning once.
 
@@ -226,6 +235,41 @@ class RankCallback(pl.Callback):
         super().__init__()
         self.verbose = verbose
         self._warned: set[tuple[str, ...]] = set()
+        self._stage_to_prepare: str | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """:meth:`prepare` for ``stage``; for a module that builds its layers in ``configure_model`` (Lightning's way
+        for sharded models, called after the callbacks' ``setup``), when the stage starts instead (``on_fit_start``,
+        ``on_validation_start``, ``on_test_start``, ``on_predict_start``), where the layers exist."""
+        if builds_layers_later(pl_module):
+            self._stage_to_prepare = str(getattr(stage, "value", stage))
+            return
+        self.prepare(trainer, pl_module, stage)
+
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check the settings against the module and the trainer, and choose the layers (nothing by default)."""
+
+    def _prepare_if_waiting(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stage, self._stage_to_prepare = self._stage_to_prepare, None
+        if stage is not None:
+            self.prepare(trainer, pl_module, stage)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare_if_waiting(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare_if_waiting(trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare_if_waiting(trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare_if_waiting(trainer, pl_module)
 
     def info(self, message: str) -> None:
         """Print ``"<ClassName>: <message>"`` on rank zero when ``verbose``."""
@@ -352,6 +396,7 @@ class CurveMonitor(RankCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
         # RANK_LIGHTNING_FIGURE_WORKERS is read now: a bad value is an error when the fit starts, not at its end. The
         # workers themselves are started at the first record (LayerCurves), when the number of figures is known.
         if trainer.is_global_zero:

@@ -306,7 +306,7 @@ class ClassificationDimension(RankCallback):
         return classifier_head(module, self.head)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._head_path = self.find_head(pl_module)
 
     @override

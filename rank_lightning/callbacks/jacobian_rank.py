@@ -208,7 +208,7 @@ class JacobianRankMonitor(CurveMonitor):
         )
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_distinct_namespaces(trainer, self)
         self.select(pl_module)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())

@@ -90,7 +90,7 @@ class LowDimensionalEvaluation(RankCallback):
         self._layer: FeatureLayer | None = None
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Resolved before any data is loaded, so that a wrong name fails at once.
         if stage == "fit":
             self._layer = feature_layer(pl_module, self.layer)

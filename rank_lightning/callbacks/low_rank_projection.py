@@ -92,7 +92,7 @@ class LowRankProjection(RankCallback):
         self._highest: float | None = None
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and not lr_layers(pl_module):
             raise ValueError(
                 f"{type(pl_module).__name__} contains no LRLayer; add one with rank_lightning.nn.insert_lr_layer"

@@ -151,7 +151,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         return classifier_head(module, self.head)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_distinct_namespaces(trainer, self)
         self._head_path = self.find_head(pl_module)
         self.info(f"neural collapse of the input of {self._head_path!r} (two passes over the validation data)")

@@ -109,7 +109,7 @@ class RankPretraining(RankCallback):
         self.results: dict[str, dict[str, float]] = {}
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Fail before any data is loaded if the layer does not exist.
         if stage == "fit":
             feature_layer(pl_module, self.layer)

@@ -374,7 +374,7 @@ class WeightRankMonitor(CurveMonitor):
         return default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=size, dtype_eps=eps)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")

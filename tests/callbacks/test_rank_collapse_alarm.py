@@ -199,7 +199,9 @@ def test_step_measurements_are_each_judged_once_whatever_the_callback_order(tmp_
     model = SmallClassifier((6, 12, 4), lr=0.1, activation=nn.Tanh, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = quiet_trainer([alarm, monitor] if alarm_first else [monitor, alarm], max_epochs=2)
+        trainer = quiet_trainer(
+            [alarm, monitor] if alarm_first else [monitor, alarm], max_epochs=2, default_root_dir=tmp_path
+        )
         trainer.fit(model, DataLoader(data, batch_size=8))
 
     # 10 batches per epoch, 2 epochs: measured at steps 3, 6, ..., 18; each value judged once (at the end of its
