@@ -339,8 +339,13 @@ class ActivationStream:
             return
         if name in self._seen_this_batch:
             # A module called twice per forward (a shared ReLU) would mix two representations.
-            message = "runs more than once per forward pass; only its first call is measured. Monitor a module that "
-            self._warn(name, "reuse", message + "runs once instead.")
+            message = (
+                "runs more than once per batch: a module called twice in one forward pass (a shared activation), or a "
+                "step that makes several forward passes (generate(), a second view of the batch). Only its first call "
+                "of each batch is measured; to measure another, monitor a module that runs once per forward pass, or "
+                "make the extra passes outside the step."
+            )
+            self._warn(name, "reuse", message)
             return
         self._seen_this_batch.add(name)
         try:

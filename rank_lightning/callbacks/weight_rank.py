@@ -377,7 +377,12 @@ class WeightRankMonitor(CurveMonitor):
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
-        self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
+        run = str(getattr(stage, "value", stage))
+        if run in ("validate", "test"):
+            # Weights are measured during fit: an evaluation run leaves them as the fit or the checkpoint has them.
+            self.info(f"trainer.{run} is not monitored (weights are measured during fit)")
+        else:
+            self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
         dtype = self.tolerance_dtype
         self.curves.describe(
             rank_tolerance=self.rank_tolerance,

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.functional import participation_ratio
 from rank_lightning.plotting import caption_text, layer_curves_figure
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
@@ -151,3 +152,23 @@ def test_a_batch_that_changes_a_flatten_layers_features_is_skipped_with_the_reas
     rows = torch.cat([_Tokens()(b).reshape(6, -1) for b in batches[:2]]).detach().double()
     expected = float(torch.linalg.matrix_rank(rows))
     assert results["rank/proj/flatten/numerical_rank"] == expected
+
+
+def test_a_layer_run_twice_per_batch_is_measured_on_its_first_call_with_a_warning_saying_why(tmp_path):
+    class _TwoPasses(SmallClassifier):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.net(batch[0])
+            self.net(2 * batch[0] + 1)  # a second forward pass in the step (as generate() makes)
+
+    model = _TwoPasses(seed=0)
+    monitor = ActivationRankMonitor(layers=["net.0"], verbose=False)
+    with pytest.warns(UserWarning, match=r"'net.0' runs more than once per batch: .*generate\(\)") as caught:
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(
+            model, small_loader(), small_loader(seed=1)
+        )
+    assert sum("runs more than once" in str(w.message) for w in caught) == 1
+    with torch.no_grad():
+        rows = torch.cat([model.net[0](x) for x, _ in small_loader(seed=1)]).double()
+    assert monitor.curves.history[0]["net.0"]["participation_ratio"] == pytest.approx(
+        float(participation_ratio(rows)), rel=1e-9
+    )

@@ -520,3 +520,17 @@ def test_the_caption_states_the_tolerance_and_its_dtype(tmp_path, tolerance_dtyp
 def test_tolerance_dtype_is_validated(options, message):
     with pytest.raises(ValueError, match=message):
         WeightRankMonitor(**options)
+
+
+def test_an_evaluation_run_says_that_weights_are_not_measured_there(tmp_path, callback_messages):
+    monitor = WeightRankMonitor(layers=["attn", "head"], metrics=["stable_rank"])
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    model = _Model()
+    model.test_step = model.validation_step
+    trainer.validate(model, _loader(16), verbose=False)
+    trainer.test(model, _loader(16), verbose=False)
+    assert callback_messages == [
+        "WeightRankMonitor: trainer.validate is not monitored (weights are measured during fit)",
+        "WeightRankMonitor: trainer.test is not monitored (weights are measured during fit)",
+    ]
+    assert monitor.curves.epochs == []
