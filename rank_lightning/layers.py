@@ -492,7 +492,10 @@ def select_layers(
             name containing ``"/"`` (it separates the parts of a logged key).
     """
     modules = dict(module.named_modules())
-    candidates = {name: m for name, m in modules.items() if name} if candidates is None else dict(candidates)
+    if candidates is None:
+        candidates = {name: m for name, m in modules.items() if name and not _inside_metric(name, modules)}
+    else:
+        candidates = dict(candidates)
     blocks = module_blocks(module) or {}
     if layers is None and layer_types is not None:
         # A type alone asks for every layer of that type, not for the default layers that happen to have it.
@@ -518,6 +521,23 @@ def select_layers(
         if "/" in name:
             raise ValueError(f"layer name {name!r} contains '/', which separates the parts of a logged key")
     return chosen
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchmetrics ``Metric`` (or collection): a module of the LightningModule that holds
+    running statistics, not a layer of the network (told by its classes, without importing torchmetrics)."""
+    return any(
+        cls.__name__ in ("Metric", "MetricCollection") and cls.__module__.startswith("torchmetrics")
+        for cls in type(module).__mro__
+    )
+
+
+def _inside_metric(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether the module at ``name`` is a metric or lies inside one."""
+    parts = name.split(".")
+    return any(
+        _is_metric(modules[".".join(parts[:i])]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules
+    )
 
 
 # -- one layer's features --------------------------------------------------------------------------------------------

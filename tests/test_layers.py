@@ -782,3 +782,21 @@ def test_random_state_kept_restores_every_stream_a_pass_draws_from():
     with random_state_kept(module, [nested]):
         draws(), draws()
     assert draws() == expected
+
+
+def test_metrics_of_the_module_are_no_layers():
+    import pytorch_lightning as pl
+    import torchmetrics
+
+    class _WithMetrics(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+            self.val_acc = torchmetrics.classification.MulticlassAccuracy(3)
+            self.metrics = torchmetrics.MetricCollection({"f1": torchmetrics.classification.MulticlassF1Score(3)})
+
+    with pytest.raises(ValueError, match=r"unknown layer 'val_acc'; layers are: net, net\.0, net\.1$"):
+        select_layers(_WithMetrics(), ["val_acc"])
+    with pytest.raises(ValueError, match=r"their types are: Linear, ReLU, Sequential$"):
+        select_layers(_WithMetrics(), None, ["MulticlassAccuracy"])
+    assert select_layers(_WithMetrics(), ["*"]) == {"net": "net", "net.0": "net.0", "net.1": "net.1"}
