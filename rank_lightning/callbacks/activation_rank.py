@@ -142,8 +142,9 @@ class ActivationRankMonitor(CurveMonitor):
             al.'s alpha-ReQ is a property of the covariance, i.e. of centred activations.
         alpha_req_range: ``(first_index, last_index)``, the 1-based eigenvalue ranks the ``alpha_req`` fit covers
             (Agrawal et al. fit 11 to 100); ``last_index=None`` for the last numerically non-zero one.
-        num_classes: number of classes of the labels; ``None`` reads ``pl_module.num_classes`` or the datamodule's
-            ``num_classes``; class metrics are skipped without it.
+        num_classes: number of classes of the labels; ``None`` reads ``pl_module.num_classes``, the datamodule's
+            ``num_classes``, or the ``config.num_labels`` of a Hugging Face ``...ForSequenceClassification`` (image,
+            audio) model inside the module; class metrics are skipped without it.
         label_key: where the labels are in a batch: an index for tuples/lists, a key for dicts; ``None`` takes
             ``batch[1]`` or the first of ``y``, ``label``, ``labels``, ``target``, ``targets``. One-hot labels are
             read as their argmax. An explicit ``label_key`` that finds no labels raises at the first batch; the
@@ -751,9 +752,18 @@ def _spectrum_options(**options: Any) -> dict[str, Any]:
     return options
 
 
+_CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification")
+
+
 def _num_classes_of(pl_module: nn.Module, trainer: pl.Trainer) -> int | None:
+    """``num_classes`` of the module or the datamodule, else ``config.num_labels`` of a Hugging Face classifier of
+    whole inputs (``...ForSequenceClassification`` and the like) inside the module."""
     for source in (pl_module, getattr(trainer, "datamodule", None)):
         value = getattr(source, "num_classes", None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
+    for module in pl_module.modules():
+        labels = getattr(getattr(module, "config", None), "num_labels", None)
+        if type(module).__name__.endswith(_CLASSIFIER_SUFFIXES) and isinstance(labels, int) and labels > 1:
+            return labels
     return None

@@ -627,3 +627,29 @@ def test_the_documented_patterns_select_the_blocks_of_one_stack_and_nothing_insi
         checked += 1
     assert checked >= 3
     assert len(select_layers(module, ["model.encoder.block.*"])) > 11  # the blocks and the modules inside them
+
+
+def test_the_classes_of_a_hugging_face_classifier_come_from_its_config():
+    torch.manual_seed(0)
+    classifier = _bert()
+    classifier.num_classes = None  # as a user's module has it: the classes are the model config's num_labels
+    val = _padded_batches(2, seed=1)
+    trainer = _fit(
+        classifier, ActivationRankMonitor(log_at_init=False, token_reduction="mean"), _padded_batches(1, 0), val
+    )
+    path = "model.bert.encoder.layer.2"
+    hidden = _block_outputs(classifier, [path], val, classifier)[path]
+    rows = torch.stack(
+        [
+            s[:n].double().mean(0)
+            for h, b in zip(hidden, val, strict=True)
+            for s, n in zip(h, b["attention_mask"].sum(1))
+        ]
+    )
+    labels = torch.cat([batch["labels"] for batch in val])
+    expected = float(total_cluster_variation(rows, labels, num_classes=CLASSES))
+    assert _logged(trainer, path, "mean", "tcv") == pytest.approx(expected, rel=1e-9)
+    # A language model's config has num_labels too (2 by default), but no classes of whole inputs: none are read.
+    language_model = ActivationRankMonitor(log_at_init=False)
+    _fit(_gpt2(), language_model, _causal_lm_batches(1, 0), _causal_lm_batches(1, 1))
+    assert language_model._num_classes is None
