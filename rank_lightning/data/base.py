@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -153,6 +154,16 @@ class RankDataModule(pl.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+
+    def _save_resolved_hyperparameters(self, **values: Any) -> None:
+        """Replace saved hyperparameters by the values they resolved to, e.g. ``num_classes=None`` by the count.
+
+        The CLI links the datamodule's ``num_classes`` and ``input_shape`` into the model, which saves the resolved
+        values; Lightning refuses to log a model and a datamodule that saved one key with two values ("Error while
+        merging hparams"), and a checkpoint should record what was trained. Call after ``save_hyperparameters``.
+        """
+        self.hparams.update(values)
+        self._hparams_initial.update(copy.deepcopy(values))
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches; the order is drawn from a generator seeded with ``seed``."""
