@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rank_lightning.cli import main
 from rank_lightning.data import create_datamodule, list_datamodules
 from rank_lightning.data.base import get_datamodule_class
 from rank_lightning.modules import ImageClassifier
+from tests.cli.test_checkpoints import PARTIAL_CONFIGS
 from tests.data.test_folder import write_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +90,39 @@ def test_two_lr_overlay_adds_the_layer_before_the_last_block(capsys):
         )
     out = capsys.readouterr().out
     assert "before: layer4" in out and "rank: 1000" in out and "before: head" in out
+
+
+def _printed_config(capsys, *configs: str) -> dict:
+    """The config ``fit`` resolves from ``configs`` (names under configs/, in order), as ``--print_config`` shows it."""
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "fit",
+                *(arg for config in configs for arg in ("--config", str(ROOT / "configs" / config))),
+                "--print_config",
+            ]
+        )
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("overlay", [name for name in PARTIAL_CONFIGS if name.startswith("overlays/")])
+def test_an_overlay_keeps_the_loggers_of_its_base_config(overlay, capsys):
+    # A logger list in a later config replaces the earlier one: an overlay that gave only a CSVLogger dropped the
+    # base config's TensorBoard logger.
+    base = _printed_config(capsys, PARTIAL_CONFIGS[overlay])["trainer"]["logger"]
+    composed = _printed_config(capsys, PARTIAL_CONFIGS[overlay], overlay)["trainer"]["logger"]
+    assert [logger["class_path"] for logger in composed] == [logger["class_path"] for logger in base]
+
+
+def test_the_two_lr_overlay_logs_under_its_own_name(capsys):
+    config = _printed_config(capsys, "lr_layer_resnet18_cifar10.yaml", "overlays/lr_layer_resnet18_2lr.yaml")
+    assert [
+        (logger["class_path"].rsplit(".", 1)[1], logger["init_args"]["save_dir"], logger["init_args"]["name"])
+        for logger in config["trainer"]["logger"]
+    ] == [
+        ("CSVLogger", "runs", "lr_layer_resnet18_2lr"),
+        ("TensorBoardLogger", "runs/lr_layer_resnet18_2lr", "tensorboard"),
+    ]
 
 
 def test_unknown_backbone_is_a_clear_error(capsys):
