@@ -15,6 +15,7 @@ as one message; ``RANK_LIGHTNING_DEBUG=1`` shows their traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -118,16 +119,20 @@ class RankCLI(LightningCLI):
         )
 
     def _run_subcommand(self, subcommand: str) -> None:
-        # The loggers create their versioned directories before the callbacks' and the model's setup, so a setup
-        # error would leave an empty version_<n>/ behind and push the next run to version_<n+1>. LightningCLI has no
-        # hook for a failed subcommand; this method is where it calls the trainer.
+        # The loggers create their versioned directories (and the folders above them: runs/<name>/tensorboard/ for
+        # the first run) before the callbacks' and the model's setup, so a setup error would leave an empty
+        # version_<n>/ behind and push the next run to version_<n+1>. LightningCLI has no hook for a failed
+        # subcommand; this method is where it calls the trainer.
         new_directories = _new_log_directories(self.trainer)
+        new_parents = _missing_parents(new_directories)
         try:
             super()._run_subcommand(subcommand)
         except Exception:
             if self.trainer.is_global_zero and not self.trainer.logged_metrics:
                 for directory in new_directories:
                     _remove_if_without_results(directory)
+                for directory in new_parents:
+                    _remove_if_empty(directory)
             raise
 
 
@@ -135,6 +140,23 @@ def _new_log_directories(trainer: pl.Trainer) -> list[Path]:
     """The versioned directories of the trainer's loggers (CSV, TensorBoard) that do not exist yet."""
     directories = [getattr(logger, "log_dir", None) for logger in trainer.loggers]
     return [Path(d) for d in directories if d is not None and not Path(d).exists()]
+
+
+def _missing_parents(directories: list[Path]) -> list[Path]:
+    """The folders above ``directories`` that do not exist yet, deepest first (so each is emptied before its parent)."""
+    missing = set()
+    for directory in directories:
+        parent = directory.parent
+        while not parent.exists():
+            missing.add(parent)
+            parent = parent.parent
+    return sorted(missing, key=lambda path: len(path.parts), reverse=True)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Remove ``directory`` if it exists and is empty; one that another run has written to meanwhile is kept."""
+    with contextlib.suppress(OSError):  # rmdir removes only an empty folder
+        directory.rmdir()
 
 
 def _remove_if_without_results(directory: Path) -> None:

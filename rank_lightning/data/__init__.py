@@ -1,6 +1,7 @@
 """LightningDataModules created by name: ``create_datamodule(name, **kwargs)``; ``list_datamodules()`` lists names."""
 
 from rank_lightning.data.base import (
+    EpochShuffleSampler,
     RankDataModule,
     create_datamodule,
     list_datamodules,
@@ -22,6 +23,7 @@ __all__ = [
     "CIFAR10DataModule",
     "CIFAR100DataModule",
     "DigitsDataModule",
+    "EpochShuffleSampler",
     "FashionMNISTDataModule",
     "GaussianMixtureDataModule",
     "GaussianNoiseDataModule",

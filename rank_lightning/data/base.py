@@ -1,14 +1,15 @@
-"""The base class shared by every datamodule, the name registry, and the seeded stratified split."""
+"""The base class shared by every datamodule, the name registry, the seeded stratified split and shuffle order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, TypeVar
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from rank_lightning.validation import check_non_negative_int, check_positive_int
 
@@ -95,6 +96,46 @@ def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) 
     return tuple(np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts)
 
 
+class EpochShuffleSampler(RandomSampler):
+    """A new random order of ``data_source`` in every epoch, which depends on ``seed`` and the epoch alone.
+
+    Epoch ``e`` reads the samples in the order ``torch.randperm(n, generator=torch.Generator().manual_seed(s))``,
+    where ``s`` is drawn from ``numpy.random.SeedSequence([seed, e])``. Lightning calls :meth:`set_epoch` at the start
+    of every training epoch with the number of epochs already finished, which a fit resumed from a checkpoint restores
+    (``fit_loop`` in Lightning 2.x): the resumed fit reads every epoch in the order the uninterrupted fit read it.
+    (A generator seeded once and drawn from in every epoch would restart from the first epoch's order instead.) The
+    sampler keeps no random state, so an extra pass over the loader, such as a callback's, changes no later order.
+
+    It is a :class:`~torch.utils.data.RandomSampler`, so under DDP Lightning replaces it with its
+    ``DistributedSampler(shuffle=True)``, whose order is a function of ``seed_everything``'s seed and the epoch.
+
+    Args:
+        data_source: the dataset to shuffle.
+        seed: seed of the orders, a non-negative integer.
+
+    Example::
+
+        sampler = EpochShuffleSampler(dataset, seed=0)
+        loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+        sampler.set_epoch(3)  # Lightning does this; list(sampler) is now epoch 3's order
+    """
+
+    def __init__(self, data_source: Sized, *, seed: int = 0) -> None:
+        super().__init__(data_source)
+        check_non_negative_int("seed", seed)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Serve the order of epoch ``epoch`` (0 for the first epoch) from now on."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        [state] = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)
+        generator = torch.Generator().manual_seed(int(state))
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
 def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
     """Raise ``ValueError`` unless ``0 <= val_fraction``, ``0 < test_fraction`` and their sum is below 1."""
     if not 0.0 <= val_fraction < 1.0:
@@ -124,7 +165,8 @@ class RankDataModule(pl.LightningDataModule):
         batch_size: samples per batch, in every split.
         num_workers: loader worker processes; 0 loads in the main process.
         pin_memory: page-lock batches for faster host-to-GPU copies.
-        seed: seeds everything random in the data (splits, generated samples, the training shuffle order).
+        seed: seeds everything random in the data (splits, generated samples, the training shuffle order); a
+            non-negative integer.
         drop_last: drop the last incomplete training batch (BatchNorm fails on a batch of one sample).
     """
 
@@ -145,6 +187,7 @@ class RankDataModule(pl.LightningDataModule):
         super().__init__()
         check_positive_int("batch_size", batch_size)
         check_non_negative_int("num_workers", num_workers)
+        check_non_negative_int("seed", seed)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
@@ -154,10 +197,21 @@ class RankDataModule(pl.LightningDataModule):
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
 
+    def _save_resolved_hyperparameters(self, **values: Any) -> None:
+        """Replace saved hyperparameters by the values they resolved to, e.g. ``num_classes=None`` by the count.
+
+        The CLI links the datamodule's ``num_classes`` and ``input_shape`` into the model, which saves the resolved
+        values; Lightning refuses to log a model and a datamodule that saved one key with two values ("Error while
+        merging hparams"), and a checkpoint should record what was trained. Call after ``save_hyperparameters``.
+        """
+        self.hparams.update(values)
+        self._hparams_initial.update(copy.deepcopy(values))
+
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches; the order is drawn from a generator seeded with ``seed``."""
-        generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(self._split("train"), shuffle=True, drop_last=self.drop_last, generator=generator)
+        """Shuffled training batches, in an order that is a function of ``seed`` and the epoch
+        (:class:`EpochShuffleSampler`): a fit resumed from a checkpoint reads the epochs as the uninterrupted fit."""
+        dataset = self._split("train")
+        return self._loader(dataset, sampler=EpochShuffleSampler(dataset, seed=self.seed), drop_last=self.drop_last)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchvision import datasets
@@ -15,19 +17,37 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+class _ImageFolderOfClasses(datasets.ImageFolder):
+    """``ImageFolder`` whose labels follow a given class-to-index map (the training folder's), not its own folders.
+
+    Classes of the map without a folder, or with an empty one, have no samples; folders outside the map are not read.
+    """
+
+    def __init__(self, root: Path, class_to_idx: dict[str, int], **kwargs: Any) -> None:
+        self._given_classes = dict(class_to_idx)
+        super().__init__(str(root), allow_empty=True, **kwargs)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        return list(self._given_classes), dict(self._given_classes)
+
+
 @register_datamodule("image_folder")
 class ImageFolderDataModule(RankDataModule):
     """RGB images laid out as ``<data_dir>/<split>/<class name>/<image file>``.
 
     The training split is ``train_dir``, validation ``val_dir``; the test split is ``test_dir``, or the
     validation folder when ``test_dir`` is None (as for ImageNet, whose public ``val`` set serves as test set).
-    Class indices follow the sorted class-folder names of the training folder; the other folders must hold the
-    same classes. Evaluation images are resized (shorter side ``resize_size``) and centre-cropped to
+    Class indices follow the sorted class-folder names of the training folder, in every split: a validation or test
+    folder may lack some of the training classes (a small hold-out set often does; a warning names them), and its
+    labels are still the training folder's indices (``torchvision.datasets.ImageFolder`` alone would number its own
+    folders and shift every later class). A class folder that the training folder lacks is an error, since the
+    model has no output for it. Evaluation images are resized (shorter side ``resize_size``) and centre-cropped to
     ``image_size``; training images likewise, or with ``augment=True`` randomly resized-cropped to
     ``image_size`` and flipped horizontally. Normalisation defaults to the ImageNet constants.
 
     ``num_classes`` must be known after ``__init__``: given, it is checked against the folders in ``setup``;
-    left None, it is the number of class folders in the training folder, counted in ``__init__``.
+    left None, it is the number of class folders in the training folder, counted in ``__init__`` and saved as such in
+    ``hparams`` (the module the CLI links it into saves the count, and Lightning refuses two different values).
 
     Args:
         data_dir: root folder holding the split folders.
@@ -89,6 +109,7 @@ class ImageFolderDataModule(RankDataModule):
         self.std = tuple(float(s) for s in std)
         if num_classes is None:
             num_classes = len(datasets.folder.find_classes(str(self._split_path("train")))[0])
+            self._save_resolved_hyperparameters(num_classes=num_classes)
         self.num_classes = num_classes
 
     def setup(self, stage: str | None = None) -> None:
@@ -103,26 +124,46 @@ class ImageFolderDataModule(RankDataModule):
             )
         else:
             training = evaluation
-        splits = {
-            split: datasets.ImageFolder(
-                str(self._split_path(split)), transform=training if split == "train" else evaluation
-            )
-            for split in ("train", "val", "test")
-        }
-        classes = splits["train"].classes
+        train = datasets.ImageFolder(str(self._split_path("train")), transform=training)
+        classes = train.classes
         if len(classes) != self.num_classes:
             raise ValueError(
                 f"num_classes={self.num_classes} but {self._split_path('train')} holds {len(classes)} class folders"
             )
-        for split in ("val", "test"):
-            other = splits[split].classes
-            if other != classes:
-                raise ValueError(
-                    f"class folders of {self._split_path(split)} differ from the training folder: "
-                    f"only in {split}: {sorted(set(other) - set(classes))}, "
-                    f"only in train: {sorted(set(classes) - set(other))}"
-                )
-        self.train_set, self.val_set, self.test_set = splits["train"], splits["val"], splits["test"]
+        val = self._evaluation_folder("val", train, evaluation)
+        test = (
+            val
+            if self.split_dirs["test"] == self.split_dirs["val"]
+            else self._evaluation_folder("test", train, evaluation)
+        )
+        self.train_set, self.val_set, self.test_set = train, val, test
+
+    def _evaluation_folder(
+        self, split: str, train: datasets.ImageFolder, transform: v2.Transform
+    ) -> datasets.ImageFolder:
+        """The ``split`` folder, labelled with the training folder's class indices.
+
+        Raises:
+            ValueError: the folder holds a class folder that the training folder lacks.
+        """
+        path = self._split_path(split)
+        unknown = sorted(set(datasets.folder.find_classes(str(path))[0]) - set(train.classes))
+        if unknown:
+            raise ValueError(
+                f"class folders of {path} that the training folder {self._split_path('train')} lacks: {unknown}; "
+                "every class of the validation and test folders needs training images (the model has no output for it)"
+            )
+        dataset = _ImageFolderOfClasses(path, train.class_to_idx, transform=transform)
+        present = {train.classes[label] for label in dataset.targets}
+        missing = [name for name in train.classes if name not in present]
+        if missing:
+            warnings.warn(
+                f"{path} holds no images of the training classes {missing}: it is labelled with the training "
+                "folder's class indices, and these classes are absent from its metrics",
+                UserWarning,
+                stacklevel=3,
+            )
+        return dataset
 
     def _split_path(self, split: str) -> Path:
         path = self.data_dir / self.split_dirs[split]

@@ -10,6 +10,11 @@ from rank_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"loggers", "overlays", "sweeps"} & set(p.parts))
+# The configs that complete another one (given after it on the command line), each with the config it completes.
+PARTIAL_CONFIGS = {
+    "loggers/wandb.yaml": "quickstart.yaml",
+    "overlays/lr_layer_resnet18_2lr.yaml": "lr_layer_resnet18_cifar10.yaml",
+}
 
 
 def _checkpoint_arguments(config: Path) -> list[dict]:
@@ -33,6 +38,48 @@ def test_configs_with_a_monitored_checkpoint_also_write_last_ckpt():
     assert monitored
     for config in monitored:
         assert any(a.get("filename") == "last" for a in _checkpoint_arguments(config)), config
+
+
+@pytest.fixture(scope="module")
+def parser():
+    """The CLI's parser, built once: parsing a config with it takes a tenth of a second, building it most of one."""
+    return main(["--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.logger=false"], run=False).parser
+
+
+def test_every_partial_config_names_the_config_it_completes():
+    partial = {
+        p.relative_to(ROOT / "configs").as_posix()
+        for d in ("loggers", "overlays")
+        for p in (ROOT / "configs" / d).rglob("*.yaml")
+    }
+    assert partial == set(PARTIAL_CONFIGS)
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [[config] for config in CONFIGS]
+    + [[ROOT / "configs" / base, ROOT / "configs" / p] for p, base in PARTIAL_CONFIGS.items()],
+    ids=lambda configs: " + ".join(str(c.relative_to(ROOT / "configs")) for c in configs),
+)
+def test_every_config_keeps_last_ckpt_of_the_last_epoch(configs, parser):
+    # The README's `validate` and resumed `fit` read <run>/checkpoints/last.ckpt; without a ModelCheckpoint of their
+    # own, runs kept only Lightning's default epoch=<n>-step=<m>.ckpt.
+    trainer = parser.parse_args([arg for config in configs for arg in ("--config", str(config))]).trainer
+    assert trainer.enable_checkpointing is not False
+    writers = [
+        c.init_args
+        for c in trainer.callbacks or []
+        if c.class_path.endswith(".ModelCheckpoint") and (c.init_args.filename == "last" or c.init_args.save_last)
+    ]
+    assert any(
+        w.monitor is None
+        and w.dirpath is None
+        and w.save_top_k != 0
+        and w.every_n_epochs in (None, 1)
+        and not w.every_n_train_steps
+        and w.train_time_interval is None
+        for w in writers
+    ), writers
 
 
 def test_quickstart_last_ckpt_is_the_last_epoch_when_val_acc_stops_improving(tmp_path, monkeypatch):

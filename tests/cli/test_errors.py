@@ -60,7 +60,7 @@ def test_unknown_datamodule_lists_the_valid_ones(argument, capsys):
     assert f"valid --data values: {names}, or the import path of any LightningDataModule\n" in err
 
 
-@pytest.mark.parametrize(
+SETUP_ERRORS = pytest.mark.parametrize(
     ("arguments", "message"),
     [
         # Fails in the callbacks' setup, before the config is saved.
@@ -76,6 +76,9 @@ def test_unknown_datamodule_lists_the_valid_ones(argument, capsys):
     ],
     ids=["callback_setup", "configure_optimizers"],
 )
+
+
+@SETUP_ERRORS
 def test_a_setup_error_leaves_no_version_folder(arguments, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -83,6 +86,29 @@ def test_a_setup_error_leaves_no_version_folder(arguments, message, tmp_path, mo
     assert exit_info.value.code == 1
     assert message in capsys.readouterr().err
     assert sorted((tmp_path / "runs").rglob("version_*")) == []
+
+
+@SETUP_ERRORS
+def test_a_failed_first_run_leaves_no_folder_behind(arguments, message, tmp_path, monkeypatch, capsys):
+    # The loggers made runs/, runs/quickstart/ and runs/quickstart/tensorboard/ for their version folders; an empty
+    # tensorboard/ was left behind.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, *FAST, *arguments])
+    assert message in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_failed_run_keeps_the_folders_that_were_there_before(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kept = [tmp_path / "runs" / "quickstart" / "tensorboard", tmp_path / "runs" / "quickstart" / "notes"]
+    for folder in kept:
+        folder.mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, *FAST, "--trainer.max_epochs=-1"])
+    assert sorted(path for path in tmp_path.rglob("*")) == sorted(
+        [tmp_path / "runs", tmp_path / "runs" / "quickstart", *kept]
+    )
 
 
 def test_an_error_after_the_first_logged_epoch_keeps_the_run_folder(tmp_path, monkeypatch, capsys):

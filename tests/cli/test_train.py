@@ -9,8 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rank_lightning.cli import main
+from rank_lightning.data import create_datamodule, list_datamodules
+from rank_lightning.data.base import get_datamodule_class
+from rank_lightning.modules import ImageClassifier
+from tests.cli.test_checkpoints import PARTIAL_CONFIGS
+from tests.data.test_folder import write_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"loggers", "overlays", "sweeps"} & set(p.parts))
@@ -84,6 +90,39 @@ def test_two_lr_overlay_adds_the_layer_before_the_last_block(capsys):
         )
     out = capsys.readouterr().out
     assert "before: layer4" in out and "rank: 1000" in out and "before: head" in out
+
+
+def _printed_config(capsys, *configs: str) -> dict:
+    """The config ``fit`` resolves from ``configs`` (names under configs/, in order), as ``--print_config`` shows it."""
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "fit",
+                *(arg for config in configs for arg in ("--config", str(ROOT / "configs" / config))),
+                "--print_config",
+            ]
+        )
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("overlay", [name for name in PARTIAL_CONFIGS if name.startswith("overlays/")])
+def test_an_overlay_keeps_the_loggers_of_its_base_config(overlay, capsys):
+    # A logger list in a later config replaces the earlier one: an overlay that gave only a CSVLogger dropped the
+    # base config's TensorBoard logger.
+    base = _printed_config(capsys, PARTIAL_CONFIGS[overlay])["trainer"]["logger"]
+    composed = _printed_config(capsys, PARTIAL_CONFIGS[overlay], overlay)["trainer"]["logger"]
+    assert [logger["class_path"] for logger in composed] == [logger["class_path"] for logger in base]
+
+
+def test_the_two_lr_overlay_logs_under_its_own_name(capsys):
+    config = _printed_config(capsys, "lr_layer_resnet18_cifar10.yaml", "overlays/lr_layer_resnet18_2lr.yaml")
+    assert [
+        (logger["class_path"].rsplit(".", 1)[1], logger["init_args"]["save_dir"], logger["init_args"]["name"])
+        for logger in config["trainer"]["logger"]
+    ] == [
+        ("CSVLogger", "runs", "lr_layer_resnet18_2lr"),
+        ("TensorBoardLogger", "runs/lr_layer_resnet18_2lr", "tensorboard"),
+    ]
 
 
 def test_unknown_backbone_is_a_clear_error(capsys):
@@ -178,3 +217,55 @@ def test_gaussian_noise_data_trains_with_the_default_loggers(tmp_path, monkeypat
     saved = list((tmp_path / "runs").rglob("hparams.yaml"))
     assert len(saved) == 2  # CSV and TensorBoard
     assert all("input_shape:\n- 16\n" in path.read_text() for path in saved)
+
+
+def _clashing_hparams(model, datamodule) -> list[str]:
+    """The keys Lightning refuses when it merges the two hparams for the loggers (``_log_hyperparams``): saved by
+    both, with values of different types or unequal."""
+    ours, theirs = model.hparams_initial, datamodule.hparams_initial
+    return sorted(
+        key
+        for key in ours.keys() & theirs.keys()
+        if key != "_class_path" and (type(ours[key]) is not type(theirs[key]) or ours[key] != theirs[key])
+    )
+
+
+def _datamodule_arguments(name: str, root: Path) -> dict:
+    """Arguments that build datamodule ``name`` without data files (an image folder needs its class folders)."""
+    if name == "image_folder":
+        for label in range(4):
+            (root / "train" / str(label)).mkdir(parents=True)
+        return {"data_dir": str(root), "image_size": 8}
+    return {"data_dir": str(root)} if name in ("mnist", "fashion_mnist", "cifar10", "cifar100") else {}
+
+
+@pytest.mark.parametrize("name", list_datamodules())
+def test_no_datamodule_saves_a_hyperparameter_the_model_saves_otherwise(name, tmp_path):
+    kwargs = _datamodule_arguments(name, tmp_path)
+    data = [f"--data={get_datamodule_class(name).__name__}"] + [f"--data.init_args.{k}={v}" for k, v in kwargs.items()]
+    cli = main(["--config", str(ROOT / "configs/quickstart.yaml"), *data, "--trainer.logger=false"], run=False)
+    assert cli.model.num_classes == cli.datamodule.num_classes
+    assert _clashing_hparams(cli.model, cli.datamodule) == []
+    datamodule = create_datamodule(name, **kwargs)
+    model = ImageClassifier(num_classes=datamodule.num_classes, input_shape=datamodule.input_shape)
+    assert _clashing_hparams(model, datamodule) == []
+
+
+def test_an_image_folder_with_counted_classes_trains(tmp_path, monkeypatch):
+    # num_classes: None counts the class folders; the datamodule saved None while the model saved the count, and
+    # Lightning stopped the run before its first step.
+    monkeypatch.chdir(tmp_path)
+    write_folder(tmp_path / "images", classes=("cat", "dog", "fox", "owl"), per_class=4, size=8)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer: {max_epochs: 1, enable_progress_bar: false, enable_model_summary: false, enable_checkpointing: false,"
+        " logger: {class_path: pytorch_lightning.loggers.CSVLogger, init_args: {save_dir: runs, name: folder}}}\n"
+        "model: {class_path: rank_lightning.modules.ImageClassifier,"
+        " init_args: {backbone_kwargs: {depth: 2, width: 8}}}\n"
+    )
+    data = ["--data=ImageFolderDataModule", "--data.init_args.data_dir=images", "--data.init_args.image_size=8"]
+    main(["fit", "--config", str(config), *data, "--data.init_args.batch_size=8"])
+    metrics = _last_metrics(tmp_path / "runs")
+    assert "val/acc" in metrics
+    [hparams] = (tmp_path / "runs").rglob("hparams.yaml")
+    assert "\nnum_classes: 4\n" in hparams.read_text()

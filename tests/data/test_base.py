@@ -11,7 +11,8 @@ from rank_lightning.data import (
     list_datamodules,
     stratified_split,
 )
-from rank_lightning.data.base import check_split_fractions
+from rank_lightning.data.base import EpochShuffleSampler, check_split_fractions
+from rank_lightning.modules import ImageClassifier
 
 EXPECTED_NAMES = [
     "cifar10",
@@ -169,8 +170,130 @@ def test_a_fraction_that_rounds_to_no_sample_is_an_error():
     [
         ({"batch_size": 2.5}, "batch_size must be a positive integer, got 2.5"),
         ({"num_workers": -1}, "num_workers must be a non-negative integer"),
+        ({"seed": -1}, "seed must be a non-negative integer"),
     ],
 )
 def test_loader_settings_are_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DigitsDataModule(**kwargs)
+
+
+def _epoch_order(loader, epoch: int) -> list[int]:
+    loader.sampler.set_epoch(epoch)
+    return list(loader.sampler)
+
+
+def test_the_training_order_is_a_function_of_seed_and_epoch():
+    dm = GaussianNoiseDataModule(num_samples=400, batch_size=32, seed=5)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert isinstance(loader.sampler, EpochShuffleSampler)
+    orders = [_epoch_order(loader, epoch) for epoch in range(3)]
+    assert all(sorted(order) == list(range(len(dm.train_set))) for order in orders)
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+    # A new loader, as a resumed fit builds, starts at any epoch with that epoch's order; extra passes draw nothing.
+    fresh = dm.train_dataloader()
+    assert _epoch_order(fresh, 2) == orders[2] and list(fresh.sampler) == orders[2]
+    assert _epoch_order(fresh, 0) == orders[0]
+    other_seed = GaussianNoiseDataModule(num_samples=400, batch_size=32, seed=6)
+    other_seed.setup("fit")
+    assert _epoch_order(other_seed.train_dataloader(), 0) != orders[0]
+    [state] = np.random.SeedSequence([5, 1]).generate_state(1, np.uint64)
+    assert orders[1] == torch.randperm(len(dm.train_set), generator=torch.Generator().manual_seed(int(state))).tolist()
+
+
+class _RecordOrder(pl.Callback):
+    """The epoch Lightning gave the training sampler and the first labels of the epoch, at every epoch start."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+        self.first_labels: list[torch.Tensor] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epochs.append(trainer.train_dataloader.sampler.epoch)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.first_labels.append(batch[1].clone())
+
+
+def test_lightning_sets_the_epoch_of_the_training_sampler():
+    dm = GaussianNoiseDataModule(num_samples=400, batch_size=32, seed=5)
+    record = _RecordOrder()
+    trainer = pl.Trainer(
+        max_epochs=3,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    trainer.fit(_LinearProbe(32, dm.num_classes), datamodule=dm)
+    assert record.epochs == [0, 1, 2]
+    labels = dm.train_set.tensors[1]
+    for epoch, first in enumerate(record.first_labels):
+        order = _epoch_order(dm.train_dataloader(), epoch)
+        assert torch.equal(first, labels[order[:32]])
+
+
+def test_under_ddp_lightning_shuffles_with_its_distributed_sampler():
+    # What Lightning's data connector puts in the place of a training loader's sampler under DDP: a RandomSampler
+    # becomes PyTorch's DistributedSampler, which shuffles by seed_everything's seed and the epoch (a custom sampler
+    # would be wrapped instead, its order shuffled a second time).
+    from pytorch_lightning.trainer.connectors.data_connector import _get_distributed_sampler
+
+    dm = GaussianNoiseDataModule(num_samples=400, batch_size=32, seed=5)
+    dm.setup("fit")
+    sampler = _get_distributed_sampler(dm.train_dataloader(), shuffle=True, overfit_batches=0, num_replicas=2, rank=0)
+    assert type(sampler) is torch.utils.data.DistributedSampler and sampler.shuffle
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAtEpoch(pl.Callback):
+    """Raises at the start of epoch ``epoch``, after the previous epoch's checkpoint was written, as a crash would."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            raise _Crash
+
+
+def _digits_fit(root, max_epochs: int, crash_at: int | None = None, ckpt_path: str | None = None) -> ImageClassifier:
+    pl.seed_everything(0)
+    dm = DigitsDataModule(batch_size=64, flatten=True)
+    model = ImageClassifier(
+        backbone="mlp", backbone_kwargs={"depth": 2, "width": 32}, num_classes=10, input_shape=(64,), lr=0.05
+    )
+    trainer = pl.Trainer(
+        max_epochs=max_epochs,
+        limit_train_batches=4,
+        limit_val_batches=1,
+        accelerator="cpu",
+        logger=False,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root, filename="last")]
+        + ([_CrashAtEpoch(crash_at)] if crash_at is not None else []),
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")  # the resumed fit writes its own folder, as the CLI's
+def test_a_resumed_fit_ends_with_the_weights_of_the_uninterrupted_fit(tmp_path):
+    uninterrupted = _digits_fit(tmp_path / "full", max_epochs=4)
+    with pytest.raises(_Crash):
+        _digits_fit(tmp_path / "crashed", max_epochs=4, crash_at=2)
+    assert torch.load(tmp_path / "crashed" / "last.ckpt", weights_only=False)["epoch"] == 1
+    resumed = _digits_fit(tmp_path / "resumed", max_epochs=4, ckpt_path=str(tmp_path / "crashed" / "last.ckpt"))
+    for (name, a), b in zip(uninterrupted.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import numpy as np
@@ -100,11 +101,45 @@ def test_given_num_classes_is_checked(tmp_path):
     assert dm.train_set is None
 
 
-def test_class_mismatch_between_splits_is_reported(tmp_path):
+def test_a_class_only_in_an_evaluation_folder_is_refused(tmp_path):
     write_folder(tmp_path, splits=("train",))
     write_folder(tmp_path, splits=("val",), classes=("cat", "dog", "owl"))
-    with pytest.raises(ValueError, match=r"only in val: \['owl'\], only in train: \['fox'\]"):
+    with pytest.raises(ValueError, match=r"class folders of .*val that the training folder .*train lacks: \['owl'\]"):
         ImageFolderDataModule(data_dir=tmp_path).setup()
+
+
+def test_an_evaluation_folder_may_lack_a_class_and_keeps_the_training_labels(tmp_path):
+    # torchvision's ImageFolder numbers a folder's own classes: alone, it would label val's 'fox' 1 (the training
+    # folder's 'dog') instead of 2.
+    write_folder(tmp_path, splits=("train",))
+    written = write_folder(tmp_path, splits=("val",), classes=("cat", "fox"))
+    (tmp_path / "val" / "dog").mkdir()  # an empty class folder counts as a missing class
+    test_images = write_folder(tmp_path, splits=("test",), classes=("dog",))["test"][0]
+    dm = ImageFolderDataModule(data_dir=tmp_path, test_dir="test", image_size=12, resize_size=12, batch_size=4)
+    with pytest.warns(UserWarning) as caught:
+        dm.setup()
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2
+    assert re.fullmatch(
+        r".*test holds no images of the training classes \['cat', 'fox'\]: it is labelled .*", messages[0]
+    )
+    assert re.fullmatch(r".*val holds no images of the training classes \['dog'\]: it is labelled .*", messages[1])
+    x_val, y_val = (torch.cat(t) for t in zip(*dm.val_dataloader()))
+    assert y_val.tolist() == [0, 0, 0, 2, 2, 2]
+    assert np.array_equal(_pixels(dm, x_val), written["val"][0])
+    x_test, y_test = (torch.cat(t) for t in zip(*dm.test_dataloader()))
+    assert y_test.tolist() == [1, 1, 1]
+    assert np.array_equal(_pixels(dm, x_test), test_images)
+    assert dm.val_set.classes == dm.test_set.classes == list(CLASSES)
+
+
+def test_a_counted_num_classes_is_saved_as_the_count(tmp_path):
+    # The CLI links num_classes into the model, which saves the count; Lightning refuses two values of one key.
+    write_folder(tmp_path, splits=("train",))
+    dm = ImageFolderDataModule(data_dir=tmp_path)
+    assert dm.num_classes == dm.hparams["num_classes"] == dm.hparams_initial["num_classes"] == 3
+    given = ImageFolderDataModule(data_dir=tmp_path / "elsewhere", num_classes=5)
+    assert given.hparams["num_classes"] == given.hparams_initial["num_classes"] == 5
 
 
 def test_bad_normalisation_is_rejected(tmp_path):
