@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
-from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file
+from rank_lightning.callbacks.curves import FIGURE_DIR, epoch_ranges, read_curve_file
 from rank_lightning.figure_workers import FigureJob, draw_figures
 from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure
 
@@ -378,17 +378,6 @@ def _labels(runs: Sequence[str], shown: int = 6) -> str:
     return f"{', '.join(runs[: shown - 1])}, ... ({len(runs) - shown} more), {runs[-1]}"
 
 
-def _epoch_ranges(epochs: Iterable[int]) -> str:
-    """``"2-5, 8"`` for epochs 2, 3, 4, 5, 8."""
-    ranges: list[list[int]] = []
-    for epoch in sorted(epochs):
-        if ranges and epoch == ranges[-1][1] + 1:
-            ranges[-1][1] = epoch
-        else:
-            ranges.append([epoch, epoch])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
-
-
 def _skipped(runs: Sequence[RunCurves], namespaces: Sequence[str], *, keep: bool) -> list[str]:
     """Runs without keys of ``namespaces``, grouped by the other namespaces they have, each group with the
     ``--namespaces`` that reports it (``keep``: together with ``namespaces``)."""
@@ -462,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(runs)} run(s): {_labels([run.label for run in runs])}")
     for line in _skipped(empty, args.namespaces, keep=True):
         print(f"skipped, no keys of {requested}: {line}")
-    replaced = [f"{run.label} {ns} {_epoch_ranges(epochs)}" for run in runs for ns, epochs in run.superseded.items()]
+    replaced = [f"{run.label} {ns} {epoch_ranges(epochs)}" for run in runs for ns, epochs in run.superseded.items()]
     if replaced:
         print(
             f"values replaced by a resumed fit, not drawn: epochs {'; '.join(replaced)} "

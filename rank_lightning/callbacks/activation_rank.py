@@ -446,23 +446,9 @@ class ActivationRankMonitor(CurveMonitor):
         if self.stage == "val" and self.due(trainer):
             self._start(trainer, pl_module, sum(trainer.num_test_batches), loader_list(trainer.test_dataloaders))
 
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+    # The test batches are read as the validation batches are (the stream is the validation-data one).
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

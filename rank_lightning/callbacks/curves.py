@@ -109,6 +109,7 @@ __all__ = [
     "LayerCurves",
     "check_distinct_namespaces",
     "check_namespace",
+    "epoch_ranges",
     "log_rank_equal",
     "log_step",
     "publish_scalars",
@@ -310,8 +311,8 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
-def _epoch_ranges(epochs: Iterable[int]) -> str:
-    """``"2-5, 8"`` for epochs 2, 3, 4, 5, 8."""
+def epoch_ranges(epochs: Iterable[int]) -> str:
+    """``"2-5, 8"`` for epochs 2, 3, 4, 5, 8 (steps alike)."""
     ranges: list[list[int]] = []
     for epoch in sorted(epochs):
         if ranges and epoch == ranges[-1][1] + 1:
@@ -840,7 +841,7 @@ class LayerCurves:
         if trainer.is_global_zero:
             warnings.warn(
                 f"LayerCurves({self.namespace!r}): this fit resumed at {self.x_axis} {epoch} from a checkpoint older "
-                f"than the recorded curves; {self.x_axis}s {_epoch_ranges(rewound)} are trained again and their values "
+                f"than the recorded curves; {self.x_axis}s {epoch_ranges(rewound)} are trained again and their values "
                 f"are replaced. The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in "
                 "checkpoints.",
                 UserWarning,
