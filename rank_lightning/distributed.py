@@ -51,7 +51,7 @@ from rank_lightning.functional.weights import needs_exact_svd, weight_spectra, w
 from rank_lightning.validation import check_choice
 from rank_lightning.weight_matrices import WeightMatrix
 
-__all__ = ["SHARDINGS", "shard_layout", "weight_matrix_spectra"]
+__all__ = ["SHARDINGS", "fsdp_parameter_shapes", "shard_layout", "weight_matrix_spectra"]
 
 SHARDINGS: tuple[str, ...] = ("auto", "gram", "gather")
 """How sharded matrices are read: ``"auto"`` (Gram sum where it is the smaller Gram, else gather), ``"gram"`` (Gram
@@ -106,6 +106,29 @@ def _fsdp_owners(root: nn.Module | None) -> dict[int, nn.Module]:
     return owners
 
 
+def fsdp_parameter_shapes(root: nn.Module | None) -> dict[tuple[int, str], tuple[int, ...]]:
+    """Full shapes of the parameters that the FSDP1 units under ``root`` hold, keyed by ``(id(module), attribute)``.
+
+    With ``use_orig_params=True`` FSDP1 leaves each original parameter between forward passes as a 1-D slice of this
+    process's shard of the flat parameter (or an empty tensor), whose shape differs between processes and says
+    nothing of the weight's; the flat parameter records every original parameter's module, name and shape
+    (``_param_infos``, ``_shapes``; a shared parameter under its primary's shape). What
+    :func:`~rank_lightning.weight_matrices.parameter_shape` reads as ``shapes``.
+    """
+    shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+    for unit in {id(unit): unit for unit in _fsdp_owners(root).values()}.values():
+        flat = getattr(unit, "_flat_param", None)
+        if flat is None:
+            continue
+        for info, shape in zip(flat._param_infos, flat._shapes):
+            shapes[(id(info.module), info.param_name)] = tuple(shape)
+        for shared in flat._shared_param_infos:
+            primary = shapes.get((id(shared.prim_module), shared.prim_param_name))
+            if primary is not None:
+                shapes[(id(shared.module), shared.param_name)] = primary
+    return shapes
+
+
 def _initialise_fsdp(owners: Mapping[int, nn.Module]) -> None:
     """Let the outermost FSDP1 unit initialise itself as the root, if no forward pass has yet.
 
@@ -147,7 +170,7 @@ def _dtensor_plan(matrix: WeightMatrix, tensor: Any, decomposition: str, shardin
             return None  # a partial sum: gathering completes it
     rows, cols = matrix.shape(tuple(tensor.shape))
     strided = any(p.is_shard() and type(p).__name__ != "Shard" for p in tensor.placements)
-    if dims <= set(matrix.row_dims(ndim)) and not (strided and matrix.rows is not None):
+    if dims <= set(matrix.row_dims(ndim)) and not (strided and matrix.part is not None):
         # A strided row split (FSDP2 over tensor parallelism) keeps rows whole, but not in one offset range.
         side, size = "feature", cols
     elif dims <= set(matrix.col_dims(ndim)):
@@ -165,8 +188,8 @@ def _local_gram(matrix: WeightMatrix, tensor: Any, side: str) -> Tensor:
 
     # The experts' dimension is never split on this route (_dtensor_plan): the piece holds every expert.
     piece = matrix.whole(tensor.to_local())
-    if matrix.rows is not None:
-        start, stop = matrix.rows
+    if matrix.part is not None:
+        start, stop = matrix.row_range(tuple(tensor.shape))  # the global shape: the rows of the whole matrix
         if side == "feature":
             # Rows are split: keep the part's rows that fall in this process's row range.
             _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)

@@ -36,11 +36,19 @@ measured on its own, named ``<layer>.<e>.<projection>``:
 
 A 3-D parameter in no layout named here (another parameter of an experts layer, or the expert stack of a layer that
 declares no layout, such as Llama 4's) is not measured: :func:`unread_stacks` names it, and the monitor warns.
+
+Every decision that depends on a shape (whether a ``c_attn`` holds two or three parts, which parameters are 3-D
+stacks, how many experts a stack holds) takes the shape of the whole parameter, not of the piece a sharding strategy
+leaves on this process (:func:`parameter_shape`): a ``DTensor``'s global shape, DeepSpeed ZeRO-3's ``ds_shape``, and
+for FSDP1 with ``use_orig_params=True`` (whose parameters are 1-D slices, or empty, between forward passes) the shape
+its flat parameter records, passed in as ``shapes``
+(:func:`rank_lightning.distributed.fsdp_parameter_shapes`). The rows of a part of a fused projection are found when
+the matrix is read, from the whole tensor then in hand (:meth:`WeightMatrix.row_range`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -51,11 +59,13 @@ from rank_lightning.layers import eager_name
 __all__ = [
     "FUSED_PARTS",
     "GATE_UP_PARTS",
+    "ParameterShapes",
     "WeightMatrix",
     "is_conv1d",
     "is_weight_layer",
     "logged_name",
     "matrices_of",
+    "parameter_shape",
     "unread_stacks",
 ]
 
@@ -66,6 +76,43 @@ GATE_UP_PARTS: tuple[str, ...] = ("gate_proj", "up_proj")
 """Suffixes of the parts of an expert's fused ``gate_up_proj``, in their order inside the fused weight."""
 
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+_EXPERT_STACKS: tuple[str, ...] = ("gate_up_proj", "up_proj", "down_proj")
+
+ParameterShapes = Mapping[tuple[int, str], tuple[int, ...]]
+"""Full shapes of parameters that this process holds only a flat piece of, keyed by ``(id(module), attribute)``:
+what FSDP1's flat parameters record (:func:`rank_lightning.distributed.fsdp_parameter_shapes`)."""
+
+
+def parameter_shape(module: nn.Module, attribute: str, shapes: ParameterShapes | None = None) -> tuple[int, ...] | None:
+    """Shape of the whole tensor ``module.<attribute>``, whichever piece of it this process holds.
+
+    ``shapes`` first (FSDP1's records), then DeepSpeed ZeRO-3's ``ds_shape`` (the stored tensor is an empty
+    placeholder), then the tensor's own shape (a ``DTensor``'s is its global shape; FSDP1 with
+    ``use_orig_params=False`` leaves views of the full shape). ``None`` for a parameter that FSDP1 with
+    ``use_orig_params=True`` has flattened into a 1-D slice and that ``shapes`` does not hold: its shape is recorded
+    only in the wrapped unit.
+    """
+    known = None if shapes is None else shapes.get((id(module), attribute))
+    if known is not None:
+        return tuple(known)
+    tensor = getattr(module, attribute)
+    ds_shape = getattr(tensor, "ds_shape", None)
+    if ds_shape is not None:
+        return tuple(ds_shape)
+    if getattr(tensor, "_fsdp_flattened", False) and tensor.ndim <= 1:  # FSDP1's mark on the original parameters
+        return None
+    return tuple(tensor.shape)
+
+
+def _unknown_shape(name: str, module: nn.Module, attributes: list[str]) -> ValueError:
+    held = ", ".join(f"{type(module).__name__}.{attribute}" for attribute in attributes)
+    return ValueError(
+        f"the full shape of {held} (layer {name!r}) is not known on this process: FSDP1 (FSDPStrategy, "
+        "FullyShardedDataParallel with use_orig_params=True) holds each process's piece of it as a 1-D slice, and only "
+        "the wrapped unit records its shape. Select the layers before wrapping the model (as the Trainer does at "
+        "setup), or select them on the wrapped model (or on a LightningModule attached to the Trainer, whose "
+        "trainer.model is searched), so that the units are found."
+    )
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -78,10 +125,16 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
-def is_weight_layer(module: nn.Module) -> bool:
+def is_weight_layer(module: nn.Module, *, shapes: ParameterShapes | None = None) -> bool:
     """Whether a weight monitor reads ``module``: Linear, Conv1d/2d/3d, MultiheadAttention, ``Conv1D``, or a layer
-    holding 3-D parameters of its own (expert stacks; :func:`unread_stacks` names those it cannot read)."""
-    return isinstance(module, _LAYER_TYPES) or is_conv1d(module) or bool(_stacks(module))
+    holding 3-D parameters of its own (expert stacks; :func:`unread_stacks` names those it cannot read), judged by
+    the full shapes (``shapes``: :func:`parameter_shape`)."""
+    return (
+        isinstance(module, _LAYER_TYPES)
+        or is_conv1d(module)
+        or bool(_stacks(module, shapes))
+        or bool(_unknown_stacks(module, shapes))
+    )
 
 
 def logged_name(path: str) -> str:
@@ -99,7 +152,9 @@ class WeightMatrix:
         module: the layer holding the tensor.
         attribute: name of the tensor on ``module`` (``"weight"``, ``"in_proj_weight"``, ...).
         transpose: the stored tensor is ``(in, out)`` (``Conv1D``); the matrix is its transpose.
-        rows: ``(start, stop)`` of the matrix rows this part takes from the full matrix; ``None`` for all rows.
+        part: ``(index, count)``: this matrix is the ``index``-th of ``count`` equal blocks of rows of the full matrix
+            (a part of a fused projection); ``None`` for all rows. The rows themselves are found from the whole
+            tensor's shape when it is read (:meth:`row_range`), never from a shard's.
         expert: index into the first dimension of a stored ``(E, ., .)`` expert stack; ``None`` for a layer's own
             weight.
     """
@@ -108,7 +163,7 @@ class WeightMatrix:
     module: nn.Module
     attribute: str = "weight"
     transpose: bool = False
-    rows: tuple[int, int] | None = None
+    part: tuple[int, int] | None = None
     expert: int | None = None
 
     def stored(self) -> Tensor:
@@ -133,20 +188,31 @@ class WeightMatrix:
             tensor = tensor[self.expert]
         return weight_as_matrix(tensor.mT if self.transpose else tensor)
 
+    def row_range(self, stored_shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(start, stop)`` of the rows this matrix takes from the full matrix, given the shape of the full stored
+        tensor (all rows unless it is a part)."""
+        rows = stored_shape[self.row_dims(len(stored_shape))[0]]
+        if self.part is None:
+            return 0, rows
+        index, count = self.part
+        size = rows // count
+        return index * size, (index + 1) * size
+
     def from_stored(self, tensor: Tensor) -> Tensor:
         """The ``(out, fan_in)`` matrix (a view where possible) of the full stored ``tensor``."""
         matrix = self.whole(tensor)
-        return matrix if self.rows is None else matrix[self.rows[0] : self.rows[1]]
+        if self.part is None:
+            return matrix
+        start, stop = self.row_range(tuple(tensor.shape))
+        return matrix[start:stop]
 
     def shape(self, stored_shape: tuple[int, ...]) -> tuple[int, int]:
         """``(out, fan_in)`` of this matrix, given the shape of the full stored tensor."""
-        rows = stored_shape[self.row_dims(len(stored_shape))[0]]
+        start, stop = self.row_range(stored_shape)
         cols = 1
         for dim in self.col_dims(len(stored_shape)):
             cols *= stored_shape[dim]
-        if self.rows is not None:
-            rows = self.rows[1] - self.rows[0]
-        return rows, cols
+        return stop - start, cols
 
 
 def _split(
@@ -158,11 +224,10 @@ def _split(
     transpose: bool,
     expert: int | None = None,
 ) -> Iterator[WeightMatrix]:
-    """The parts of a fused projection whose rows hold ``suffixes`` one after the other, in equal blocks."""
-    whole = WeightMatrix(name, module, attribute, transpose, expert=expert)
-    size = whole.shape(tuple(whole.stored().shape))[0] // len(suffixes)
+    """The parts of a fused projection whose rows hold ``suffixes`` one after the other, in equal blocks (their rows
+    are found from the whole tensor when it is read)."""
     for i, suffix in enumerate(suffixes):
-        yield WeightMatrix(f"{name}.{suffix}", module, attribute, transpose, (i * size, (i + 1) * size), expert)
+        yield WeightMatrix(f"{name}.{suffix}", module, attribute, transpose, (i, len(suffixes)), expert)
 
 
 def _attention(name: str, attention: nn.MultiheadAttention, split_fused: bool) -> list[WeightMatrix]:
@@ -175,16 +240,35 @@ def _attention(name: str, attention: nn.MultiheadAttention, split_fused: bool) -
     return [*blocks, WeightMatrix(f"{name}.out_proj", attention.out_proj)]
 
 
-def _fused_parts(path: str, module: nn.Module) -> int:
-    """Number of side-by-side q/k/v parts of a GPT-2 ``c_attn`` (3, or 2 for cross-attention); 1 otherwise."""
+def _fused_parts(path: str, module: nn.Module, shapes: ParameterShapes | None) -> int:
+    """Number of side-by-side q/k/v parts of a GPT-2 ``c_attn`` (3, or 2 for cross-attention); 1 otherwise.
+
+    Read from the full weight's shape ``(in, out)``, or where this process cannot know it, from the ``nx`` and ``nf``
+    (inputs and outputs) that ``Conv1D`` records.
+    """
     if path.rsplit(".", 1)[-1] != "c_attn":
         return 1
-    fan_in, out = module.weight.shape
+    shape = parameter_shape(module, "weight", shapes)
+    if shape is None:
+        declared = getattr(module, "nx", None), getattr(module, "nf", None)
+        if not all(isinstance(size, int) for size in declared):
+            raise _unknown_shape(path, module, ["weight"])
+        shape = declared
+    fan_in, out = shape
     return out // fan_in if out in (2 * fan_in, 3 * fan_in) else 1
 
 
-def _stacks(module: nn.Module) -> dict[str, Tensor]:
-    """The 3-D parameters ``module`` holds itself (not its children's): expert stacks, read or not.
+def _own_shapes(module: nn.Module, shapes: ParameterShapes | None) -> dict[str, tuple[int, ...] | None]:
+    """Full shape (``None``: unknown here) of every parameter ``module`` holds itself, and of the expert stacks a
+    declared experts layer holds as plain tensors (FSDP1 with ``use_orig_params=False`` between forward passes)."""
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    if _expert_layout(module) is not None:
+        names += [n for n in _EXPERT_STACKS if n not in names and isinstance(getattr(module, n, None), Tensor)]
+    return {name: parameter_shape(module, name, shapes) for name in names}
+
+
+def _stacks(module: nn.Module, shapes: ParameterShapes | None = None) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the 3-D parameters ``module`` holds itself (not its children's): expert stacks, read or not.
 
     A layer that declares no expert layout counts only stacks of more than one matrix: a ``(1, T, D)`` class token or
     position table is no stack of weight matrices.
@@ -193,8 +277,18 @@ def _stacks(module: nn.Module) -> dict[str, Tensor]:
         return {}
     declared = _expert_layout(module) is not None
     return {
-        name: p for name, p in module.named_parameters(recurse=False) if p.ndim == 3 and (declared or p.shape[0] > 1)
+        name: shape
+        for name, shape in _own_shapes(module, shapes).items()
+        if shape is not None and len(shape) == 3 and (declared or shape[0] > 1)
     }
+
+
+def _unknown_stacks(module: nn.Module, shapes: ParameterShapes | None) -> list[str]:
+    """Expert stacks of a declared experts layer (``gate_up_proj``, ``up_proj``, ``down_proj``) whose full shape this
+    process cannot know (:func:`parameter_shape`)."""
+    if isinstance(module, _LAYER_TYPES) or is_conv1d(module) or _expert_layout(module) is None:
+        return []
+    return [name for name, shape in _own_shapes(module, shapes).items() if shape is None and name in _EXPERT_STACKS]
 
 
 def _expert_layout(module: nn.Module) -> tuple[bool, bool, bool] | None:
@@ -206,34 +300,37 @@ def _expert_layout(module: nn.Module) -> tuple[bool, bool, bool] | None:
     return transposed, bool(getattr(module, "is_concatenated", True)), gated
 
 
-def _expert_projections(module: nn.Module) -> tuple[str, ...]:
-    """Names of the expert stacks of ``module`` that are read, in the order of the forward pass."""
+def _expert_projections(stacks: Mapping[str, tuple[int, ...]], module: nn.Module) -> tuple[str, ...]:
+    """Names of the expert stacks of ``module`` (``stacks``: :func:`_stacks`) that are read, in the order of the
+    forward pass."""
     layout = _expert_layout(module)
     if layout is None:
         return ()
-    stacks = _stacks(module)
     names = ("gate_up_proj" if layout[2] else "up_proj", "down_proj")
     return tuple(name for name in names if name in stacks)
 
 
-def unread_stacks(module: nn.Module) -> list[str]:
+def unread_stacks(module: nn.Module, *, shapes: ParameterShapes | None = None) -> list[str]:
     """Names of the 3-D parameters of ``module`` (its own) that :func:`matrices_of` does not read, because no layout
-    says which dimensions are an expert's rows and columns (module docstring)."""
-    read = _expert_projections(module)
-    return [name for name in _stacks(module) if name not in read]
+    says which dimensions are an expert's rows and columns (module docstring); ``shapes`` as in
+    :func:`parameter_shape`."""
+    stacks = _stacks(module, shapes)
+    read = _expert_projections(stacks, module)
+    return [name for name in stacks if name not in read]
 
 
-def _experts(name: str, module: nn.Module, split_fused: bool) -> list[WeightMatrix]:
+def _experts(name: str, module: nn.Module, split_fused: bool, shapes: ParameterShapes | None) -> list[WeightMatrix]:
     """Every expert's matrices, expert by expert, each in the order of the forward pass."""
-    projections = _expert_projections(module)
+    stacks = _stacks(module, shapes)
+    projections = _expert_projections(stacks, module)
     if not projections:
         return []
     transposed, concatenated, _ = _expert_layout(module)  # type: ignore[misc]
-    count = max(getattr(module, attribute).shape[0] for attribute in projections)
+    count = max(stacks[attribute][0] for attribute in projections)
     matrices: list[WeightMatrix] = []
     for expert in range(count):
         for attribute in projections:
-            if expert >= getattr(module, attribute).shape[0]:
+            if expert >= stacks[attribute][0]:
                 continue
             prefix = f"{name}.{expert}"
             if attribute == "gate_up_proj" and split_fused and concatenated:
@@ -243,7 +340,9 @@ def _experts(name: str, module: nn.Module, split_fused: bool) -> list[WeightMatr
     return matrices
 
 
-def matrices_of(path: str, module: nn.Module, *, split_fused: bool = True) -> list[WeightMatrix]:
+def matrices_of(
+    path: str, module: nn.Module, *, split_fused: bool = True, shapes: ParameterShapes | None = None
+) -> list[WeightMatrix]:
     """The matrices of one layer, named after its module ``path`` (wrapper segments of FSDP removed).
 
     Args:
@@ -251,26 +350,32 @@ def matrices_of(path: str, module: nn.Module, *, split_fused: bool = True) -> li
         module: a layer for which :func:`is_weight_layer` holds.
         split_fused: read fused query/key/value projections and experts' fused gate/up projections as their parts
             (module docstring).
+        shapes: full shapes of parameters that FSDP1 holds as flat slices (:func:`parameter_shape`); needed only
+            for a ``c_attn`` or an experts layer so held, whose matrices depend on the full shape.
 
     Returns:
         The matrices in the order of the forward pass; none for a layer whose 3-D parameters are in no known layout
         (:func:`unread_stacks` names them).
 
     Raises:
-        ValueError: ``module`` is not a layer a weight monitor can read.
+        ValueError: ``module`` is not a layer a weight monitor can read, or its matrices depend on a full shape that
+            this process cannot know (an FSDP1 flat slice not in ``shapes``; the message says what to do).
     """
     name = logged_name(path)
     if isinstance(module, nn.MultiheadAttention):
         return _attention(name, module, split_fused)
     if is_conv1d(module):
-        parts = _fused_parts(name, module) if split_fused else 1
+        parts = _fused_parts(name, module, shapes) if split_fused else 1
         if parts > 1:
             return list(_split(name, module, "weight", FUSED_PARTS[len(FUSED_PARTS) - parts :], transpose=True))
         return [WeightMatrix(name, module, transpose=True)]
     if isinstance(module, _LAYER_TYPES):
         return [WeightMatrix(name, module)]
-    if _stacks(module):
-        return _experts(name, module, split_fused)
+    unknown = _unknown_stacks(module, shapes)
+    if unknown:
+        raise _unknown_shape(name, module, unknown)
+    if _stacks(module, shapes):
+        return _experts(name, module, split_fused, shapes)
     raise ValueError(
         f"layer {path!r} is a {type(module).__name__}; weight matrices are read from Linear, Conv1d/2d/3d, "
         "MultiheadAttention, transformers' Conv1D and layers holding 3-D expert stacks"

@@ -1,7 +1,7 @@
 """Workers of the sharded-weight tests: two CPU processes (gloo) holding FSDP2 / tensor-parallel DTensor shards,
 FSDP1 flat parameters or DeepSpeed ZeRO-3 partitions.
 
-Kept apart from the test modules so that spawned workers import only torch, transformers' Conv1D and rank_lightning.
+Kept apart from the test modules so that spawned workers import only torch, transformers' layers and rank_lightning.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import copy
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import MixtralConfig
+from transformers import GPT2Config, GPT2Model, MixtralConfig
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.pytorch_utils import Conv1D
 
@@ -62,6 +64,61 @@ class Layouts(nn.Module):
         self.row_parallel = nn.Linear(12, 7)
         self.experts = _experts()
         self.expert_rows = _experts()
+
+
+FUSED_EMBED = 6
+
+
+def fused_model() -> nn.Module:
+    """Layers whose matrices depend on the full weight's shape: ``nn.MultiheadAttention`` (q, k, v rows of
+    ``in_proj_weight``), a one-block GPT-2 with random weights and cross-attention (``attn.c_attn`` holds q, k and v,
+    ``crossattention.c_attn`` k and v, side by side in the columns of the stored ``(E, nE)`` weight) and Mixtral's
+    expert stacks (3 experts, gate and up rows of ``gate_up_proj``)."""
+    model = nn.Module()
+    model.mha = nn.MultiheadAttention(FUSED_EMBED, 2)
+    config = GPT2Config(
+        n_layer=1,
+        n_embd=FUSED_EMBED,
+        n_head=2,
+        vocab_size=11,
+        n_positions=8,
+        add_cross_attention=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model.gpt2 = GPT2Model(config)
+    model.experts = _experts()
+    return model
+
+
+def fused_expected(model: nn.Module) -> dict[str, list[float]]:
+    """Float64 singular values (``torch.linalg.svdvals``) of every weight matrix of the unsharded :func:`fused_model`,
+    each cut from the full weight here, by hand."""
+    embed = FUSED_EMBED
+    matrices = {}
+    in_proj = model.mha.in_proj_weight.detach().double()
+    for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
+        matrices[f"mha.{part}"] = in_proj[i * embed : (i + 1) * embed]
+    matrices["mha.out_proj"] = model.mha.out_proj.weight.detach().double()
+    for name, layer in model.gpt2.named_modules():
+        if not isinstance(layer, Conv1D):
+            continue
+        weight = layer.weight.detach().double()  # (in, out): y = x W, the (out, in) matrix is W^T
+        if name.endswith("c_attn"):
+            parts = ("q_proj", "k_proj", "v_proj")[3 - weight.shape[1] // embed :]
+            for i, part in enumerate(parts):
+                matrices[f"gpt2.{name}.{part}"] = weight[:, i * embed : (i + 1) * embed].T
+        else:
+            matrices[f"gpt2.{name}"] = weight.T
+    for e in range(model.experts.gate_up_proj.shape[0]):
+        gate, up = model.experts.gate_up_proj[e].detach().double().chunk(2)  # Mixtral's forward chunks gate, up
+        matrices[f"experts.{e}.gate_proj"], matrices[f"experts.{e}.up_proj"] = gate, up
+        matrices[f"experts.{e}.down_proj"] = model.experts.down_proj[e].detach().double()
+    return {name: torch.linalg.svdvals(matrix).tolist() for name, matrix in matrices.items()}
+
+
+def _singular_values(spectra: dict) -> dict[str, list[float]]:
+    return {name: spectrum.singular_values.tolist() for name, spectrum in spectra.items()}
 
 
 def _init(rank: int, port: int) -> None:
@@ -162,9 +219,50 @@ def fsdp1_worker(rank: int, port: int, out: str, use_orig_params: bool) -> None:
     before = measured()
     wrapped(torch.arange(8).view(2, 4)).sum().backward()
     after = measured()
+    results = {"units": len(nested), "before": before, "after": after, "plain": expected}
+    results["after_wrap"] = _fsdp1_selected_after_wrapping(use_orig_params)
     if rank == 0:
-        Path(out).write_text(json.dumps({"units": len(nested), "before": before, "after": after, "plain": expected}))
+        Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _fsdp1_selected_after_wrapping(use_orig_params: bool) -> dict:
+    """Singular values of :func:`fused_model` wrapped by FSDP1 (the GPT-2 block a nested unit) with the layers
+    selected after wrapping, as a plain loop or a second fit does, when ``use_orig_params=True`` leaves each process a
+    1-D slice of every weight: on the wrapped model, on the inner model attached to a trainer whose ``model`` is the
+    wrapped one (Lightning), and on the inner model alone (fused q/k/v, whose parts need no shape, and the error for
+    the expert stacks, whose count does)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(1)
+    model = fused_model()
+    results: dict = {"expected": fused_expected(model)}
+    wrapped = FullyShardedDataParallel(
+        model,
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+        use_orig_params=use_orig_params,
+    )
+    results["stored"] = list(model.mha.in_proj_weight.shape)
+    monitor = WeightRankMonitor(decomposition="svd", verbose=False)
+    monitor.select(wrapped)
+    results["wrapped"] = _singular_values(monitor.spectra(wrapped))
+    model._trainer = SimpleNamespace(model=wrapped)  # what _strategy_root finds under Lightning
+    monitor = WeightRankMonitor(decomposition="svd", verbose=False)
+    monitor.select(model)
+    results["trainer"] = _singular_values(monitor.spectra(model))
+    del model._trainer
+    monitor = WeightRankMonitor(layers=["mha", "gpt2"], decomposition="svd", verbose=False)
+    monitor.select(model)
+    spectra = weight_matrix_spectra(monitor._matrices, decomposition="svd", root=wrapped)
+    results["alone"] = _singular_values(dict(zip(monitor.monitored, spectra)))
+    try:
+        WeightRankMonitor(layers=["experts"], verbose=False).select(model)
+        results["alone_experts"] = None
+    except ValueError as error:
+        results["alone_experts"] = str(error)
+    return results
 
 
 def zero3_worker(rank: int, port: int, out: str) -> None:
@@ -212,6 +310,29 @@ def zero3_worker(rank: int, port: int, out: str) -> None:
     results["plain_after"] = WeightRankMonitor(layers=layers, verbose=False).measure(full)
     results["moved"] = results["plain_after"]["head"] != results["plain_before"]["head"]
     results["released"] = [param.numel() for param in model.parameters()]
+    results["fused"] = _zero3_fused(rank, config)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _zero3_fused(rank: int, config: dict) -> dict:
+    """Singular values of :func:`fused_model` partitioned by ``deepspeed.zero.Init`` (every weight an empty
+    placeholder, its shape in ``ds_shape``), next to the unsharded model's, cut by hand."""
+    import deepspeed
+
+    torch.manual_seed(1)
+    reference = fused_model()
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = fused_model()
+    for param, full in zip(model.parameters(), reference.parameters()):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if rank == 0:
+                param.data.copy_(full.data)
+    monitor = WeightRankMonitor(decomposition="svd", verbose=False)
+    return {
+        "stored": [list(model.mha.in_proj_weight.shape), list(model.experts.gate_up_proj.shape)],
+        "measured": _singular_values(monitor.spectra(model)),
+        "expected": fused_expected(reference),
+        "released": all(param.numel() == 0 for param in model.parameters()),
+    }

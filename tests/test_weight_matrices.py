@@ -19,6 +19,7 @@ from rank_lightning.weight_matrices import (
     is_weight_layer,
     logged_name,
     matrices_of,
+    parameter_shape,
     unread_stacks,
 )
 
@@ -179,3 +180,80 @@ def test_3d_parameters_in_no_declared_layout_are_named_not_read():
     )
     layer.scales = nn.Parameter(torch.ones(2, 6, 8))
     assert unread_stacks(layer) == ["scales"] and len(matrices_of("experts", layer)) == 2 * 3
+
+
+def _held_as(layer: nn.Module, attributes, piece) -> dict[str, torch.Tensor]:
+    """Replace ``layer.<attribute>`` by what a sharding strategy leaves on a process (``piece(full)``); returns the
+    full tensors."""
+    full = {}
+    for attribute in attributes:
+        full[attribute] = getattr(layer, attribute).detach().clone()
+        setattr(layer, attribute, piece(full[attribute]))
+    return full
+
+
+def _zero3_placeholder(full: torch.Tensor) -> nn.Parameter:
+    # DeepSpeed ZeRO-3 between forward passes: an empty tensor, the full shape in ds_shape.
+    param = nn.Parameter(torch.empty(0))
+    param.ds_tensor, param.ds_shape = full.flatten()[:3].clone(), full.shape
+    return param
+
+
+def _fsdp1_slice(full: torch.Tensor) -> nn.Parameter:
+    # FSDP1 with use_orig_params=True between forward passes: a 1-D slice of the process's shard, marked flattened.
+    param = nn.Parameter(full.flatten()[: full.numel() // 2 + 1].clone())
+    param._fsdp_flattened = True
+    return param
+
+
+def _fused_layers() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=3)
+    return {
+        "mha": nn.MultiheadAttention(6, 2),
+        "h.0.attn.c_attn": Conv1D(18, 6),
+        "h.0.crossattention.c_attn": Conv1D(12, 6),
+        "experts": _experts(MixtralExperts, config),
+    }
+
+
+def _stored_tensors(layer: nn.Module) -> list[str]:
+    if isinstance(layer, nn.MultiheadAttention):
+        return ["in_proj_weight"]
+    return ["weight"] if isinstance(layer, Conv1D) else ["gate_up_proj", "down_proj"]
+
+
+def test_zero3_placeholders_are_split_by_their_full_shape():
+    # The q/k/v rows were sized from the empty placeholder ((0, 0), then an empty matrix), c_attn's parts failed to
+    # unpack its 1-D shape, and the expert stacks were not seen as 3-D.
+    for name, layer in _fused_layers().items():
+        expected = _read(matrices_of(name, layer))
+        full = _held_as(layer, _stored_tensors(layer), _zero3_placeholder)
+        assert parameter_shape(layer, _stored_tensors(layer)[0]) == tuple(full[_stored_tensors(layer)[0]].shape)
+        assert is_weight_layer(layer)
+        matrices = matrices_of(name, layer)
+        assert [m.name for m in matrices] == list(expected)
+        for matrix in matrices:  # read from the gathered tensor, as the gather route does
+            whole = full[matrix.attribute] if matrix.module is layer else matrix.stored()  # out_proj: held in full
+            torch.testing.assert_close(matrix.from_stored(whole), expected[matrix.name])
+
+
+def test_fsdp1_flat_slices_take_the_shapes_the_flat_parameter_records():
+    for name, layer in _fused_layers().items():
+        expected = _read(matrices_of(name, layer))
+        full = _held_as(layer, _stored_tensors(layer), _fsdp1_slice)
+        shapes = {(id(layer), attribute): tuple(tensor.shape) for attribute, tensor in full.items()}
+        matrices = matrices_of(name, layer, shapes=shapes)
+        assert [m.name for m in matrices] == list(expected) and is_weight_layer(layer, shapes=shapes)
+        for matrix in matrices:
+            whole = full[matrix.attribute] if matrix.module is layer else matrix.stored()
+            torch.testing.assert_close(matrix.from_stored(whole), expected[matrix.name])
+        # Without the records: q/k/v need no shape (MultiheadAttention always holds three parts, c_attn's are read
+        # from the nx and nf Conv1D records); the number of experts cannot be known, and the error says what to do.
+        assert parameter_shape(layer, _stored_tensors(layer)[0]) is None
+        if name == "experts":
+            assert is_weight_layer(layer)  # chosen by the default selection, so that the error is seen
+            with pytest.raises(ValueError, match=r"MixtralExperts\.gate_up_proj.*FSDP1.*use_orig_params=True.*before"):
+                matrices_of(name, layer)
+        else:
+            assert [m.name for m in matrices_of(name, layer)] == list(expected)

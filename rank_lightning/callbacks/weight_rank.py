@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.base import CurveMonitor
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, wandb_loggers
-from rank_lightning.distributed import SHARDINGS, weight_matrix_spectra
+from rank_lightning.distributed import SHARDINGS, fsdp_parameter_shapes, weight_matrix_spectra
 from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
 from rank_lightning.layers import check_layer_types, select_layers
@@ -26,7 +26,15 @@ from rank_lightning.validation import (
     check_positive_ints,
     check_tolerance_dtype,
 )
-from rank_lightning.weight_matrices import WeightMatrix, is_weight_layer, logged_name, matrices_of, unread_stacks
+from rank_lightning.weight_matrices import (
+    ParameterShapes,
+    WeightMatrix,
+    is_weight_layer,
+    logged_name,
+    matrices_of,
+    parameter_shape,
+    unread_stacks,
+)
 
 __all__ = ["DECOMPOSITIONS", "WEIGHT_METRICS", "WeightRankMonitor"]
 
@@ -275,12 +283,17 @@ class WeightRankMonitor(CurveMonitor):
     def select(self, module: nn.Module) -> list[str]:
         """Resolve ``layers`` and ``layer_types`` against ``module`` and return the monitored matrix names.
 
+        Shapes are those of the full weights under every sharding strategy (DeepSpeed ZeRO-3's placeholders, FSDP1's
+        flat slices, whose shapes are read from the wrapped units in ``module`` or in the Trainer's ``model``).
+
         Raises:
             ValueError: a name, pattern or type that matches no monitorable layer (the message lists the valid ones),
-                or layers that hold no matrix the monitor can read (only 3-D parameters in no known layout, which
-                are named in a warning).
+                layers that hold no matrix the monitor can read (only 3-D parameters in no known layout, which
+                are named in a warning), or a GPT-2 ``c_attn`` or experts layer held by FSDP1
+                (``use_orig_params=True``) whose wrapped unit is not found (the message says what to do).
         """
-        candidates = {name: m for name, m in module.named_modules() if name and is_weight_layer(m)}
+        shapes = fsdp_parameter_shapes(_strategy_root(module))
+        candidates = {name: m for name, m in module.named_modules() if name and is_weight_layer(m, shapes=shapes)}
         if not candidates:
             raise ValueError(
                 f"{type(module).__name__} has no Linear, Conv, MultiheadAttention, Conv1D or expert layer to monitor"
@@ -295,8 +308,8 @@ class WeightRankMonitor(CurveMonitor):
         )
         matrices: dict[str, WeightMatrix] = {}
         for path in chosen.values():
-            self._warn_unread(path, candidates[path])
-            for matrix in matrices_of(path, candidates[path], split_fused=self.split_fused):
+            self._warn_unread(path, candidates[path], shapes)
+            for matrix in matrices_of(path, candidates[path], split_fused=self.split_fused, shapes=shapes):
                 # An attention's out_proj is also a Linear of its own; keep it once.
                 matrices.setdefault(matrix.name, matrix)
         if not matrices:
@@ -305,11 +318,11 @@ class WeightRankMonitor(CurveMonitor):
         self._resolved_for = id(module)
         return self.monitored
 
-    def _warn_unread(self, path: str, layer: nn.Module) -> None:
+    def _warn_unread(self, path: str, layer: nn.Module, shapes: ParameterShapes) -> None:
         """Name (once) every 3-D parameter of a chosen layer that is not read as weight matrices."""
-        for attribute in unread_stacks(layer):
+        for attribute in unread_stacks(layer, shapes=shapes):
             name = f"{logged_name(path)}.{attribute}"
-            shape = tuple(getattr(layer, attribute).shape)
+            shape = parameter_shape(layer, attribute, shapes)
             message = (
                 f"parameter {name!r} ({type(layer).__name__}, shape {shape}) is 3-D in no layout the monitor reads "
                 "as weight matrices, and is not measured; expert stacks are read where transformers' "
