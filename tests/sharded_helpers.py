@@ -298,6 +298,8 @@ def zero3_worker(rank: int, port: int, out: str) -> None:
         "stored": {name: list(param.shape) for name, param in model.named_parameters()},
         "before": monitor.measure(model),
         "plain_before": WeightRankMonitor(layers=layers, verbose=False).measure(reference),
+        # Before any engine exists: a second zero.Init beside a live engine could abort the process at its exit.
+        "fused": _zero3_fused(rank, config),
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config)
     engine.backward(engine(torch.arange(8).view(2, 4)).square().mean())
@@ -310,10 +312,14 @@ def zero3_worker(rank: int, port: int, out: str) -> None:
     results["plain_after"] = WeightRankMonitor(layers=layers, verbose=False).measure(full)
     results["moved"] = results["plain_after"]["head"] != results["plain_before"]["head"]
     results["released"] = [param.numel() for param in model.parameters()]
-    results["fused"] = _zero3_fused(rank, config)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    # DeepSpeed's and transformers' native threads may still be joinable when the interpreter tears down, which aborts
+    # the process ("terminate called without an active exception") after its work is done: leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _zero3_fused(rank: int, config: dict) -> dict:
