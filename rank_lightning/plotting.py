@@ -724,11 +724,13 @@ def runs_vs_epoch_figure(
     runs: Mapping[str, RunCurve],
     *,
     caption: str | None = None,
+    x_label: str = "epoch",
 ) -> Figure:
     """One panel per layer, the metric against epoch, one line per run (``runs``: label -> layer -> epoch -> value).
 
     Titled by :func:`figure_title`; runs are told apart by :func:`line_styles` (unordered); epoch ``-1`` is ``init``;
-    ``caption`` (:func:`caption_text`) goes under the panels.
+    ``caption`` (:func:`caption_text`) goes under the panels. ``x_label`` names what the curves are keyed by
+    (``"epoch"``, or ``"step"`` for curves keyed by optimizer step).
     """
     columns = min(4, len(layers))
     rows = math.ceil(len(layers) / columns)
@@ -752,7 +754,7 @@ def runs_vs_epoch_figure(
         axes[index // columns][index % columns].set_axis_off()
     for column in range(columns):
         lowest = max(index for index in range(len(layers)) if index % columns == column)
-        axes[lowest // columns][column].set_xlabel("epoch", fontsize=_FONT)
+        axes[lowest // columns][column].set_xlabel(x_label, fontsize=_FONT)
         axes[lowest // columns][column].xaxis.set_tick_params(labelbottom=True)  # shared axes hide inner labels
     figure.supylabel(axis_label(metric), fontsize=_FONT)
     if len(runs) > 1:
@@ -768,19 +770,26 @@ def runs_vs_depth_figure(
     runs: Mapping[str, tuple[int | None, RunCurve]],
     *,
     caption: str | None = None,
+    x_labels: Mapping[str, str] | None = None,
 ) -> Figure:
     """The metric at each run's last epoch against depth (``runs``: label -> (last epoch, layer -> epoch -> value)).
 
     Titled by :func:`figure_title`; layer names are horizontal when they fit, else rotated; ``caption``
-    (:func:`caption_text`) goes under the panel.
+    (:func:`caption_text`) goes under the panel. ``x_labels`` (label -> ``"epoch"`` or ``"step"``) says which runs'
+    curves are keyed by optimizer step (by default none).
     """
+    x_labels = x_labels or {}
+    axes_used = set(x_labels.values()) | ({"epoch"} if set(runs) - set(x_labels) else set())
+    point = axes_used.pop() if len(axes_used) == 1 else "point"
     width = max(7.0, 0.3 * len(layers))
-    title = f"{figure_title(namespace, metric)}, against depth at each run's last epoch"
+    title = f"{figure_title(namespace, metric)}, against depth at each run's last {point}"
     figure = _runs_figure(width, 4.5 + _layer_tick_height(layers, width), title, caption)
     ax = figure.subplots()
     for (label, (last, curves)), style in zip(runs.items(), line_styles(len(runs), ordered=False)):
         values = [curves.get(layer, {}).get(last, math.nan) for layer in layers]
-        name = f"{label} ({'no epoch' if last is None else epoch_label(last)})"
+        axis = x_labels.get(label, "epoch")
+        at = f"no {axis}" if last is None else epoch_label(last) if axis == "epoch" else f"{axis} {last}"
+        name = f"{label} ({at})"
         ax.plot(range(len(layers)), values, markersize=4, label=name, **style)
     _layer_ticks(ax, layers)
     ax.set_xlabel("layer (input to output)", fontsize=_FONT)

@@ -17,18 +17,22 @@ holds the run's whole history: a run resumed from a checkpoint carries the epoch
 ``metrics.csv`` (a new version folder, or the same one rewritten by ``CSVLogger``) starts at the resume. Where a
 resumed fit trained epochs again, the figures and the table show the values of the fit that went on to the end (the
 history the final weights come from); the values they replaced stay under ``"superseded"`` in the curve file, and
-the report names those epochs. A curve file keyed by optimizer step (the step cadence) is read only for a run
-without CSV values of its namespace. The layers' depth order comes from the curve file (CSV columns are sorted by
+the report names those epochs. Curves are keyed by epoch, or by optimizer step where the callback keyed them so (the
+step cadence, several validations per epoch: a curve file that says so, or CSV values logged at more than one step of
+an epoch), and drawn against that axis. The layers' depth order comes from the curve file (CSV columns are sorted by
 name), else from a natural sort of the names. A run without any key of the requested namespaces is skipped, with
 the namespaces it does have.
 
 Written to ``OUT_DIR`` (created when missing), or, when it already holds files, to a new ``OUT_DIR/run_<n>``: the
 second report into ``run_2``, the third into ``run_3`` (nothing is overwritten):
 
-* ``<namespace>_<metric>_vs_epoch.png``: one panel per layer, metric against epoch, one line per run;
-* ``<namespace>_<metric>_vs_depth.png``: metric at each run's last epoch against layer depth, one line per run;
-* ``summary.csv`` and ``summary.md``: one row per run, namespace and layer with the last epoch's value of every
-  metric, plus the run's final value of each ``--final-metrics`` key (``val/acc`` by default) when it was logged.
+* ``<namespace>_<metric>_vs_epoch.png``: one panel per layer, metric against epoch, one line per run keyed by epoch;
+* ``<namespace>_<metric>_vs_step.png``: the same against optimizer step, for the runs keyed by step;
+* ``<namespace>_<metric>_vs_depth.png``: metric at each run's last epoch (or step) against layer depth, one line per
+  run;
+* ``summary.csv`` and ``summary.md``: one row per run, namespace and layer with the last epoch's (or step's: a
+  ``step`` column joins the table then) value of every metric, plus the run's final value of each
+  ``--final-metrics`` key (``val/acc`` by default) when it was logged.
 
 On a terminal a progress bar follows the runs being read and the figures being drawn (``--quiet``, or output to a
 file or pipe, turns it off); a short summary of what was written, and where, closes the run.
@@ -77,8 +81,10 @@ class RunCurves:
         layers: ``namespace -> layers in depth order``.
         final: last logged value of each requested final metric found in the run (e.g. ``val/acc``).
         metric_order: ``namespace -> metrics`` in the order the callback computed them, when a curves file says so.
-        superseded: ``namespace -> epochs`` that a resumed fit trained again: their earlier values, kept under
-            ``"superseded"`` in the curve file, are not in :attr:`curves`.
+        superseded: ``namespace -> epochs`` (or steps) that a resumed fit trained again: their earlier values, kept
+            under ``"superseded"`` in the curve file, are not in :attr:`curves`.
+        x_axes: ``namespace -> "step"`` for the namespaces whose curves are keyed by optimizer step (step cadence, or
+            several validations per epoch); the others are keyed by epoch (:meth:`x_axis`).
     """
 
     label: str
@@ -88,6 +94,11 @@ class RunCurves:
     final: dict[str, float] = field(default_factory=dict)
     metric_order: dict[str, list[str]] = field(default_factory=dict)
     superseded: dict[str, list[int]] = field(default_factory=dict)
+    x_axes: dict[str, str] = field(default_factory=dict)
+
+    def x_axis(self, namespace: str) -> str:
+        """What the curves of ``namespace`` are keyed by: ``"epoch"`` or ``"step"``."""
+        return self.x_axes.get(namespace, "epoch")
 
     def metrics(self, namespace: str) -> list[str]:
         """Metrics of ``namespace``: in the callback's order when known, else in first-seen order over the layers."""
@@ -97,8 +108,8 @@ class RunCurves:
         present = {m for curves in self.curves.get(namespace, {}).values() for m in curves}
         return [metric for metric in seen if metric in present]
 
-    def last_epoch(self, namespace: str) -> int | None:
-        """The last epoch with any value in ``namespace``."""
+    def last_point(self, namespace: str) -> int | None:
+        """The last epoch (or step, see :meth:`x_axis`) with any value in ``namespace``."""
         epochs = [e for layer in self.curves.get(namespace, {}).values() for curve in layer.values() for e in curve]
         return max(epochs) if epochs else None
 
@@ -156,20 +167,40 @@ def _to_float(text: str | None) -> float | None:
 
 
 def _read_metrics_csv(run: RunCurves, path: Path, namespaces: Sequence[str], final_metrics: Sequence[str]) -> None:
+    """Curves of ``namespaces`` from a CSVLogger file: keyed by epoch, or by the ``step`` column for a namespace
+    logged at more than one step of some epoch (step cadence, several validations per epoch), whose values one key
+    per epoch would overwrite."""
     with path.open(newline="") as file:
         rows = list(csv.DictReader(file))
     if not rows:
         return
     columns = list(rows[0])
+    found: dict[str, list[tuple[str, str, list[tuple[int | None, int, float]]]]] = {}
     for column in columns:
         namespace, _, rest = column.partition("/")
         layer, _, metric = rest.partition("/")
         if namespace not in namespaces or not layer or not metric:
             continue
+        points = []
         for row in rows:
-            value, epoch = _to_float(row[column]), _to_float(row.get("epoch", ""))
+            value, epoch, step = _to_float(row[column]), _to_float(row.get("epoch")), _to_float(row.get("step"))
             if value is not None and epoch is not None:
-                run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})[int(epoch)] = value
+                points.append((None if step is None else int(step), int(epoch), value))
+        found.setdefault(namespace, []).append((layer, metric, points))
+    for namespace, keys in found.items():
+        steps_of: dict[int, set[int | None]] = {}
+        for _, _, points in keys:
+            for step, epoch, _ in points:
+                steps_of.setdefault(epoch, set()).add(step)
+        by_step = all(step is not None for steps in steps_of.values() for step in steps) and any(
+            len(steps) > 1 for steps in steps_of.values()
+        )
+        if by_step:
+            run.x_axes[namespace] = "step"
+        for layer, metric, points in keys:
+            curve = run.curves.setdefault(namespace, {}).setdefault(layer, {}).setdefault(metric, {})
+            for step, epoch, value in points:
+                curve[step if by_step else epoch] = value
     for key in final_metrics:
         if key in columns:
             values = [v for v in (_to_float(row[key]) for row in rows) if v is not None]
@@ -182,11 +213,14 @@ def _read_curve_file(run: RunCurves, path: Path) -> None:
     namespace = content["namespace"]
     run.layers[namespace] = list(content["layers"])
     run.metric_order[namespace] = list(content["metrics"])
-    by_step = content["facts"].get("x_axis") == "step"
-    if not content["history"] or (by_step and namespace in run.curves):
+    if not content["history"]:
         return
-    # The whole history, which a resumed run's metrics.csv lacks (it starts at the resume); an epoch-keyed curve file
-    # wins over the CSV. A step-keyed one is read only without CSV values, whose epochs the report's axes show.
+    # The whole history, which a resumed run's metrics.csv lacks (it starts at the resume): the curve file wins over
+    # the CSV, keyed as the callback keyed it.
+    if content["facts"].get("x_axis") == "step":
+        run.x_axes[namespace] = "step"
+    else:
+        run.x_axes.pop(namespace, None)
     curves: dict[str, dict[str, dict[int, float]]] = {}
     for epoch, layers in content["history"].items():
         for layer, metrics in layers.items():
@@ -230,8 +264,8 @@ def load_run(
     """Read one run's curves from its ``rank_curves/<namespace>_curves.json`` files and ``metrics.csv``.
 
     A namespace's curves come from its curve file, which holds the run's whole history (also the epochs before a
-    resume), else from ``metrics.csv``; a curve file keyed by optimizer step only for a run without CSV values of the
-    namespace. Values a resumed fit replaced are left out (``RunCurves.superseded`` names their epochs).
+    resume), else from ``metrics.csv``; keyed by epoch, or by optimizer step where they were measured by step
+    (``RunCurves.x_axes``). Values a resumed fit replaced are left out (``RunCurves.superseded`` names their epochs).
 
     Args:
         directory: the run directory.
@@ -267,7 +301,9 @@ def _union(lists: Iterable[Sequence[str]]) -> list[str]:
 
 
 def summary_rows(runs: Sequence[RunCurves]) -> tuple[list[str], list[dict[str, object]]]:
-    """The summary table: one row per run, namespace and layer, with the last epoch's value of each metric.
+    """The summary table: one row per run, namespace and layer, with the last epoch's value of each metric (the last
+    step's for curves keyed by step: their ``step`` column holds it, their ``epoch`` is empty; the ``step`` column is
+    there only when some curves are keyed by step).
 
     Returns:
         ``(columns, rows)``; a missing value is ``None``.
@@ -275,14 +311,16 @@ def summary_rows(runs: Sequence[RunCurves]) -> tuple[list[str], list[dict[str, o
     namespaces = _union(run.layers for run in runs)
     metric_columns = _union([f"{ns}/{m}" for m in run.metrics(ns)] for run in runs for ns in namespaces)
     final_columns = _union(run.final for run in runs)
-    columns = ["run", "namespace", "layer", "depth", "epoch", *metric_columns, *final_columns]
+    steps = ["step"] if any(run.x_axes for run in runs) else []
+    columns = ["run", "namespace", "layer", "depth", "epoch", *steps, *metric_columns, *final_columns]
     rows: list[dict[str, object]] = []
     for run in runs:
         for namespace in namespaces:
-            last = run.last_epoch(namespace)
+            last = run.last_point(namespace)
             for depth, layer in enumerate(run.layers.get(namespace, [])):
                 row: dict[str, object] = dict.fromkeys(columns)
-                row.update(run=run.label, namespace=namespace, layer=layer, depth=depth, epoch=last)
+                row.update(run=run.label, namespace=namespace, layer=layer, depth=depth)
+                row[run.x_axis(namespace)] = last
                 for metric, curve in run.curves[namespace][layer].items():
                     row[f"{namespace}/{metric}"] = curve.get(last)
                 row.update(run.final)
@@ -322,16 +360,27 @@ def _metric_curves(run: RunCurves, namespace: str, metric: str) -> dict[str, dic
     return {layer: metrics.get(metric, {}) for layer, metrics in run.curves.get(namespace, {}).items()}
 
 
+def _x_axes(runs: Sequence[RunCurves], namespace: str) -> list[str]:
+    """The axes (``"epoch"``, ``"step"``) that the runs holding ``namespace`` key its curves by."""
+    holding = [run for run in runs if namespace in run.curves]
+    return [axis for axis in ("epoch", "step") if any(run.x_axis(namespace) == axis for run in holding)]
+
+
 def figure_count(runs: Sequence[RunCurves]) -> int:
-    """The number of figures :func:`write_figures` writes for ``runs``: two per namespace and metric."""
+    """The number of figures :func:`write_figures` writes for ``runs``: per namespace and metric, one against each
+    axis its runs are keyed by and one against depth."""
     namespaces = _union(run.layers for run in runs)
-    return 2 * sum(len(_union(run.metrics(namespace) for run in runs)) for namespace in namespaces)
+    return sum(
+        (len(_x_axes(runs, namespace)) + 1) * len(_union(run.metrics(namespace) for run in runs))
+        for namespace in namespaces
+    )
 
 
 def write_figures(
     runs: Sequence[RunCurves], out_dir: str | Path, *, on_figure: Callable[[Path], None] | None = None
 ) -> list[Path]:
-    """Write, per namespace and metric, the metric-vs-epoch (panel per layer) and metric-vs-depth figures.
+    """Write, per namespace and metric, the metric-vs-epoch and metric-vs-step (panel per layer; each with the runs
+    keyed by that axis, written where there are any) and metric-vs-depth figures.
 
     The figures are shared between this process and worker processes where the machine has idle cores
     (:func:`~rank_lightning.figure_workers.draw_figures`).
@@ -355,11 +404,20 @@ def write_figures(
         for metric in _union(run.metrics(namespace) for run in runs):
             stem = figure_filename(namespace, metric)
             curves = {run.label: _metric_curves(run, namespace, metric) for run in runs}
-            last = {run.label: (run.last_epoch(namespace), curves[run.label]) for run in runs}
-            by_epoch = (namespace, metric, layers, curves)
-            jobs.append(FigureJob(out_dir / f"{stem}_vs_epoch.png", runs_vs_epoch_figure, by_epoch, dpi=110))
+            for axis in _x_axes(runs, namespace):
+                keyed = {run.label: curves[run.label] for run in runs if run.x_axis(namespace) == axis}
+                along = (namespace, metric, layers, keyed)
+                jobs.append(
+                    FigureJob(
+                        out_dir / f"{stem}_vs_{axis}.png", runs_vs_epoch_figure, along, {"x_label": axis}, dpi=110
+                    )
+                )
+            last = {run.label: (run.last_point(namespace), curves[run.label]) for run in runs}
+            axes = {run.label: run.x_axis(namespace) for run in runs}
             by_depth = (namespace, metric, layers, last)
-            jobs.append(FigureJob(out_dir / f"{stem}_vs_depth.png", runs_vs_depth_figure, by_depth, dpi=110))
+            jobs.append(
+                FigureJob(out_dir / f"{stem}_vs_depth.png", runs_vs_depth_figure, by_depth, {"x_labels": axes}, dpi=110)
+            )
 
     def report(index: int, result: Path | Exception) -> None:
         if on_figure is not None and not isinstance(result, Exception):
@@ -451,10 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(runs)} run(s): {_labels([run.label for run in runs])}")
     for line in _skipped(empty, args.namespaces, keep=True):
         print(f"skipped, no keys of {requested}: {line}")
-    replaced = [f"{run.label} {ns} {epoch_ranges(epochs)}" for run in runs for ns, epochs in run.superseded.items()]
+    replaced = [
+        f"{run.label} {ns} {run.x_axis(ns)}s {epoch_ranges(points)}"
+        for run in runs
+        for ns, points in run.superseded.items()
+    ]
     if replaced:
         print(
-            f"values replaced by a resumed fit, not drawn: epochs {'; '.join(replaced)} "
+            f"values replaced by a resumed fit, not drawn: {'; '.join(replaced)} "
             f"(kept under 'superseded' in the run's {FIGURE_DIR}/<namespace>_curves.json)"
         )
     print_written(out_dir, {"figures": figures, "tables": tables}, requested=args.out)

@@ -163,7 +163,7 @@ def test_a_run_resumed_into_its_own_folder_shows_the_values_of_the_last_fit_and_
 
     assert main([str(run_dir), "--out", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
-    assert "values replaced by a resumed fit, not drawn: epochs version_0 weight 1-2" in out
+    assert "values replaced by a resumed fit, not drawn: version_0 weight epochs 1-2" in out
     assert {r["epoch"] for r in _read(tmp_path / "report" / "summary.csv")} == {"2"}
 
 
@@ -195,7 +195,7 @@ def test_csv_parsing_without_curve_file_uses_natural_layer_order(tmp_path):
     assert run.curves["rank"]["layer10"]["flatten/numerical_rank"] == {0: 5.0, 1: 4.0}
     assert math.isnan(run.curves["weight"]["layer2"]["stable_rank"][1])
     assert run.final == {"val/acc": 0.5}
-    assert run.last_epoch("rank") == 1
+    assert run.last_point("rank") == 1
 
 
 def _jacobian_run(directory: Path) -> Path:
@@ -309,3 +309,67 @@ def test_progress_only_on_a_terminal_unless_quiet(tmp_path, monkeypatch, termina
     assert ("reading runs" in text) is shown
     assert ("drawing figures" in text) is shown
     assert "1 run(s): version_0" in text
+
+
+def _train_by_step(root: Path, name: str) -> WeightRankMonitor:
+    """Two epochs of three optimizer steps, weights measured every step: several points per epoch."""
+    torch.manual_seed(0)
+    monitor = WeightRankMonitor(metrics=METRICS, every_n_train_steps=1, verbose=False)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        logger=CSVLogger(root, name=name),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[monitor],
+        default_root_dir=root,
+    )
+    trainer.fit(_Classifier(0.0), _loader(0), _loader(1))
+    return monitor
+
+
+def test_step_cadence_runs_are_reported_against_the_step_from_the_curve_file_or_the_csv(tmp_path):
+    monitor = _train_by_step(tmp_path, "stepped")
+    history = monitor.curves.history
+    assert sorted(history) == [0, 1, 2, 3, 4, 5, 6]  # the untrained weights at step 0, then every step
+    run_dir = tmp_path / "stepped" / "version_0"
+    from_file = load_run(run_dir)
+    assert from_file.x_axes == {"weight": "step"}
+    assert from_file.curves["weight"]["m_mid"]["stable_rank"] == {
+        s: history[s]["m_mid"]["stable_rank"] for s in history
+    }
+
+    # Without the curve file, the CSV's step column keys the values: one key per epoch would keep 2 of 7 points.
+    (run_dir / FIGURE_DIR / "weight_curves.json").unlink()
+    from_csv = load_run(run_dir)
+    assert from_csv.x_axes == {"weight": "step"}
+    for layer in DEPTH_ORDER:
+        curve = from_csv.curves["weight"][layer]["stable_rank"]
+        assert curve == pytest.approx({s: history[s][layer]["stable_rank"] for s in history}, rel=1e-6)
+    assert from_csv.last_point("weight") == 6
+
+    out = tmp_path / "report"
+    assert main([str(run_dir), "--out", str(out), "--quiet"]) == 0
+    assert {p.name for p in out.glob("*.png")} == {
+        f"weight_{m}_{k}.png" for m in METRICS for k in ("vs_step", "vs_depth")
+    }
+    rows = _read(out / "summary.csv")
+    assert {(r["epoch"], r["step"]) for r in rows} == {("", "6")}
+    for row in rows:
+        assert float(row["weight/stable_rank"]) == pytest.approx(history[6][row["layer"]]["stable_rank"], rel=1e-6)
+
+
+def test_runs_keyed_by_epoch_and_by_step_get_a_figure_for_each_axis(tmp_path):
+    _train(0.0, logger=CSVLogger(tmp_path, name="by_epoch"))
+    _train_by_step(tmp_path, "by_step")
+    runs = [load_run(directory, label=label) for label, directory in find_runs([tmp_path])]
+    assert [run.x_axis("weight") for run in runs] == ["epoch", "step"]
+    out = tmp_path / "report"
+    assert main([str(tmp_path), "--out", str(out), "--quiet"]) == 0
+    kinds = ("vs_epoch", "vs_step", "vs_depth")
+    assert {p.name for p in out.glob("*.png")} == {f"weight_{m}_{k}.png" for m in METRICS for k in kinds}
+    rows = _read(out / "summary.csv")
+    assert {(r["run"], r["epoch"], r["step"]) for r in rows} == {
+        ("by_epoch/version_0", "1", ""),
+        ("by_step/version_0", "", "6"),
+    }
