@@ -180,3 +180,17 @@ def test_nystrom_bad_options_raise() -> None:
         nystrom_projection(torch.eye(4), 1, oversampling=0)
     with pytest.raises(ValueError, match="jitter"):
         nystrom_projection(torch.eye(4), 1, jitter=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["exact", "nystrom"])
+def test_half_precision_weights_are_projected_in_their_dtype(dtype: torch.dtype, method: str) -> None:
+    # Weights trained with precision="16-true" / "bf16-true": eigh has no half-precision kernel, so the exact
+    # projection decomposes in float32 and returns the weight's dtype, as the Nystrom projection does.
+    w = _psd(12, np.array([3.0, 2.0, 1.0, 0.5]), seed=9)
+    options = {"generator": torch.Generator().manual_seed(0)} if method == "nystrom" else {}
+    projected = rank_projection(w.to(dtype), 2, method, **options)
+    assert projected.dtype == dtype
+    reference = torch.from_numpy(_numpy_best_psd(w.to(dtype).double().numpy(), 2))
+    if method == "exact":
+        assert torch.allclose(projected.double(), reference, atol=2e-2 * reference.abs().max().item())
