@@ -103,8 +103,11 @@ def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Genera
     top_values = eigenvalues[-k:]
     top_vectors = eigenvectors[:, -k:]
     # Entries of W carry the rounding error of its own dtype: eigenvalues below l * eps * max|lambda| are noise and,
-    # as in a pseudo-inverse, are not inverted.
-    keep = top_values > num_columns * torch.finfo(w.dtype).eps * eigenvalues.abs().max()
+    # as in a pseudo-inverse, are not inverted. Half precisions count as float32, the precision the exact projection
+    # decomposes them in: with bfloat16's eps (2^-7) the cut reaches max|lambda| at l = 128 columns and everything
+    # would be dropped (a zero projection for every k >= 64).
+    eps = torch.finfo(torch.promote_types(w.dtype, torch.float32)).eps
+    keep = top_values > num_columns * eps * eigenvalues.abs().max()
     half_inverse = top_vectors[:, keep] / top_values[keep].sqrt()  # W_k^+ = half_inverse @ half_inverse.T
     return columns @ half_inverse.to(w.dtype)
 
