@@ -546,7 +546,9 @@ def _inside_metric(name: str, modules: dict[str, nn.Module]) -> bool:
 def classifier_head(module: nn.Module, head: str | None = None) -> str:
     """Module path of a classifier's head: ``head`` (the layer syntax of :func:`select_layers`, exactly one module),
     else ``backbone.<head_path>`` of a package backbone, else the module's own ``head_path``, else its last
-    ``nn.Linear``.
+    ``nn.Linear``. A head behind an LR-Layer (``nn.Sequential(LRLayer, head)`` from
+    :func:`~rank_lightning.nn.insert_lr_layer`) is the wrapped head: the LR-Layer is an identity, so its input and
+    output are the same, and its weight is the classifier's.
 
     Raises:
         ValueError: a ``head`` that matches no module or several (the message lists them), an ``nn.Identity`` head
@@ -559,8 +561,20 @@ def classifier_head(module: nn.Module, head: str | None = None) -> str:
         path = next(iter(chosen.values()))
     else:
         path = _default_head(module)
+    path = _behind_lr_layers(module, path)
     if isinstance(module.get_submodule(path), nn.Identity):
         raise ValueError(f"the head {path!r} is nn.Identity (a model without classes); name the head with head=...")
+    return path
+
+
+def _behind_lr_layers(module: nn.Module, path: str) -> str:
+    """``path`` itself, or the path of the module that LR-Layers inserted in front of it wrap."""
+    # Imported here: rank_lightning.nn imports rank_lightning.functional, which imports this module.
+    from rank_lightning.nn.lr_layer import LRLayer
+
+    inner = module.get_submodule(path)
+    while isinstance(inner, nn.Sequential) and len(inner) == 2 and isinstance(inner[0], LRLayer):
+        path, inner = f"{path}.1", inner[1]
     return path
 
 

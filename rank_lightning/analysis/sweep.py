@@ -205,7 +205,8 @@ def parse_grid(specs: Sequence[str], weight_decays: Sequence[str] | None = None)
         ``key -> values`` in the given order.
 
     Raises:
-        ValueError: a specification without ``=``, an empty key or value, a repeated key or value, or no key at all.
+        ValueError: a specification without ``=``, an empty key or value, a repeated key or value, no key at all, or a
+            weight decay that is not a finite number >= 0.
     """
     entries = []
     for spec in specs:
@@ -229,7 +230,19 @@ def parse_grid(specs: Sequence[str], weight_decays: Sequence[str] | None = None)
         grid[key] = values
     if not grid:
         raise ValueError("the grid is empty: give --grid KEY=V1,V2,... or --weight-decays")
+    # The command-line check (--print_config) parses types but builds no optimizer: a negative weight decay would
+    # pass it and fail every run of its points, each after loading the data.
+    bad = [value for value in grid.get(WEIGHT_DECAY_KEY, []) if not _is_weight_decay(value)]
+    if bad:
+        raise ValueError(
+            f"weight decays must be finite numbers >= 0; got {', '.join(map(repr, bad))} among {grid[WEIGHT_DECAY_KEY]}"
+        )
     return grid
+
+
+def _is_weight_decay(value: str) -> bool:
+    number = _number(value)
+    return number is not None and math.isfinite(number) and number >= 0
 
 
 def short_names(keys: Sequence[str], reserved: Sequence[str] = ()) -> dict[str, str]:

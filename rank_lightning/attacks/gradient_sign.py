@@ -4,7 +4,10 @@ Every attack takes a classifier mapping *normalised* inputs to logits and a batc
 It un-normalises the batch with the datamodule's per-channel ``mean``/``std``, perturbs the pixels in [0, 1]
 inside the L-infinity ball of radius ``eps`` (so ``eps = 8/255`` is eight grey levels), and returns the
 adversarial batch normalised again. This is the convention of torchattacks and of Kurakin et al. (2016), whose
-budgets are grey levels of 8-bit images; Sanyal et al. Sec. 5 divide them by 255 in the same way.
+budgets are grey levels of 8-bit images. Sanyal et al. Sec. 5 differ: they divide the budget by 255 and add it to
+images normalised to unit variance, so their ``eps`` is ``eps * std / 255`` in pixel units per channel (about a
+quarter of the pixel budget of the same name for CIFAR's std of about 0.25). Compare their Fig. 5 by the normalised
+L2 dissimilarity (eq. 10, in pixels), which does not depend on the convention, rather than by ``eps``.
 
 While attacking, the model runs in eval mode (BatchNorm uses its running statistics and is not updated, dropout
 is off); afterwards every submodule's train/eval flag is what it was, and no parameter's ``.grad`` is touched,
@@ -39,7 +42,8 @@ def kurakin_steps(eps: float) -> int:
         eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
 
     Returns:
-        The number of iterations, 0 for ``eps = 0``.
+        The number of iterations: 0 for ``eps`` below 0.8 grey levels (``0.8/255``), where the iterative attacks
+        with ``steps=None`` return their inputs unchanged.
     """
     _check_eps(eps)
     return int(min(eps * 255 + 4, 1.25 * eps * 255))

@@ -19,6 +19,7 @@ from rank_lightning.attacks import (
     accuracy_under_attack,
     adversarial_feature_distance,
     attack,
+    kurakin_steps,
     l2_dissimilarity,
 )
 from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn
@@ -50,7 +51,12 @@ def grey_levels(eps: float) -> str:
 
 def _parse_eps(value: float | str) -> float:
     try:
-        eps = float(Fraction(value)) if isinstance(value, str) else float(value)
+        if isinstance(value, str):
+            # "8/255", and "0.5/255" for half a grey level, which Fraction does not read.
+            numerator, slash, denominator = value.partition("/")
+            eps = float(Fraction(numerator.strip())) / (float(Fraction(denominator.strip())) if slash else 1.0)
+        else:
+            eps = float(value)
     except (TypeError, ValueError, ZeroDivisionError) as error:
         raise ValueError(f"eps entries must be numbers or fractions such as '8/255'; got {value!r}") from error
     if not (math.isfinite(eps) and 0 <= eps <= 1):
@@ -71,6 +77,20 @@ def _parse_budgets(eps: Sequence[float | str] | float | str) -> tuple[float, ...
     if repeated:
         raise ValueError(f"eps values {repeated} (grey levels) appear more than once; give each budget once")
     return tuple(sorted(values))
+
+
+def _check_idle_iterations(attacks: Sequence[str], budgets: Sequence[float], steps: int | None) -> None:
+    """Kurakin's default number of iterations is 0 below 0.8 grey levels: the iterative attacks would return the
+    clean inputs, and their accuracy, L2 dissimilarity and ``D_Adv`` would read as perfect robustness."""
+    iterative = [name for name in attacks if name != "fgsm"]
+    idle = [eps for eps in budgets if eps > 0 and kurakin_steps(eps) == 0]
+    if steps is None and iterative and idle:
+        levels = ", ".join(grey_levels(eps) for eps in idle)
+        raise ValueError(
+            f"{', '.join(iterative)} would not move the inputs at eps {levels} (grey levels): Kurakin's default number "
+            "of iterations, int(min(255 eps + 4, 1.25 * 255 eps)), is 0 below 0.8 grey levels; give steps "
+            "(e.g. steps=1) or budgets of at least 0.8/255"
+        )
 
 
 def _check_pixel_stats(mean: Sequence[float] | None, std: Sequence[float] | None) -> None:
@@ -134,7 +154,8 @@ class AdversarialValidation(RankCallback):
             features feeding the head) when the module has ``blocks()``, and skips ``D_Adv`` otherwise.
         alpha: step of the iterative attacks in pixel units (Kurakin et al.: one grey level).
         steps: iterations of the iterative attacks; ``None`` takes ``min(eps + 4, 1.25 eps)`` (eps in grey levels;
-            :func:`~rank_lightning.attacks.kurakin_steps`).
+            :func:`~rank_lightning.attacks.kurakin_steps`), which is 0 below 0.8 grey levels: such budgets need
+            ``steps`` with an iterative attack.
         mean: per-channel mean of the normalisation of the inputs; with ``std``. When both are ``None`` they are read
             from ``trainer.datamodule.mean`` / ``.std``, and without such a datamodule the inputs are taken to be
             pixels in [0, 1] already (give ``mean=[0]``, ``std=[1]`` to say so explicitly).
@@ -206,6 +227,7 @@ class AdversarialValidation(RankCallback):
         check_positive_int("batch_size", batch_size)
         check_positive("alpha", alpha)
         check_positive_int("steps", steps, allow_none=True)
+        _check_idle_iterations(self.attacks, self.eps, steps)
         _check_pixel_stats(mean, std)
         # One module, not a list: check_names would accept several.
         if layer is not None and (not isinstance(layer, str) or not layer):

@@ -27,6 +27,9 @@ from rank_lightning.validation import check_choice, check_positive_int, check_po
 
 __all__ = ["LowDimensionalEvaluation"]
 
+# The reductions that give one row per input, which is what the classifier is trained and scored on.
+SAMPLE_REDUCTIONS: tuple[str, ...] = tuple(name for name in REDUCTIONS if name not in ("channel", "token"))
+
 
 class LowDimensionalEvaluation(RankCallback):
     """Accuracy of a linear max-margin classifier on PCA embeddings of one layer's features (Sanyal et al. Sec. 4.4).
@@ -49,7 +52,8 @@ class LowDimensionalEvaluation(RankCallback):
             ``nn.Linear`` (the embeddings fed to the head, as in the paper).
         every_n_epochs: also evaluate after every n-th validation epoch; ``None`` for the end of fit only.
         max_batches: at most this many batches per dataloader (all by default).
-        reduction: how conv or token features become an (N, d) matrix (``"flatten"`` is Sanyal et al.'s choice).
+        reduction: how conv or token features become one embedding per input: ``"flatten"`` (Sanyal et al.'s
+            choice), ``"mean"`` or ``"cls"`` (``"channel"`` and ``"token"``, one row per position, are refused).
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
             ``batch[0]`` or the usual keys of a dict batch.
         label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
@@ -85,6 +89,12 @@ class LowDimensionalEvaluation(RankCallback):
         self.cadence = Cadence(every_n_epochs, on_validate=False)
         self.max_batches = max_batches
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        if self.reduction not in SAMPLE_REDUCTIONS:
+            # "channel" and "token" give several rows per input, which the labels (one per input) do not match.
+            raise ValueError(
+                f"reduction {reduction!r} gives one row per position or token, but the classifier is trained on one "
+                f"embedding per input; valid choices are: {', '.join(SAMPLE_REDUCTIONS)}"
+            )
         self.reader = BatchReader(input_key, label_key)
         self.results: dict[int, float] = {}
         self._layer: FeatureLayer | None = None

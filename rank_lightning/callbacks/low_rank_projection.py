@@ -51,7 +51,8 @@ class LowRankProjection(RankCallback):
 
     Raises:
         ValueError: if both ``threshold`` and ``switch_on_epoch`` are ``None``, ``threshold`` is not a finite number
-            or is above 1 for an accuracy, or at fit start if the model has no LR-Layer.
+            or is above 1 for an accuracy, ``monitor`` is not a non-empty string, ``seed`` is not an integer, or at
+            fit start if the model has no LR-Layer.
 
     Example::
 
@@ -73,6 +74,11 @@ class LowRankProjection(RankCallback):
         if threshold is None and switch_on_epoch is None:
             raise ValueError("LowRankProjection needs a threshold or a switch_on_epoch (or both); got neither")
         check_non_negative_int("switch_on_epoch", switch_on_epoch, allow_none=True)
+        if not isinstance(monitor, str) or not monitor:
+            raise ValueError(f"monitor must be the non-empty key of a logged metric, got {monitor!r}")
+        # Checked here: the seed is first used at the first projection after switch-on, possibly hours into the fit.
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         check_finite("threshold", threshold, allow_none=True)
         if threshold is not None:
             if "acc" in monitor.lower() and not 0 <= threshold <= 1:
@@ -178,9 +184,12 @@ class LowRankProjection(RankCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"enabled": self.enabled, "switched_on_epoch": self.switched_on_epoch}
+        return {"enabled": self.enabled, "switched_on_epoch": self.switched_on_epoch, "highest": self._highest}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.enabled = bool(state_dict["enabled"])
         self.switched_on_epoch = state_dict.get("switched_on_epoch")
+        # The highest value of the monitor so far: a resumed fit that ends with the layers off reports it for the
+        # whole fit, not only for the epochs after the resume.
+        self._highest = state_dict.get("highest")

@@ -59,7 +59,9 @@ class RankPretraining(RankCallback):
         num_batches: M, the number of minibatches (taken in order from the training dataloader, restarting it if it
             has fewer batches).
         steps: T, gradient-ascent steps per minibatch (Daneshmand et al. Fig. 6: 25 or 75 iterations in total).
-        lr: learning rate of the ascent (the length of a step when ``normalize_gradient`` is on).
+        lr: learning rate of the ascent. With ``normalize_gradient`` the gradient has unit norm, so a step is ``lr``
+            long without momentum; with ``momentum`` the steps add up along a steady direction, to at most
+            ``lr / (1 - momentum)`` (ten times ``lr`` at the default 0.9).
         momentum: momentum of the ascent's SGD.
         normalize_gradient: divide the gradient by its global l2 norm over all parameters before each step.
         reduction: how conv or token features become an (N, d) matrix (see

@@ -57,18 +57,20 @@ def exact_projection(w: Tensor, k: int) -> Tensor:
 
     Returns:
         (m, m) symmetric PSD matrix of rank at most ``k``, in the dtype of ``w``. The eigendecomposition runs in that
-        dtype too (float32 for float32 weights, the trade-off made at ``m = 16,384``).
+        dtype too (float32 for float32 weights, the trade-off made at ``m = 16,384``), and in float32 for float16 and
+        bfloat16 weights, for which ``torch.linalg.eigh`` has no kernel.
 
     Raises:
         ValueError: if ``w`` is not square, ``k`` is out of range or ``w`` holds NaN or Inf.
     """
     _check_square(w, k)
     _check_finite(w, "w")
-    sym = (w + w.T) / 2
+    work = w.to(torch.promote_types(w.dtype, torch.float32))
+    sym = (work + work.T) / 2
     eigenvalues, eigenvectors = torch.linalg.eigh(sym)  # ascending
     top_values = eigenvalues[-k:].clamp(min=0)
     top_vectors = eigenvectors[:, -k:]
-    return (top_vectors * top_values) @ top_vectors.T
+    return ((top_vectors * top_values) @ top_vectors.T).to(w.dtype)
 
 
 def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Generator | None, jitter: float) -> Tensor:
@@ -101,8 +103,11 @@ def _nystrom_factor(w: Tensor, k: int, num_columns: int, generator: torch.Genera
     top_values = eigenvalues[-k:]
     top_vectors = eigenvectors[:, -k:]
     # Entries of W carry the rounding error of its own dtype: eigenvalues below l * eps * max|lambda| are noise and,
-    # as in a pseudo-inverse, are not inverted.
-    keep = top_values > num_columns * torch.finfo(w.dtype).eps * eigenvalues.abs().max()
+    # as in a pseudo-inverse, are not inverted. Half precisions count as float32, the precision the exact projection
+    # decomposes them in: with bfloat16's eps (2^-7) the cut reaches max|lambda| at l = 128 columns and everything
+    # would be dropped (a zero projection for every k >= 64).
+    eps = torch.finfo(torch.promote_types(w.dtype, torch.float32)).eps
+    keep = top_values > num_columns * eps * eigenvalues.abs().max()
     half_inverse = top_vectors[:, keep] / top_values[keep].sqrt()  # W_k^+ = half_inverse @ half_inverse.T
     return columns @ half_inverse.to(w.dtype)
 

@@ -121,10 +121,12 @@ class ImageClassifier(RankModule):
             raise ValueError(f"unknown lr_layers position {before!r}; positions are: head, {', '.join(names)}")
         widths: list[int] = []
         layer = FeatureLayer(path, path, "input")
+        # The width LRLayer reads: all of one sample's values when flattening, else the last dimension (tokens).
+        flatten = spec.get("flatten", True)
         with (
             torch.no_grad(),
             eval_mode(self.backbone),
-            forward_hooks(self.backbone, [layer], lambda _, x: widths.append(x[0].numel())),
+            forward_hooks(self.backbone, [layer], lambda _, x: widths.append(x[0].numel() if flatten else x.shape[-1])),
         ):
             self.backbone(torch.zeros(2, *self.input_shape))
         insert_lr_layer(self.backbone, path, LRLayer(widths[0], **spec))

@@ -90,6 +90,8 @@ class LRLayer(nn.Module):
             raise ValueError(f"num_runs must be a positive integer, got {num_runs!r}")
         if isinstance(oversampling, bool) or not isinstance(oversampling, int) or oversampling < 1:
             raise ValueError(f"oversampling must be a positive integer, got {oversampling!r}")
+        if not isinstance(flatten, bool):
+            raise ValueError(f"flatten must be True or False, got {flatten!r}")
         self.num_features = num_features
         self.rank = rank
         self.lambda_1 = float(lambda_1)

@@ -354,9 +354,11 @@ def last_layer_pretraining(model: nn.Module, batches: Sequence[Tensor], steps: i
     """Daneshmand et al. App. G, Alg. 1: for each minibatch ``X_k``, gradient-ascent steps on ``r(H_L(X_k))`` (last
     hidden layer) with respect to all parameters; ``steps`` in total, spread evenly over ``batches``.
 
-    The step is normalised (``step_size`` times the parameters' norm along the unit gradient), as the package's
-    :class:`~rank_lightning.callbacks.RankPretraining` does by default: the gradient of ``r(H)`` spans many orders of
-    magnitude through a deep network, so that no fixed plain step size suits every step.
+    The step is normalised (``step_size`` times the parameters' norm along the unit gradient, without momentum): the
+    gradient of ``r(H)`` spans many orders of magnitude through a deep network, so that no fixed plain step size
+    suits every step. The package's :class:`~rank_lightning.callbacks.RankPretraining` also follows the unit
+    gradient by default, but with a step of fixed length ``lr`` (not relative to the parameters' norm) and SGD
+    momentum 0.9, so its ``lr`` is not this ``step_size``.
     """
     parameters = [p for p in model.parameters() if p.requires_grad]
     per_batch = [steps // len(batches) + (i < steps % len(batches)) for i in range(len(batches))]

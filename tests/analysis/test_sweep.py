@@ -54,7 +54,7 @@ version = csv_logger["version"]
 run_dir = os.path.join(csv_logger["save_dir"], csv_logger["name"], f"version_{version}")
 os.makedirs(run_dir)
 wd = float(args["model.init_args.weight_decay"])
-if wd < 0:
+if wd >= 1:  # a run that fails (e.g. diverges)
     sys.exit(3)
 with open(os.path.join(run_dir, "metrics.csv"), "w", newline="") as file:
     writer = csv.writer(file)
@@ -92,6 +92,9 @@ def test_parse_grid_keeps_order_and_brackets_and_appends_weight_decays():
         (["data.init_args.sigma=0.1,0.1"], None, "repeats a value"),
         ([f"{WEIGHT_DECAY_KEY}=0"], ["1e-3"], "given twice"),
         ([], None, "the grid is empty"),
+        # Accepted by the command-line check, then every run of the point failed at its optimizer.
+        ([], ["0", "-1e-3"], r"weight decays must be finite numbers >= 0; got '-1e-3' among \['0', '-1e-3'\]"),
+        ([f"{WEIGHT_DECAY_KEY}=1e-3,nan"], None, "weight decays must be finite numbers >= 0; got 'nan'"),
     ],
 )
 def test_parse_grid_rejects_bad_specifications(specs, weight_decays, message):
@@ -158,12 +161,12 @@ def test_runner_never_overwrites_and_aggregates_the_newest_finished_version(tmp_
     assert record["values"] == {WEIGHT_DECAY_KEY: "0.01"} and record["returncode"] == 0
     assert record["omp_num_threads"] == "1"
     assert "--config=c.yaml" in record["command"] and f"--{WEIGHT_DECAY_KEY}=0.01" in record["command"]
-    failed = run_sweep(["c.yaml"], grid_points(parse_grid([], ["-1"])), out, echo=messages.append)
+    failed = run_sweep(["c.yaml"], grid_points(parse_grid([], ["1"])), out, echo=messages.append)
     assert failed[0].returncode == 3 and any("FAILED" in m for m in messages)
 
     chosen, skipped = find_sweep_runs(out)
     assert [r.label for r in chosen] == ["weight_decay=0/version_1", "weight_decay=0.01/version_1"]
-    assert [r.label for r in skipped] == ["weight_decay=-1/version_0"]
+    assert [r.label for r in skipped] == ["weight_decay=1/version_0"]
     csv_path, md_path, figure = aggregate(out, echo=messages.append)
     rows = _read_csv(csv_path)
     assert [(r["weight_decay"], float(r["weight/numerical_rank"]), float(r["val/acc"])) for r in rows] == [
@@ -172,7 +175,7 @@ def test_runner_never_overwrites_and_aggregates_the_newest_finished_version(tmp_
     ]
     assert "| weight_decay | run | namespace | layer |" in md_path.read_text()
     assert figure.stat().st_size > 10_000
-    assert any("skipped weight_decay=-1/version_0" in m for m in messages)
+    assert any("skipped weight_decay=1/version_0" in m for m in messages)
 
 
 def test_threads_are_the_same_for_every_number_of_processes(tmp_path, monkeypatch):
@@ -384,12 +387,12 @@ def test_main_ends_with_a_summary_of_what_it_wrote_and_where(tmp_path, monkeypat
     monkeypatch.setattr(sweep, "train_command", lambda: [sys.executable, str(fake)])
     monkeypatch.setattr(sweep, "check_arguments", lambda configs, grid, extra: None)
     out = tmp_path / "sweep"
-    code = sweep.main(["--config", "c.yaml", "--weight-decays", "0", "0.01", "-1", "--out", str(out), "--quiet"])
+    code = sweep.main(["--config", "c.yaml", "--weight-decays", "0", "0.01", "1", "--out", str(out), "--quiet"])
     printed = capsys.readouterr().out
-    assert code == 1  # the weight decay -1 run fails in the fake script
+    assert code == 1  # the weight decay 1 run fails in the fake script
     assert "[3/3] FAILED" in printed and "2 of 3 run(s) finished in" in printed
     assert f"written to {out}:" in printed
     assert re.search(r"^\s+2 tables\s+sweep\.csv, sweep\.md$", printed, re.M), printed
     folders = r"^\s+2 run folders\s+weight_decay=0/version_0, weight_decay=0\.01/version_0$"
     assert re.search(folders, printed, re.M), printed
-    assert "1 run(s) failed: weight_decay=-1/version_0 (see their .log files)" in printed
+    assert "1 run(s) failed: weight_decay=1/version_0 (see their .log files)" in printed

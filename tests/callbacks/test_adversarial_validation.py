@@ -453,11 +453,26 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
         ({"mean": [0.5]}, "give both mean and std"),
         ({"mean": [0.5], "std": [0.0]}, "std must be positive"),
         ({"layer": ""}, "layer must be None or a non-empty"),
+        # Kurakin's default takes int(min(4.5, 0.625)) = 0 iterations at half a grey level: the iterative attacks
+        # returned the clean inputs, logged as acc@0.5 = clean accuracy and l2@0.5 = d_adv@0.5 = 0.
+        (
+            {"eps": ["0.5/255", "8/255"], "attacks": ["fgsm", "iter_ll_fgsm"]},
+            r"iter_ll_fgsm would not move the inputs at eps 0.5 \(grey levels\).*give steps",
+        ),
     ],
 )
 def test_invalid_settings_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdversarialValidation(**kwargs)
+
+
+def test_budgets_below_one_grey_level(tmp_path, model):
+    # "0.5/255" was refused as not a fraction; with explicit steps the iterative attacks move the inputs.
+    callback = AdversarialValidation(eps=["0.5/255"], attacks=["fgsm", "iter_fgsm"], steps=1, max_samples=64)
+    assert callback.eps == (0.5 / 255,)
+    assert AdversarialValidation(eps=["0.5/255"], attacks=["fgsm"]).eps == (0.5 / 255,)
+    values = _validate(tmp_path, model, callback)
+    assert values["iter_fgsm/l2@0.5"] == pytest.approx(values["fgsm/l2@0.5"]) and values["iter_fgsm/l2@0.5"] > 0
 
 
 def test_state_dict_round_trip(logged):

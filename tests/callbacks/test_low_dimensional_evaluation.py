@@ -149,3 +149,13 @@ def test_callbacks_work_under_the_lightning_pytorch_trainer() -> None:
     assert torch.linalg.matrix_rank(module.net[2][0].weight.detach(), hermitian=True).item() <= 4
     assert trainer.callback_metrics["lr_layer/enabled"].item() == 1.0
     assert set(evaluation.results) == {2}
+
+
+@pytest.mark.parametrize("reduction", ["channel", "token"])
+def test_reductions_with_several_rows_per_input_are_refused(reduction: str) -> None:
+    # With "channel" the first rows of a batch's (B*H*W, C) features were paired with the batch's B labels: the
+    # classifier was trained on positions of the first samples under other samples' labels (accuracy 0.10 on the
+    # digits, chance level), without an error.
+    with pytest.raises(ValueError, match=rf"reduction '{reduction}' gives one row per position.*flatten, cls, mean"):
+        LowDimensionalEvaluation(reduction=reduction)
+    assert LowDimensionalEvaluation(reduction="mean").reduction == "mean"

@@ -113,7 +113,7 @@ def test_resume_restores_the_switched_on_state(tmp_path) -> None:
     trainer.fit(module, _loader())
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
-    assert callback.state_dict() == {"enabled": True, "switched_on_epoch": 0}
+    assert callback.state_dict() == {"enabled": True, "switched_on_epoch": 0, "highest": pytest.approx(0.9)}
 
     resumed_module = _Scripted([0.0] * 4)
     probe = _Probe()
@@ -121,6 +121,26 @@ def test_resume_restores_the_switched_on_state(tmp_path) -> None:
     quiet_trainer([resumed, probe], max_epochs=4).fit(resumed_module, _loader(), ckpt_path=path)
     assert resumed.enabled and resumed.switched_on_epoch == 0
     assert probe.enabled == [True, True]
+
+
+def test_a_resumed_fit_that_ends_with_the_layers_off_reports_the_highest_value_of_the_whole_fit(tmp_path) -> None:
+    # The highest value was not saved: after a resume the warning named only the epochs after it.
+    module = _Scripted([0.5, 0.1])
+    callback = LowRankProjection(threshold=0.65)
+    trainer = quiet_trainer([callback], max_epochs=1, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="reached at most 0.5,"):
+        trainer.fit(module, _loader())
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+
+    resumed = LowRankProjection(threshold=0.65)
+    with pytest.warns(UserWarning, match="reached at most 0.5,"):
+        quiet_trainer([resumed], max_epochs=2, default_root_dir=tmp_path).fit(
+            _Scripted([0.1, 0.1]), _loader(), ckpt_path=path
+        )
+    # Checkpoints written before the value was saved still load.
+    resumed.load_state_dict({"enabled": False, "switched_on_epoch": None})
+    assert resumed.state_dict() == {"enabled": False, "switched_on_epoch": None, "highest": None}
 
 
 def test_warns_when_the_module_does_not_collect_the_auxiliary_loss() -> None:
@@ -133,6 +153,11 @@ def test_warns_when_the_module_does_not_collect_the_auxiliary_loss() -> None:
 def test_errors() -> None:
     with pytest.raises(ValueError, match="threshold or a switch_on_epoch"):
         LowRankProjection(threshold=None)
+    # Both were accepted and failed later: the seed at the first projection after switch-on, with a TypeError.
+    with pytest.raises(ValueError, match="seed must be an integer, got '0'"):
+        LowRankProjection(seed="0")
+    with pytest.raises(ValueError, match="monitor must be the non-empty key of a logged metric, got 3"):
+        LowRankProjection(monitor=3)
     module = _Scripted([0.5])
     message = r"monitors 'train/accuracy'.*logged metrics are: lr_layer/enabled, train/acc"
     with pytest.raises(RuntimeError, match=message):

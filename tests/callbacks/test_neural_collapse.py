@@ -118,6 +118,24 @@ def test_a_head_without_a_class_weight_logs_nc3_as_nan(tmp_path: Path) -> None:
     assert math.isnan(monitor.result.nc3) and not math.isnan(monitor.result.nc1)
 
 
+def test_a_head_behind_an_lr_layer_is_the_wrapped_head(tmp_path: Path) -> None:
+    # insert_lr_layer turns the head into nn.Sequential(LRLayer, head): the Sequential has no weight, and nc3 was
+    # logged as NaN for every model trained with an LR-Layer before its head (Sanyal et al.).
+    from rank_lightning.nn import LRLayer, insert_lr_layer
+
+    torch.manual_seed(3)
+    model, datamodule = _Classifier(), _datamodule()
+    model.head_path = "fc"  # named as the package's modules name their head
+    insert_lr_layer(model, "fc", LRLayer(32, 2))
+    monitor = NeuralCollapseMonitor(verbose=False)
+    quiet_trainer([monitor], default_root_dir=tmp_path).validate(model, datamodule=datamodule)
+    assert monitor.head_path == "fc.1"
+    model.fc = model.fc[1]  # the LR-Layer is an identity: the same network without it
+    expected = _direct(model, datamodule).as_dict()
+    for key in NC_METRICS:
+        assert monitor.result.as_dict()[key] == pytest.approx(expected[key], rel=1e-9), key
+
+
 def test_bad_arguments_raise_with_the_choices() -> None:
     with pytest.raises(ValueError, match="nc1"):
         NeuralCollapseMonitor(metrics=("nc9",))

@@ -180,3 +180,30 @@ def test_nystrom_bad_options_raise() -> None:
         nystrom_projection(torch.eye(4), 1, oversampling=0)
     with pytest.raises(ValueError, match="jitter"):
         nystrom_projection(torch.eye(4), 1, jitter=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["exact", "nystrom"])
+def test_half_precision_weights_are_projected_in_their_dtype(dtype: torch.dtype, method: str) -> None:
+    # Weights trained with precision="16-true" / "bf16-true": eigh has no half-precision kernel, so the exact
+    # projection decomposes in float32 and returns the weight's dtype, as the Nystrom projection does.
+    w = _psd(12, np.array([3.0, 2.0, 1.0, 0.5]), seed=9)
+    options = {"generator": torch.Generator().manual_seed(0)} if method == "nystrom" else {}
+    projected = rank_projection(w.to(dtype), 2, method, **options)
+    assert projected.dtype == dtype
+    reference = torch.from_numpy(_numpy_best_psd(w.to(dtype).double().numpy(), 2))
+    if method == "exact":
+        assert torch.allclose(projected.double(), reference, atol=2e-2 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_nystrom_of_half_precision_weights_keeps_the_top_k(dtype: torch.dtype, tolerance: float) -> None:
+    # The noise cut l * eps * max|lambda| used the weight's own eps: with bfloat16's 2^-7 it dropped every eigenvalue
+    # from l = 128 sampled columns on (a zero projection, relative error 1.0 here; 0.16 for float16).
+    rank = 64
+    w = _psd(200, np.linspace(2.0, 1.0, rank), seed=10).to(dtype)
+    projected = nystrom_projection(w, rank, generator=torch.Generator().manual_seed(0))
+    assert projected.dtype == dtype
+    reference = exact_projection(w.float(), rank).double()
+    error = (projected.double() - reference).norm() / reference.norm()
+    assert error < tolerance

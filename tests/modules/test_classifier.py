@@ -123,6 +123,26 @@ def test_lr_layer_inserted_before_the_head_with_measured_width(tmp_path):
     assert trainer.callback_metrics["train/lr_layer_loss"] > 0
 
 
+def test_lr_layer_without_flatten_measures_the_last_dimension():
+    # flatten=False treats the last dimension as the features (tokens (B, T, D) -> (B*T, D)); the width was measured
+    # as T*D, and the first forward pass after switch-on stopped with a width mismatch.
+    from rank_lightning.nn import lr_layers
+
+    model = ImageClassifier(
+        backbone="vit_tiny",
+        backbone_kwargs={"num_layers": 1, "hidden_dim": 12, "num_heads": 2, "mlp_dim": 16, "patch_size": 4},
+        num_classes=3,
+        input_shape=(3, 8, 8),
+        lr_layers=[{"before": "encoder.layers.encoder_layer_0.mlp", "rank": 2, "flatten": False}],
+    )
+    [(_, layer)] = lr_layers(model)
+    assert layer.num_features == 12
+    layer.enabled = True
+    model.train()
+    model(torch.randn(4, 3, 8, 8))
+    assert layer.last_losses["reconstruction"].isfinite()
+
+
 def test_lr_layer_position_must_exist():
     with pytest.raises(ValueError, match=r"unknown lr_layers position 'layer9'.*head"):
         ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), lr_layers=[{"before": "layer9", "rank": 2}])

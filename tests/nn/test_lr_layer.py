@@ -125,6 +125,9 @@ def test_bad_arguments_raise() -> None:
         LRLayer(8, 2, projection="svd")
     with pytest.raises(ValueError, match=r"rank must be an integer in \[1, num_features=8\]"):
         LRLayer(8, 9)
+    # A string such as "false" (a quoted YAML value) is truthy and flattened silently.
+    with pytest.raises(ValueError, match="flatten must be True or False, got 'false'"):
+        LRLayer(8, 2, flatten="false")
 
 
 def _backbone() -> nn.Module:
