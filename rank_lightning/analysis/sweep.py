@@ -719,7 +719,8 @@ def aggregate(
         table_metrics: patterns of the table's metric columns (the figure's are added).
         figure_metrics: patterns of the figure's metric panels.
         final_metrics: run-level metrics of table and figure.
-        echo: receives a line per point without a finished run.
+        echo: receives a line per point without a finished run, and per pattern (other than the defaults) of
+            ``table_metrics`` or ``figure_metrics`` that matches no metric of the runs.
 
     Returns:
         The paths of ``OUT/sweep.csv``, ``OUT/sweep.md`` and ``OUT/sweep.png``.
@@ -739,6 +740,16 @@ def aggregate(
             f"the runs in {str(out)!r} logged no {' or '.join(f'{ns}/...' for ns in DEFAULT_NAMESPACES)} metrics: "
             "the configs need WeightRankMonitor or ActivationRankMonitor, and the runs a monitored epoch"
         )
+    metric_columns = _metric_columns(columns)
+    given = {"table": table_metrics, "figure": figure_metrics}
+    for what, patterns in given.items():
+        defaults = DEFAULT_TABLE_METRICS if what == "table" else DEFAULT_FIGURE_METRICS
+        for pattern in patterns:
+            if pattern not in defaults and not any(fnmatch(c, pattern) for c in metric_columns):
+                echo(
+                    f"--{what}-metrics pattern {pattern!r} matches no metric of these runs; they have: "
+                    f"{', '.join(metric_columns)}"
+                )
     keys = _union([run.point.values for run in runs])
     names = short_names(keys, reserved=_TABLE_COLUMNS)
     if x is None:
@@ -746,7 +757,6 @@ def aggregate(
     figure = write_figure(
         columns, rows, Path(out) / "sweep.png", x=names.get(x, x), metrics=figure_metrics, final_metrics=final_metrics
     )
-    metric_columns = _metric_columns(columns)
     table_columns = [c for c in columns if c not in metric_columns or _matches(c, [*table_metrics, *figure_metrics])]
     csv_path, md_path = write_table(table_columns, rows, out)
     return csv_path, md_path, figure

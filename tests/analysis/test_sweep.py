@@ -282,6 +282,21 @@ def test_aggregate_explains_runs_without_rank_metrics(tmp_path):
         aggregate(tmp_path)
 
 
+def test_aggregate_names_metric_patterns_that_match_nothing(tmp_path):
+    metrics = {"weight/fc/numerical_rank": [3.0], "weight/fc/stable_rank": [2.5]}
+    _synthetic_run(tmp_path, {WEIGHT_DECAY_KEY: "0"}, "weight_decay=0", metrics)
+    messages: list[str] = []
+    figure_metrics = ["weight/numerical_rank", "weight/stable_rnk"]
+    csv_path, _, _ = aggregate(tmp_path, figure_metrics=figure_metrics, table_metrics=["rank/*"], echo=messages.append)
+    assert messages == [
+        "--table-metrics pattern 'rank/*' matches no metric of these runs; they have: weight/numerical_rank, "
+        "weight/stable_rank",
+        "--figure-metrics pattern 'weight/stable_rnk' matches no metric of these runs; they have: "
+        "weight/numerical_rank, weight/stable_rank",
+    ]
+    assert float(_read_csv(csv_path)[0]["weight/numerical_rank"]) == 3.0
+
+
 # The W&B sweep files
 
 
