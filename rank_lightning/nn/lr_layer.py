@@ -43,8 +43,8 @@ class LRLayer(nn.Module):
         lambda_1: weight of the reconstruction loss.
         lambda_2: weight of the norm constraint.
         projection: ``"nystrom"`` (ensemble Nyström, the paper's choice) or ``"exact"`` (eigh).
-        num_runs: Nyström runs averaged per projection.
-        oversampling: Nyström columns per unit of rank (``l = oversampling * k``; 2 in the paper).
+        num_runs: Nyström runs averaged per projection (Nyström only: ``projection="exact"`` refuses another value).
+        oversampling: Nyström columns per unit of rank (``l = oversampling * k``; 2 in the paper; Nyström only).
         flatten: ``True`` treats each input ``(B, ...)`` as B samples of ``prod(...)`` features (conv activations
             ``(B, C, H, W)`` become ``(B, C*H*W)``); ``False`` treats the last dimension as the features and every other
             position as a sample (tokens ``(B, T, D)`` become ``(B*T, D)``).
@@ -92,6 +92,11 @@ class LRLayer(nn.Module):
             raise ValueError(f"oversampling must be a positive integer, got {oversampling!r}")
         if not isinstance(flatten, bool):
             raise ValueError(f"flatten must be True or False, got {flatten!r}")
+        if projection == "exact" and (num_runs, oversampling) != (1, 2):
+            raise ValueError(
+                f"num_runs={num_runs} and oversampling={oversampling} set the Nystrom projection; the exact projection "
+                "has neither (leave them at 1 and 2, or use projection='nystrom')"
+            )
         self.num_features = num_features
         self.rank = rank
         self.lambda_1 = float(lambda_1)

@@ -128,6 +128,12 @@ def test_bad_arguments_raise() -> None:
     # A string such as "false" (a quoted YAML value) is truthy and flattened silently.
     with pytest.raises(ValueError, match="flatten must be True or False, got 'false'"):
         LRLayer(8, 2, flatten="false")
+    # The exact projection has no runs to average nor columns to sample: such settings would be ignored.
+    with pytest.raises(ValueError, match="num_runs=3 and oversampling=2 set the Nystrom projection; the exact"):
+        LRLayer(8, 2, projection="exact", num_runs=3)
+    with pytest.raises(ValueError, match="num_runs=1 and oversampling=4 set the Nystrom projection"):
+        LRLayer(8, 2, projection="exact", oversampling=4)
+    assert LRLayer(8, 2, projection="exact").projection == "exact"
 
 
 def _backbone() -> nn.Module:
