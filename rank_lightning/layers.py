@@ -52,6 +52,7 @@ __all__ = [
     "batch_first_when_ambiguous",
     "buffers_kept",
     "capture_features",
+    "channel_first_layers",
     "check_layer_types",
     "check_output_selector",
     "classifier_head",
@@ -973,6 +974,73 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
         if len(flags) == 1:
             return flags.pop()
     return None
+
+
+# Layers whose 3-D outputs are 1-d conv maps, (B, C, L): channels before positions.
+_CHANNEL_FIRST_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.BatchNorm1d,
+    nn.InstanceNorm1d,
+    nn.MaxPool1d,
+    nn.AvgPool1d,
+    nn.LPPool1d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveMaxPool1d,
+)
+# Layers whose 3-D outputs are tokens, (B, T, D) or (T, B, D): features last.
+_TOKEN_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Embedding,
+    nn.MultiheadAttention,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.RNNBase,
+)
+
+
+def _layout_kinds(module: nn.Module) -> set[bool]:
+    """The layouts the layers in ``module`` (itself included) declare: ``True`` for a 1-d conv map ``(B, C, L)``,
+    ``False`` for tokens; ``transformers``' ``Conv1D`` (GPT-2's projections) is a token layer, a Hugging Face model
+    one of tokens."""
+    kinds = set()
+    for inner in module.modules():
+        if isinstance(inner, _CHANNEL_FIRST_TYPES):
+            kinds.add(True)
+        elif isinstance(inner, _TOKEN_TYPES) or _hugging_face_model(inner) or _is_transformers_conv1d(inner):
+            kinds.add(False)
+    return kinds
+
+
+def _is_transformers_conv1d(module: nn.Module) -> bool:
+    return any(
+        cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers" for cls in type(module).__mro__
+    )
+
+
+def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
+    """The names of ``layers`` (``name -> module path``) whose 3-D outputs are 1-d conv maps ``(B, C, L)`` (channels,
+    then positions), to be reduced as conv maps (``conv_reduction``) rather than as tokens.
+
+    The module decides, never the output's shape (``C == L`` happens): a ``Conv1d``, ``ConvTranspose1d``,
+    ``BatchNorm1d``, ``InstanceNorm1d`` or 1-d pooling layer is one, and so is a block whose layers are all of those
+    kinds or layout-free (activations, dropout); a block with a token layer among them (``Linear``, attention,
+    ``LayerNorm``, ``Embedding``, a recurrent layer) is read as tokens. A module with no such layer inside (an
+    activation, ``nn.Identity``) takes the verdict of its nearest ancestor that has one.
+    """
+    found = []
+    for name, path in layers.items():
+        parts = path.split(".") if path else []
+        for depth in range(len(parts), -1, -1):
+            kinds = _layout_kinds(model.get_submodule(".".join(parts[:depth])))
+            if kinds:
+                if kinds == {True}:
+                    found.append(name)
+                break
+    return found
 
 
 # Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).

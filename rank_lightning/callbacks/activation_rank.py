@@ -21,6 +21,7 @@ from rank_lightning.layers import (
     BatchReader,
     OutputSelector,
     buffers_kept,
+    channel_first_layers,
     check_layer_types,
     eval_mode,
     module_blocks,
@@ -67,8 +68,12 @@ class ActivationRankMonitor(CurveMonitor):
     Activations of conv layers ``(B, C, H, W)`` and token layers ``(B, T, D)`` are reduced to a samples x features
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
     ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
-    reduction is part of the logged key of those layers. Token layers laid out sequence-first, ``(T, B, D)`` (the
-    default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout comes from ``token_layout``, else from the
+    reduction is part of the logged key of those layers. The 3-D outputs of 1-d conv layers, ``(B, C, L)`` (a
+    ``Conv1d``, ``BatchNorm1d``, 1-d pooling, or a block of such layers and activations:
+    :func:`~rank_lightning.layers.channel_first_layers`), are conv maps with one spatial dimension, reduced by
+    ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. Token layers
+    laid out sequence-first, ``(T, B, D)`` (the default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout
+    comes from ``token_layout``, else from the
     ``batch_first`` flag of the layer or its nearest ancestor
     (:func:`~rank_lightning.layers.declared_batch_first`), else from a batch whose shape tells it (the batch size in
     exactly one leading dimension); a batch whose shape cannot tell (``T == B``, e.g. a last partial batch) is read
@@ -121,7 +126,7 @@ class ActivationRankMonitor(CurveMonitor):
             batch), so that a loader sorted by class still gives rows of every class; a warning names the classes
             that got no row. Under DDP the W processes share it exactly (``max_samples // W`` each, one more on the
             first ``max_samples % W``), without the samples a ``DistributedSampler`` repeats. ``None`` for all.
-        conv_reduction: reduction of conv activations.
+        conv_reduction: reduction of conv activations, the ``(B, C, L)`` maps of 1-d conv layers too.
         token_reduction: reduction of token activations.
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
         variance_ratio_ks: the ``k`` of the logged ``VR_k``.
@@ -262,6 +267,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._layers: dict[str, str] = {}
         self._layouts: dict[str, bool] = {}
         self._ambiguous_layouts: dict[str, bool] = {}
+        self._channel_maps: list[str] = []
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
@@ -333,6 +339,7 @@ class ActivationRankMonitor(CurveMonitor):
         """
         self._layers = select_layers(module, self.layers, self.layer_types)
         self._layouts, self._ambiguous_layouts = token_layouts(module, self._layers, self.token_layout)
+        self._channel_maps = channel_first_layers(module, self._layers)
         return self.monitored
 
     @override
@@ -362,6 +369,7 @@ class ActivationRankMonitor(CurveMonitor):
             batch_reader=self.batch_reader,
             layouts=self._layouts,
             ambiguous_layouts=self._ambiguous_layouts,
+            channel_maps=self._channel_maps,
             output_selector=self.output_selector,
             max_samples=self.max_samples,
             memory_budget_mb=self.memory_budget_mb,
