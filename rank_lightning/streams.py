@@ -288,6 +288,11 @@ class ActivationStream:
             self._warn("", "labels", message + "class-wise VR) are not logged. Set label_key or label_fn.")
         return labels
 
+    @property
+    def layers_run_in_batch(self) -> int:
+        """The monitored layers that have run since the current batch started."""
+        return len(self._seen_this_batch)
+
     def batch_end(self) -> None:
         """End a batch; after the first one, name every layer that did not run and report the planned memory."""
         self._take = 0

@@ -18,6 +18,7 @@ from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_inputs
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, log_rank_equal
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
+    INPUT_KEYS,
     BatchReader,
     OutputSelector,
     buffers_kept,
@@ -94,8 +95,9 @@ class ActivationRankMonitor(CurveMonitor):
     training step, over the batches a monitored epoch streams: one pass of every validation loader within
     ``limit_val_batches`` (``stage="val"``, eval mode), or the training batches within ``limit_train_batches`` (one
     window with a step cadence; ``stage="train"``, training mode with BatchNorm statistics restored), calling the
-    module's ``forward`` on the inputs of each batch (``input_key``). It is recorded as epoch ``-1`` and sent to the
-    loggers at step 0.
+    module's ``forward`` on the inputs of each batch (``input_key``; for a dict batch without it, ``forward(**entries)``
+    when ``forward`` names them, else ``forward(batch)``, and when that fails before any monitored layer ran, the dict's
+    inputs, ``forward(batch["image"])``). It is recorded as epoch ``-1`` and sent to the loggers at step 0.
 
     Memory: the float64 states of all monitored layers together stay within ``memory_budget_mb`` on each device
     (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch. A layer whose
@@ -649,8 +651,9 @@ class ActivationRankMonitor(CurveMonitor):
                 )
             else:
                 advice = (
-                    "forward() is called with the batch's inputs (input_key), a dict batch's entries by name, or the "
-                    "batch itself: give forward() one of these signatures, set input_key, or log_at_init=False."
+                    "forward() is called with the batch's inputs (input_key), a dict batch's entries by name, the "
+                    "batch itself or its inputs (x, image, input_ids, ...): give forward() one of these signatures, "
+                    "set input_key, or log_at_init=False."
                 )
             self.warn_once(("init",), message + advice)
             return
@@ -671,6 +674,7 @@ class ActivationRankMonitor(CurveMonitor):
         kept = random_state_kept(pl_module, [loader for loader, _ in loaders])
         # Under the steps' precision (bf16 autocast): the point must be comparable with the monitored passes'.
         precision = step_precision(trainer, self.stage)
+        call: str | None = None  # how forward() takes a dict batch, learnt at the first one
         with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
@@ -680,7 +684,7 @@ class ActivationRankMonitor(CurveMonitor):
                         break
                     batch = step_inputs(trainer, batch)
                     self._stream.batch_start(batch, loader=number)
-                    _forward_batch(pl_module, batch, self.batch_reader)
+                    call = _forward_batch(pl_module, batch, self.batch_reader, call, self._stream)
                     self._stream.batch_end()
 
 
@@ -713,17 +717,38 @@ def _raised_by_package(error: BaseException) -> bool:
     return False
 
 
-def _forward_batch(module: nn.Module, batch: Any, reader: BatchReader) -> None:
+def _forward_batch(
+    module: nn.Module, batch: Any, reader: BatchReader, call: str | None, stream: ActivationStream
+) -> str | None:
     """Run ``module`` on a batch as its own steps would: ``forward(inputs)``, or for a dict batch without
-    ``input_key``, ``forward(**entries)`` when ``forward`` names them (Hugging Face style) and ``forward(batch)``
-    otherwise."""
+    ``input_key``, ``forward(**entries)`` when ``forward`` names them (Hugging Face style), else ``forward(batch)``,
+    and when that fails before any monitored layer ran, ``forward(inputs)`` with the inputs of the dict (its ``x``,
+    ``image``, ``input_ids``, ...: a ``forward(x)`` whose steps pass ``batch["image"]``).
+
+    ``call`` is how an earlier dict batch was run (``"batch"`` or ``"inputs"``; ``None`` to find out); returns how this
+    one was run.
+    """
     if reader.input_key is not None or not isinstance(batch, Mapping):
         module(reader.inputs(batch))
-        return
+        return call
     parameters = inspect.signature(module.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     named = {key: value for key, value in batch.items() if takes_any or key in parameters}
-    module(**named) if named else module(batch)
+    if named:
+        module(**named)
+        return call
+    if call == "inputs":
+        module(reader.inputs(batch))
+        return call
+    try:
+        module(batch)
+    except Exception:
+        first = next((key for key in INPUT_KEYS if key in batch), None)
+        if call is not None or stream.layers_run_in_batch or first is None or not isinstance(batch[first], Tensor):
+            raise
+        module(batch[first])
+        return "inputs"
+    return "batch"
 
 
 def _stage(stage: str | None, every_n_train_steps: int | None) -> str:
