@@ -57,9 +57,9 @@ class NeuralCollapseMonitor(CurveMonitor):
     training step (recorded as epoch ``-1``). Sanity checks are skipped. Figures and the curve file
     ``neural_collapse_curves.json`` go to ``<run dir>/rank_curves/``
     (:class:`~rank_lightning.callbacks.curves.LayerCurves`). A value that cannot be computed is logged as NaN
-    (non-finite features; fewer than two classes; for NC1 and NC4, class means that coincide up to rounding; no head
-    weight for NC3) and never stops training. The class sums are kept in float64, and NC1 drops the
-    between-class directions at the rounding level of the precision the features were computed in
+    (non-finite features; fewer than two classes; for NC1 and NC4, class means that coincide up to rounding, which a
+    warning names; no head weight for NC3) and never stops training. The class sums are kept in float64, and NC1 drops
+    the between-class directions at the rounding level of the precision the features were computed in
     (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`).
 
     Args:
@@ -202,6 +202,15 @@ class NeuralCollapseMonitor(CurveMonitor):
             self.warn_once(("passes differ",), f"{error}; neural collapse is logged as NaN")
             return dict.fromkeys(self.metrics, math.nan)
         self.curves.describe(samples=self.result.num_samples)
+        undefined = [name for name in ("nc1", "nc4") if name in self.metrics]
+        if undefined and metric.between_class_rank == 0 and bool(torch.isfinite(metric.class_sums).all()):
+            dtype = str(metric.input_dtype or torch.float64).removeprefix("torch.")
+            message = (
+                f"the class means of the input of {self._head_path!r} differ by no more than the rounding of its "
+                f"{dtype} features (their centred means span no direction above max(C, d) * eps * max_c ||mu_c||): "
+                f"{' and '.join(undefined)} are logged as NaN until the classes separate"
+            )
+            self.warn_once(("no between-class directions",), message)
         return self.result.as_dict(self.metrics)
 
     def _stream(

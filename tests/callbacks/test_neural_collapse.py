@@ -118,6 +118,27 @@ def test_a_head_without_a_class_weight_logs_nc3_as_nan(tmp_path: Path) -> None:
     assert math.isnan(monitor.result.nc3) and not math.isnan(monitor.result.nc1)
 
 
+class _Features(_Classifier):
+    """The inputs are the features: the head reads them as they come."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_class_means_that_differ_by_rounding_only_log_nc1_and_nc4_as_nan_with_a_warning(tmp_path: Path) -> None:
+    # Features near (1, ..., 1) whose class means differ by 2e-6, below the float32 cut-off 32 * eps32 * ||mu_c||.
+    generator = torch.Generator().manual_seed(0)
+    y = torch.arange(40) % 4
+    x = torch.ones(40, 32) + 2e-6 * nn.functional.one_hot(y, 32) + 1e-6 * torch.randn(40, 32, generator=generator)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10)
+    monitor = NeuralCollapseMonitor(verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"class means of the input of 'fc' differ by no more than the rounding of "):
+        trainer.validate(_Features(), loader)
+    assert math.isnan(monitor.result.nc1) and math.isnan(monitor.result.nc4)
+    assert math.isfinite(monitor.result.cdnv)
+
+
 def test_bad_arguments_raise_with_the_choices() -> None:
     with pytest.raises(ValueError, match="nc1"):
         NeuralCollapseMonitor(metrics=("nc9",))
