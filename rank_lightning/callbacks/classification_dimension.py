@@ -15,7 +15,14 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows, step_inputs
+from rank_lightning.callbacks.base import (
+    Cadence,
+    RankCallback,
+    first_val_loader,
+    gather_rows,
+    repeated_head_warning,
+    step_inputs,
+)
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
@@ -375,8 +382,15 @@ class ClassificationDimension(RankCallback):
         head = FeatureLayer("head", path, "input")
         captured: dict[str, Tensor] = {}
         features, labels, taken = [], [], 0
-        # A head called twice in one forward pass keeps its first input.
-        hooks = forward_hooks(pl_module, [head], lambda _, value: captured.setdefault("f", value))
+
+        def keep(_: FeatureLayer, value: Tensor) -> None:
+            # A head called twice in one forward pass keeps its first input, and a warning says so.
+            if "f" in captured:
+                self.warn_once(("repeated head",), repeated_head_warning(path))
+            else:
+                captured["f"] = value
+
+        hooks = forward_hooks(pl_module, [head], keep)
         with hooks, eval_mode(pl_module), torch.no_grad():
             for batch in loader:
                 # A process with nothing to take still runs one batch: its (0, d) features join the gather.

@@ -92,6 +92,23 @@ def test_cls_dim_under_validate_in_inference_mode(tmp_path, center):
     assert (tmp_path / CLSDIM_DIR / "accuracy_vs_k.png").exists()
 
 
+class _TwoViews(TinyNet):
+    """The head runs twice per forward pass: on the features and on their mirror image's."""
+
+    def forward(self, x):
+        return self.head(self.features(x)) + self.head(self.features(x.flip(-1)))
+
+
+def test_a_head_called_twice_per_forward_is_read_at_its_first_call_with_a_warning(tmp_path):
+    model, val = _TwoViews(), make_data(30, seed=7)
+    callback = ClassificationDimension(verbose=False)
+    with pytest.warns(UserWarning, match=r"the head 'head' runs more than once per forward pass .* first call"):
+        make_trainer(tmp_path, [callback]).validate(model, make_loader(val))
+    expected = classification_dimension(_reference_features(model, val.tensors[0]), val.tensors[1], model.head)
+    assert callback.result.cls_dim == expected.cls_dim
+    assert callback.result.full_accuracy == expected.full_accuracy
+
+
 class WandbLogger(Logger):
     """Stands in for W&B: the callbacks recognise W&B loggers by this class name."""
 

@@ -139,6 +139,25 @@ def test_class_means_that_differ_by_rounding_only_log_nc1_and_nc4_as_nan_with_a_
     assert math.isfinite(monitor.result.cdnv)
 
 
+class _TwoViews(_Classifier):
+    """The head runs twice per forward pass: on the features of the inputs and of their negatives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.net(x)) + self.fc(self.net(-x))
+
+
+def test_a_head_called_twice_per_forward_is_read_at_its_first_call_with_a_warning(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, datamodule = _TwoViews(), _datamodule()
+    monitor = NeuralCollapseMonitor(verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"the head 'fc' runs more than once per forward pass .* first call"):
+        trainer.validate(model, datamodule=datamodule)
+    expected = _direct(model, datamodule)  # the first call: fc on net(x), its own argmax for NC4
+    for name in NC_METRICS:
+        assert getattr(monitor.result, name) == pytest.approx(getattr(expected, name), rel=1e-9), name
+
+
 def test_bad_arguments_raise_with_the_choices() -> None:
     with pytest.raises(ValueError, match="nc1"):
         NeuralCollapseMonitor(metrics=("nc9",))
