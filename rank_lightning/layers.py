@@ -1002,17 +1002,15 @@ _TOKEN_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
-def _layout_kinds(module: nn.Module) -> set[bool]:
-    """The layouts the layers in ``module`` (itself included) declare: ``True`` for a 1-d conv map ``(B, C, L)``,
-    ``False`` for tokens; ``transformers``' ``Conv1D`` (GPT-2's projections) is a token layer, a Hugging Face model
-    one of tokens."""
-    kinds = set()
-    for inner in module.modules():
-        if isinstance(inner, _CHANNEL_FIRST_TYPES):
-            kinds.add(True)
-        elif isinstance(inner, _TOKEN_TYPES) or _hugging_face_model(inner) or _is_transformers_conv1d(inner):
-            kinds.add(False)
-    return kinds
+def _layout_kind(module: nn.Module) -> bool | None:
+    """The layout a layer declares by its type: ``True`` for a 1-d conv map ``(B, C, L)``, ``False`` for tokens
+    (``transformers``' ``Conv1D``, GPT-2's projections, and a Hugging Face model are token layers), ``None`` for none
+    (activations, dropout, containers)."""
+    if isinstance(module, _CHANNEL_FIRST_TYPES):
+        return True
+    if isinstance(module, _TOKEN_TYPES) or _hugging_face_model(module) or _is_transformers_conv1d(module):
+        return False
+    return None
 
 
 def _is_transformers_conv1d(module: nn.Module) -> bool:
@@ -1021,26 +1019,38 @@ def _is_transformers_conv1d(module: nn.Module) -> bool:
     )
 
 
+def _channel_first(model: nn.Module, path: str) -> bool:
+    module = model.get_submodule(path)
+    kinds = {kind for inner in module.modules() if (kind := _layout_kind(inner)) is not None}
+    if kinds:
+        return kinds == {True}
+    # A layer with no layout of its own (an activation): the last layer registered before it in its nearest
+    # ancestor that has one (the layer it follows in an nn.Sequential).
+    parts = path.split(".") if path else []
+    for depth in range(len(parts) - 1, -1, -1):
+        preceding = None
+        for inner in model.get_submodule(".".join(parts[:depth])).modules():
+            if inner is module:
+                break
+            kind = _layout_kind(inner)
+            preceding = preceding if kind is None else kind
+        if preceding is not None:
+            return preceding
+    return False
+
+
 def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
     """The names of ``layers`` (``name -> module path``) whose 3-D outputs are 1-d conv maps ``(B, C, L)`` (channels,
     then positions), to be reduced as conv maps (``conv_reduction``) rather than as tokens.
 
-    The module decides, never the output's shape (``C == L`` happens): a ``Conv1d``, ``ConvTranspose1d``,
+    The modules decide, never the output's shape (``C == L`` happens): a ``Conv1d``, ``ConvTranspose1d``,
     ``BatchNorm1d``, ``InstanceNorm1d`` or 1-d pooling layer is one, and so is a block whose layers are all of those
     kinds or layout-free (activations, dropout); a block with a token layer among them (``Linear``, attention,
-    ``LayerNorm``, ``Embedding``, a recurrent layer) is read as tokens. A module with no such layer inside (an
-    activation, ``nn.Identity``) takes the verdict of its nearest ancestor that has one.
+    ``LayerNorm``, ``Embedding``, a recurrent layer) is read as tokens. A layer with no such layer inside (an
+    activation, ``nn.Identity``) follows the last one registered before it in its nearest ancestor that has one: the
+    layer it follows in an ``nn.Sequential``.
     """
-    found = []
-    for name, path in layers.items():
-        parts = path.split(".") if path else []
-        for depth in range(len(parts), -1, -1):
-            kinds = _layout_kinds(model.get_submodule(".".join(parts[:depth])))
-            if kinds:
-                if kinds == {True}:
-                    found.append(name)
-                break
-    return found
+    return [name for name, path in layers.items() if _channel_first(model, path)]
 
 
 # Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).

@@ -70,7 +70,7 @@ class ActivationRankMonitor(CurveMonitor):
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
     ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
     reduction is part of the logged key of those layers. The 3-D outputs of 1-d conv layers, ``(B, C, L)`` (a
-    ``Conv1d``, ``BatchNorm1d``, 1-d pooling, or a block of such layers and activations:
+    ``Conv1d``, ``BatchNorm1d``, 1-d pooling, a block of such layers and activations, or an activation after one:
     :func:`~rank_lightning.layers.channel_first_layers`), are conv maps with one spatial dimension, reduced by
     ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. Token layers
     laid out sequence-first, ``(T, B, D)`` (the default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout

@@ -679,6 +679,9 @@ def test_the_layout_of_a_conv1d_map_comes_from_the_module():
     assert channel_first_layers(model, layers) == ["conv", "block", "block.0", "block.1", "block.2"]
     mixed = nn.Sequential(nn.Conv1d(4, 4, 1), nn.Linear(4, 4), nn.GELU())  # a token layer inside: not a conv map
     assert channel_first_layers(mixed, {"all": "", "act": "2", "conv": "0"}) == ["conv"]
+    # Activations follow the layer before them: those after a Conv1d give conv maps, the Linear's tokens.
+    plain = nn.Sequential(nn.Conv1d(4, 4, 1), nn.ReLU(), nn.Conv1d(4, 4, 1), nn.ReLU(), nn.Linear(5, 5), nn.Tanh())
+    assert channel_first_layers(plain, {str(i): str(i) for i in range(6)}) == ["0", "1", "2", "3"]
 
 
 class _DictBatches(_Wide):
