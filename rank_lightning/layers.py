@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import inspect
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -62,6 +63,7 @@ __all__ = [
     "default_layers",
     "eval_mode",
     "feature_layer",
+    "forward_batch",
     "forward_hooks",
     "hidden_state",
     "match_layer_names",
@@ -1176,6 +1178,46 @@ def _read_labels(value: Any) -> tuple[Tensor | None, str, bool]:
             return None, f"{found}: {message}", True
         return None, f"{found}: {_NOT_ONE_HOT}", True
     return None, f"{found}: {value.ndim} dimensions, not one label per row", True
+
+
+def forward_batch(
+    module: nn.Module, batch: Any, reader: BatchReader, call: str | None = None, *, ran: Callable[[], Any] = lambda: 0
+) -> str | None:
+    """Run ``module`` on a batch as its own steps would, for a callback's own pass over a loader.
+
+    ``forward(inputs)`` (:meth:`BatchReader.inputs`: ``input_key``, ``batch[0]``); for a dict batch without
+    ``input_key``, ``forward(**entries)`` when ``forward`` names some of its keys (Hugging Face style), else
+    ``forward(batch)`` (a module that reads the dict itself), and when that fails before anything the caller watches
+    ran (``ran()`` false), ``forward(inputs)`` with the dict's inputs (its ``x``, ``image``, ``input_ids``, ...: a
+    ``forward(x)`` whose steps pass ``batch["image"]``).
+
+    ``call`` is how an earlier dict batch of the pass was run (``"batch"`` or ``"inputs"``; ``None`` to find out);
+    returns how this one was, to be passed with the next batch.
+
+    Raises:
+        ValueError: the batch holds no inputs where :meth:`BatchReader.inputs` looks (the message says where).
+    """
+    if reader.input_key is not None or not isinstance(batch, Mapping) or call == "inputs":
+        module(reader.inputs(batch))
+        return call
+    parameters = inspect.signature(module.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    named = {key: value for key, value in batch.items() if takes_any or key in parameters}
+    if named:
+        module(**named)
+        return call
+    try:
+        module(batch)
+    except Exception as error:
+        if call is not None or ran():
+            raise
+        try:
+            inputs = reader.inputs(batch)
+        except ValueError as missing:
+            raise missing from error
+        module(inputs)
+        return "inputs"
+    return "batch"
 
 
 @dataclass(frozen=True)

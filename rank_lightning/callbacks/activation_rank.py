@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,13 +17,13 @@ from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_inputs
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, log_rank_equal
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
-    INPUT_KEYS,
     BatchReader,
     OutputSelector,
     buffers_kept,
     channel_first_layers,
     check_layer_types,
     eval_mode,
+    forward_batch,
     module_blocks,
     random_state_kept,
     select_layers,
@@ -675,6 +674,11 @@ class ActivationRankMonitor(CurveMonitor):
         # Under the steps' precision (bf16 autocast): the point must be comparable with the monitored passes'.
         precision = step_precision(trainer, self.stage)
         call: str | None = None  # how forward() takes a dict batch, learnt at the first one
+        stream = self._stream
+
+        def ran() -> int:
+            return 0 if stream is None else stream.layers_run_in_batch
+
         with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
@@ -684,7 +688,7 @@ class ActivationRankMonitor(CurveMonitor):
                         break
                     batch = step_inputs(trainer, batch)
                     self._stream.batch_start(batch, loader=number)
-                    call = _forward_batch(pl_module, batch, self.batch_reader, call, self._stream)
+                    call = forward_batch(pl_module, batch, self.batch_reader, call, ran=ran)
                     self._stream.batch_end()
 
 
@@ -715,40 +719,6 @@ def _raised_by_package(error: BaseException) -> bool:
             return True
         traceback = traceback.tb_next
     return False
-
-
-def _forward_batch(
-    module: nn.Module, batch: Any, reader: BatchReader, call: str | None, stream: ActivationStream
-) -> str | None:
-    """Run ``module`` on a batch as its own steps would: ``forward(inputs)``, or for a dict batch without
-    ``input_key``, ``forward(**entries)`` when ``forward`` names them (Hugging Face style), else ``forward(batch)``,
-    and when that fails before any monitored layer ran, ``forward(inputs)`` with the inputs of the dict (its ``x``,
-    ``image``, ``input_ids``, ...: a ``forward(x)`` whose steps pass ``batch["image"]``).
-
-    ``call`` is how an earlier dict batch was run (``"batch"`` or ``"inputs"``; ``None`` to find out); returns how this
-    one was run.
-    """
-    if reader.input_key is not None or not isinstance(batch, Mapping):
-        module(reader.inputs(batch))
-        return call
-    parameters = inspect.signature(module.forward).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    named = {key: value for key, value in batch.items() if takes_any or key in parameters}
-    if named:
-        module(**named)
-        return call
-    if call == "inputs":
-        module(reader.inputs(batch))
-        return call
-    try:
-        module(batch)
-    except Exception:
-        first = next((key for key in INPUT_KEYS if key in batch), None)
-        if call is not None or stream.layers_run_in_batch or first is None or not isinstance(batch[first], Tensor):
-            raise
-        module(batch[first])
-        return "inputs"
-    return "batch"
 
 
 def _stage(stage: str | None, every_n_train_steps: int | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -20,6 +20,7 @@ from rank_lightning.layers import (
     FeatureLayer,
     classifier_head,
     eval_mode,
+    forward_batch,
     forward_hooks,
     random_state_kept,
 )
@@ -69,7 +70,9 @@ class NeuralCollapseMonitor(CurveMonitor):
         every_n_epochs: monitor every this many epochs.
         on_validate: also monitor ``trainer.validate`` runs.
         max_samples: at most this many validation samples per pass; ``None`` for all.
-        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches.
+        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches, and for dict
+            batches the rule of :func:`~rank_lightning.layers.forward_batch` (``forward(**entries)``,
+            ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for the ``y`` of ``(x, y)`` batches.
         label_fn: ``batch -> labels``, overriding ``label_key``.
         log_at_init: also measure the untrained model at the start of a fresh ``fit``.
@@ -134,6 +137,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         self.metrics = check_choices("metrics", metrics, NC_METRICS)
         self.max_samples = max_samples
         self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
+        self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.result: NeuralCollapse | None = None
         self._head_path: str | None = None
 
@@ -181,6 +185,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         path = self._head_path or self.find_head(pl_module)
         limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
         limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
+        self._call = None  # learnt again for this module and loader
         with random_state_kept(pl_module, [loader]):  # the loader's iterators draw seeds
             metric = self._stream(pl_module, loader, path, limit, None)
             if metric is None:
@@ -240,9 +245,10 @@ class NeuralCollapseMonitor(CurveMonitor):
                     if limit is not None and taken >= limit and metric is not None:
                         break
                     # The whole batch, as the steps get it (the module's batch-transfer hooks, the precision's cast).
-                    x, y = self.reader.split(step_inputs(pl_module.trainer, batch))
+                    batch = step_inputs(pl_module.trainer, batch)
+                    y = cast(Tensor, self.reader.labels(batch, required=True))
                     captured.clear()
-                    pl_module(x)
+                    self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                     take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
                     metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second)
                     if metric is None:

@@ -179,6 +179,25 @@ def test_cls_dim_reads_dict_batches(tmp_path, reading):
     torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
 
 
+class _WholeBatch(DictTinyNet):
+    """``forward`` takes the whole dict batch, as a Hugging Face-style module does."""
+
+    def forward(self, batch):
+        return self.head(self.features(batch["pixels"]))
+
+    def validation_step(self, batch, batch_idx):
+        self(batch)
+
+
+def test_cls_dim_calls_a_forward_that_takes_the_dict_batch_with_the_batch(tmp_path):
+    model, val = _WholeBatch(), make_data(30, seed=12)
+    callback = ClassificationDimension(label_key="digit", verbose=False)
+    make_trainer(tmp_path, [callback]).validate(model, make_loader(DictBatches(val)))
+    expected = classification_dimension(_reference_features(model, val.tensors[0]), val.tensors[1], model.head)
+    assert callback.result.cls_dim == expected.cls_dim
+    torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
+
+
 def test_cls_dim_without_labels_names_where_it_looked(tmp_path):
     model, val = DictTinyNet(), make_data(8, seed=12)
     callback = ClassificationDimension(input_key="pixels", verbose=False)

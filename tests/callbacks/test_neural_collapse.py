@@ -158,6 +158,37 @@ def test_a_head_called_twice_per_forward_is_read_at_its_first_call_with_a_warnin
         assert getattr(monitor.result, name) == pytest.approx(getattr(expected, name), rel=1e-9), name
 
 
+class _DictSteps(_Classifier):
+    """``forward(x)``, with steps that pass it the ``image`` of dict batches ``{"image", "label"}``."""
+
+    def validation_step(self, batch, batch_idx):
+        self(batch["image"])
+
+
+class _WholeBatch(_Classifier):
+    """``forward`` takes the whole dict batch ``{"image", "label"}``, as a Hugging Face-style module does."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(self.net(batch["image"]))
+
+    def validation_step(self, batch, batch_idx):
+        self(batch)
+
+
+@pytest.mark.parametrize("model_cls", [_WholeBatch, _DictSteps], ids=["forward(batch)", "forward(x)"])
+def test_dict_batches_reach_forward_as_the_steps_pass_them(tmp_path: Path, model_cls: type) -> None:
+    # forward(batch) gets the dict; forward(x) (whose steps pass batch["image"]) gets the dict's inputs.
+    torch.manual_seed(0)
+    model, datamodule = model_cls(), _datamodule()
+    datamodule.setup("validate")
+    rows = [{"image": x, "label": y} for xs, ys in datamodule.val_dataloader() for x, y in zip(xs, ys)]
+    monitor = NeuralCollapseMonitor(verbose=False)
+    quiet_trainer([monitor], default_root_dir=tmp_path).validate(model, torch.utils.data.DataLoader(rows, 40))
+    expected = _direct(model, datamodule)
+    for name in NC_METRICS:
+        assert getattr(monitor.result, name) == pytest.approx(getattr(expected, name), rel=1e-9), name
+
+
 def test_bad_arguments_raise_with_the_choices() -> None:
     with pytest.raises(ValueError, match="nc1"):
         NeuralCollapseMonitor(metrics=("nc9",))
