@@ -1021,38 +1021,60 @@ def _is_transformers_conv1d(module: nn.Module) -> bool:
     )
 
 
-def _channel_first(model: nn.Module, path: str) -> bool:
+def _channels(module: nn.Module) -> int | None:
+    """The channels of a conv map a 1-d layer outputs (``None`` for a pooling layer, which keeps its input's)."""
+    for attribute in ("out_channels", "num_features"):
+        value = getattr(module, attribute, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _last_layout(modules: Iterable[nn.Module], stop: nn.Module | None = None) -> tuple[set[bool], int | None]:
+    """The layouts the layers in ``modules`` (up to ``stop``) declare, and the channels of the last 1-d conv layer
+    with channels among them."""
+    kinds, channels, last = set(), None, None
+    for inner in modules:
+        if inner is stop:
+            break
+        kind = _layout_kind(inner)
+        if kind is not None:
+            kinds.add(kind)
+            last = kind
+            channels = (_channels(inner) or channels) if kind else None
+    return ({last} if stop is not None and last is not None else kinds), channels
+
+
+def _channel_first(model: nn.Module, path: str) -> tuple[bool, int | None]:
     module = model.get_submodule(path)
-    kinds = {kind for inner in module.modules() if (kind := _layout_kind(inner)) is not None}
+    kinds, channels = _last_layout(module.modules())
     if kinds:
-        return kinds == {True}
+        return kinds == {True}, channels
     # A layer with no layout of its own (an activation): the last layer registered before it in its nearest
     # ancestor that has one (the layer it follows in an nn.Sequential).
     parts = path.split(".") if path else []
     for depth in range(len(parts) - 1, -1, -1):
-        preceding = None
-        for inner in model.get_submodule(".".join(parts[:depth])).modules():
-            if inner is module:
-                break
-            kind = _layout_kind(inner)
-            preceding = preceding if kind is None else kind
-        if preceding is not None:
-            return preceding
-    return False
+        kinds, channels = _last_layout(model.get_submodule(".".join(parts[:depth])).modules(), stop=module)
+        if kinds:
+            return kinds == {True}, channels
+    return False, None
 
 
-def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
+def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> dict[str, int | None]:
     """The names of ``layers`` (``name -> module path``) whose 3-D outputs are 1-d conv maps ``(B, C, L)`` (channels,
-    then positions), to be reduced as conv maps (``conv_reduction``) rather than as tokens.
+    then positions), to be reduced as conv maps (``conv_reduction``) rather than as tokens, each with ``C``, the
+    channels of its last 1-d conv or norm layer (``None`` when none tells).
 
-    The modules decide, never the output's shape (``C == L`` happens): a ``Conv1d``, ``ConvTranspose1d``,
+    The modules decide, never the output's shape alone (``C == L`` happens): a ``Conv1d``, ``ConvTranspose1d``,
     ``BatchNorm1d``, ``InstanceNorm1d`` or 1-d pooling layer is one, and so is a block whose layers are all of those
     kinds or layout-free (activations, dropout); a block with a token layer among them (``Linear``, attention,
     ``LayerNorm``, ``Embedding``, a recurrent layer) is read as tokens. A layer with no such layer inside (an
     activation, ``nn.Identity``) follows the last one registered before it in its nearest ancestor that has one: the
-    layer it follows in an ``nn.Sequential``.
+    layer it follows in an ``nn.Sequential``. A block that transposes its conv maps back to tokens, ``(B, L, C)``, is
+    told by ``C`` in its last dimension and not its second (see :class:`~rank_lightning.streams.ActivationStream`).
     """
-    return [name for name, path in layers.items() if _channel_first(model, path)]
+    found = {name: _channel_first(model, path) for name, path in layers.items()}
+    return {name: channels for name, (first, channels) in found.items() if first}
 
 
 # Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).

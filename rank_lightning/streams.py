@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -75,9 +75,10 @@ class ActivationStream:
         ambiguous_layouts: ``logged name -> batch_first`` for a batch whose shape cannot tell (as many sequences as
             tokens), where the model's kind says it (:func:`~rank_lightning.layers.batch_first_when_ambiguous`);
             other layers skip such a batch with a warning.
-        channel_maps: logged names of the layers whose 3-D outputs are 1-d conv maps ``(B, C, L)``
-            (:func:`~rank_lightning.layers.channel_first_layers`): read as ``(B, C, L, 1)`` conv maps, reduced by the
-            conv reduction (``reductions[4]``) and never as tokens.
+        channel_maps: ``logged name -> C`` (or ``None``) of the layers whose 3-D outputs are 1-d conv maps
+            ``(B, C, L)`` (:func:`~rank_lightning.layers.channel_first_layers`): read as ``(B, C, L, 1)`` conv maps,
+            reduced by the conv reduction (``reductions[4]``), unless ``C`` is the output's last dimension and not its
+            second (a block that transposes its maps back to tokens, ``(B, L, C)``).
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
         max_samples: inputs per pass, spread evenly over the pass's batches; ``None`` for all.
@@ -100,7 +101,7 @@ class ActivationStream:
         batch_reader: BatchReader,
         layouts: Mapping[str, bool] | None = None,
         ambiguous_layouts: Mapping[str, bool] | None = None,
-        channel_maps: Iterable[str] = (),
+        channel_maps: Mapping[str, int | None] | None = None,
         output_selector: OutputSelector | None = None,
         max_samples: int | None = None,
         memory_budget_mb: float | None = None,
@@ -114,7 +115,7 @@ class ActivationStream:
         self.batch_reader = batch_reader
         self.layouts = dict(layouts or {})
         self.ambiguous_layouts = dict(ambiguous_layouts or {})
-        self.channel_maps = frozenset(channel_maps)
+        self.channel_maps = dict(channel_maps or {})
         self.output_selector = output_selector
         self.max_samples = max_samples
         self.memory_budget_mb = memory_budget_mb
@@ -368,7 +369,9 @@ class ActivationStream:
             self._warn(name, "shape", f"gives {shape}, {message} Set output_selector to pick its hidden state.")
             return
         if activations.ndim == 3 and name in self.channel_maps:
-            activations = activations.unsqueeze(-1)  # a 1-d conv map (B, C, L): C features at each of L positions
+            channels = self.channel_maps[name]
+            if channels is None or activations.shape[1] == channels or activations.shape[2] != channels:
+                activations = activations.unsqueeze(-1)  # a 1-d conv map (B, C, L): C features at each of L positions
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return

@@ -268,7 +268,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._layers: dict[str, str] = {}
         self._layouts: dict[str, bool] = {}
         self._ambiguous_layouts: dict[str, bool] = {}
-        self._channel_maps: list[str] = []
+        self._channel_maps: dict[str, int | None] = {}
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
