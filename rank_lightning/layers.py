@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import inspect
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -52,6 +53,7 @@ __all__ = [
     "batch_first_when_ambiguous",
     "buffers_kept",
     "capture_features",
+    "channel_first_layers",
     "check_layer_types",
     "check_output_selector",
     "classifier_head",
@@ -61,6 +63,7 @@ __all__ = [
     "default_layers",
     "eval_mode",
     "feature_layer",
+    "forward_batch",
     "forward_hooks",
     "hidden_state",
     "match_layer_names",
@@ -989,6 +992,105 @@ def declared_batch_first(model: nn.Module, path: str) -> bool | None:
     return None
 
 
+# Layers whose 3-D outputs are 1-d conv maps, (B, C, L): channels before positions.
+_CHANNEL_FIRST_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.BatchNorm1d,
+    nn.InstanceNorm1d,
+    nn.MaxPool1d,
+    nn.AvgPool1d,
+    nn.LPPool1d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveMaxPool1d,
+)
+# Layers whose 3-D outputs are tokens, (B, T, D) or (T, B, D): features last.
+_TOKEN_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Embedding,
+    nn.MultiheadAttention,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.RNNBase,
+)
+
+
+def _layout_kind(module: nn.Module) -> bool | None:
+    """The layout a layer declares by its type: ``True`` for a 1-d conv map ``(B, C, L)``, ``False`` for tokens
+    (``transformers``' ``Conv1D``, GPT-2's projections, and a Hugging Face model are token layers), ``None`` for none
+    (activations, dropout, containers)."""
+    if isinstance(module, _CHANNEL_FIRST_TYPES):
+        return True
+    if isinstance(module, _TOKEN_TYPES) or _hugging_face_model(module) or _is_transformers_conv1d(module):
+        return False
+    return None
+
+
+def _is_transformers_conv1d(module: nn.Module) -> bool:
+    return any(
+        cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers" for cls in type(module).__mro__
+    )
+
+
+def _channels(module: nn.Module) -> int | None:
+    """The channels of a conv map a 1-d layer outputs (``None`` for a pooling layer, which keeps its input's)."""
+    for attribute in ("out_channels", "num_features"):
+        value = getattr(module, attribute, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _last_layout(modules: Iterable[nn.Module], stop: nn.Module | None = None) -> tuple[set[bool], int | None]:
+    """The layouts the layers in ``modules`` (up to ``stop``) declare, and the channels of the last 1-d conv layer
+    with channels among them."""
+    kinds, channels, last = set(), None, None
+    for inner in modules:
+        if inner is stop:
+            break
+        kind = _layout_kind(inner)
+        if kind is not None:
+            kinds.add(kind)
+            last = kind
+            channels = (_channels(inner) or channels) if kind else None
+    return ({last} if stop is not None and last is not None else kinds), channels
+
+
+def _channel_first(model: nn.Module, path: str) -> tuple[bool, int | None]:
+    module = model.get_submodule(path)
+    kinds, channels = _last_layout(module.modules())
+    if kinds:
+        return kinds == {True}, channels
+    # A layer with no layout of its own (an activation): the last layer registered before it in its nearest
+    # ancestor that has one (the layer it follows in an nn.Sequential).
+    parts = path.split(".") if path else []
+    for depth in range(len(parts) - 1, -1, -1):
+        kinds, channels = _last_layout(model.get_submodule(".".join(parts[:depth])).modules(), stop=module)
+        if kinds:
+            return kinds == {True}, channels
+    return False, None
+
+
+def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> dict[str, int | None]:
+    """The names of ``layers`` (``name -> module path``) whose 3-D outputs are 1-d conv maps ``(B, C, L)`` (channels,
+    then positions), to be reduced as conv maps (``conv_reduction``) rather than as tokens, each with ``C``, the
+    channels of its last 1-d conv or norm layer (``None`` when none tells).
+
+    The modules decide, never the output's shape alone (``C == L`` happens): a ``Conv1d``, ``ConvTranspose1d``,
+    ``BatchNorm1d``, ``InstanceNorm1d`` or 1-d pooling layer is one, and so is a block whose layers are all of those
+    kinds or layout-free (activations, dropout); a block with a token layer among them (``Linear``, attention,
+    ``LayerNorm``, ``Embedding``, a recurrent layer) is read as tokens. A layer with no such layer inside (an
+    activation, ``nn.Identity``) follows the last one registered before it in its nearest ancestor that has one: the
+    layer it follows in an ``nn.Sequential``. A block that transposes its conv maps back to tokens, ``(B, L, C)``, is
+    told by ``C`` in its last dimension and not its second (see :class:`~rank_lightning.streams.ActivationStream`).
+    """
+    found = {name: _channel_first(model, path) for name, path in layers.items()}
+    return {name: channels for name, (first, channels) in found.items() if first}
+
+
 # Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).
 _SEQUENCE_FIRST_MODEL_TYPES = frozenset({"xlnet", "fsmt", "transfo-xl", "longformer", "led"})
 
@@ -1112,6 +1214,46 @@ def _read_labels(value: Any) -> tuple[Tensor | None, str, bool]:
             return None, f"{found}: {message}", True
         return None, f"{found}: {_NOT_ONE_HOT}", True
     return None, f"{found}: {value.ndim} dimensions, not one label per row", True
+
+
+def forward_batch(
+    module: nn.Module, batch: Any, reader: BatchReader, call: str | None = None, *, ran: Callable[[], Any] = lambda: 0
+) -> str | None:
+    """Run ``module`` on a batch as its own steps would, for a callback's own pass over a loader.
+
+    ``forward(inputs)`` (:meth:`BatchReader.inputs`: ``input_key``, ``batch[0]``); for a dict batch without
+    ``input_key``, ``forward(**entries)`` when ``forward`` names some of its keys (Hugging Face style), else
+    ``forward(batch)`` (a module that reads the dict itself), and when that fails before anything the caller watches
+    ran (``ran()`` false), ``forward(inputs)`` with the dict's inputs (its ``x``, ``image``, ``input_ids``, ...: a
+    ``forward(x)`` whose steps pass ``batch["image"]``).
+
+    ``call`` is how an earlier dict batch of the pass was run (``"batch"`` or ``"inputs"``; ``None`` to find out);
+    returns how this one was, to be passed with the next batch.
+
+    Raises:
+        ValueError: the batch holds no inputs where :meth:`BatchReader.inputs` looks (the message says where).
+    """
+    if reader.input_key is not None or not isinstance(batch, Mapping) or call == "inputs":
+        module(reader.inputs(batch))
+        return call
+    parameters = inspect.signature(module.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    named = {key: value for key, value in batch.items() if takes_any or key in parameters}
+    if named:
+        module(**named)
+        return call
+    try:
+        module(batch)
+    except Exception as error:
+        if call is not None or ran():
+            raise
+        try:
+            inputs = reader.inputs(batch)
+        except ValueError as missing:
+            raise missing from error
+        module(inputs)
+        return "inputs"
+    return "batch"
 
 
 @dataclass(frozen=True)

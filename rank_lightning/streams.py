@@ -75,6 +75,10 @@ class ActivationStream:
         ambiguous_layouts: ``logged name -> batch_first`` for a batch whose shape cannot tell (as many sequences as
             tokens), where the model's kind says it (:func:`~rank_lightning.layers.batch_first_when_ambiguous`);
             other layers skip such a batch with a warning.
+        channel_maps: ``logged name -> C`` (or ``None``) of the layers whose 3-D outputs are 1-d conv maps
+            ``(B, C, L)`` (:func:`~rank_lightning.layers.channel_first_layers`): read as ``(B, C, L, 1)`` conv maps,
+            reduced by the conv reduction (``reductions[4]``), unless ``C`` is the output's last dimension and not its
+            second (a block that transposes its maps back to tokens, ``(B, L, C)``).
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
         max_samples: inputs per pass, spread evenly over the pass's batches; ``None`` for all.
@@ -97,6 +101,7 @@ class ActivationStream:
         batch_reader: BatchReader,
         layouts: Mapping[str, bool] | None = None,
         ambiguous_layouts: Mapping[str, bool] | None = None,
+        channel_maps: Mapping[str, int | None] | None = None,
         output_selector: OutputSelector | None = None,
         max_samples: int | None = None,
         memory_budget_mb: float | None = None,
@@ -110,6 +115,7 @@ class ActivationStream:
         self.batch_reader = batch_reader
         self.layouts = dict(layouts or {})
         self.ambiguous_layouts = dict(ambiguous_layouts or {})
+        self.channel_maps = dict(channel_maps or {})
         self.output_selector = output_selector
         self.max_samples = max_samples
         self.memory_budget_mb = memory_budget_mb
@@ -283,6 +289,11 @@ class ActivationStream:
             self._warn("", "labels", message + "class-wise VR) are not logged. Set label_key or label_fn.")
         return labels
 
+    @property
+    def layers_run_in_batch(self) -> int:
+        """The monitored layers that have run since the current batch started."""
+        return len(self._seen_this_batch)
+
     def batch_end(self) -> None:
         """End a batch; after the first one, name every layer that did not run and report the planned memory."""
         self._take = 0
@@ -357,6 +368,10 @@ class ActivationStream:
             message = "not (B, d) features, (B, T, D) tokens or (B, C, H, W) conv maps; it is skipped."
             self._warn(name, "shape", f"gives {shape}, {message} Set output_selector to pick its hidden state.")
             return
+        if activations.ndim == 3 and name in self.channel_maps:
+            channels = self.channel_maps[name]
+            if channels is None or activations.shape[1] == channels or activations.shape[2] != channels:
+                activations = activations.unsqueeze(-1)  # a 1-d conv map (B, C, L): C features at each of L positions
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return

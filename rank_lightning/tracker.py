@@ -19,7 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
-from rank_lightning.layers import BatchReader, OutputSelector, check_layer_types, select_layers, token_layouts
+from rank_lightning.layers import (
+    BatchReader,
+    OutputSelector,
+    channel_first_layers,
+    check_layer_types,
+    select_layers,
+    token_layouts,
+)
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.streams import ActivationStream
 from rank_lightning.validation import check_choice, check_choices, check_names, check_positive, check_positive_int
@@ -157,6 +164,7 @@ class RankTracker:
             batch_reader=BatchReader(label_key=label_key, label_fn=label_fn, mask_key=mask_key),
             layouts=layouts,
             ambiguous_layouts=ambiguous_layouts,
+            channel_maps=channel_first_layers(model, self.layers),
             output_selector=output_selector,
             max_samples=max_samples,
             memory_budget_mb=memory_budget_mb,

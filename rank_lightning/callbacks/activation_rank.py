@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,8 +20,10 @@ from rank_lightning.layers import (
     BatchReader,
     OutputSelector,
     buffers_kept,
+    channel_first_layers,
     check_layer_types,
     eval_mode,
+    forward_batch,
     module_blocks,
     random_state_kept,
     select_layers,
@@ -67,8 +68,12 @@ class ActivationRankMonitor(CurveMonitor):
     Activations of conv layers ``(B, C, H, W)`` and token layers ``(B, T, D)`` are reduced to a samples x features
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
     ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
-    reduction is part of the logged key of those layers. Token layers laid out sequence-first, ``(T, B, D)`` (the
-    default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout comes from ``token_layout``, else from the
+    reduction is part of the logged key of those layers. The 3-D outputs of 1-d conv layers, ``(B, C, L)`` (a
+    ``Conv1d``, ``BatchNorm1d``, 1-d pooling, a block of such layers and activations, or an activation after one:
+    :func:`~rank_lightning.layers.channel_first_layers`), are conv maps with one spatial dimension, reduced by
+    ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. Token layers
+    laid out sequence-first, ``(T, B, D)`` (the default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout
+    comes from ``token_layout``, else from the
     ``batch_first`` flag of the layer or its nearest ancestor
     (:func:`~rank_lightning.layers.declared_batch_first`), else from a batch whose shape tells it (the batch size in
     exactly one leading dimension); a batch whose shape cannot tell (``T == B``, e.g. a last partial batch) is read
@@ -89,8 +94,9 @@ class ActivationRankMonitor(CurveMonitor):
     training step, over the batches a monitored epoch streams: one pass of every validation loader within
     ``limit_val_batches`` (``stage="val"``, eval mode), or the training batches within ``limit_train_batches`` (one
     window with a step cadence; ``stage="train"``, training mode with BatchNorm statistics restored), calling the
-    module's ``forward`` on the inputs of each batch (``input_key``). It is recorded as epoch ``-1`` and sent to the
-    loggers at step 0.
+    module's ``forward`` on the inputs of each batch (``input_key``; for a dict batch without it, ``forward(**entries)``
+    when ``forward`` names them, else ``forward(batch)``, and when that fails before any monitored layer ran, the dict's
+    inputs, ``forward(batch["image"])``). It is recorded as epoch ``-1`` and sent to the loggers at step 0.
 
     Memory: the float64 states of all monitored layers together stay within ``memory_budget_mb`` on each device
     (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch. A layer whose
@@ -121,7 +127,7 @@ class ActivationRankMonitor(CurveMonitor):
             batch), so that a loader sorted by class still gives rows of every class; a warning names the classes
             that got no row. Under DDP the W processes share it exactly (``max_samples // W`` each, one more on the
             first ``max_samples % W``), without the samples a ``DistributedSampler`` repeats. ``None`` for all.
-        conv_reduction: reduction of conv activations.
+        conv_reduction: reduction of conv activations, the ``(B, C, L)`` maps of 1-d conv layers too.
         token_reduction: reduction of token activations.
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
         variance_ratio_ks: the ``k`` of the logged ``VR_k``.
@@ -262,6 +268,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._layers: dict[str, str] = {}
         self._layouts: dict[str, bool] = {}
         self._ambiguous_layouts: dict[str, bool] = {}
+        self._channel_maps: dict[str, int | None] = {}
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
@@ -333,6 +340,7 @@ class ActivationRankMonitor(CurveMonitor):
         """
         self._layers = select_layers(module, self.layers, self.layer_types)
         self._layouts, self._ambiguous_layouts = token_layouts(module, self._layers, self.token_layout)
+        self._channel_maps = channel_first_layers(module, self._layers)
         return self.monitored
 
     @override
@@ -362,6 +370,7 @@ class ActivationRankMonitor(CurveMonitor):
             batch_reader=self.batch_reader,
             layouts=self._layouts,
             ambiguous_layouts=self._ambiguous_layouts,
+            channel_maps=self._channel_maps,
             output_selector=self.output_selector,
             max_samples=self.max_samples,
             memory_budget_mb=self.memory_budget_mb,
@@ -641,8 +650,9 @@ class ActivationRankMonitor(CurveMonitor):
                 )
             else:
                 advice = (
-                    "forward() is called with the batch's inputs (input_key), a dict batch's entries by name, or the "
-                    "batch itself: give forward() one of these signatures, set input_key, or log_at_init=False."
+                    "forward() is called with the batch's inputs (input_key), a dict batch's entries by name, the "
+                    "batch itself or its inputs (x, image, input_ids, ...): give forward() one of these signatures, "
+                    "set input_key, or log_at_init=False."
                 )
             self.warn_once(("init",), message + advice)
             return
@@ -663,6 +673,12 @@ class ActivationRankMonitor(CurveMonitor):
         kept = random_state_kept(pl_module, [loader for loader, _ in loaders])
         # Under the steps' precision (bf16 autocast): the point must be comparable with the monitored passes'.
         precision = step_precision(trainer, self.stage)
+        call: str | None = None  # how forward() takes a dict batch, learnt at the first one
+        stream = self._stream
+
+        def ran() -> int:
+            return 0 if stream is None else stream.layers_run_in_batch
+
         with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
@@ -672,7 +688,7 @@ class ActivationRankMonitor(CurveMonitor):
                         break
                     batch = step_inputs(trainer, batch)
                     self._stream.batch_start(batch, loader=number)
-                    _forward_batch(pl_module, batch, self.batch_reader)
+                    call = forward_batch(pl_module, batch, self.batch_reader, call, ran=ran)
                     self._stream.batch_end()
 
 
@@ -703,19 +719,6 @@ def _raised_by_package(error: BaseException) -> bool:
             return True
         traceback = traceback.tb_next
     return False
-
-
-def _forward_batch(module: nn.Module, batch: Any, reader: BatchReader) -> None:
-    """Run ``module`` on a batch as its own steps would: ``forward(inputs)``, or for a dict batch without
-    ``input_key``, ``forward(**entries)`` when ``forward`` names them (Hugging Face style) and ``forward(batch)``
-    otherwise."""
-    if reader.input_key is not None or not isinstance(batch, Mapping):
-        module(reader.inputs(batch))
-        return
-    parameters = inspect.signature(module.forward).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    named = {key: value for key, value in batch.items() if takes_any or key in parameters}
-    module(**named) if named else module(batch)
 
 
 def _stage(stage: str | None, every_n_train_steps: int | None) -> str:

@@ -63,6 +63,14 @@ def step_inputs(trainer: pl.Trainer, batch: Any) -> Any:
     return trainer.strategy.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
 
 
+def repeated_head_warning(path: str) -> str:
+    """The warning of a callback reading a classifier head that runs more than once in one forward pass."""
+    return (
+        f"the head {path!r} runs more than once per forward pass (a classifier shared by several inputs or views): "
+        "only its first call of each batch is measured. Name a head that runs once per forward pass (head=...)."
+    )
+
+
 def first_val_loader(trainer: pl.Trainer) -> Any:
     """The trainer's first validation dataloader, or ``None`` when there is none, for a callback's own pass: a copy
     where iterating the loader itself would move the state of its persistent workers or of its resumable position

@@ -8,14 +8,21 @@ import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows, step_inputs
+from rank_lightning.callbacks.base import (
+    Cadence,
+    RankCallback,
+    first_val_loader,
+    gather_rows,
+    repeated_head_warning,
+    step_inputs,
+)
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
@@ -30,6 +37,7 @@ from rank_lightning.layers import (
     FeatureLayer,
     classifier_head,
     eval_mode,
+    forward_batch,
     forward_hooks,
     random_state_kept,
 )
@@ -210,7 +218,9 @@ class ClassificationDimension(RankCallback):
         max_samples: at most this many validation samples; ``None`` for all.
         head: the head on the LightningModule, in the syntax of :func:`~rank_lightning.layers.select_layers` (module
             path, block name or glob matching exactly one module); ``None`` finds it (see above).
-        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches.
+        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches, and for dict
+            batches the rule of :func:`~rank_lightning.layers.forward_batch` (``forward(**entries)``,
+            ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for the ``y`` of ``(x, y)`` batches.
         label_fn: ``batch -> labels``, overriding ``label_key``.
         independence_deficit: also compute and log the Lasso independence deficit of the logits.
@@ -281,6 +291,7 @@ class ClassificationDimension(RankCallback):
         self.max_samples = max_samples
         self.head = head
         self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
+        self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.cadence = Cadence(every_n_epochs=None, on_validate=True)
         self.independence_deficit = independence_deficit
         self.deficit_eta = deficit_eta
@@ -375,16 +386,25 @@ class ClassificationDimension(RankCallback):
         head = FeatureLayer("head", path, "input")
         captured: dict[str, Tensor] = {}
         features, labels, taken = [], [], 0
-        # A head called twice in one forward pass keeps its first input.
-        hooks = forward_hooks(pl_module, [head], lambda _, value: captured.setdefault("f", value))
+        self._call = None  # learnt again for this module and loader
+
+        def keep(_: FeatureLayer, value: Tensor) -> None:
+            # A head called twice in one forward pass keeps its first input, and a warning says so.
+            if "f" in captured:
+                self.warn_once(("repeated head",), repeated_head_warning(path))
+            else:
+                captured["f"] = value
+
+        hooks = forward_hooks(pl_module, [head], keep)
         with hooks, eval_mode(pl_module), torch.no_grad():
             for batch in loader:
                 # A process with nothing to take still runs one batch: its (0, d) features join the gather.
                 if limit is not None and taken >= limit and features:
                     break
-                x, y = self.reader.split(step_inputs(pl_module.trainer, batch))
+                batch = step_inputs(pl_module.trainer, batch)
+                y = cast(Tensor, self.reader.labels(batch, required=True))
                 captured.clear()
-                pl_module(x)
+                self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
                 take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)

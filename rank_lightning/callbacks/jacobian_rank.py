@@ -79,7 +79,8 @@ class JacobianRankMonitor(CurveMonitor):
 
     Raises:
         ValueError: at construction for an invalid setting; at setup for an unknown layer (the message lists the
-            valid names); at the first measurement for a patch that does not fit the inputs.
+            valid names); at the first measurement for a patch that does not fit the inputs, or inputs that are
+            not floating point (integer token ids have no Jacobian).
 
     Example::
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import CurveMonitor, first_val_loader, step_inputs
+from rank_lightning.callbacks.base import CurveMonitor, first_val_loader, repeated_head_warning, step_inputs
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import (
@@ -20,6 +20,7 @@ from rank_lightning.layers import (
     FeatureLayer,
     classifier_head,
     eval_mode,
+    forward_batch,
     forward_hooks,
     random_state_kept,
 )
@@ -57,9 +58,9 @@ class NeuralCollapseMonitor(CurveMonitor):
     training step (recorded as epoch ``-1``). Sanity checks are skipped. Figures and the curve file
     ``neural_collapse_curves.json`` go to ``<run dir>/rank_curves/``
     (:class:`~rank_lightning.callbacks.curves.LayerCurves`). A value that cannot be computed is logged as NaN
-    (non-finite features; fewer than two classes; for NC1 and NC4, class means that coincide up to rounding; no head
-    weight for NC3) and never stops training. The class sums are kept in float64, and NC1 drops the
-    between-class directions at the rounding level of the precision the features were computed in
+    (non-finite features; fewer than two classes; for NC1 and NC4, class means that coincide up to rounding, which a
+    warning names; no head weight for NC3) and never stops training. The class sums are kept in float64, and NC1 drops
+    the between-class directions at the rounding level of the precision the features were computed in
     (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`).
 
     Args:
@@ -69,7 +70,9 @@ class NeuralCollapseMonitor(CurveMonitor):
         every_n_epochs: monitor every this many epochs.
         on_validate: also monitor ``trainer.validate`` runs.
         max_samples: at most this many validation samples per pass; ``None`` for all.
-        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches.
+        input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches, and for dict
+            batches the rule of :func:`~rank_lightning.layers.forward_batch` (``forward(**entries)``,
+            ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for the ``y`` of ``(x, y)`` batches.
         label_fn: ``batch -> labels``, overriding ``label_key``.
         log_at_init: also measure the untrained model at the start of a fresh ``fit``.
@@ -134,6 +137,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         self.metrics = check_choices("metrics", metrics, NC_METRICS)
         self.max_samples = max_samples
         self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
+        self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.result: NeuralCollapse | None = None
         self._head_path: str | None = None
 
@@ -181,6 +185,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         path = self._head_path or self.find_head(pl_module)
         limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
         limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
+        self._call = None  # learnt again for this module and loader
         with random_state_kept(pl_module, [loader]):  # the loader's iterators draw seeds
             metric = self._stream(pl_module, loader, path, limit, None)
             if metric is None:
@@ -202,6 +207,15 @@ class NeuralCollapseMonitor(CurveMonitor):
             self.warn_once(("passes differ",), f"{error}; neural collapse is logged as NaN")
             return dict.fromkeys(self.metrics, math.nan)
         self.curves.describe(samples=self.result.num_samples)
+        undefined = [name for name in ("nc1", "nc4") if name in self.metrics]
+        if undefined and metric.between_class_rank == 0 and bool(torch.isfinite(metric.class_sums).all()):
+            dtype = str(metric.input_dtype or torch.float64).removeprefix("torch.")
+            message = (
+                f"the class means of the input of {self._head_path!r} differ by no more than the rounding of its "
+                f"{dtype} features (their centred means span no direction above max(C, d) * eps * max_c ||mu_c||): "
+                f"{' and '.join(undefined)} are logged as NaN until the classes separate"
+            )
+            self.warn_once(("no between-class directions",), message)
         return self.result.as_dict(self.metrics)
 
     def _stream(
@@ -216,17 +230,25 @@ class NeuralCollapseMonitor(CurveMonitor):
         captured: dict[str, Tensor] = {}
         layers = [FeatureLayer("features", path, "input"), FeatureLayer("logits", path, "output")]
         second, taken = metric is not None, 0
-        # A head called twice in one forward pass keeps its first call.
-        with forward_hooks(pl_module, layers, lambda layer, v: captured.setdefault(layer.name, v)):
+
+        def keep(layer: FeatureLayer, value: Tensor) -> None:
+            # A head called twice in one forward pass keeps its first call, and a warning says so.
+            if layer.name in captured:
+                self.warn_once(("repeated head",), repeated_head_warning(path))
+            else:
+                captured[layer.name] = value
+
+        with forward_hooks(pl_module, layers, keep):
             with eval_mode(pl_module), torch.no_grad():
                 for batch in loader:
                     # A process with nothing to take still runs one batch, to join the collective with the metric.
                     if limit is not None and taken >= limit and metric is not None:
                         break
                     # The whole batch, as the steps get it (the module's batch-transfer hooks, the precision's cast).
-                    x, y = self.reader.split(step_inputs(pl_module.trainer, batch))
+                    batch = step_inputs(pl_module.trainer, batch)
+                    y = cast(Tensor, self.reader.labels(batch, required=True))
                     captured.clear()
-                    pl_module(x)
+                    self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                     take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
                     metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second)
                     if metric is None:

@@ -215,7 +215,16 @@ def partial_jacobian(
     Returns:
         ``J_P`` of shape ``(num_outputs, K)``, columns ordered by flat input index; a dict of them if ``fn`` returns a
         dict.
+
+    Raises:
+        ValueError: ``x`` is not floating point (integer token ids, which have no derivative).
     """
+    if not x.is_floating_point():
+        raise ValueError(
+            f"the inputs are {str(x.dtype).removeprefix('torch.')}, not floating point: a Jacobian with respect to "
+            "them does not exist (integer token ids of an embedding model have no derivative); the partial Jacobian "
+            "rank needs real-valued inputs such as images or features"
+        )
     indices = _patch_indices(x.shape, patch).to(x.device)
     primal = x.detach().unsqueeze(0)
     flat_zeros = torch.zeros(primal.numel(), dtype=x.dtype, device=x.device)

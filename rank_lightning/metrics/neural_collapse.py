@@ -94,6 +94,12 @@ class NeuralCollapseStatistics(Metric):
         """Whether the means are fixed and :meth:`update` adds residuals."""
         return self._means is not None
 
+    @property
+    def between_class_rank(self) -> int | None:
+        """The directions the centred class means span above rounding (``None`` before :meth:`start_second_pass`);
+        ``0`` leaves NC1 and NC4 undefined (NaN)."""
+        return None if self._directions is None else int(self._directions.shape[1])
+
     def update(self, features: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:
         """Add a batch: ``(B, d)`` features, ``(B,)`` labels in ``[0, C)``, optionally ``(B, C)`` logits (NC4).
 

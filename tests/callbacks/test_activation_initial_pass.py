@@ -1,6 +1,8 @@
 """The initial point (``log_at_init``) and ``max_samples`` over loaders of unknown length or limited by the
 Trainer: measured on the data every later point is measured on."""
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -71,3 +73,37 @@ def test_a_tracker_without_a_batch_count_measures_the_first_max_samples_inputs()
                 model(batch)
         assert tracker.inputs_measured == 20
     assert tracker.compute()["net.1"]["spectrum_rows"] == 20
+
+
+class _DictSteps(SmallClassifier):
+    """``forward(x)`` on a tensor, and steps that read it from dict batches (``batch["image"]``, ``batch["label"]``)."""
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch["image"]), batch["label"])
+
+    def validation_step(self, batch, batch_idx):
+        self(batch["image"])
+
+
+def _dict_loader(seed: int) -> DataLoader:
+    x, y = small_data(ROWS, seed=seed).tensors
+    rows = [{"image": x[i], "label": y[i], "index": i} for i in range(ROWS)]
+    return DataLoader(rows, batch_size=BATCH)
+
+
+def test_the_initial_point_of_a_forward_x_module_with_dict_batches_reads_the_dict_inputs(tmp_path):
+    # forward(batch) fails on such a module: the initial point runs forward(batch["image"]) as its steps do.
+    model = _DictSteps()
+    with torch.no_grad():
+        untrained = model.net[:2](small_data(ROWS, seed=1).tensors[0]).double()
+    monitor = ActivationRankMonitor(
+        layers=["net.1"], log_at_init=True, max_samples=None, metrics=["participation_ratio"], verbose=False
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no initial point.*")
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, _dict_loader(0), _dict_loader(1))
+    history = monitor.curves.history
+    assert sorted(history) == [-1, 0]
+    s2 = torch.linalg.svdvals(untrained) ** 2
+    assert history[-1]["net.1"]["spectrum_rows"] == ROWS
+    assert history[-1]["net.1"]["participation_ratio"] == pytest.approx(float(s2.sum() ** 2 / (s2**2).sum()), rel=1e-10)

@@ -621,6 +621,83 @@ def test_sequence_first_token_layers_are_read_batch_first(tmp_path):
     assert results["rank/encoder/token/participation_ratio"] == pytest.approx(expected, rel=2e-6)
 
 
+class _TokenConv(nn.Module):
+    """A Conv1d over the positions of tokens (B, L, D) that returns tokens (B, L, D), as positional convolutions do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+
+    def forward(self, tokens):
+        return self.conv(tokens.transpose(1, 2)).transpose(1, 2)
+
+
+class _Conv1dNet(pl.LightningModule):
+    """Embedded tokens through nn.Conv1d layers: conv maps (B, C, L), channels before positions, then a Linear on
+    tokens (B, L, D) whose layout is the other one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.conv = nn.Conv1d(8, 6, 3, padding=1)  # 6 channels at 10 positions
+        self.block = nn.Sequential(nn.Conv1d(6, 6, 3, padding=1, groups=2), nn.BatchNorm1d(6), nn.ReLU())
+        self.proj = nn.Linear(6, 4)
+        self.smooth = _TokenConv(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        maps = self.block(self.conv(self.embed(ids).transpose(1, 2)))
+        return self.head(self.smooth(self.proj(maps.transpose(1, 2))).mean(1))
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+
+@pytest.mark.parametrize("conv_reduction", ["channel", "mean", "flatten"])
+def test_conv1d_maps_are_reduced_as_conv_maps_not_as_tokens(tmp_path, conv_reduction):
+    # A (B, C, L) Conv1d output read as tokens would take its C channels as tokens of L features (rank at most L).
+    torch.manual_seed(0)
+    model = _Conv1dNet()
+    ids, labels = torch.randint(0, 20, (24, 10)), torch.arange(24) % 3
+    loader = _loader(ids, labels, batch_size=8)
+    layers = ["conv", "block", "block.2", "proj", "smooth"]
+    monitor = ActivationRankMonitor(
+        layers=layers, conv_reduction=conv_reduction, max_samples=None, num_classes=3, verbose=False
+    )
+    (results,) = _trainer(tmp_path, [monitor]).validate(model, loader, verbose=False)
+
+    outputs, row_labels = _collect(model, layers, loader)
+    expected = {}
+    for name in layers:
+        output = outputs[name]
+        if name in ("proj", "smooth"):  # tokens (B, L, 4), the second a Conv1d's maps transposed back
+            x, prefix = reduce_activations(output, "token"), "token/"
+        else:
+            assert output.shape == (24, 6, 10)
+            x, prefix = reduce_activations(output.unsqueeze(-1), conv_reduction), f"{conv_reduction}/"
+        for metric, value in _reference(x, row_labels.repeat_interleave(x.shape[0] // 24), num_classes=3).items():
+            expected[f"rank/{name}/{prefix}{metric}"] = value
+    if conv_reduction == "channel":
+        assert expected["rank/conv/channel/spectrum_rows"] == 240  # every position of every input: 6 features
+        assert expected["rank/conv/channel/numerical_rank"] == 6
+    _assert_close({k: float(v) for k, v in results.items() if k.startswith("rank/")}, expected)
+
+
+def test_the_layout_of_a_conv1d_map_comes_from_the_module():
+    from rank_lightning.layers import channel_first_layers
+
+    model = _Conv1dNet()
+    layers = {name: name for name in ["conv", "block", "block.0", "block.1", "block.2", "proj", "embed", "smooth"]}
+    # Each with the channels of its last 1-d conv or norm layer: the stream reads (B, L, C) of "smooth" as tokens.
+    expected = {"conv": 6, "block": 6, "block.0": 6, "block.1": 6, "block.2": 6, "smooth": 4}
+    assert channel_first_layers(model, layers) == expected
+    mixed = nn.Sequential(nn.Conv1d(4, 4, 1), nn.Linear(4, 4), nn.GELU())  # a token layer inside: not a conv map
+    assert channel_first_layers(mixed, {"all": "", "act": "2", "conv": "0"}) == {"conv": 4}
+    # Activations follow the layer before them: those after a Conv1d give conv maps, the Linear's tokens.
+    plain = nn.Sequential(nn.Conv1d(4, 8, 1), nn.ReLU(), nn.MaxPool1d(2), nn.Tanh(), nn.Linear(5, 5), nn.Tanh())
+    assert channel_first_layers(plain, {str(i): str(i) for i in range(6)}) == {"0": 8, "1": 8, "2": None, "3": 8}
+
+
 class _DictBatches(_Wide):
     def validation_step(self, batch, batch_idx):
         self(batch["image"])

@@ -92,6 +92,23 @@ def test_cls_dim_under_validate_in_inference_mode(tmp_path, center):
     assert (tmp_path / CLSDIM_DIR / "accuracy_vs_k.png").exists()
 
 
+class _TwoViews(TinyNet):
+    """The head runs twice per forward pass: on the features and on their mirror image's."""
+
+    def forward(self, x):
+        return self.head(self.features(x)) + self.head(self.features(x.flip(-1)))
+
+
+def test_a_head_called_twice_per_forward_is_read_at_its_first_call_with_a_warning(tmp_path):
+    model, val = _TwoViews(), make_data(30, seed=7)
+    callback = ClassificationDimension(verbose=False)
+    with pytest.warns(UserWarning, match=r"the head 'head' runs more than once per forward pass .* first call"):
+        make_trainer(tmp_path, [callback]).validate(model, make_loader(val))
+    expected = classification_dimension(_reference_features(model, val.tensors[0]), val.tensors[1], model.head)
+    assert callback.result.cls_dim == expected.cls_dim
+    assert callback.result.full_accuracy == expected.full_accuracy
+
+
 class WandbLogger(Logger):
     """Stands in for W&B: the callbacks recognise W&B loggers by this class name."""
 
@@ -159,6 +176,25 @@ def test_cls_dim_reads_dict_batches(tmp_path, reading):
     expected = classification_dimension(features, val.tensors[1], model.head)
     assert trainer.callback_metrics["clsdim/cls_dim"] == expected.cls_dim
     assert trainer.callback_metrics["clsdim/num_samples"] == 30
+    torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
+
+
+class _WholeBatch(DictTinyNet):
+    """``forward`` takes the whole dict batch, as a Hugging Face-style module does."""
+
+    def forward(self, batch):
+        return self.head(self.features(batch["pixels"]))
+
+    def validation_step(self, batch, batch_idx):
+        self(batch)
+
+
+def test_cls_dim_calls_a_forward_that_takes_the_dict_batch_with_the_batch(tmp_path):
+    model, val = _WholeBatch(), make_data(30, seed=12)
+    callback = ClassificationDimension(label_key="digit", verbose=False)
+    make_trainer(tmp_path, [callback]).validate(model, make_loader(DictBatches(val)))
+    expected = classification_dimension(_reference_features(model, val.tensors[0]), val.tensors[1], model.head)
+    assert callback.result.cls_dim == expected.cls_dim
     torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
 
 

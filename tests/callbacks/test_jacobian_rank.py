@@ -3,6 +3,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -214,6 +215,31 @@ def test_dict_batches_without_input_key_raise_naming_the_keys(tmp_path):
     monitor = JacobianRankMonitor(num_inputs=2, verbose=False)
     with pytest.raises(ValueError, match=r"cannot find the inputs .* keys \['pixels', 'digit'\]; set input_key"):
         make_trainer(tmp_path, [monitor]).validate(model, make_loader(DictBatches(val)))
+
+
+class _TokenIds(pl.LightningModule):
+    """A sequence model on integer token ids: an embedding, then a Linear block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.block(self.embed(ids)).mean(1)
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+
+def test_integer_token_ids_raise_naming_the_dtype(tmp_path):
+    # torch.func.jvp's own "Expected primal to be floating point" named neither the inputs nor the way out.
+    module = _TokenIds()
+    ids = torch.randint(0, 10, (8, 5))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, torch.zeros(8, dtype=torch.long)), 4)
+    monitor = JacobianRankMonitor(layers=["block"], num_inputs=2, verbose=False)
+    with pytest.raises(ValueError, match="the inputs are int64, not floating point: a Jacobian with respect to them"):
+        make_trainer(tmp_path, [monitor]).validate(module, loader)
 
 
 def test_setup_message_names_the_blocks_and_the_patch(callback_messages):

@@ -136,6 +136,77 @@ def test_a_head_behind_an_lr_layer_is_the_wrapped_head(tmp_path: Path) -> None:
         assert monitor.result.as_dict()[key] == pytest.approx(expected[key], rel=1e-9), key
 
 
+class _Features(_Classifier):
+    """The inputs are the features: the head reads them as they come."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_class_means_that_differ_by_rounding_only_log_nc1_and_nc4_as_nan_with_a_warning(tmp_path: Path) -> None:
+    # Features near (1, ..., 1) whose class means differ by 2e-6, below the float32 cut-off 32 * eps32 * ||mu_c||.
+    generator = torch.Generator().manual_seed(0)
+    y = torch.arange(40) % 4
+    x = torch.ones(40, 32) + 2e-6 * nn.functional.one_hot(y, 32) + 1e-6 * torch.randn(40, 32, generator=generator)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10)
+    monitor = NeuralCollapseMonitor(verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"class means of the input of 'fc' differ by no more than the rounding of "):
+        trainer.validate(_Features(), loader)
+    assert math.isnan(monitor.result.nc1) and math.isnan(monitor.result.nc4)
+    assert math.isfinite(monitor.result.cdnv)
+
+
+class _TwoViews(_Classifier):
+    """The head runs twice per forward pass: on the features of the inputs and of their negatives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.net(x)) + self.fc(self.net(-x))
+
+
+def test_a_head_called_twice_per_forward_is_read_at_its_first_call_with_a_warning(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, datamodule = _TwoViews(), _datamodule()
+    monitor = NeuralCollapseMonitor(verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"the head 'fc' runs more than once per forward pass .* first call"):
+        trainer.validate(model, datamodule=datamodule)
+    expected = _direct(model, datamodule)  # the first call: fc on net(x), its own argmax for NC4
+    for name in NC_METRICS:
+        assert getattr(monitor.result, name) == pytest.approx(getattr(expected, name), rel=1e-9), name
+
+
+class _DictSteps(_Classifier):
+    """``forward(x)``, with steps that pass it the ``image`` of dict batches ``{"image", "label"}``."""
+
+    def validation_step(self, batch, batch_idx):
+        self(batch["image"])
+
+
+class _WholeBatch(_Classifier):
+    """``forward`` takes the whole dict batch ``{"image", "label"}``, as a Hugging Face-style module does."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(self.net(batch["image"]))
+
+    def validation_step(self, batch, batch_idx):
+        self(batch)
+
+
+@pytest.mark.parametrize("model_cls", [_WholeBatch, _DictSteps], ids=["forward(batch)", "forward(x)"])
+def test_dict_batches_reach_forward_as_the_steps_pass_them(tmp_path: Path, model_cls: type) -> None:
+    # forward(batch) gets the dict; forward(x) (whose steps pass batch["image"]) gets the dict's inputs.
+    torch.manual_seed(0)
+    model, datamodule = model_cls(), _datamodule()
+    datamodule.setup("validate")
+    rows = [{"image": x, "label": y} for xs, ys in datamodule.val_dataloader() for x, y in zip(xs, ys)]
+    monitor = NeuralCollapseMonitor(verbose=False)
+    quiet_trainer([monitor], default_root_dir=tmp_path).validate(model, torch.utils.data.DataLoader(rows, 40))
+    expected = _direct(model, datamodule)
+    for name in NC_METRICS:
+        assert getattr(monitor.result, name) == pytest.approx(getattr(expected, name), rel=1e-9), name
+
+
 def test_bad_arguments_raise_with_the_choices() -> None:
     with pytest.raises(ValueError, match="nc1"):
         NeuralCollapseMonitor(metrics=("nc9",))
