@@ -227,10 +227,19 @@ def publish_scalars(
 
 
 def log_step(trainer: Any) -> int:
-    """The step Lightning's own logging uses: optimizer steps taken in this fit (``global_step`` as a fallback)."""
-    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    stepped = getattr(epoch_loop, "_batches_that_stepped", None)
-    return int(stepped) if isinstance(stepped, int) else int(getattr(trainer, "global_step", 0))
+    """The step Lightning's own logging uses now: the batches that took an optimizer step in this fit
+    (``global_step`` as a fallback), less one at the end of a training epoch (``on_train_epoch_end``), where Lightning
+    logs the epoch's metrics at the step of its last batch, as it logs a validation run at the end of the epoch.
+    Without it a measurement of the epoch would land on the first step of the next epoch."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    stepped = getattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
+    if not isinstance(stepped, int):
+        return int(getattr(trainer, "global_step", 0))
+    # Lightning marks an epoch processed before its on_train_epoch_end hooks and completed after logging its metrics.
+    progress = getattr(getattr(fit_loop, "epoch_progress", None), "current", None)
+    processed, completed = getattr(progress, "processed", None), getattr(progress, "completed", None)
+    at_epoch_end = isinstance(processed, int) and isinstance(completed, int) and processed > completed
+    return max(stepped - 1, 0) if at_epoch_end and _trainer_fn(trainer) == "fit" else stepped
 
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -598,8 +607,7 @@ class LayerCurves:
             self._supersede_rewound(trainer, at)
         scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
         if _fitting(trainer):
-            # A step axis logs at the step the curve file and the figures show (the initial point being step 0).
-            publish_scalars(trainer, scalars, step=at if self.x_axis == "step" else None)
+            publish_scalars(trainer, scalars, step=self.logger_step(trainer))
         else:
             # One evaluation run: the per-key cost does not matter, and values logged through the module are also in
             # the results trainer.validate() / trainer.test() return.
@@ -615,6 +623,12 @@ class LayerCurves:
             self._log_wandb_charts(trainer)
         if self.figures_every_n_epochs is not None and trained % self.figures_every_n_epochs == 0:
             self.write_figures(trainer)
+
+    def logger_step(self, trainer: Any) -> int:
+        """The loggers' step of a value recorded now during ``fit``: on a step axis the step the curve file and the
+        figures show (``trainer.global_step``, the initial point being step 0), else the step Lightning logs at
+        (:func:`log_step`). What a monitor sends beside its scalars (W&B histograms) goes there too."""
+        return int(trainer.global_step) if self.x_axis == "step" else log_step(trainer)
 
     def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
         """Note the epoch and step of the checkpoint being loaded (the monitors call it from ``on_load_checkpoint``):

@@ -489,5 +489,6 @@ class WeightRankMonitor(CurveMonitor):
                 f"weight_spectra/{name}": wandb.Histogram(values[np.isfinite(values)])
                 for name, values in arrays.items()
             }
+            step = self.curves.logger_step(trainer)  # beside the scalars of the same measurement
             for logger in loggers:
-                logger.log_metrics(histograms, step=trainer.global_step)
+                logger.log_metrics(histograms, step=step)

@@ -155,6 +155,38 @@ def test_logs_records_and_draws_during_fit_with_csv_logger(tmp_path):
     assert all(p.stat().st_size > 1000 for p in directory.glob("*.png"))
 
 
+class _TrainEpochEndCurves(pl.Callback):
+    """Records through LayerCurves at the end of every training epoch, as a monitor of unvalidated epochs does."""
+
+    def __init__(self) -> None:
+        self.curves = LayerCurves("test", wandb_charts=False)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.curves.record_and_log(trainer, pl_module, {"layer": {"m": float(trainer.current_epoch)}})
+
+
+class _NetLoggingEpochLoss(_Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_values_recorded_at_the_end_of_a_training_epoch_reach_the_loggers_at_that_epochs_step(tmp_path):
+    # Lightning logs a training epoch's metrics at the step of its last batch, one below the optimizer steps taken by
+    # then; a measurement of the same epoch must land beside them, not on the first step of the next epoch.
+    callback = _TrainEpochEndCurves()
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(tmp_path, callback, logger=logger, max_epochs=3, limit_val_batches=0)
+    trainer.fit(_NetLoggingEpochLoss(), _loader())
+
+    rows = _read_csv(Path(logger.log_dir) / "metrics.csv")
+    loss_steps = [(int(r["epoch"]), int(r["step"])) for r in rows if r["train/loss"]]
+    rank_steps = [(int(r["epoch"]), int(r["step"])) for r in rows if r["test/layer/m"]]
+    assert loss_steps == [(0, 1), (1, 3), (2, 5)]
+    assert rank_steps == loss_steps
+
+
 def test_resumed_run_continues_its_curves(tmp_path):
     first = _EpochCurves()
     trainer = _trainer(tmp_path, first, logger=False, max_epochs=1)

@@ -13,6 +13,7 @@ from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
+from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import quiet_trainer
 from tests.callbacks.wandb_helpers import offline_run_history
 
@@ -319,6 +320,25 @@ def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path)
     trainer.fit(_Model(), _loader(16))
     assert monitor.curves.epochs == [-1, 1, 3]
     assert monitor.curves.layers == ["head"]
+
+
+def test_every_epoch_reaches_the_loggers_at_its_last_step_whether_validated_or_not(tmp_path):
+    class WandbLogger(RecordingLogger):
+        """Records what is sent; wandb_loggers() recognises loggers by this class name."""
+
+    monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], save_singular_values=True, verbose=False)
+    logger = WandbLogger()
+    trainer = quiet_trainer(
+        [monitor], max_epochs=4, check_val_every_n_epoch=2, default_root_dir=tmp_path, logger=logger
+    )
+    trainer.fit(_Model(), _loader(32), _loader(16))  # 4 batches per epoch; validation in epochs 1 and 3
+
+    # Each epoch at the step of its last batch, where Lightning logs the epoch's own metrics (val/loss included).
+    steps = {int(m["epoch"]): step for step, m in logger.calls if "weight/head/stable_rank" in m}
+    assert steps == {-1: 0, 0: 3, 1: 7, 2: 11, 3: 15}
+    assert [step for step, m in logger.calls if "val/loss" in m] == [7, 15]
+    # The spectra go beside the scalars of their epoch.
+    assert [step for step, m in logger.calls if "weight_spectra/head" in m] == [3, 7, 11, 15]
 
 
 @pytest.mark.slow
