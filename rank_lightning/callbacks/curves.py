@@ -308,6 +308,14 @@ def _trainer_fn(trainer: Any) -> str:
     return str(getattr(fn, "value", fn))
 
 
+def _last_trained_epoch(trainer: Any) -> int:
+    """The epoch whose training left the weights an evaluation after ``fit`` measures: the last epoch the fit
+    started. ``trainer.current_epoch`` counts the epochs run by then, one more once the last of them has ended."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_progress", None), "current", None)
+    started = getattr(progress, "started", None)
+    return started - 1 if isinstance(started, int) and started > 0 else int(trainer.current_epoch)
+
+
 def _fitting(trainer: Any) -> bool:
     return _trainer_fn(trainer) == "fit"
 
@@ -587,7 +595,9 @@ class LayerCurves:
         Outside ``fit``, an evaluation of a model that took no optimizer step (``trainer.validate`` before training)
         is recorded at epoch ``-1``, the initial point, so that the ``fit`` that follows does not overwrite it; an
         evaluation of a checkpoint (``trainer.validate(ckpt_path=...)``) is recorded at the checkpoint's epoch (or
-        step), where its ``fit`` recorded the same weights (:meth:`note_checkpoint`).
+        step), where its ``fit`` recorded the same weights (:meth:`note_checkpoint`); one of the weights a ``fit``
+        left (``trainer.validate(model)`` after it) at the last epoch that fit trained (or its step), not at
+        ``trainer.current_epoch``, which by then counts one epoch more.
 
         Call it on every rank, with the same values (they are written without synchronisation). Calls during the sanity
         check are ignored: Lightning discards
@@ -638,13 +648,15 @@ class LayerCurves:
     def _evaluated_point(self, trainer: Any, at: int) -> int:
         """Where values measured now are recorded: ``at`` during ``fit``; for ``validate`` / ``test``, the loaded
         checkpoint's epoch or step, else the initial point for a model no optimizer step has touched (a later fit must
-        not overwrite it with its epoch 0)."""
+        not overwrite it with its epoch 0), else the last epoch the fit trained (the step on a step axis)."""
         if _trainer_fn(trainer) not in ("validate", "test"):
             return at
         loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
         if loaded is not None and loaded[1] > 0:
             return loaded[1] if self.x_axis == "step" else loaded[0]
-        return self.initial_point if trainer.global_step == 0 else at
+        if trainer.global_step == 0:
+            return self.initial_point
+        return at if self.x_axis == "step" else _last_trained_epoch(trainer)
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the
