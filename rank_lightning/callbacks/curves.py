@@ -16,9 +16,11 @@ follows with those numbers, identically for every callback:
 2. keeps the history ``epoch -> layer -> metric -> value`` and saves it in checkpoints through
    :meth:`LayerCurves.state_dict` / :meth:`LayerCurves.load_state_dict`, so a resumed run continues its curves. A
    fit resumed from a checkpoint older than the curves it finds (in memory or in the run directory's curve file)
-   trains those epochs again: at its first training epoch (:meth:`LayerCurves.start_epoch`) a warning names them,
-   their values move under ``"superseded"`` (with every earlier superseded block the file or memory holds: never
-   lost) and the curve file is rewritten;
+   trains those epochs again: when it starts training (:meth:`LayerCurves.settle_resume`, or at the latest at its
+   first training epoch, :meth:`LayerCurves.start_epoch`) a warning names them, their values move under
+   ``"superseded"`` (with every earlier superseded block the file or memory holds: never lost) and the curve file is
+   rewritten. Values found there that were measured after the checkpoint was saved, of its weights (a save at the
+   end of a batch, before the validation that follows), stay in the history;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -55,8 +57,11 @@ Usage inside a callback::
         def setup(self, trainer, pl_module, stage) -> None:
             self.curves.describe(split="val", samples=1024)  # the figures' caption
 
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.curves.settle_resume(trainer)  # a resumed fit's rewound epochs
+
         def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.curves.start_epoch(trainer)  # a resumed fit's rewound epochs; no stale value for EarlyStopping
+            self.curves.start_epoch(trainer)  # no stale value for EarlyStopping (and the rewind, if not settled yet)
 
         def on_validation_epoch_end(self, trainer, pl_module) -> None:
             values = {"encoder.0": {"stable_rank": 3.1}, "encoder.2": {"stable_rank": 2.4}}  # ordered by depth
@@ -685,19 +690,27 @@ class LayerCurves:
 
     def start_epoch(self, trainer: Any) -> None:
         """Call at the start of every training epoch: settles the rewound epochs of a fit resumed from a checkpoint
-        (once, at its first epoch; module docstring) and removes the previous measurement from
-        ``trainer.callback_metrics`` (:meth:`clear_stale_metrics`).
+        (:meth:`settle_resume`, once, unless called before) and removes the previous measurement from
+        ``trainer.callback_metrics`` (:meth:`clear_stale_metrics`)."""
+        self.settle_resume(trainer)
+        self.clear_stale_metrics(trainer)
+
+    def settle_resume(self, trainer: Any) -> None:
+        """Settle the rewound epochs of a fit resumed from a checkpoint, once (module docstring); call it when the fit
+        starts training (``on_train_start``, as the package's monitors do: Lightning does not call
+        ``on_train_epoch_start`` for an epoch it resumes at the end of a checkpoint's batch) or at the latest by
+        :meth:`start_epoch`.
 
         A fit resumed at epoch ``e`` (``trainer.current_epoch``) trains epochs ``e`` on again; one resumed at optimizer
-        step ``g`` (a step axis) measures steps after ``g`` again. A callback that never calls this settles them at its
-        first record instead, naming the first recorded epoch.
+        step ``g`` (a step axis) measures steps after ``g`` again; values found between the checkpoint's last one and
+        that point were measured after the checkpoint was saved, of its weights, and stay. A callback that calls
+        neither settles them at its first record instead, naming the first recorded epoch.
         """
         if self._rewind_check and _fitting(trainer) and not getattr(trainer, "sanity_checking", False):
             self._rewind_check = False
             resumed_at = trainer.global_step + 1 if self.x_axis == "step" else trainer.current_epoch
-            if self._supersede_rewound(trainer, resumed_at) and trainer.is_global_zero:
+            if self._supersede_rewound(trainer, resumed_at, resumed_at=True) and trainer.is_global_zero:
                 self._write_curve_file(trainer)
-        self.clear_stale_metrics(trainer)
 
     def clear_stale_metrics(self, trainer: Any) -> None:
         """Remove the values this object logged from ``trainer.callback_metrics`` (:meth:`start_epoch` calls it, and
@@ -834,16 +847,22 @@ class LayerCurves:
             self.key(layer, metric): value for layer, metrics in stored.items() for metric, value in metrics.items()
         }
 
-    def _supersede_rewound(self, trainer: Any, epoch: int) -> bool:
-        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so; whether any
-        moved.
+    def _supersede_rewound(self, trainer: Any, epoch: int, *, resumed_at: bool = False) -> bool:
+        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so; whether the
+        history changed.
 
         Rewound are: loaded epochs from ``epoch`` on, and epochs held before loading or found in the run directory's
         curve file (rank zero) that the loaded state lacks, from its last epoch on. Superseded blocks held before
         loading or found in the curve file that the loaded state lacks (those of an earlier resume) are kept too.
+
+        With ``resumed_at``, ``epoch`` is where the resumed fit starts measuring again (:meth:`start_epoch`), and the
+        epochs found between the loaded state's last one and ``epoch`` are not rewound but taken into the history:
+        measured after the checkpoint was saved, of the weights it holds (a ``ModelCheckpoint(every_n_train_steps=...)``
+        saves at the end of a batch, before the validation that follows measures the same weights), they are never
+        measured again, and would otherwise be lost.
         """
         loaded_last = max((e for e in self._history if e != self.initial_point), default=None)
-        cut = epoch if loaded_last is None else min(epoch, loaded_last + 1)
+        cut = epoch if loaded_last is None or resumed_at else min(epoch, loaded_last + 1)
         rewound = {e: self._history.pop(e) for e in [e for e in self._history if e >= epoch]}
         found, found_blocks = [self._before_loading], [self._superseded_before_loading]
         if trainer.is_global_zero:
@@ -853,8 +872,14 @@ class LayerCurves:
                 found_blocks.append(content["superseded"])
             except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
                 pass
+        after_loaded = self.initial_point if loaded_last is None else loaded_last
+        kept: History = {}
         for earlier in found:
             rewound.update({e: v for e, v in earlier.items() if e >= cut and e not in rewound})
+            if resumed_at:
+                kept.update({e: v for e, v in earlier.items() if after_loaded < e < epoch and e not in kept})
+        for point, values in sorted(kept.items()):
+            self.record(point, values)
         known = {_block_text(b) for b in self._superseded}
         for block in (b for blocks in found_blocks for b in blocks):
             if _block_text(block) not in known:
@@ -862,7 +887,7 @@ class LayerCurves:
                 self._superseded.append(block)
         self._before_loading, self._superseded_before_loading = {}, []
         if not rewound:
-            return False
+            return bool(kept)
         self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
         if trainer.is_global_zero:
             warnings.warn(
