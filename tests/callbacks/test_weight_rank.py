@@ -337,8 +337,30 @@ def test_every_epoch_reaches_the_loggers_at_its_last_step_whether_validated_or_n
     steps = {int(m["epoch"]): step for step, m in logger.calls if "weight/head/stable_rank" in m}
     assert steps == {-1: 0, 0: 3, 1: 7, 2: 11, 3: 15}
     assert [step for step, m in logger.calls if "val/loss" in m] == [7, 15]
-    # The spectra go beside the scalars of their epoch.
-    assert [step for step, m in logger.calls if "weight_spectra/head" in m] == [3, 7, 11, 15]
+    # The spectra go beside the scalars of their epoch (the untrained weights' too).
+    assert [step for step, m in logger.calls if "weight_spectra/head" in m] == [0, 3, 7, 11, 15]
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 0.5])
+def test_every_recorded_point_keeps_its_own_spectra(tmp_path, val_check_interval):
+    monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], save_singular_values=True, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=2, val_check_interval=val_check_interval, default_root_dir=tmp_path)
+    trainer.fit(_Model(), _loader(32), _loader(16))  # 4 batches per epoch
+
+    directory = tmp_path / FIGURE_DIR / "weight_singular_values"
+    # One file per point of the curves, the untrained weights included, named by the curves' axis: two validations
+    # of one epoch (keyed by step) must not write the same file.
+    if val_check_interval == 1.0:
+        assert monitor.curves.epochs == [-1, 0, 1]
+        names = ["epoch_-001.npz", "epoch_0000.npz", "epoch_0001.npz"]
+    else:
+        assert monitor.curves.epochs == [0, 2, 4, 6, 8]
+        names = [f"step_{step:08d}.npz" for step in monitor.curves.epochs]
+    assert sorted(p.name for p in directory.iterdir()) == names
+    for point, name in zip(monitor.curves.epochs, names):
+        singular_values = np.load(directory / name)["head"]
+        stable_rank = float((singular_values**2).sum() / singular_values[0] ** 2)
+        assert monitor.curves.history[point]["head"]["stable_rank"] == pytest.approx(stable_rank, rel=1e-9), name
 
 
 @pytest.mark.slow
