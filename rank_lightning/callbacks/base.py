@@ -381,7 +381,14 @@ class CurveMonitor(RankCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Key the curves by optimizer step when validation runs several times per epoch (``val_check_interval``
         below an epoch, as in ``max_steps`` runs of one long epoch): keyed by epoch, each measurement would replace
-        the one before it in the curve file and the figures. Subclasses call it before their initial point."""
+        the one before it in the curve file and the figures; then settle a resumed fit's rewound epochs
+        (:meth:`LayerCurves.settle_resume`). Subclasses call it before their initial point."""
+        self._key_curves_by_step(trainer)
+        # A resumed fit's rewound epochs, now: an epoch Lightning resumes at the end of a checkpoint's batch starts
+        # without on_train_epoch_start.
+        self.curves.settle_resume(trainer)
+
+    def _key_curves_by_step(self, trainer: pl.Trainer) -> None:
         per_epoch = validations_per_epoch(trainer)
         if not self.measures_each_validation() or per_epoch <= 1 or self.curves.x_axis == "step":
             return

@@ -16,9 +16,11 @@ follows with those numbers, identically for every callback:
 2. keeps the history ``epoch -> layer -> metric -> value`` and saves it in checkpoints through
    :meth:`LayerCurves.state_dict` / :meth:`LayerCurves.load_state_dict`, so a resumed run continues its curves. A
    fit resumed from a checkpoint older than the curves it finds (in memory or in the run directory's curve file)
-   trains those epochs again: at its first training epoch (:meth:`LayerCurves.start_epoch`) a warning names them,
-   their values move under ``"superseded"`` (with every earlier superseded block the file or memory holds: never
-   lost) and the curve file is rewritten;
+   trains those epochs again: when it starts training (:meth:`LayerCurves.settle_resume`, or at the latest at its
+   first training epoch, :meth:`LayerCurves.start_epoch`) a warning names them, their values move under
+   ``"superseded"`` (with every earlier superseded block the file or memory holds: never lost) and the curve file is
+   rewritten. Values found there that were measured after the checkpoint was saved, of its weights (a save at the
+   end of a batch, before the validation that follows), stay in the history;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -55,8 +57,11 @@ Usage inside a callback::
         def setup(self, trainer, pl_module, stage) -> None:
             self.curves.describe(split="val", samples=1024)  # the figures' caption
 
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.curves.settle_resume(trainer)  # a resumed fit's rewound epochs
+
         def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.curves.start_epoch(trainer)  # a resumed fit's rewound epochs; no stale value for EarlyStopping
+            self.curves.start_epoch(trainer)  # no stale value for EarlyStopping (and the rewind, if not settled yet)
 
         def on_validation_epoch_end(self, trainer, pl_module) -> None:
             values = {"encoder.0": {"stable_rank": 3.1}, "encoder.2": {"stable_rank": 2.4}}  # ordered by depth
@@ -227,10 +232,19 @@ def publish_scalars(
 
 
 def log_step(trainer: Any) -> int:
-    """The step Lightning's own logging uses: optimizer steps taken in this fit (``global_step`` as a fallback)."""
-    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    stepped = getattr(epoch_loop, "_batches_that_stepped", None)
-    return int(stepped) if isinstance(stepped, int) else int(getattr(trainer, "global_step", 0))
+    """The step Lightning's own logging uses now: the batches that took an optimizer step in this fit
+    (``global_step`` as a fallback), less one at the end of a training epoch (``on_train_epoch_end``), where Lightning
+    logs the epoch's metrics at the step of its last batch, as it logs a validation run at the end of the epoch.
+    Without it a measurement of the epoch would land on the first step of the next epoch."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    stepped = getattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
+    if not isinstance(stepped, int):
+        return int(getattr(trainer, "global_step", 0))
+    # Lightning marks an epoch processed before its on_train_epoch_end hooks and completed after logging its metrics.
+    progress = getattr(getattr(fit_loop, "epoch_progress", None), "current", None)
+    processed, completed = getattr(progress, "processed", None), getattr(progress, "completed", None)
+    at_epoch_end = isinstance(processed, int) and isinstance(completed, int) and processed > completed
+    return max(stepped - 1, 0) if at_epoch_end and _trainer_fn(trainer) == "fit" else stepped
 
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -297,6 +311,14 @@ def _check_name(kind: str, name: str) -> None:
 def _trainer_fn(trainer: Any) -> str:
     fn = getattr(getattr(trainer, "state", None), "fn", None)
     return str(getattr(fn, "value", fn))
+
+
+def _last_trained_epoch(trainer: Any) -> int:
+    """The epoch whose training left the weights an evaluation after ``fit`` measures: the last epoch the fit
+    started. ``trainer.current_epoch`` counts the epochs run by then, one more once the last of them has ended."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_progress", None), "current", None)
+    started = getattr(progress, "started", None)
+    return started - 1 if isinstance(started, int) and started > 0 else int(trainer.current_epoch)
 
 
 def _fitting(trainer: Any) -> bool:
@@ -578,7 +600,9 @@ class LayerCurves:
         Outside ``fit``, an evaluation of a model that took no optimizer step (``trainer.validate`` before training)
         is recorded at epoch ``-1``, the initial point, so that the ``fit`` that follows does not overwrite it; an
         evaluation of a checkpoint (``trainer.validate(ckpt_path=...)``) is recorded at the checkpoint's epoch (or
-        step), where its ``fit`` recorded the same weights (:meth:`note_checkpoint`).
+        step), where its ``fit`` recorded the same weights (:meth:`note_checkpoint`); one of the weights a ``fit``
+        left (``trainer.validate(model)`` after it) at the last epoch that fit trained (or its step), not at
+        ``trainer.current_epoch``, which by then counts one epoch more.
 
         Call it on every rank, with the same values (they are written without synchronisation). Calls during the sanity
         check are ignored: Lightning discards
@@ -598,8 +622,7 @@ class LayerCurves:
             self._supersede_rewound(trainer, at)
         scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
         if _fitting(trainer):
-            # A step axis logs at the step the curve file and the figures show (the initial point being step 0).
-            publish_scalars(trainer, scalars, step=at if self.x_axis == "step" else None)
+            publish_scalars(trainer, scalars, step=self.logger_step(trainer))
         else:
             # One evaluation run: the per-key cost does not matter, and values logged through the module are also in
             # the results trainer.validate() / trainer.test() return.
@@ -616,6 +639,12 @@ class LayerCurves:
         if self.figures_every_n_epochs is not None and trained % self.figures_every_n_epochs == 0:
             self.write_figures(trainer)
 
+    def logger_step(self, trainer: Any) -> int:
+        """The loggers' step of a value recorded now during ``fit``: on a step axis the step the curve file and the
+        figures show (``trainer.global_step``, the initial point being step 0), else the step Lightning logs at
+        (:func:`log_step`). What a monitor sends beside its scalars (W&B histograms) goes there too."""
+        return int(trainer.global_step) if self.x_axis == "step" else log_step(trainer)
+
     def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
         """Note the epoch and step of the checkpoint being loaded (the monitors call it from ``on_load_checkpoint``):
         an evaluation of it is recorded there."""
@@ -624,13 +653,15 @@ class LayerCurves:
     def _evaluated_point(self, trainer: Any, at: int) -> int:
         """Where values measured now are recorded: ``at`` during ``fit``; for ``validate`` / ``test``, the loaded
         checkpoint's epoch or step, else the initial point for a model no optimizer step has touched (a later fit must
-        not overwrite it with its epoch 0)."""
+        not overwrite it with its epoch 0), else the last epoch the fit trained (the step on a step axis)."""
         if _trainer_fn(trainer) not in ("validate", "test"):
             return at
         loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
         if loaded is not None and loaded[1] > 0:
             return loaded[1] if self.x_axis == "step" else loaded[0]
-        return self.initial_point if trainer.global_step == 0 else at
+        if trainer.global_step == 0:
+            return self.initial_point
+        return at if self.x_axis == "step" else _last_trained_epoch(trainer)
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the
@@ -659,19 +690,27 @@ class LayerCurves:
 
     def start_epoch(self, trainer: Any) -> None:
         """Call at the start of every training epoch: settles the rewound epochs of a fit resumed from a checkpoint
-        (once, at its first epoch; module docstring) and removes the previous measurement from
-        ``trainer.callback_metrics`` (:meth:`clear_stale_metrics`).
+        (:meth:`settle_resume`, once, unless called before) and removes the previous measurement from
+        ``trainer.callback_metrics`` (:meth:`clear_stale_metrics`)."""
+        self.settle_resume(trainer)
+        self.clear_stale_metrics(trainer)
+
+    def settle_resume(self, trainer: Any) -> None:
+        """Settle the rewound epochs of a fit resumed from a checkpoint, once (module docstring); call it when the fit
+        starts training (``on_train_start``, as the package's monitors do: Lightning does not call
+        ``on_train_epoch_start`` for an epoch it resumes at the end of a checkpoint's batch) or at the latest by
+        :meth:`start_epoch`.
 
         A fit resumed at epoch ``e`` (``trainer.current_epoch``) trains epochs ``e`` on again; one resumed at optimizer
-        step ``g`` (a step axis) measures steps after ``g`` again. A callback that never calls this settles them at its
-        first record instead, naming the first recorded epoch.
+        step ``g`` (a step axis) measures steps after ``g`` again; values found between the checkpoint's last one and
+        that point were measured after the checkpoint was saved, of its weights, and stay. A callback that calls
+        neither settles them at its first record instead, naming the first recorded epoch.
         """
         if self._rewind_check and _fitting(trainer) and not getattr(trainer, "sanity_checking", False):
             self._rewind_check = False
             resumed_at = trainer.global_step + 1 if self.x_axis == "step" else trainer.current_epoch
-            if self._supersede_rewound(trainer, resumed_at) and trainer.is_global_zero:
+            if self._supersede_rewound(trainer, resumed_at, resumed_at=True) and trainer.is_global_zero:
                 self._write_curve_file(trainer)
-        self.clear_stale_metrics(trainer)
 
     def clear_stale_metrics(self, trainer: Any) -> None:
         """Remove the values this object logged from ``trainer.callback_metrics`` (:meth:`start_epoch` calls it, and
@@ -808,16 +847,22 @@ class LayerCurves:
             self.key(layer, metric): value for layer, metrics in stored.items() for metric, value in metrics.items()
         }
 
-    def _supersede_rewound(self, trainer: Any, epoch: int) -> bool:
-        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so; whether any
-        moved.
+    def _supersede_rewound(self, trainer: Any, epoch: int, *, resumed_at: bool = False) -> bool:
+        """Move the values of the epochs a resumed fit trains again into :attr:`superseded`, and say so; whether the
+        history changed.
 
         Rewound are: loaded epochs from ``epoch`` on, and epochs held before loading or found in the run directory's
         curve file (rank zero) that the loaded state lacks, from its last epoch on. Superseded blocks held before
         loading or found in the curve file that the loaded state lacks (those of an earlier resume) are kept too.
+
+        With ``resumed_at``, ``epoch`` is where the resumed fit starts measuring again (:meth:`start_epoch`), and the
+        epochs found between the loaded state's last one and ``epoch`` are not rewound but taken into the history:
+        measured after the checkpoint was saved, of the weights it holds (a ``ModelCheckpoint(every_n_train_steps=...)``
+        saves at the end of a batch, before the validation that follows measures the same weights), they are never
+        measured again, and would otherwise be lost.
         """
         loaded_last = max((e for e in self._history if e != self.initial_point), default=None)
-        cut = epoch if loaded_last is None else min(epoch, loaded_last + 1)
+        cut = epoch if loaded_last is None or resumed_at else min(epoch, loaded_last + 1)
         rewound = {e: self._history.pop(e) for e in [e for e in self._history if e >= epoch]}
         found, found_blocks = [self._before_loading], [self._superseded_before_loading]
         if trainer.is_global_zero:
@@ -827,8 +872,14 @@ class LayerCurves:
                 found_blocks.append(content["superseded"])
             except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
                 pass
+        after_loaded = self.initial_point if loaded_last is None else loaded_last
+        kept: History = {}
         for earlier in found:
             rewound.update({e: v for e, v in earlier.items() if e >= cut and e not in rewound})
+            if resumed_at:
+                kept.update({e: v for e, v in earlier.items() if after_loaded < e < epoch and e not in kept})
+        for point, values in sorted(kept.items()):
+            self.record(point, values)
         known = {_block_text(b) for b in self._superseded}
         for block in (b for blocks in found_blocks for b in blocks):
             if _block_text(block) not in known:
@@ -836,7 +887,7 @@ class LayerCurves:
                 self._superseded.append(block)
         self._before_loading, self._superseded_before_loading = {}, []
         if not rewound:
-            return False
+            return bool(kept)
         self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
         if trainer.is_global_zero:
             warnings.warn(

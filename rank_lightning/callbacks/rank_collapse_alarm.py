@@ -13,7 +13,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import RankCallback, trainer_fn
+from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
 from rank_lightning.layers import module_blocks
 from rank_lightning.validation import check_choice, check_names, check_positive
 
@@ -58,8 +58,10 @@ class RankCollapseAlarm(RankCallback):
     ``on_validation_epoch_end`` hook has logged, so the order of the callbacks does not matter for monitors that log
     after validation, which is what the package's monitors do) and at the end of every training epoch
     (``on_train_epoch_end``, where callbacks run in list order: put the alarm after a monitor that logs there, e.g.
-    ``WeightRankMonitor`` in a fit without validation). Each key is judged once per epoch; keys are compared only
-    with their own previous value. The keys of monitors with a step cadence (``every_n_train_steps``) are also read
+    ``WeightRankMonitor`` in a fit without validation). Each key is judged once per validation run (every one of a
+    fit that validates several times per epoch, ``val_check_interval`` below an epoch, whose messages then name the
+    step too) or, in an epoch without validation, once at its end; keys are compared only with their own previous
+    value. The keys of monitors with a step cadence (``every_n_train_steps``) are also read
     at the end of every training batch, where a measurement is present for one batch: each one is judged once, at
     its step. Only ``fit`` is watched, never the sanity check. ``"stop"`` sets
     ``trainer.should_stop`` (agreed across DDP processes; the fit ends after the current epoch, as with
@@ -127,13 +129,15 @@ class RankCollapseAlarm(RankCallback):
         self.alarms: list[str] = []
         self.stopped_epoch: int | None = None
         self._previous: dict[str, float] = {}
-        self._judged: dict[str, int] = {}
+        self._judged: dict[str, tuple[int, int]] = {}  # key -> (epoch, validation runs by then) last judged
+        self._validations = 0
         self._width_of: dict[str, float | None] = {}
         self._matched: set[str] = set()
         self._seen: dict[str, Any] = {}  # the value object last judged per key: one measurement is judged once
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validations += 1  # a fit that validates several times per epoch measures at each of them
         self._check(trainer, pl_module)
 
     @override
@@ -170,10 +174,11 @@ class RankCollapseAlarm(RankCallback):
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, only: dict[str, int] | None = None) -> None:
         """Judge the watched values (``only`` these keys, each value object once, for step measurements, named with
-        the step they were measured at; else each key once per epoch)."""
+        the step they were measured at; else each key once per validation run, or per epoch end after none)."""
         if trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return
         epoch, messages, judged = trainer.current_epoch, [], False
+        point = (epoch, self._validations)
         metrics = trainer.callback_metrics
         if only is not None:
             metrics = {key: metrics[key] for key in only if key in metrics}
@@ -181,12 +186,14 @@ class RankCollapseAlarm(RankCallback):
             current = trainer.callback_metrics.get(key)
             if current is not None and current is self._seen.get(key):
                 continue  # this measurement was judged already
-            if only is None and self._judged.get(key) == epoch:
+            if only is None and self._judged.get(key) == point:
                 continue
-            self._judged[key], self._seen[key], judged = epoch, current, True
+            self._judged[key], self._seen[key], judged = point, current, True
             reason = self.judge(key, value, pl_module)
             if reason is not None:
                 when = f"step {only[key]}" if only is not None else f"epoch {epoch}"
+                if only is None and validations_per_epoch(trainer) > 1:
+                    when += f", step {trainer.global_step}"  # which of the epoch's validations
                 messages.append(f"{self._describe(key, value)} at {when} {reason}")
             if not math.isnan(value):
                 self._previous[key] = value

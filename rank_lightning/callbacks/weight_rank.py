@@ -162,8 +162,9 @@ class WeightRankMonitor(CurveMonitor):
             (:data:`~rank_lightning.distributed.SHARDINGS`): ``"auto"`` (default) sums the pieces' Grams where that
             Gram is the smaller one and gathers one layer at a time otherwise; ``"gram"`` sums Grams wherever the
             layout allows; ``"gather"`` always gathers. No effect on weights held in full.
-        save_singular_values: also keep every monitored spectrum: one ``.npz`` per monitored epoch in
-            ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (one array per layer) and, with a
+        save_singular_values: also keep every monitored spectrum: one ``.npz`` (one array per layer) per point of
+            the curves in ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (``epoch_-001.npz`` for the
+            untrained weights; ``step_XXXXXXXX.npz`` for curves keyed by step) and, with a
             ``WandbLogger``, one histogram per layer.
         log_at_init: also measure the untrained weights at the start of a fresh ``fit`` (before the first optimizer
             step), recorded as epoch ``-1`` and sent to the loggers at step 0 (rank collapse starts at
@@ -410,6 +411,8 @@ class WeightRankMonitor(CurveMonitor):
         if self.initial_point_due(trainer):
             spectra = self._checked_spectra(pl_module, "before training")
             self.curves.record_initial(trainer, self._values(spectra))
+            if self.save_singular_values and trainer.is_global_zero:
+                self._save_singular_values(trainer, spectra, self.curves.initial_point)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -473,13 +476,16 @@ class WeightRankMonitor(CurveMonitor):
         self.curves.record_and_log(trainer, pl_module, self._values(spectra))
         self._last_monitored_epoch = trainer.current_epoch
         if self.save_singular_values and trainer.is_global_zero:
-            self._save_singular_values(trainer, spectra)
+            by_step = self.curves.x_axis == "step"  # the step cadence, or several validations per epoch
+            self._save_singular_values(trainer, spectra, trainer.global_step if by_step else trainer.current_epoch)
 
-    def _save_singular_values(self, trainer: pl.Trainer, spectra: dict[str, Spectrum]) -> None:
+    def _save_singular_values(self, trainer: pl.Trainer, spectra: dict[str, Spectrum], point: int) -> None:
+        """Keep the spectra of the curves' ``point`` (an epoch or a step, as the curves are keyed; the untrained
+        weights' ``-1`` or ``0``) in a file of its own, and send them to W&B beside the point's scalars."""
         arrays = {name: spec.singular_values.numpy() for name, spec in spectra.items()}
         directory = self.curves.figure_dir(trainer) / "weight_singular_values"
         directory.mkdir(parents=True, exist_ok=True)
-        at = f"step_{trainer.global_step:08d}" if self.cadence.by_step else f"epoch_{trainer.current_epoch:04d}"
+        at = f"step_{point:08d}" if self.curves.x_axis == "step" else f"epoch_{point:04d}"
         np.savez_compressed(directory / f"{at}.npz", **arrays)
         loggers = wandb_loggers(trainer)
         if loggers:
@@ -489,5 +495,6 @@ class WeightRankMonitor(CurveMonitor):
                 f"weight_spectra/{name}": wandb.Histogram(values[np.isfinite(values)])
                 for name, values in arrays.items()
             }
+            step = self.curves.logger_step(trainer)  # beside the scalars of the same measurement
             for logger in loggers:
-                logger.log_metrics(histograms, step=trainer.global_step)
+                logger.log_metrics(histograms, step=step)

@@ -155,6 +155,38 @@ def test_logs_records_and_draws_during_fit_with_csv_logger(tmp_path):
     assert all(p.stat().st_size > 1000 for p in directory.glob("*.png"))
 
 
+class _TrainEpochEndCurves(pl.Callback):
+    """Records through LayerCurves at the end of every training epoch, as a monitor of unvalidated epochs does."""
+
+    def __init__(self) -> None:
+        self.curves = LayerCurves("test", wandb_charts=False)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.curves.record_and_log(trainer, pl_module, {"layer": {"m": float(trainer.current_epoch)}})
+
+
+class _NetLoggingEpochLoss(_Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_values_recorded_at_the_end_of_a_training_epoch_reach_the_loggers_at_that_epochs_step(tmp_path):
+    # Lightning logs a training epoch's metrics at the step of its last batch, one below the optimizer steps taken by
+    # then; a measurement of the same epoch must land beside them, not on the first step of the next epoch.
+    callback = _TrainEpochEndCurves()
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(tmp_path, callback, logger=logger, max_epochs=3, limit_val_batches=0)
+    trainer.fit(_NetLoggingEpochLoss(), _loader())
+
+    rows = _read_csv(Path(logger.log_dir) / "metrics.csv")
+    loss_steps = [(int(r["epoch"]), int(r["step"])) for r in rows if r["train/loss"]]
+    rank_steps = [(int(r["epoch"]), int(r["step"])) for r in rows if r["test/layer/m"]]
+    assert loss_steps == [(0, 1), (1, 3), (2, 5)]
+    assert rank_steps == loss_steps
+
+
 def test_resumed_run_continues_its_curves(tmp_path):
     first = _EpochCurves()
     trainer = _trainer(tmp_path, first, logger=False, max_epochs=1)
@@ -485,6 +517,89 @@ def test_a_fit_resumed_from_an_older_checkpoint_reports_the_rewind_and_keeps_the
     assert {e: v["z_first"]["m"] for e, v in block["history"].items()} == {2: 102.0, 3: 103.0}
     assert resumed.curves.superseded == content["superseded"]
     assert resumed.curves.state_dict()["superseded"] == content["superseded"]
+
+
+class _ResumingOffset(_Offset):
+    """``_Offset`` that settles a resume when training starts and calls ``start_epoch`` at every training epoch, as
+    the package's monitors do."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.curves.settle_resume(trainer)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.curves.start_epoch(trainer)
+
+
+@pytest.mark.parametrize("first_epochs", [1, 2])
+def test_a_measurement_made_after_its_checkpoint_was_saved_survives_the_resume(tmp_path, first_epochs):
+    # Two batches per epoch: ModelCheckpoint(every_n_train_steps=2) saves at the end of every epoch's last batch, before
+    # that epoch's validation measures the same weights. The resumed fit goes on with the next epoch and never measures
+    # the checkpoint's epoch again: its value, in the curve file only, is neither trained again nor to be dropped.
+    first = _ResumingOffset(100.0)
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True, save_top_k=-1)
+    _trainer(tmp_path, first, saving, max_epochs=first_epochs, logger=False, enable_checkpointing=True).fit(
+        _Net(), _loader(), _loader()
+    )
+    curve_file = tmp_path / FIGURE_DIR / "test_curves.json"
+    assert sorted(read_curve_file(curve_file)["history"]) == list(range(first_epochs))
+    states = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    saved = states["_ResumingOffset"]["curves"]["history"]
+    assert sorted(saved) == list(range(first_epochs - 1))  # saved before the last epoch's measurement
+
+    resumed = _ResumingOffset(200.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, resumed, max_epochs=first_epochs + 2, logger=False).fit(
+            _Net(), _loader(), _loader(), ckpt_path=tmp_path / "ckpt" / "last.ckpt"
+        )
+    assert not [str(w.message) for w in caught if "LayerCurves" in str(w.message)]
+    expected = {e: 100.0 + e for e in range(first_epochs)} | {e: 200.0 + e for e in (first_epochs, first_epochs + 1)}
+    assert {e: v["z_first"]["m"] for e, v in resumed.curves.history.items()} == expected
+    assert resumed.curves.layers == ["z_first"]
+    assert resumed.curves.superseded == []
+    content = read_curve_file(curve_file)
+    assert {e: v["z_first"]["m"] for e, v in content["history"].items()} == expected
+    assert content["superseded"] == []
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 0.5])
+def test_monitors_resumed_from_a_checkpoint_saved_before_validating_keep_its_measurement(tmp_path, val_check_interval):
+    from tests.callbacks.trainer_helpers import SmallClassifier, small_loader
+
+    def fit(max_epochs, ckpt_path=None):
+        monitors = [
+            ActivationRankMonitor(layers=["net.0"], metrics=["stable_rank"], verbose=False),
+            WeightRankMonitor(layers=["net.0"], metrics=["stable_rank"], verbose=False),
+        ]
+        # Six batches per epoch: a save at every validation's step, at the end of its batch, before it validates.
+        saving = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=int(6 * val_check_interval), save_last=True, save_top_k=-1
+        )
+        trainer = _trainer(
+            tmp_path,
+            *monitors,
+            saving,
+            max_epochs=max_epochs,
+            logger=False,
+            enable_checkpointing=True,
+            val_check_interval=val_check_interval,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(SmallClassifier(seed=0), small_loader(48), small_loader(16), ckpt_path=ckpt_path)
+        assert not [str(w.message) for w in caught if "LayerCurves" in str(w.message)]
+        return monitors
+
+    first = fit(1)
+    resumed = fit(3, tmp_path / "ckpt" / "last.ckpt")
+    points = [-1, 0, 1, 2] if val_check_interval == 1.0 else [0, 3, 6, 9, 12, 15, 18]
+    for before, after in zip(first, resumed):
+        assert after.curves.epochs == points
+        assert after.curves.superseded == []
+        for point, values in before.curves.history.items():
+            assert after.curves.history[point] == values  # the last one measured after the checkpoint was saved
+        content = read_curve_file(tmp_path / FIGURE_DIR / f"{after.curves.namespace}_curves.json")
+        assert content["history"] == after.curves.history
 
 
 def test_a_resumed_fit_that_continues_where_its_checkpoint_ended_reports_nothing(tmp_path):

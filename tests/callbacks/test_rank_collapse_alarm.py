@@ -211,3 +211,26 @@ def test_step_measurements_are_each_judged_once_whatever_the_callback_order(tmp_
     assert [float(message.split(" = ")[1].split(" ")[0]) for message in alarm.alarms] == pytest.approx(values, rel=1e-5)
     steps = [int(message.split(" at step ")[1].split(" ")[0]) for message in alarm.alarms]
     assert steps == monitor.curves.epochs
+
+
+def test_every_validation_of_an_epoch_that_validates_twice_is_judged(tmp_path):
+    # val_check_interval=0.5: the monitor keys its curves by step so that no validation replaces the one before it;
+    # the alarm judged the first validation of each epoch only, never the one at the epoch's end.
+    from tests.callbacks.trainer_helpers import SmallClassifier, small_loader
+
+    monitor = ActivationRankMonitor(layers=["net.0"], metrics=["numerical_rank"], log_at_init=False, verbose=False)
+    alarm = RankCollapseAlarm(keys="rank/*/numerical_rank", min_value=100, verbose=False)
+    trainer = quiet_trainer(
+        [monitor, alarm], max_epochs=2, val_check_interval=0.5, num_sanity_val_steps=0, default_root_dir=tmp_path
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(SmallClassifier(seed=0), small_loader(48), small_loader(16, seed=1))
+
+    assert monitor.curves.epochs == [3, 6, 9, 12]  # 6 batches per epoch, validated after the 3rd and the 6th
+    assert [message.split(" at ")[1].split(" is ")[0] for message in alarm.alarms] == [
+        "epoch 0, step 3",
+        "epoch 0, step 6",
+        "epoch 1, step 9",
+        "epoch 1, step 12",
+    ]

@@ -47,3 +47,24 @@ def test_trainer_test_logs_the_test_data_under_keys_of_its_own(tmp_path, callbac
     (results,) = quiet_trainer([quiet], default_root_dir=tmp_path).test(model, test_loader, verbose=False)
     assert not any(key.startswith("rank") for key in results)
     assert "ActivationRankMonitor: trainer.test is not monitored (on_test=False)" in callback_messages
+
+
+@pytest.mark.parametrize("max_steps", [-1, 10])
+def test_validating_after_fit_is_recorded_at_the_last_trained_epoch(tmp_path, max_steps):
+    # 6 batches per epoch: max_steps=10 stops inside epoch 1, whose end-of-epoch validation never runs.
+    loader = small_loader(48)
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=3, max_steps=max_steps, default_root_dir=tmp_path)
+    model = SmallClassifier(lr=0.2)
+    trainer.fit(model, loader, loader)
+    fitted = monitor.curves.history
+    last = 2 if max_steps == -1 else 1
+    assert trainer.current_epoch == last + 1  # Lightning counts the epochs run by now, not the last one
+    trainer.validate(model, loader, verbose=False)
+    history = monitor.curves.history
+    # The final weights are those of the last epoch trained: no epoch after it appears in the curves.
+    assert sorted(history) == [-1, 0, *([1, 2] if last == 2 else [1])]
+    assert {e: v for e, v in history.items() if e != last} == {e: v for e, v in fitted.items() if e != last}
+    if last in fitted:  # the same weights and data as the fit's own measurement of that epoch
+        for metric, value in fitted[last]["net.1"].items():
+            assert history[last]["net.1"][metric] == pytest.approx(value, rel=1e-12, abs=1e-12), metric

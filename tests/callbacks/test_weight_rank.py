@@ -13,6 +13,7 @@ from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
+from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import quiet_trainer
 from tests.callbacks.wandb_helpers import offline_run_history
 
@@ -319,6 +320,47 @@ def test_every_n_epochs_without_validation_monitors_at_train_epoch_end(tmp_path)
     trainer.fit(_Model(), _loader(16))
     assert monitor.curves.epochs == [-1, 1, 3]
     assert monitor.curves.layers == ["head"]
+
+
+def test_every_epoch_reaches_the_loggers_at_its_last_step_whether_validated_or_not(tmp_path):
+    class WandbLogger(RecordingLogger):
+        """Records what is sent; wandb_loggers() recognises loggers by this class name."""
+
+    monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], save_singular_values=True, verbose=False)
+    logger = WandbLogger()
+    trainer = quiet_trainer(
+        [monitor], max_epochs=4, check_val_every_n_epoch=2, default_root_dir=tmp_path, logger=logger
+    )
+    trainer.fit(_Model(), _loader(32), _loader(16))  # 4 batches per epoch; validation in epochs 1 and 3
+
+    # Each epoch at the step of its last batch, where Lightning logs the epoch's own metrics (val/loss included).
+    steps = {int(m["epoch"]): step for step, m in logger.calls if "weight/head/stable_rank" in m}
+    assert steps == {-1: 0, 0: 3, 1: 7, 2: 11, 3: 15}
+    assert [step for step, m in logger.calls if "val/loss" in m] == [7, 15]
+    # The spectra go beside the scalars of their epoch (the untrained weights' too).
+    assert [step for step, m in logger.calls if "weight_spectra/head" in m] == [0, 3, 7, 11, 15]
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 0.5])
+def test_every_recorded_point_keeps_its_own_spectra(tmp_path, val_check_interval):
+    monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], save_singular_values=True, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=2, val_check_interval=val_check_interval, default_root_dir=tmp_path)
+    trainer.fit(_Model(), _loader(32), _loader(16))  # 4 batches per epoch
+
+    directory = tmp_path / FIGURE_DIR / "weight_singular_values"
+    # One file per point of the curves, the untrained weights included, named by the curves' axis: two validations
+    # of one epoch (keyed by step) must not write the same file.
+    if val_check_interval == 1.0:
+        assert monitor.curves.epochs == [-1, 0, 1]
+        names = ["epoch_-001.npz", "epoch_0000.npz", "epoch_0001.npz"]
+    else:
+        assert monitor.curves.epochs == [0, 2, 4, 6, 8]
+        names = [f"step_{step:08d}.npz" for step in monitor.curves.epochs]
+    assert sorted(p.name for p in directory.iterdir()) == names
+    for point, name in zip(monitor.curves.epochs, names):
+        singular_values = np.load(directory / name)["head"]
+        stable_rank = float((singular_values**2).sum() / singular_values[0] ** 2)
+        assert monitor.curves.history[point]["head"]["stable_rank"] == pytest.approx(stable_rank, rel=1e-9), name
 
 
 @pytest.mark.slow
