@@ -864,14 +864,7 @@ class LayerCurves:
         loaded_last = max((e for e in self._history if e != self.initial_point), default=None)
         cut = epoch if loaded_last is None or resumed_at else min(epoch, loaded_last + 1)
         rewound = {e: self._history.pop(e) for e in [e for e in self._history if e >= epoch]}
-        found, found_blocks = [self._before_loading], [self._superseded_before_loading]
-        if trainer.is_global_zero:
-            try:
-                content = read_curve_file(self._curve_path(trainer))
-                found.append(content["history"])
-                found_blocks.append(content["superseded"])
-            except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
-                pass
+        found, found_blocks = self._found_elsewhere(trainer)
         after_loaded = self.initial_point if loaded_last is None else loaded_last
         kept: History = {}
         for earlier in found:
@@ -899,6 +892,18 @@ class LayerCurves:
                 stacklevel=3,
             )
         return True
+
+    def _found_elsewhere(self, trainer: Any) -> tuple[list[History], list[list[dict[str, Any]]]]:
+        """The histories and superseded blocks held before loading and, on rank zero, in the run's curve file."""
+        found, found_blocks = [self._before_loading], [self._superseded_before_loading]
+        if trainer.is_global_zero:
+            try:
+                content = read_curve_file(self._curve_path(trainer))
+                found.append(content["history"])
+                found_blocks.append(content["superseded"])
+            except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
+                pass
+        return found, found_blocks
 
     def _curve_path(self, trainer: Any) -> Path:
         return self.figure_dir(trainer) / f"{self.namespace}_curves.json"
