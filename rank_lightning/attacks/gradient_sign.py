@@ -42,7 +42,7 @@ def kurakin_steps(eps: float) -> int:
         eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
 
     Returns:
-        The number of iterations: 0 for ``eps`` below 0.8 grey levels (``0.8/255``), where the iterative attacks
+        The number of iterations, 0 for ``eps`` below 0.8 grey levels (``0.8/255``), where the iterative attacks
         with ``steps=None`` return their inputs unchanged.
     """
     _check_eps(eps)
