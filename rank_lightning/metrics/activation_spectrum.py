@@ -60,6 +60,7 @@ from rank_lightning.validation import (
     check_positive,
     check_positive_int,
     check_positive_ints,
+    check_real,
     check_tolerance_dtype,
 )
 
@@ -617,8 +618,16 @@ class ActivationSpectrum(Metric):
         self, activations: Tensor, labels: Tensor | None, mask: Tensor | None
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Check the batch, learn d from it, and put the batch and the states on one device."""
+        check_real("activations", activations)
+        if activations.dtype == torch.bool:
+            activations = activations.to(torch.uint8)  # 0 / 1, as the functional metrics read a boolean matrix
         # One input's reduction gives d (and validates the reduction) without touching the batch.
-        num_features = reduce_activations(activations[:1], self.reduction).shape[1]
+        try:
+            num_features = reduce_activations(activations[:1], self.reduction).shape[1]
+        except (ValueError, IndexError):
+            # The same check on the whole batch, so that the message names the batch's own shape, not one input's.
+            reduce_activations(activations, self.reduction)
+            raise
         if self._num_features is None:
             self._configure(num_features)
         elif num_features != self._num_features:

@@ -16,7 +16,7 @@ from rank_lightning.functional.neural_collapse import (
     residual_moments,
 )
 from rank_lightning.functional.streaming import class_counts, row_moments
-from rank_lightning.validation import check_positive_int
+from rank_lightning.validation import check_positive_int, check_real
 
 __all__ = ["NeuralCollapseStatistics"]
 
@@ -126,6 +126,9 @@ class NeuralCollapseStatistics(Metric):
             self.predicted_rows += labels.shape[0]
 
     def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None) -> None:
+        check_real("features", features)
+        if logits is not None:
+            check_real("logits", logits)
         if features.ndim != 2 or features.shape[1] != self.num_features:
             raise ValueError(f"features must be (B, {self.num_features}), got {tuple(features.shape)}")
         if labels.shape != (features.shape[0],) or labels.dtype.is_floating_point:

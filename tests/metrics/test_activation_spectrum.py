@@ -899,3 +899,32 @@ def test_class_metrics_are_not_reported_without_a_labelled_row() -> None:
     assert result.total_cluster_variation is None
     scalars = result.scalars(ACTIVATION_METRICS)
     assert not any(key.startswith(("classwise", "tcv")) for key in scalars) and "numerical_rank" in scalars
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduction", "match"),
+    [
+        ((6,), "flatten", r"activations of shape \(6,\) are not supported"),
+        ((2, 3, 4, 5, 6), "flatten", r"activations of shape \(2, 3, 4, 5, 6\) are not supported"),
+        ((5, 3, 4, 4), "cls", r"conv activations of shape \(5, 3, 4, 4\); valid choices"),
+        ((5, 3, 4), "channel", r"token activations of shape \(5, 3, 4\); valid choices"),
+    ],
+)
+def test_a_batch_of_the_wrong_shape_is_named_by_its_own_shape(shape: tuple, reduction: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ActivationSpectrum(reduction=reduction).update(torch.randn(shape))
+
+
+def test_boolean_activations_count_as_zeros_and_ones_and_complex_ones_are_refused() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 5, generator=g) > 0
+    metric = ActivationSpectrum(center="both")
+    metric.update(x[:12])
+    metric.update(x[12:])
+    result = metric.compute()
+    for center in (False, True):
+        summary = result.centered if center else result.uncentered
+        expected = F.summarize(F.spectrum(x.double(), center=center), variance_ratio_ks=(1, 10, 20))
+        _assert_scalars_close(summary.as_dict(), expected.as_dict(), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"activations must be real, got torch\.complex64"):
+        ActivationSpectrum().update(torch.randn(4, 3, dtype=torch.complex64))

@@ -107,3 +107,15 @@ def test_second_pass_labels_of_a_class_without_mean_raise_naming_it() -> None:
     metric.update(x[seen], y[seen])  # the classes of the first pass: accepted
     with pytest.raises(ValueError, match=r"labels \[3\] belong to classes that had no sample"):
         metric.update(x, y)
+
+
+def test_complex_features_or_logits_are_refused_naming_them() -> None:
+    # Converting them to float64 would drop the imaginary part without a word.
+    metric = NeuralCollapseStatistics(num_classes=2, num_features=3)
+    labels = torch.tensor([0, 1, 0, 1])
+    with pytest.raises(ValueError, match=r"features must be real, got torch\.complex64"):
+        metric.update(torch.randn(4, 3, dtype=torch.complex64), labels)
+    metric.update(torch.randn(4, 3), labels)
+    metric.start_second_pass()
+    with pytest.raises(ValueError, match=r"logits must be real, got torch\.complex64"):
+        metric.update(torch.randn(4, 3), labels, torch.randn(4, 2, dtype=torch.complex64))
