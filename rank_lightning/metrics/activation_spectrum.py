@@ -310,8 +310,8 @@ class ActivationSpectrum(Metric):
             rows and sample Gram fit in the budget, at most ``max_gram_features``.
         fallback: ``"sample_gram"`` or ``"sketch"``, used when d is too large for the Gram.
         memory_budget_mb: memory the states may use (Grams, per-class Grams, subsample), in MiB.
-        num_features: d, if known; allocates the states at construction (otherwise at the first update), which
-            keeps DDP sync valid even for a rank that never sees a batch.
+        num_features: d, if known; allocates the states at construction (otherwise at the first update). Not needed
+            for DDP: a process that never sees a batch takes d from the others at the sync.
         seed: seed of the subsample keys and sketch buckets (offset by the DDP rank).
         gram_precision: how each batch's Gram product is computed, the running sums being float64 in every case:
             ``"float64"`` (exact); ``"float32"`` (the shifted rows multiplied in float32: about ``1e-7`` relative
@@ -786,7 +786,23 @@ class ActivationSpectrum(Metric):
     def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any | None = None) -> None:
         """Move this process's sums to the reference shared by every process, then sum the states as usual."""
         self._share_reference(dist_sync_fn, process_group or self.process_group)
+        if self.path == "sample_gram":
+            self._subsample_for_sync()
         super()._sync_dist(dist_sync_fn, process_group)
+
+    def _subsample_for_sync(self) -> None:
+        """One tensor per subsample state, rows in float64: every process then gathers tensors of one shape and dtype,
+        also a process that saw no row (whose empty lists torchmetrics would fill with 1-D tensors of another dtype) or
+        whose rows arrived in another precision."""
+        device, d = self.feature_sum.device, self._num_features
+        empty = {
+            "sample_rows": torch.zeros(0, d, dtype=torch.float64, device=device),
+            "sample_keys": torch.zeros(0, dtype=torch.float64, device=device),
+            "sample_labels": torch.zeros(0, dtype=torch.int64, device=device),
+        }
+        for name, none in empty.items():
+            parts = getattr(self, name)
+            setattr(self, name, [dim_zero_cat(parts).to(none.dtype) if parts else none])
 
     def _share_reference(self, gather: Any, group: Any) -> None:
         """The reference of the lowest-ranked process with rows becomes every process's; sums move with exact
@@ -797,6 +813,11 @@ class ActivationSpectrum(Metric):
         if common is None:
             return
         common = common.to(device=self.feature_sum.device, dtype=torch.float64)
+        if self._num_features is None:
+            # This process saw no batch: d is the width of the others' rows.
+            self._configure(common.numel())
+        # A process that saw no batch holds unshaped states: zeros of the others' shapes, so that the sums add up.
+        self._ensure_states(self.feature_sum.device, fresh=False)
         if self.reference.numel() and int(self.num_samples) > 0:
             self._move_sums(self.reference - common)
         self.reference = common.clone()

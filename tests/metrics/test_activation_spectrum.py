@@ -13,7 +13,16 @@ import rank_lightning.metrics
 from rank_lightning.functional.spectral import SPECTRAL_METRICS, SpectralSummary, default_rank_tolerance
 from rank_lightning.functional.streaming import symmetrize_lower
 from rank_lightning.metrics import ACTIVATION_METRICS, ActivationSpectrum, ActivationSpectrumResult
-from tests.metrics.ddp_helpers import DDP_CONFIGS, OFFSETS, clustered_data, ddp_results, ddp_worker
+from tests.metrics.ddp_helpers import (
+    DDP_CONFIGS,
+    IDLE_RANK_CONFIGS,
+    OFFSETS,
+    clustered_data,
+    ddp_results,
+    ddp_worker,
+    idle_rank_results,
+    idle_rank_worker,
+)
 
 
 def _stream(metric: ActivationSpectrum, x: torch.Tensor, y: torch.Tensor | None, sizes: list[int]) -> None:
@@ -416,6 +425,21 @@ def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
     values, one_process = ([r[f"sv_{i}"] for i in range(24)] for r in (offset, single["offset"]))
     np.testing.assert_allclose(values, one_process, rtol=1e-12, atol=1e-12 * values[0])
     np.testing.assert_allclose(values, _np_sv(x, center=True), rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_sees_a_batch_syncs_without_num_features(tmp_path: Path) -> None:
+    # Such a rank holds unshaped states (and empty subsample lists) when the others hold d-wide ones; the sync used to
+    # abort the process group on mismatched collectives.
+    torch.set_num_threads(1)
+    mp.spawn(idle_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    single = idle_rank_results(0, 1)
+    for rank in range(2):
+        distributed = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in IDLE_RANK_CONFIGS:
+            for values in distributed[name]:
+                assert values["num_samples"] == 240.0
+                _assert_scalars_close(values, single[name][0], rtol=1e-12)
 
 
 def test_tcv_is_not_reported_when_some_rows_lack_labels():
