@@ -392,6 +392,9 @@ class ActivationSpectrum(Metric):
         self.seed, self._given_num_features = seed, num_features
         self._num_features: int | None = None
         self._generator: torch.Generator | None = None
+        # Set by load_state_dict: the saved generator state (or, without one, the rows already streamed), so that the
+        # restored metric never draws the keys and buckets of its first rows again.
+        self._restored_rng: Tensor | int | None = None
         self._add_states(num_features)
 
     def _add_states(self, num_features: int | None) -> None:
@@ -516,7 +519,55 @@ class ActivationSpectrum(Metric):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             # Ranks need independent keys and buckets, or their sketches would correlate.
             self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
+            restored, self._restored_rng = self._restored_rng, None
+            if isinstance(restored, Tensor) and restored.numel() == self._generator.get_state().numel():
+                self._generator.set_state(restored)  # the draws go on where the saved metric's stopped
+            elif restored is not None:
+                # No state to go on from (or one of another device): a seed of its own for the draws after the restored
+                # rows, so that they do not repeat those of the first rows.
+                rows = int(restored) if isinstance(restored, int) else int(restored.double().sum())
+                self._generator.manual_seed(hash((self.seed, rank, rows)) & (2**63 - 1))
         return self._generator
+
+    _RNG_KEY = "_generator_state"
+
+    @override
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """With persistent states, also the state of the fallback's generator, so that a restored metric draws what
+        this one would have drawn next."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._generator is not None and self._persistent.get("sample_keys", False):
+            destination[prefix + self._RNG_KEY] = self._generator.get_state()
+
+    @override
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Load the states, then learn d from them (as :meth:`update` would have) and restore the generator."""
+        rng = state_dict.pop(prefix + self._RNG_KEY, None)
+        loaded = prefix + "feature_sum" in state_dict
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if not loaded:
+            return
+        self._computed = None
+        if self.feature_sum.numel():
+            self._num_features = int(self.feature_sum.shape[0])
+        elif self._given_num_features is None:
+            self._num_features = None
+        rows = int(self.num_samples)
+        if rows:
+            self._update_count = max(self._update_count, 1)  # rows arrived: compute() is no longer "before update"
+            self._generator = None
+            self._restored_rng = rng if rng is not None else rows
 
     def update(
         self, activations: Tensor, labels: Tensor | ClassGrouping | None = None, *, mask: Tensor | None = None

@@ -1,3 +1,4 @@
+import io
 import math
 import warnings
 from pathlib import Path
@@ -952,3 +953,54 @@ def test_boolean_activations_count_as_zeros_and_ones_and_complex_ones_are_refuse
         _assert_scalars_close(summary.as_dict(), expected.as_dict(), rtol=1e-12)
     with pytest.raises(ValueError, match=r"activations must be real, got torch\.complex64"):
         ActivationSpectrum().update(torch.randn(4, 3, dtype=torch.complex64))
+
+
+def _saved_and_loaded(metric: ActivationSpectrum) -> dict:
+    buffer = io.BytesIO()
+    torch.save(metric.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_classes": 4, "center": "both"},
+        {"num_classes": 4, "center": "both", "max_gram_features": 16, "max_samples": 50},
+        {"center": "both", "max_gram_features": 16, "max_samples": 40, "fallback": "sketch"},
+    ],
+    ids=["gram", "sample_gram", "sketch"],
+)
+def test_state_saved_mid_stream_and_restored_continues_to_the_same_result(kwargs: dict) -> None:
+    x, y = clustered_data(n=200, d=24, seed=2)
+    whole = ActivationSpectrum(**kwargs)
+    whole.persistent(True)
+    _stream(whole, x[:120], y[:120], [40, 40, 40])
+    restored = ActivationSpectrum(**kwargs)
+    restored.load_state_dict(_saved_and_loaded(whole))
+    # Right after loading, compute() knows the width and the path, as the saved metric does.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_scalars_close(restored.compute().as_dict(), whole.compute().as_dict(), rtol=1e-12)
+    _stream(whole, x[120:], y[120:], [40, 40])
+    _stream(restored, x[120:], y[120:], [40, 40])
+    expected, result = whole.compute(), restored.compute()
+    assert (result.path, result.num_features, result.num_samples) == (expected.path, 24, 200)
+    _assert_scalars_close(result.as_dict(), expected.as_dict(), rtol=1e-12)
+    if result.path == "gram":
+        np.testing.assert_allclose(result.centered.spectrum.singular_values, _np_sv(x, center=True), rtol=1e-9)
+
+
+def test_a_restored_subsample_without_a_generator_state_draws_new_keys() -> None:
+    # A state dict without the generator (saved before it was stored): the rows after the restore must not get the
+    # keys of the first rows again, or each would pair with one of them in the subsample.
+    x, _ = clustered_data(n=80, d=24, seed=3)
+    first = ActivationSpectrum(max_gram_features=16, max_samples=100)
+    first.persistent(True)
+    first.update(x[:40])
+    state = {k: v for k, v in _saved_and_loaded(first).items() if k != "_generator_state"}
+    restored = ActivationSpectrum(max_gram_features=16, max_samples=100)
+    restored.load_state_dict(state)
+    restored.update(x[40:])
+    keys = torch.cat(restored.sample_keys)
+    assert keys.numel() == 80 and torch.unique(keys).numel() == 80
