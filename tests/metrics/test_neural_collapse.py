@@ -119,3 +119,40 @@ def test_complex_features_or_logits_are_refused_naming_them() -> None:
     metric.start_second_pass()
     with pytest.raises(ValueError, match=r"logits must be real, got torch\.complex64"):
         metric.update(torch.randn(4, 3), labels, torch.randn(4, 2, dtype=torch.complex64))
+
+
+def test_calling_the_metric_streams_the_batch_like_update() -> None:
+    # torchmetrics' forward would reset the states to compute the batch's value, losing the sums streamed so far.
+    x, y, logits, weight = mixture(seed=5)
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    for xb, yb in zip(x.split(50), y.split(50)):
+        assert metric(xb, yb) is None
+    metric.start_second_pass()
+    for xb, yb, lb in zip(x.split(50), y.split(50), logits.split(50)):
+        assert metric(xb, yb, lb) is None
+    metric.head_weight = weight
+    result = metric.compute()
+    for key in NC_METRICS:
+        assert result.as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
+
+
+def test_a_state_saved_in_the_second_pass_resumes_after_start_second_pass() -> None:
+    x, y, logits, weight = mixture(seed=6)
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    saved = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    saved.persistent(True)
+    saved.update(x, y)
+    saved.start_second_pass()
+    saved.update(x[:150], y[:150], logits[:150])
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric.load_state_dict(saved.state_dict())
+    # Without the means the batch would be added to the class sums of the first pass.
+    with pytest.raises(RuntimeError, match="saved during the second pass; call start_second_pass"):
+        metric.update(x[150:], y[150:], logits[150:])
+    metric.start_second_pass()
+    metric.update(x[150:], y[150:], logits[150:])
+    metric.head_weight = weight
+    result = metric.compute()
+    for key in NC_METRICS:
+        assert result.as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
