@@ -745,6 +745,12 @@ class ActivationSpectrum(Metric):
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
 
     @override
+    def set_dtype(self, dst_type: str | torch.dtype) -> ActivationSpectrum:
+        """Keep the float64 states: the sums are float64 whatever the precision of the model or the activations (a
+        float16 Gram overflows at 65,504 and every metric came out NaN, with no warning). Returns the metric."""
+        return self
+
+    @override
     def reset(self) -> None:
         """Forget every streamed row; d is learnt again from the next batch (unless ``num_features`` was given)."""
         super().reset()

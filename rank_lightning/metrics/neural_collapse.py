@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from typing_extensions import override
 
 from rank_lightning.functional.neural_collapse import (
     NeuralCollapse,
@@ -212,6 +213,12 @@ class NeuralCollapseStatistics(Metric):
             return
         self._means = self._present = self._row_of = self._directions = self._totals = None
         self._restored_second_pass = bool(self.second_counts.sum())
+
+    @override
+    def set_dtype(self, dst_type: str | torch.dtype) -> NeuralCollapseStatistics:
+        """Keep the float64 states: the sums are float64 whatever the precision of the model or the features (float16
+        class sums keep 3 digits and overflow at 65,504). Returns the metric."""
+        return self
 
     def reset(self) -> None:
         """Clear both passes."""

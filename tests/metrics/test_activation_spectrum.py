@@ -1004,3 +1004,20 @@ def test_a_restored_subsample_without_a_generator_state_draws_new_keys() -> None
     restored.update(x[40:])
     keys = torch.cat(restored.sample_keys)
     assert keys.numel() == 80 and torch.unique(keys).numel() == 80
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_set_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
+    # torchmetrics' set_dtype converts every floating state: a float16 Gram of these rows overflows.
+    x, y = clustered_data(n=200, d=24, seed=8)
+    x = 30 * x + 100
+    metric = ActivationSpectrum(num_classes=4, center="both")
+    _stream(metric, x[:80], y[:80], [40, 40])
+    metric.set_dtype(dtype)
+    _stream(metric, x[80:], y[80:], [40, 40, 40])
+    assert metric.gram.dtype == metric.class_grams.dtype == metric.feature_sum.dtype == torch.float64
+    result = metric.compute()
+    one_shot = ActivationSpectrum(num_classes=4, center="both")
+    one_shot.update(x, y)
+    _assert_scalars_close(result.as_dict(), one_shot.compute().as_dict(), rtol=1e-12)
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values, _np_sv(x), rtol=1e-9)

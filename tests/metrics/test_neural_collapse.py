@@ -156,3 +156,19 @@ def test_a_state_saved_in_the_second_pass_resumes_after_start_second_pass() -> N
     result = metric.compute()
     for key in NC_METRICS:
         assert result.as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
+
+
+def test_set_dtype_keeps_the_float64_sums() -> None:
+    x, y, logits, weight = mixture(seed=7)
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric.update(x[:180] + 1000, y[:180])
+    metric.set_dtype(torch.float16)
+    metric.update(x[180:] + 1000, y[180:])
+    metric.start_second_pass()
+    metric.update(x + 1000, y, logits)
+    metric.head_weight = weight
+    assert metric.class_sums.dtype == metric.class_scatter.dtype == torch.float64
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    result = metric.compute().as_dict()
+    for key in NC_METRICS:
+        assert result[key] == pytest.approx(expected[key], rel=1e-9), key
