@@ -587,6 +587,8 @@ class ActivationSpectrum(Metric):
                 which on a GPU reads a flag back to the host (convert it with ``mask.bool()`` once per batch when
                 several layers share it).
         """
+        if not torch.is_inference_mode_enabled():
+            self._leave_inference_mode()
         activations, labels, mask = self._prepare(activations.detach(), labels, mask)
         if activations.shape[0] == 0:
             return
@@ -610,6 +612,17 @@ class ActivationSpectrum(Metric):
             elif self.path == "sample_gram":
                 self._add_to_subsample(rows, labels, real)
         self._add_moments(moments)
+
+    def _leave_inference_mode(self) -> None:
+        """Copy the states made under ``torch.inference_mode`` (allocated by its first batch, or by a reset there, as
+        in Lightning's validation) into ordinary tensors, which a batch outside inference mode can add to in place."""
+        for name in self._defaults:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if any(part.is_inference() for part in value):
+                    setattr(self, name, [part.clone() for part in value])
+            elif value.is_inference():
+                setattr(self, name, value.clone())
 
     def _ensure_reference(self, mean: Any, *, until_rows: bool = False) -> None:
         """Set the reference point from the first batch (``mean`` computes that batch's mean).

@@ -1021,3 +1021,36 @@ def test_set_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
     one_shot.update(x, y)
     _assert_scalars_close(result.as_dict(), one_shot.compute().as_dict(), rtol=1e-12)
     np.testing.assert_allclose(result.uncentered.spectrum.singular_values, _np_sv(x), rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_classes": 4, "center": "both"},
+        {"num_classes": 4, "max_gram_features": 16, "max_samples": 50},
+        {"max_gram_features": 16, "max_samples": 40, "fallback": "sketch"},
+    ],
+    ids=["gram", "sample_gram", "sketch"],
+)
+def test_batches_under_inference_mode_and_outside_it_add_up(kwargs: dict) -> None:
+    # States first allocated under inference mode (Lightning's validation) were inference tensors: the next batch
+    # outside it failed with 'Inplace update to inference tensor outside InferenceMode'.
+    x, y = clustered_data(n=160, d=24, seed=4)
+    metric, plain = ActivationSpectrum(**kwargs), ActivationSpectrum(**kwargs)
+    with torch.inference_mode():
+        _stream(metric, x[:80], y[:80], [40, 40])
+    _stream(metric, x[80:], y[80:], [40, 40])
+    _stream(plain, x, y, [40, 40, 40, 40])
+    _assert_scalars_close(metric.compute().as_dict(), plain.compute().as_dict(), rtol=1e-12)
+    metric.reset()
+    with torch.inference_mode():
+        _stream(metric, x, y, [80, 80])
+        result = metric.compute()
+    assert result.num_samples == 160
+    if result.path == "gram":
+        _assert_scalars_close(result.as_dict(), plain.compute().as_dict(), rtol=1e-12)
+    # A reset under inference mode (a validation epoch's end) makes inference tensors of the default states too.
+    with torch.inference_mode():
+        metric.reset()
+    _stream(metric, x, y, [80, 80])
+    assert metric.compute().num_samples == 160
