@@ -559,10 +559,7 @@ class ActivationSpectrum(Metric):
         if not loaded:
             return
         self._computed = None
-        if self.feature_sum.numel():
-            self._num_features = int(self.feature_sum.shape[0])
-        elif self._given_num_features is None:
-            self._num_features = None
+        self._width_from_states()
         rows = int(self.num_samples)
         if rows:
             self._update_count = max(self._update_count, 1)  # rows arrived: compute() is no longer "before update"
@@ -623,6 +620,14 @@ class ActivationSpectrum(Metric):
                     setattr(self, name, [part.clone() for part in value])
             elif value.is_inference():
                 setattr(self, name, value.clone())
+
+    def _width_from_states(self) -> None:
+        """Learn d from the states when they were set from outside rather than by :meth:`update`: loaded from a state
+        dict, or shared by a ``MetricCollection`` compute group (whose members other than the first see no batch)."""
+        if self.feature_sum.numel():
+            self._num_features = int(self.feature_sum.shape[0])
+        elif self._given_num_features is None:
+            self._num_features = None
 
     def _ensure_reference(self, mean: Any, *, until_rows: bool = False) -> None:
         """Set the reference point from the first batch (``mean`` computes that batch's mean).
@@ -912,6 +917,7 @@ class ActivationSpectrum(Metric):
 
     def compute(self) -> ActivationSpectrumResult:
         """Spectra and every metric; see :class:`ActivationSpectrumResult`."""
+        self._width_from_states()
         n, bad = int(self.num_samples), int(self.num_nonfinite_batches)
         if bad or n == 0:
             problem = f"{bad} batch(es) of activations contained NaN or Inf" if bad else "no activations were streamed"

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from sklearn.decomposition import PCA
+from torchmetrics import MetricCollection
 
 import rank_lightning.functional as F
 import rank_lightning.metrics
@@ -1054,3 +1055,28 @@ def test_batches_under_inference_mode_and_outside_it_add_up(kwargs: dict) -> Non
         metric.reset()
     _stream(metric, x, y, [80, 80])
     assert metric.compute().num_samples == 160
+
+
+def test_metrics_sharing_a_compute_group_all_compute_after_a_reset() -> None:
+    # A MetricCollection compute group updates only its first member and hands the states to the others, which never
+    # learnt the width from a batch after a reset: compute() failed with 'No samples to concatenate'.
+    x, y = clustered_data(n=120, d=24, seed=6)
+    collection = MetricCollection(
+        {"plain": ActivationSpectrum(num_classes=4), "centred": ActivationSpectrum(num_classes=4, center=True)}
+    )
+    _stream(collection, x, y, [40, 40, 40])
+    assert sorted(collection.compute_groups[0]) == ["centred", "plain"]
+    collection.compute()
+    collection.reset()
+    # The next epoch's layer may even have another width.
+    wider = torch.cat([x, torch.randn(120, 4, generator=torch.Generator().manual_seed(1), dtype=x.dtype)], dim=1)
+    _stream(collection, wider, y, [40, 40, 40])
+    results = collection.compute()
+    for name, center in (("plain", False), ("centred", True)):
+        expected = F.summarize(F.spectrum(wider, center=center), variance_ratio_ks=(1, 10, 20))
+        summary = results[name].centered if center else results[name].uncentered
+        assert results[name].num_features == 28
+        _assert_scalars_close(summary.as_dict(), expected.as_dict(), rtol=1e-9)
+    assert float(results["centred"].total_cluster_variation) == pytest.approx(
+        float(F.total_cluster_variation(wider, y)), rel=1e-12
+    )
