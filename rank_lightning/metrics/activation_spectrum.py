@@ -700,9 +700,12 @@ class ActivationSpectrum(Metric):
         if self._num_features is None:
             self._configure(num_features)
         elif num_features != self._num_features:
+            if self._given_num_features is not None:
+                expected = f"the metric was made with num_features={self._num_features}"
+            else:
+                expected = f"earlier batches had {self._num_features}"
             raise ValueError(
-                f"activations reduce to {num_features} features with reduction={self.reduction!r}, but earlier "
-                f"batches had {self._num_features}"
+                f"activations reduce to {num_features} features with reduction={self.reduction!r}, but {expected}"
             )
         if self.num_classes is None or labels is None:
             labels = None

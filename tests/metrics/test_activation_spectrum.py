@@ -1080,3 +1080,12 @@ def test_metrics_sharing_a_compute_group_all_compute_after_a_reset() -> None:
     assert float(results["centred"].total_cluster_variation) == pytest.approx(
         float(F.total_cluster_variation(wider, y)), rel=1e-12
     )
+
+
+def test_a_batch_of_another_width_names_where_the_width_came_from() -> None:
+    with pytest.raises(ValueError, match=r"reduce to 6 features .*, but the metric was made with num_features=5"):
+        ActivationSpectrum(num_features=5).update(torch.randn(3, 6))
+    metric = ActivationSpectrum()
+    metric.update(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="reduce to 6 features with reduction='flatten', but earlier batches had 5"):
+        metric.update(torch.randn(3, 6))
