@@ -25,6 +25,7 @@ __all__ = [
     "check_positive",
     "check_positive_int",
     "check_positive_ints",
+    "check_real",
     "check_tolerance_dtype",
 ]
 
@@ -144,6 +145,13 @@ def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...
     if not selected or not all(isinstance(value, str) and value for value in selected):
         raise ValueError(f"{name} must be None or a non-empty list of non-empty strings, got {values!r}")
     return selected
+
+
+def check_real(name: str, x: torch.Tensor) -> None:
+    """Refuse a complex tensor: every spectrum here is of real activations and weights (the imaginary part would
+    otherwise be dropped, or fail deep inside, without naming the input)."""
+    if x.is_complex():
+        raise ValueError(f"{name} must be real, got {x.dtype}; the spectra here are of real activations and weights")
 
 
 def check_tolerance_dtype(value: Any, rank_tolerance: float | None) -> str | torch.dtype | None:

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from rank_lightning.functional.spectral import default_rank_tolerance
-from rank_lightning.validation import check_choices
+from rank_lightning.validation import check_choices, check_real
 
 __all__ = [
     "NC_METRICS",
@@ -403,6 +403,7 @@ def residual_moments(
 def _head_rows(head_weight: Tensor | None, present: Tensor, num_classes: int) -> Tensor | None:
     if head_weight is None:
         return None
+    check_real("head_weight", head_weight)
     if head_weight.ndim != 2 or head_weight.shape[0] != num_classes:
         raise ValueError(f"head_weight must be (C={num_classes}, d), got {tuple(head_weight.shape)}")
     return head_weight.detach().to(torch.float64)[present.to(head_weight.device)].to(present.device)
@@ -538,6 +539,7 @@ def neural_collapse(
         raise ValueError(
             f"features must be (N, d) and labels (N,), got {tuple(features.shape)} and {tuple(labels.shape)}"
         )
+    check_real("features", features)
     if labels.dtype.is_floating_point or (labels.numel() and int(labels.min()) < 0):
         raise ValueError("labels must be non-negative integer class indices")
     labels = labels.long()

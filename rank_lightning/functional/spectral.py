@@ -35,7 +35,13 @@ from torch import Tensor
 
 from rank_lightning.functional.power_law import PowerLawFit, power_law_alpha, spectral_decay_alpha
 from rank_lightning.functional.reductions import weight_as_matrix
-from rank_lightning.validation import check_choice, check_positive, check_positive_int, check_positive_ints
+from rank_lightning.validation import (
+    check_choice,
+    check_positive,
+    check_positive_int,
+    check_positive_ints,
+    check_real,
+)
 
 __all__ = [
     "SPECTRAL_METRICS",
@@ -100,8 +106,7 @@ def _check_matrix(x: Tensor, name: str = "x") -> None:
         )
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must have at least one sample and one feature, got shape {tuple(x.shape)}")
-    if x.is_complex():
-        raise ValueError(f"{name} must be real, got {x.dtype}; the spectra here are of real activations and weights")
+    check_real(name, x)
 
 
 def _check_center(center: Any, *, allow_none: bool = False) -> None:

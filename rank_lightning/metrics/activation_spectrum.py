@@ -60,6 +60,7 @@ from rank_lightning.validation import (
     check_positive,
     check_positive_int,
     check_positive_ints,
+    check_real,
     check_tolerance_dtype,
 )
 
@@ -309,8 +310,8 @@ class ActivationSpectrum(Metric):
             rows and sample Gram fit in the budget, at most ``max_gram_features``.
         fallback: ``"sample_gram"`` or ``"sketch"``, used when d is too large for the Gram.
         memory_budget_mb: memory the states may use (Grams, per-class Grams, subsample), in MiB.
-        num_features: d, if known; allocates the states at construction (otherwise at the first update), which
-            keeps DDP sync valid even for a rank that never sees a batch.
+        num_features: d, if known; allocates the states at construction (otherwise at the first update). Not needed
+            for DDP: a process that never sees a batch takes d from the others at the sync.
         seed: seed of the subsample keys and sketch buckets (offset by the DDP rank).
         gram_precision: how each batch's Gram product is computed, the running sums being float64 in every case:
             ``"float64"`` (exact); ``"float32"`` (the shifted rows multiplied in float32: about ``1e-7`` relative
@@ -391,6 +392,9 @@ class ActivationSpectrum(Metric):
         self.seed, self._given_num_features = seed, num_features
         self._num_features: int | None = None
         self._generator: torch.Generator | None = None
+        # Set by load_state_dict: the saved generator state (or, without one, the rows already streamed), so that the
+        # restored metric never draws the keys and buckets of its first rows again.
+        self._restored_rng: Tensor | int | None = None
         self._add_states(num_features)
 
     def _add_states(self, num_features: int | None) -> None:
@@ -515,7 +519,52 @@ class ActivationSpectrum(Metric):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             # Ranks need independent keys and buckets, or their sketches would correlate.
             self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
+            restored, self._restored_rng = self._restored_rng, None
+            if isinstance(restored, Tensor) and restored.numel() == self._generator.get_state().numel():
+                self._generator.set_state(restored)  # the draws go on where the saved metric's stopped
+            elif restored is not None:
+                # No state to go on from (or one of another device): a seed of its own for the draws after the restored
+                # rows, so that they do not repeat those of the first rows.
+                rows = int(restored) if isinstance(restored, int) else int(restored.double().sum())
+                self._generator.manual_seed(hash((self.seed, rank, rows)) & (2**63 - 1))
         return self._generator
+
+    _RNG_KEY = "_generator_state"
+
+    @override
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """With persistent states, also the state of the fallback's generator, so that a restored metric draws what
+        this one would have drawn next."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._generator is not None and self._persistent.get("sample_keys", False):
+            destination[prefix + self._RNG_KEY] = self._generator.get_state()
+
+    @override
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Load the states, then learn d from them (as :meth:`update` would have) and restore the generator."""
+        rng = state_dict.pop(prefix + self._RNG_KEY, None)
+        loaded = prefix + "feature_sum" in state_dict
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if not loaded:
+            return
+        self._computed = None
+        self._width_from_states()
+        rows = int(self.num_samples)
+        if rows:
+            self._update_count = max(self._update_count, 1)  # rows arrived: compute() is no longer "before update"
+            self._generator = None
+            self._restored_rng = rng if rng is not None else rows
 
     def update(
         self, activations: Tensor, labels: Tensor | ClassGrouping | None = None, *, mask: Tensor | None = None
@@ -535,6 +584,8 @@ class ActivationSpectrum(Metric):
                 which on a GPU reads a flag back to the host (convert it with ``mask.bool()`` once per batch when
                 several layers share it).
         """
+        if not torch.is_inference_mode_enabled():
+            self._leave_inference_mode()
         activations, labels, mask = self._prepare(activations.detach(), labels, mask)
         if activations.shape[0] == 0:
             return
@@ -558,6 +609,25 @@ class ActivationSpectrum(Metric):
             elif self.path == "sample_gram":
                 self._add_to_subsample(rows, labels, real)
         self._add_moments(moments)
+
+    def _leave_inference_mode(self) -> None:
+        """Copy the states made under ``torch.inference_mode`` (allocated by its first batch, or by a reset there, as
+        in Lightning's validation) into ordinary tensors, which a batch outside inference mode can add to in place."""
+        for name in self._defaults:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if any(part.is_inference() for part in value):
+                    setattr(self, name, [part.clone() for part in value])
+            elif value.is_inference():
+                setattr(self, name, value.clone())
+
+    def _width_from_states(self) -> None:
+        """Learn d from the states when they were set from outside rather than by :meth:`update`: loaded from a state
+        dict, or shared by a ``MetricCollection`` compute group (whose members other than the first see no batch)."""
+        if self.feature_sum.numel():
+            self._num_features = int(self.feature_sum.shape[0])
+        elif self._given_num_features is None:
+            self._num_features = None
 
     def _ensure_reference(self, mean: Any, *, until_rows: bool = False) -> None:
         """Set the reference point from the first batch (``mean`` computes that batch's mean).
@@ -617,14 +687,25 @@ class ActivationSpectrum(Metric):
         self, activations: Tensor, labels: Tensor | None, mask: Tensor | None
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Check the batch, learn d from it, and put the batch and the states on one device."""
+        check_real("activations", activations)
+        if activations.dtype == torch.bool:
+            activations = activations.to(torch.uint8)  # 0 / 1, as the functional metrics read a boolean matrix
         # One input's reduction gives d (and validates the reduction) without touching the batch.
-        num_features = reduce_activations(activations[:1], self.reduction).shape[1]
+        try:
+            num_features = reduce_activations(activations[:1], self.reduction).shape[1]
+        except (ValueError, IndexError):
+            # The same check on the whole batch, so that the message names the batch's own shape, not one input's.
+            reduce_activations(activations, self.reduction)
+            raise
         if self._num_features is None:
             self._configure(num_features)
         elif num_features != self._num_features:
+            if self._given_num_features is not None:
+                expected = f"the metric was made with num_features={self._num_features}"
+            else:
+                expected = f"earlier batches had {self._num_features}"
             raise ValueError(
-                f"activations reduce to {num_features} features with reduction={self.reduction!r}, but earlier "
-                f"batches had {self._num_features}"
+                f"activations reduce to {num_features} features with reduction={self.reduction!r}, but {expected}"
             )
         if self.num_classes is None or labels is None:
             labels = None
@@ -683,6 +764,12 @@ class ActivationSpectrum(Metric):
         kept = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0]) if self.sample_rows else None
         sample = subsample_update(kept, rows, keys, labels, capacity=self.fallback_size)
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
+
+    @override
+    def set_dtype(self, dst_type: str | torch.dtype) -> ActivationSpectrum:
+        """Keep the float64 states: the sums are float64 whatever the precision of the model or the activations (a
+        float16 Gram overflows at 65,504 and every metric came out NaN, with no warning). Returns the metric."""
+        return self
 
     @override
     def reset(self) -> None:
@@ -777,7 +864,23 @@ class ActivationSpectrum(Metric):
     def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any | None = None) -> None:
         """Move this process's sums to the reference shared by every process, then sum the states as usual."""
         self._share_reference(dist_sync_fn, process_group or self.process_group)
+        if self.path == "sample_gram":
+            self._subsample_for_sync()
         super()._sync_dist(dist_sync_fn, process_group)
+
+    def _subsample_for_sync(self) -> None:
+        """One tensor per subsample state, rows in float64: every process then gathers tensors of one shape and dtype,
+        also a process that saw no row (whose empty lists torchmetrics would fill with 1-D tensors of another dtype) or
+        whose rows arrived in another precision."""
+        device, d = self.feature_sum.device, self._num_features
+        empty = {
+            "sample_rows": torch.zeros(0, d, dtype=torch.float64, device=device),
+            "sample_keys": torch.zeros(0, dtype=torch.float64, device=device),
+            "sample_labels": torch.zeros(0, dtype=torch.int64, device=device),
+        }
+        for name, none in empty.items():
+            parts = getattr(self, name)
+            setattr(self, name, [dim_zero_cat(parts).to(none.dtype) if parts else none])
 
     def _share_reference(self, gather: Any, group: Any) -> None:
         """The reference of the lowest-ranked process with rows becomes every process's; sums move with exact
@@ -788,6 +891,11 @@ class ActivationSpectrum(Metric):
         if common is None:
             return
         common = common.to(device=self.feature_sum.device, dtype=torch.float64)
+        if self._num_features is None:
+            # This process saw no batch: d is the width of the others' rows.
+            self._configure(common.numel())
+        # A process that saw no batch holds unshaped states: zeros of the others' shapes, so that the sums add up.
+        self._ensure_states(self.feature_sum.device, fresh=False)
         if self.reference.numel() and int(self.num_samples) > 0:
             self._move_sums(self.reference - common)
         self.reference = common.clone()
@@ -812,6 +920,7 @@ class ActivationSpectrum(Metric):
 
     def compute(self) -> ActivationSpectrumResult:
         """Spectra and every metric; see :class:`ActivationSpectrumResult`."""
+        self._width_from_states()
         n, bad = int(self.num_samples), int(self.num_nonfinite_batches)
         if bad or n == 0:
             problem = f"{bad} batch(es) of activations contained NaN or Inf" if bad else "no activations were streamed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from typing_extensions import override
 
 from rank_lightning.functional.neural_collapse import (
     NeuralCollapse,
@@ -16,7 +17,7 @@ from rank_lightning.functional.neural_collapse import (
     residual_moments,
 )
 from rank_lightning.functional.streaming import class_counts, row_moments
-from rank_lightning.validation import check_positive_int
+from rank_lightning.validation import check_positive_int, check_real
 
 __all__ = ["NeuralCollapseStatistics"]
 
@@ -88,6 +89,7 @@ class NeuralCollapseStatistics(Metric):
         self._row_of: Tensor | None = None  # each class's row among the means (-1: no mean), for the second pass
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
+        self._restored_second_pass = False  # load_state_dict brought second-pass sums: the means must be fixed again
 
     @property
     def second_pass(self) -> bool:
@@ -108,6 +110,11 @@ class NeuralCollapseStatistics(Metric):
         """
         self._check(features, labels, logits)
         labels = labels.long()
+        if self._restored_second_pass and not self.second_pass:
+            raise RuntimeError(
+                "the loaded state was saved during the second pass; call start_second_pass() (a collective) again "
+                "before streaming the rest of it"
+            )
         if not self.second_pass:
             self.input_dtype = _coarser(self.input_dtype, features.dtype)
             moments = row_moments(features.detach().to(torch.float64), labels, num_classes=self.num_classes)
@@ -125,7 +132,18 @@ class NeuralCollapseStatistics(Metric):
             self.agreements += (nearest == logits.detach().argmax(dim=1)).sum()
             self.predicted_rows += labels.shape[0]
 
+    def forward(self, features: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:  # type: ignore[override]
+        """The same as :meth:`update` (``metric(features, labels)`` streams a batch); returns ``None``.
+
+        A two-pass metric has no value of one batch: torchmetrics' ``forward`` would reset the states to compute one,
+        losing the sums streamed so far, and fail for want of the second pass.
+        """
+        self.update(features, labels, logits)
+
     def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None) -> None:
+        check_real("features", features)
+        if logits is not None:
+            check_real("logits", logits)
         if features.ndim != 2 or features.shape[1] != self.num_features:
             raise ValueError(f"features must be (B, {self.num_features}), got {tuple(features.shape)}")
         if labels.shape != (features.shape[0],) or labels.dtype.is_floating_point:
@@ -153,6 +171,7 @@ class NeuralCollapseStatistics(Metric):
         # all-reduce still counts every share once.
         with self.sync_context():
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
+        self._restored_second_pass = False
         self._present, self._means, global_mean = class_means(*self._totals)
         self._row_of = class_rows(self._present, self.num_classes)
         counts = self._totals[0][self._present]
@@ -185,8 +204,25 @@ class NeuralCollapseStatistics(Metric):
             dtype=self.input_dtype,
         )
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+        """Load the states; the class means of a state saved in the second pass are fixed again by
+        :meth:`start_second_pass`, which :meth:`update` then requires."""
+        loaded = prefix + "second_counts" in state_dict  # non-persistent states are not in it: nothing changes
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if not loaded:
+            return
+        self._means = self._present = self._row_of = self._directions = self._totals = None
+        self._restored_second_pass = bool(self.second_counts.sum())
+
+    @override
+    def set_dtype(self, dst_type: str | torch.dtype) -> NeuralCollapseStatistics:
+        """Keep the float64 states: the sums are float64 whatever the precision of the model or the features (float16
+        class sums keep 3 digits and overflow at 65,504). Returns the metric."""
+        return self
+
     def reset(self) -> None:
         """Clear both passes."""
         super().reset()
+        self._restored_second_pass = False
         self._means = self._present = self._row_of = self._directions = self._totals = None
         self.input_dtype = None

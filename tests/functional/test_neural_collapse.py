@@ -260,3 +260,12 @@ def test_nc4_is_nan_when_the_class_means_coincide(predicted: int) -> None:
     assert math.isnan(result.nc1) and math.isnan(result.nc4)
     one_class = neural_collapse(torch.randn(6, 3), torch.zeros(6, dtype=torch.long), predictions=torch.zeros(6))
     assert math.isnan(one_class.nc4)
+
+
+def test_complex_features_or_head_weight_are_refused_naming_them() -> None:
+    # Converted to float64 they would lose their imaginary part with only torch's cast warning.
+    labels = torch.arange(12) % 3
+    with pytest.raises(ValueError, match=r"features must be real, got torch\.complex64"):
+        neural_collapse(torch.randn(12, 4, dtype=torch.complex64), labels)
+    with pytest.raises(ValueError, match=r"head_weight must be real, got torch\.complex64"):
+        neural_collapse(torch.randn(12, 4), labels, head_weight=torch.randn(3, 4, dtype=torch.complex64))

@@ -57,3 +57,38 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         torch.save(ddp_results(rank, world), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+# Settings that learn d from the first batch (no num_features), on every path.
+IDLE_RANK_CONFIGS = {
+    "gram": {"num_classes": 4, "center": "both"},
+    "sample_gram": {"num_classes": 4, "center": "both", "max_gram_features": 16, "max_samples": 512},
+    "sketch": {"num_classes": 4, "center": "both", "max_gram_features": 16, "max_samples": 64, "fallback": "sketch"},
+}
+
+
+def idle_rank_results(rank: int, world: int) -> dict[str, list[dict[str, float]]]:
+    """Every scalar of each configuration when only rank 0 sees batches (the others never learn d), computed twice."""
+    x, y = clustered_data(n=240, d=24, seed=5)
+    out = {}
+    for name, kwargs in IDLE_RANK_CONFIGS.items():
+        metric = ActivationSpectrum(**kwargs)
+        if rank == 0:
+            for xb, yb in zip(x.float().split(40), y.split(40)):
+                metric.update(xb, yb)
+        out[name] = []
+        for _ in range(2):
+            result = metric.compute()
+            out[name].append({**result.as_dict(), "num_samples": float(result.num_samples)})
+            metric._computed = None  # compute again: a second sync after the first one was undone
+    return out
+
+
+def idle_rank_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Entry point of one spawned rank of the idle-rank test."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(idle_rank_results(rank, world), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

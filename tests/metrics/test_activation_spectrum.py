@@ -1,3 +1,4 @@
+import io
 import math
 import warnings
 from pathlib import Path
@@ -7,13 +8,23 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from sklearn.decomposition import PCA
+from torchmetrics import MetricCollection
 
 import rank_lightning.functional as F
 import rank_lightning.metrics
 from rank_lightning.functional.spectral import SPECTRAL_METRICS, SpectralSummary, default_rank_tolerance
 from rank_lightning.functional.streaming import symmetrize_lower
 from rank_lightning.metrics import ACTIVATION_METRICS, ActivationSpectrum, ActivationSpectrumResult
-from tests.metrics.ddp_helpers import DDP_CONFIGS, OFFSETS, clustered_data, ddp_results, ddp_worker
+from tests.metrics.ddp_helpers import (
+    DDP_CONFIGS,
+    IDLE_RANK_CONFIGS,
+    OFFSETS,
+    clustered_data,
+    ddp_results,
+    ddp_worker,
+    idle_rank_results,
+    idle_rank_worker,
+)
 
 
 def _stream(metric: ActivationSpectrum, x: torch.Tensor, y: torch.Tensor | None, sizes: list[int]) -> None:
@@ -416,6 +427,21 @@ def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
     values, one_process = ([r[f"sv_{i}"] for i in range(24)] for r in (offset, single["offset"]))
     np.testing.assert_allclose(values, one_process, rtol=1e-12, atol=1e-12 * values[0])
     np.testing.assert_allclose(values, _np_sv(x, center=True), rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_sees_a_batch_syncs_without_num_features(tmp_path: Path) -> None:
+    # Such a rank holds unshaped states (and empty subsample lists) when the others hold d-wide ones; the sync used to
+    # abort the process group on mismatched collectives.
+    torch.set_num_threads(1)
+    mp.spawn(idle_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    single = idle_rank_results(0, 1)
+    for rank in range(2):
+        distributed = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in IDLE_RANK_CONFIGS:
+            for values in distributed[name]:
+                assert values["num_samples"] == 240.0
+                _assert_scalars_close(values, single[name][0], rtol=1e-12)
 
 
 def test_tcv_is_not_reported_when_some_rows_lack_labels():
@@ -899,3 +925,167 @@ def test_class_metrics_are_not_reported_without_a_labelled_row() -> None:
     assert result.total_cluster_variation is None
     scalars = result.scalars(ACTIVATION_METRICS)
     assert not any(key.startswith(("classwise", "tcv")) for key in scalars) and "numerical_rank" in scalars
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduction", "match"),
+    [
+        ((6,), "flatten", r"activations of shape \(6,\) are not supported"),
+        ((2, 3, 4, 5, 6), "flatten", r"activations of shape \(2, 3, 4, 5, 6\) are not supported"),
+        ((5, 3, 4, 4), "cls", r"conv activations of shape \(5, 3, 4, 4\); valid choices"),
+        ((5, 3, 4), "channel", r"token activations of shape \(5, 3, 4\); valid choices"),
+    ],
+)
+def test_a_batch_of_the_wrong_shape_is_named_by_its_own_shape(shape: tuple, reduction: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ActivationSpectrum(reduction=reduction).update(torch.randn(shape))
+
+
+def test_boolean_activations_count_as_zeros_and_ones_and_complex_ones_are_refused() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 5, generator=g) > 0
+    metric = ActivationSpectrum(center="both")
+    metric.update(x[:12])
+    metric.update(x[12:])
+    result = metric.compute()
+    for center in (False, True):
+        summary = result.centered if center else result.uncentered
+        expected = F.summarize(F.spectrum(x.double(), center=center), variance_ratio_ks=(1, 10, 20))
+        _assert_scalars_close(summary.as_dict(), expected.as_dict(), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"activations must be real, got torch\.complex64"):
+        ActivationSpectrum().update(torch.randn(4, 3, dtype=torch.complex64))
+
+
+def _saved_and_loaded(metric: ActivationSpectrum) -> dict:
+    buffer = io.BytesIO()
+    torch.save(metric.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_classes": 4, "center": "both"},
+        {"num_classes": 4, "center": "both", "max_gram_features": 16, "max_samples": 50},
+        {"center": "both", "max_gram_features": 16, "max_samples": 40, "fallback": "sketch"},
+    ],
+    ids=["gram", "sample_gram", "sketch"],
+)
+def test_state_saved_mid_stream_and_restored_continues_to_the_same_result(kwargs: dict) -> None:
+    x, y = clustered_data(n=200, d=24, seed=2)
+    whole = ActivationSpectrum(**kwargs)
+    whole.persistent(True)
+    _stream(whole, x[:120], y[:120], [40, 40, 40])
+    restored = ActivationSpectrum(**kwargs)
+    restored.load_state_dict(_saved_and_loaded(whole))
+    # Right after loading, compute() knows the width and the path, as the saved metric does.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_scalars_close(restored.compute().as_dict(), whole.compute().as_dict(), rtol=1e-12)
+    _stream(whole, x[120:], y[120:], [40, 40])
+    _stream(restored, x[120:], y[120:], [40, 40])
+    expected, result = whole.compute(), restored.compute()
+    assert (result.path, result.num_features, result.num_samples) == (expected.path, 24, 200)
+    _assert_scalars_close(result.as_dict(), expected.as_dict(), rtol=1e-12)
+    if result.path == "gram":
+        np.testing.assert_allclose(result.centered.spectrum.singular_values, _np_sv(x, center=True), rtol=1e-9)
+
+
+def test_a_restored_subsample_without_a_generator_state_draws_new_keys() -> None:
+    # A state dict without the generator (saved before it was stored): the rows after the restore must not get the
+    # keys of the first rows again, or each would pair with one of them in the subsample.
+    x, _ = clustered_data(n=80, d=24, seed=3)
+    first = ActivationSpectrum(max_gram_features=16, max_samples=100)
+    first.persistent(True)
+    first.update(x[:40])
+    state = {k: v for k, v in _saved_and_loaded(first).items() if k != "_generator_state"}
+    restored = ActivationSpectrum(max_gram_features=16, max_samples=100)
+    restored.load_state_dict(state)
+    restored.update(x[40:])
+    keys = torch.cat(restored.sample_keys)
+    assert keys.numel() == 80 and torch.unique(keys).numel() == 80
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_set_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
+    # torchmetrics' set_dtype converts every floating state: a float16 Gram of these rows overflows.
+    x, y = clustered_data(n=200, d=24, seed=8)
+    x = 30 * x + 100
+    metric = ActivationSpectrum(num_classes=4, center="both")
+    _stream(metric, x[:80], y[:80], [40, 40])
+    metric.set_dtype(dtype)
+    _stream(metric, x[80:], y[80:], [40, 40, 40])
+    assert metric.gram.dtype == metric.class_grams.dtype == metric.feature_sum.dtype == torch.float64
+    result = metric.compute()
+    one_shot = ActivationSpectrum(num_classes=4, center="both")
+    one_shot.update(x, y)
+    _assert_scalars_close(result.as_dict(), one_shot.compute().as_dict(), rtol=1e-12)
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values, _np_sv(x), rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_classes": 4, "center": "both"},
+        {"num_classes": 4, "max_gram_features": 16, "max_samples": 50},
+        {"max_gram_features": 16, "max_samples": 40, "fallback": "sketch"},
+    ],
+    ids=["gram", "sample_gram", "sketch"],
+)
+def test_batches_under_inference_mode_and_outside_it_add_up(kwargs: dict) -> None:
+    # States first allocated under inference mode (Lightning's validation) were inference tensors: the next batch
+    # outside it failed with 'Inplace update to inference tensor outside InferenceMode'.
+    x, y = clustered_data(n=160, d=24, seed=4)
+    metric, plain = ActivationSpectrum(**kwargs), ActivationSpectrum(**kwargs)
+    with torch.inference_mode():
+        _stream(metric, x[:80], y[:80], [40, 40])
+    _stream(metric, x[80:], y[80:], [40, 40])
+    _stream(plain, x, y, [40, 40, 40, 40])
+    _assert_scalars_close(metric.compute().as_dict(), plain.compute().as_dict(), rtol=1e-12)
+    metric.reset()
+    with torch.inference_mode():
+        _stream(metric, x, y, [80, 80])
+        result = metric.compute()
+    assert result.num_samples == 160
+    if result.path == "gram":
+        _assert_scalars_close(result.as_dict(), plain.compute().as_dict(), rtol=1e-12)
+    # A reset under inference mode (a validation epoch's end) makes inference tensors of the default states too.
+    with torch.inference_mode():
+        metric.reset()
+    _stream(metric, x, y, [80, 80])
+    assert metric.compute().num_samples == 160
+
+
+def test_metrics_sharing_a_compute_group_all_compute_after_a_reset() -> None:
+    # A MetricCollection compute group updates only its first member and hands the states to the others, which never
+    # learnt the width from a batch after a reset: compute() failed with 'No samples to concatenate'.
+    x, y = clustered_data(n=120, d=24, seed=6)
+    collection = MetricCollection(
+        {"plain": ActivationSpectrum(num_classes=4), "centred": ActivationSpectrum(num_classes=4, center=True)}
+    )
+    _stream(collection, x, y, [40, 40, 40])
+    assert sorted(collection.compute_groups[0]) == ["centred", "plain"]
+    collection.compute()
+    collection.reset()
+    # The next epoch's layer may even have another width.
+    wider = torch.cat([x, torch.randn(120, 4, generator=torch.Generator().manual_seed(1), dtype=x.dtype)], dim=1)
+    _stream(collection, wider, y, [40, 40, 40])
+    results = collection.compute()
+    for name, center in (("plain", False), ("centred", True)):
+        expected = F.summarize(F.spectrum(wider, center=center), variance_ratio_ks=(1, 10, 20))
+        summary = results[name].centered if center else results[name].uncentered
+        assert results[name].num_features == 28
+        _assert_scalars_close(summary.as_dict(), expected.as_dict(), rtol=1e-9)
+    assert float(results["centred"].total_cluster_variation) == pytest.approx(
+        float(F.total_cluster_variation(wider, y)), rel=1e-12
+    )
+
+
+def test_a_batch_of_another_width_names_where_the_width_came_from() -> None:
+    with pytest.raises(ValueError, match=r"reduce to 6 features .*, but the metric was made with num_features=5"):
+        ActivationSpectrum(num_features=5).update(torch.randn(3, 6))
+    metric = ActivationSpectrum()
+    metric.update(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="reduce to 6 features with reduction='flatten', but earlier batches had 5"):
+        metric.update(torch.randn(3, 6))

@@ -107,3 +107,68 @@ def test_second_pass_labels_of_a_class_without_mean_raise_naming_it() -> None:
     metric.update(x[seen], y[seen])  # the classes of the first pass: accepted
     with pytest.raises(ValueError, match=r"labels \[3\] belong to classes that had no sample"):
         metric.update(x, y)
+
+
+def test_complex_features_or_logits_are_refused_naming_them() -> None:
+    # Converting them to float64 would drop the imaginary part without a word.
+    metric = NeuralCollapseStatistics(num_classes=2, num_features=3)
+    labels = torch.tensor([0, 1, 0, 1])
+    with pytest.raises(ValueError, match=r"features must be real, got torch\.complex64"):
+        metric.update(torch.randn(4, 3, dtype=torch.complex64), labels)
+    metric.update(torch.randn(4, 3), labels)
+    metric.start_second_pass()
+    with pytest.raises(ValueError, match=r"logits must be real, got torch\.complex64"):
+        metric.update(torch.randn(4, 3), labels, torch.randn(4, 2, dtype=torch.complex64))
+
+
+def test_calling_the_metric_streams_the_batch_like_update() -> None:
+    # torchmetrics' forward would reset the states to compute the batch's value, losing the sums streamed so far.
+    x, y, logits, weight = mixture(seed=5)
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    for xb, yb in zip(x.split(50), y.split(50)):
+        assert metric(xb, yb) is None
+    metric.start_second_pass()
+    for xb, yb, lb in zip(x.split(50), y.split(50), logits.split(50)):
+        assert metric(xb, yb, lb) is None
+    metric.head_weight = weight
+    result = metric.compute()
+    for key in NC_METRICS:
+        assert result.as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
+
+
+def test_a_state_saved_in_the_second_pass_resumes_after_start_second_pass() -> None:
+    x, y, logits, weight = mixture(seed=6)
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    saved = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    saved.persistent(True)
+    saved.update(x, y)
+    saved.start_second_pass()
+    saved.update(x[:150], y[:150], logits[:150])
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric.load_state_dict(saved.state_dict())
+    # Without the means the batch would be added to the class sums of the first pass.
+    with pytest.raises(RuntimeError, match="saved during the second pass; call start_second_pass"):
+        metric.update(x[150:], y[150:], logits[150:])
+    metric.start_second_pass()
+    metric.update(x[150:], y[150:], logits[150:])
+    metric.head_weight = weight
+    result = metric.compute()
+    for key in NC_METRICS:
+        assert result.as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
+
+
+def test_set_dtype_keeps_the_float64_sums() -> None:
+    x, y, logits, weight = mixture(seed=7)
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric.update(x[:180] + 1000, y[:180])
+    metric.set_dtype(torch.float16)
+    metric.update(x[180:] + 1000, y[180:])
+    metric.start_second_pass()
+    metric.update(x + 1000, y, logits)
+    metric.head_weight = weight
+    assert metric.class_sums.dtype == metric.class_scatter.dtype == torch.float64
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    result = metric.compute().as_dict()
+    for key in NC_METRICS:
+        assert result[key] == pytest.approx(expected[key], rel=1e-9), key
