@@ -383,12 +383,7 @@ class ActivationSpectrum(Metric):
         check_positive_int("classwise_k", classwise_k)
         check_choice("classwise_center", classwise_center, (False, True))
         self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
-        check_positive_int("max_gram_features", max_gram_features)
-        check_positive_int("max_samples", max_samples, allow_none=True)
-        self.max_gram_features, self.max_samples = max_gram_features, max_samples
-        self.fallback = check_choice("fallback", fallback, FALLBACKS)
-        check_positive("memory_budget_mb", memory_budget_mb)
-        self.memory_budget_bytes = int(memory_budget_mb * 2**20)
+        self._set_fallback(max_gram_features, max_samples, fallback, memory_budget_mb)
         self.seed, self._given_num_features = seed, num_features
         self._num_features: int | None = None
         self._generator: torch.Generator | None = None
@@ -396,6 +391,17 @@ class ActivationSpectrum(Metric):
         # restored metric never draws the keys and buckets of its first rows again.
         self._restored_rng: Tensor | int | None = None
         self._add_states(num_features)
+
+    def _set_fallback(
+        self, max_gram_features: int, max_samples: int | None, fallback: str, memory_budget_mb: float
+    ) -> None:
+        """Check and keep the settings of the path past ``max_gram_features`` features (the fallback)."""
+        check_positive_int("max_gram_features", max_gram_features)
+        check_positive_int("max_samples", max_samples, allow_none=True)
+        self.max_gram_features, self.max_samples = max_gram_features, max_samples
+        self.fallback = check_choice("fallback", fallback, FALLBACKS)
+        check_positive("memory_budget_mb", memory_budget_mb)
+        self.memory_budget_bytes = int(memory_budget_mb * 2**20)
 
     def _add_states(self, num_features: int | None) -> None:
         f64 = torch.float64
