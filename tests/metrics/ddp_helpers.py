@@ -3,6 +3,7 @@
 Kept apart from the test module so that spawned workers import only torch and rank_lightning, not scikit-learn.
 """
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,14 +50,19 @@ def ddp_results(rank: int, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """Entry point of one spawned rank: join a gloo group, compute, save the results."""
+def _in_group(results: Callable[[int, int], object], rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Join a gloo group, save ``results(rank, world)`` as ``rank<r>.pt`` in ``out_dir``, leave the group."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save(ddp_results(rank, world), Path(out_dir) / f"rank{rank}.pt")
+        torch.save(results(rank, world), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Entry point of one spawned rank: join a gloo group, compute, save the results."""
+    _in_group(ddp_results, rank, world, init_file, out_dir)
 
 
 # Settings that learn d from the first batch (no num_features), on every path.
@@ -86,9 +92,4 @@ def idle_rank_results(rank: int, world: int) -> dict[str, list[dict[str, float]]
 
 def idle_rank_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank of the idle-rank test."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.save(idle_rank_results(rank, world), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    _in_group(idle_rank_results, rank, world, init_file, out_dir)
