@@ -165,7 +165,11 @@ class ActivationSpectrumResult:
         self.class_counts = class_counts
 
     def scalars(
-        self, metrics: Sequence[str] = DEFAULT_ACTIVATION_METRICS, *, centered: bool = False, per_class: bool = False
+        self,
+        metrics: Sequence[str] = DEFAULT_ACTIVATION_METRICS,
+        *,
+        centered: bool | None = None,
+        per_class: bool = False,
     ) -> dict[str, float]:
         """The scalars of the metric families ``metrics``, in that order, as Python floats; only those computed.
 
@@ -177,12 +181,16 @@ class ActivationSpectrumResult:
 
         Args:
             metrics: families from :data:`ACTIVATION_METRICS` (a single name counts as one).
-            centered: take the spectral families from the centred spectrum instead of the uncentred one.
+            centered: take the spectral families from the centred spectrum (``True``) or the uncentred one
+                (``False``: none where it was not computed); ``None``, the default, from the uncentred one where it
+                was computed, else from the centred one (a metric made with ``center=True``).
             per_class: also give the class-wise variance ratio of every class.
 
         Raises:
             ValueError: an unknown or repeated family; the message lists the valid ones.
         """
+        if centered is None:
+            centered = self.uncentered is None and self.centered is not None
         summary = self.centered if centered else self.uncentered
         cluster = {"tcv": self.total_cluster_variation, "tcv_normalized": self.total_cluster_variation_normalized}
         out: dict[str, float] = {}
@@ -215,7 +223,7 @@ class ActivationSpectrumResult:
         The spectral families of the uncentred spectrum, those of the centred one with a ``centered_`` prefix, then
         ``spectrum_rows``, ``tcv``, ``tcv_normalized`` and the class-wise variance ratio (mean and every class).
         """
-        out = self.scalars(_SPECTRAL_FAMILIES)
+        out = self.scalars(_SPECTRAL_FAMILIES, centered=False)
         centred = self.scalars(_SPECTRAL_FAMILIES, centered=True)
         out.update({f"centered_{k}": v for k, v in centred.items() if k != SPECTRUM_ROWS_KEY})
         if SPECTRUM_ROWS_KEY in centred:

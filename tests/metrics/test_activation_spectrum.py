@@ -606,6 +606,23 @@ def test_scalars_give_what_the_activation_monitor_logged(centered: bool, per_cla
             np.testing.assert_array_equal(list(actual.values()), list(expected.values()))
 
 
+def test_scalars_by_default_come_from_the_spectrum_the_metric_computed() -> None:
+    # A metric made with center=True has no uncentred spectrum: scalars() gave no spectral key at all.
+    x, y = clustered_data(n=120, d=12, seed=2)
+    metric = ActivationSpectrum(num_classes=4, center=True)
+    metric.update(x, y)
+    result = metric.compute()
+    assert result.uncentered is None
+    centred = result.scalars(centered=True)
+    assert result.scalars() == centred and "numerical_rank" in centred
+    reference = torch.linalg.svdvals(x.double() - x.double().mean(0))
+    assert centred["numerical_rank"] == float((reference > reference[0] * 12 * torch.finfo(torch.float32).eps).sum())
+    assert "numerical_rank" not in result.scalars(centered=False)  # asked for explicitly: not computed
+    both = ActivationSpectrum(num_classes=4, center="both")
+    both.update(x, y)
+    assert both.compute().scalars() == both.compute().scalars(centered=False)
+
+
 def test_scalars_of_an_empty_result_and_unknown_metrics() -> None:
     empty = ActivationSpectrum(num_classes=3)
     with warnings.catch_warnings():
