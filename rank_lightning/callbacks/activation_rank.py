@@ -348,7 +348,6 @@ class ActivationRankMonitor(CurveMonitor):
         self.cadence.check_window(trainer)
         self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
-        self._check_validation_cadence(trainer)
         self._num_classes = self.num_classes or _num_classes_of(pl_module, trainer)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
         classes = f"{self._num_classes} classes" if self._num_classes else "no class metrics (num_classes unknown)"
@@ -385,23 +384,6 @@ class ActivationRankMonitor(CurveMonitor):
             tolerance_size=options["tolerance_size"],
             tolerance_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
         )
-
-    def _check_validation_cadence(self, trainer: pl.Trainer) -> None:
-        """Warn when validation epochs and ``every_n_epochs`` meet less often than ``every_n_epochs`` says: the
-        validation-data monitor measures only in epochs that run validation."""
-        every, val_every = self.every_n_epochs, getattr(trainer, "check_val_every_n_epoch", None)
-        if (
-            self.stage != "val"
-            or not every
-            or not isinstance(val_every, int)
-            or val_every <= 1
-            or every % val_every == 0
-        ):
-            return
-        both = every * val_every // math.gcd(every, val_every)
-        message = f"every_n_epochs={every} with check_val_every_n_epoch={val_every}: validation runs in every "
-        message += f"{val_every}th epoch only, so the activations are measured every {both}th epoch; use a multiple "
-        self.warn_once(("cadence",), message + f"of {val_every} for every_n_epochs.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

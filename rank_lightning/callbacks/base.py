@@ -409,9 +409,29 @@ class CurveMonitor(RankCallback):
             "by optimizer step, not by epoch"
         )
 
+    def measures_validation_only(self) -> bool:
+        """Whether this monitor measures only in the epochs of a ``fit`` that run validation, so that its
+        ``every_n_epochs`` meets ``check_val_every_n_epoch``: :meth:`measures_each_validation` by default; a monitor
+        that also measures unvalidated epochs says no."""
+        return self.measures_each_validation()
+
+    def _check_validation_cadence(self, trainer: pl.Trainer) -> None:
+        """Warn when validation epochs and ``every_n_epochs`` meet less often than ``every_n_epochs`` says."""
+        every, val_every = self.cadence.every_n_epochs, getattr(trainer, "check_val_every_n_epoch", None)
+        if not self.measures_validation_only() or not every or not isinstance(val_every, int) or every % val_every == 0:
+            return
+        both = every * val_every // math.gcd(every, val_every)
+        message = (
+            f"every_n_epochs={every} with check_val_every_n_epoch={val_every}: validation runs in one epoch of "
+            f"{val_every} only, so this monitor measures once in {both} epochs; use a multiple of {val_every} for "
+            "every_n_epochs."
+        )
+        self.warn_once(("cadence",), message)
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
+        self._check_validation_cadence(trainer)
         # RANK_LIGHTNING_FIGURE_WORKERS is read now: a bad value is an error when the fit starts, not at its end. The
         # workers themselves are started at the first record (LayerCurves), when the number of figures is known.
         if trainer.is_global_zero:

@@ -387,6 +387,10 @@ class WeightRankMonitor(CurveMonitor):
         size = self.tolerance_size
         return default_rank_tolerance(spec.num_samples, spec.num_features, tolerance_size=size, dtype_eps=eps)
 
+    def measures_validation_only(self) -> bool:
+        """No: epochs without validation are measured at their end."""
+        return False
+
     @override
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.select(pl_module)

@@ -11,7 +11,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    JacobianRankMonitor,
+    NeuralCollapseMonitor,
+    WeightRankMonitor,
+)
 from rank_lightning.functional import participation_ratio
 from rank_lightning.plotting import caption_text, layer_curves_figure
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
@@ -96,7 +101,7 @@ def test_captions_and_titles_follow_the_settings():
 def test_a_cadence_that_meets_validation_seldom_is_named(tmp_path):
     monitor = ActivationRankMonitor(layers=["net.1"], every_n_epochs=3, log_at_init=False, verbose=False)
     trainer = quiet_trainer([monitor], max_epochs=6, check_val_every_n_epoch=2, default_root_dir=tmp_path)
-    message = r"every_n_epochs=3 with check_val_every_n_epoch=2: .* measured every 6th epoch"
+    message = r"every_n_epochs=3 with check_val_every_n_epoch=2: .* this monitor measures once in 6 epochs"
     with pytest.warns(UserWarning, match=message):
         trainer.fit(SmallClassifier(), small_loader(), small_loader())
     assert monitor.curves.epochs == [5]  # (epoch + 1) divisible by 3 and by 2
@@ -112,6 +117,24 @@ def test_a_cadence_that_meets_validation_seldom_is_named(tmp_path):
 class _RefusesLoaderBatches(SmallClassifier):
     def forward(self, x):
         raise ValueError("this model takes its inputs through its steps only")
+
+
+@pytest.mark.parametrize("make", [NeuralCollapseMonitor, JacobianRankMonitor], ids=lambda c: c.__name__)
+def test_every_validation_monitor_names_a_cadence_that_meets_validation_seldom(tmp_path, make):
+    monitor = make(every_n_epochs=3, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=2, check_val_every_n_epoch=2, default_root_dir=tmp_path)
+    message = rf"{make.__name__}: every_n_epochs=3 with check_val_every_n_epoch=2: .* once in 6 epochs"
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(SmallClassifier(), small_loader(), small_loader())
+
+
+def test_the_weight_monitor_measures_unvalidated_epochs_without_a_cadence_warning(tmp_path):
+    monitor = WeightRankMonitor(every_n_epochs=3, log_at_init=False, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=3, check_val_every_n_epoch=2, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*check_val_every_n_epoch.*")
+        trainer.fit(SmallClassifier(), small_loader(), small_loader())
+    assert monitor.curves.epochs == [2]
 
 
 def test_an_error_of_the_models_own_forward_only_costs_the_initial_point(tmp_path):
