@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,20 @@ def repeated_head_warning(path: str) -> str:
         f"the head {path!r} runs more than once per forward pass (a classifier shared by several inputs or views): "
         "only its first call of each batch is measured. Name a head that runs once per forward pass (head=...)."
     )
+
+
+def first_call_keeper(callback: RankCallback, path: str, captured: dict[str, Tensor]) -> Callable[[Any, Tensor], None]:
+    """A forward-hook handler (:func:`~rank_lightning.layers.forward_hooks`) that keeps, in ``captured[layer.name]``,
+    each watched value of the head ``path`` from its first call of a forward pass (clear ``captured`` before each);
+    a later call in the same pass is left out, with a warning (:func:`repeated_head_warning`, once)."""
+
+    def keep(layer: Any, value: Tensor) -> None:
+        if layer.name in captured:
+            callback.warn_once(("repeated head",), repeated_head_warning(path))
+        else:
+            captured[layer.name] = value
+
+    return keep
 
 
 def first_val_loader(trainer: pl.Trainer) -> Any:

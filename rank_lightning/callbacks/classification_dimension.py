@@ -18,9 +18,9 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import (
     Cadence,
     RankCallback,
+    first_call_keeper,
     first_val_loader,
     gather_rows,
-    repeated_head_warning,
     step_inputs,
 )
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
@@ -387,15 +387,7 @@ class ClassificationDimension(RankCallback):
         captured: dict[str, Tensor] = {}
         features, labels, taken = [], [], 0
         self._call = None  # learnt again for this module and loader
-
-        def keep(_: FeatureLayer, value: Tensor) -> None:
-            # A head called twice in one forward pass keeps its first input, and a warning says so.
-            if "f" in captured:
-                self.warn_once(("repeated head",), repeated_head_warning(path))
-            else:
-                captured["f"] = value
-
-        hooks = forward_hooks(pl_module, [head], keep)
+        hooks = forward_hooks(pl_module, [head], first_call_keeper(self, path, captured))
         with hooks, eval_mode(pl_module), torch.no_grad():
             for batch in loader:
                 # A process with nothing to take still runs one batch: its (0, d) features join the gather.
@@ -408,7 +400,7 @@ class ClassificationDimension(RankCallback):
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
                 take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
-                features.append(captured["f"][:take].detach())
+                features.append(captured["head"][:take].detach())
                 labels.append(y[:take].to(pl_module.device))
                 taken += take
         if not features:

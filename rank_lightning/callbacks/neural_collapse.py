@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import CurveMonitor, first_val_loader, repeated_head_warning, step_inputs
+from rank_lightning.callbacks.base import CurveMonitor, first_call_keeper, first_val_loader, step_inputs
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import (
@@ -230,15 +230,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         captured: dict[str, Tensor] = {}
         layers = [FeatureLayer("features", path, "input"), FeatureLayer("logits", path, "output")]
         second, taken = metric is not None, 0
-
-        def keep(layer: FeatureLayer, value: Tensor) -> None:
-            # A head called twice in one forward pass keeps its first call, and a warning says so.
-            if layer.name in captured:
-                self.warn_once(("repeated head",), repeated_head_warning(path))
-            else:
-                captured[layer.name] = value
-
-        with forward_hooks(pl_module, layers, keep):
+        with forward_hooks(pl_module, layers, first_call_keeper(self, path, captured)):
             with eval_mode(pl_module), torch.no_grad():
                 for batch in loader:
                     # A process with nothing to take still runs one batch, to join the collective with the metric.
