@@ -5,7 +5,9 @@
    * ResNet-18 on CIFAR-shaped random data (3 x 32 x 32, 10 classes, 2,000 validation samples, a small training set);
      with ``--parts resnet18-cifar-split``, also in CIFAR's proportions (1,500 training and 300 validation images,
      five to one as CIFAR's 50,000 and 10,000), where the validation pass is the share of a fit it is in real runs;
-   * the quickstart MLP (depth 3, width 128) on scikit-learn's digits;
+   * the quickstart MLP (depth 3, width 128) on scikit-learn's digits; with ``--parts quickstart-cli``, also the
+     quickstart as ``train.py fit --config configs/quickstart.yaml`` runs it (its loggers, checkpoints and progress
+     bar in both fits; its rank monitors removed for the plain one);
    * a GPT-2-shaped language model (``transformers``' ``GPT2LMHeadModel`` built from a config with random weights:
      6 layers, width 384, sequence 128, dict batches with an attention mask) trained in ``bf16-mixed`` on a GPU
      and in float32 on a CPU (``--gpt2-precision``), with
@@ -89,6 +91,9 @@ class Case:
         WeightRankMonitor(verbose=False),
     ]
     trainer_options: dict = field(default_factory=dict)
+    cli_config: Path | None = None
+    """A ``train.py`` config: the fits are those ``train.py fit --config <it>`` runs (its loggers, checkpoints and
+    progress bar; its own monitors, removed for the plain fit), in a temporary working folder."""
 
 
 @dataclass
@@ -223,32 +228,82 @@ def _gpt2_case(quick: bool, *, small: bool = False, every: int = 50, precision: 
     return Case(name, make_module, make_data, 1, 1.02 if small else 1.05, make_callbacks, options)
 
 
+def _quickstart_cli_case(quick: bool) -> Case:
+    """``configs/quickstart.yaml`` as ``train.py`` runs it: CSV and TensorBoard loggers, two checkpoints (the best
+    ``val/acc`` and ``last.ckpt`` after every epoch), the Rich progress bar; its two rank monitors removed for the
+    plain fit."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    epochs = 5 if quick else 30
+
+    def unused() -> None:
+        raise AssertionError("the CLI builds the module and the data")
+
+    name = f"quickstart as train.py runs it (configs/quickstart.yaml, {epochs} epochs)"
+    return Case(name, unused, unused, epochs, 1.30, cli_config=config)
+
+
+def _cli_fit(case: Case, monitored: bool, clock: _CallbackClock) -> Callable[[], object]:
+    """The fit ``train.py fit --config case.cli_config`` runs (working folder: the current one), with the package's
+    callbacks timed by ``clock`` or, unmonitored, removed; returned as a call, not yet run."""
+    from rank_lightning.cli import main as cli_main
+
+    args = ["--config", str(case.cli_config), "--trainer.max_epochs", str(case.max_epochs)]
+    cli = cli_main(args, run=False)
+    trainer = cli.trainer
+    ours = [callback for callback in trainer.callbacks if type(callback).__module__.startswith("rank_lightning.")]
+    for callback in ours:
+        if monitored:
+            clock.wrap(callback)
+        else:
+            trainer.callbacks.remove(callback)
+    return lambda: trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def _plain_fit(case: Case, monitored: bool, clock: _CallbackClock, device: str, directory: str) -> Callable[[], object]:
+    """A fit on a bare trainer (CSV logger, no checkpoints, no progress bar) with the case's monitors (timed by
+    ``clock``) or none; returned as a call, not yet run."""
+    module = case.make_module()
+    callbacks = [clock.wrap(callback) for callback in (case.make_callbacks() if monitored else [])]
+    trainer = pl.Trainer(
+        max_epochs=case.max_epochs,
+        logger=CSVLogger(directory),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        **case.trainer_options,
+    )
+    return lambda: trainer.fit(module, **case.make_data())
+
+
 def _fit(case: Case, monitored: bool, device: str) -> FitTime:
     shutdown_figure_workers()  # every fit starts its own, as a fresh process would
     torch.manual_seed(0)
-    module = case.make_module()
     clock = _CallbackClock()
-    callbacks = [clock.wrap(callback) for callback in (case.make_callbacks() if monitored else [])]
     cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    working = os.getcwd()
     with tempfile.TemporaryDirectory() as directory:
-        trainer = pl.Trainer(
-            max_epochs=case.max_epochs,
-            logger=CSVLogger(directory),
-            callbacks=callbacks,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            accelerator="gpu" if cuda else "cpu",
-            devices=1,
-            **case.trainer_options,
-        )
+        if case.cli_config is not None:
+            os.chdir(directory)  # the config's loggers and checkpoints write under runs/ here
+            try:
+                fit = _cli_fit(case, monitored, clock)
+            except BaseException:
+                os.chdir(working)
+                raise
+        else:
+            fit = _plain_fit(case, monitored, clock, device, directory)
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         start_children = _children_cpu()
-        trainer.fit(module, **case.make_data())
+        try:
+            fit()
+        finally:
+            os.chdir(working)
         if cuda:
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
@@ -351,7 +406,7 @@ def _weightwatcher_comparison(repeats: int) -> None:
         )
 
 
-PARTS = ("mlp", "resnet18", "resnet18-cifar-split", "gpt2", "gpt2-small", "weightwatcher")
+PARTS = ("mlp", "quickstart-cli", "resnet18", "resnet18-cifar-split", "gpt2", "gpt2-small", "weightwatcher")
 """Measurements by name; ``gpt2-small`` (12 layers, width 768, sequence 512) is meant for a GPU."""
 
 
@@ -389,6 +444,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if "mlp" in args.parts:
         _overhead(_digits_case(args.quick), repeats, args.device)
+    if "quickstart-cli" in args.parts:
+        _overhead(_quickstart_cli_case(args.quick), repeats, args.device)
     if "resnet18" in args.parts:
         _overhead(_resnet_case(args.quick), repeats, args.device)
     if "resnet18-cifar-split" in args.parts:

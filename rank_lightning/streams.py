@@ -630,6 +630,7 @@ class ActivationStream:
             )
         self._check_classes(name, result.class_counts, result.num_samples)
         self._check_cap(name, metric, result)
+        self._check_zero(name, result, when)
         reduction = self.reductions.get(self.layer_ndims.get(name, 2))
         prefix = f"{reduction}/" if reduction and self.layer_ndims.get(name, 2) > 2 else ""
         scalars = result.scalars(metrics, centered=centered, per_class=per_class)
@@ -658,6 +659,24 @@ class ActivationStream:
             "keeps the float32 rule without this warning)."
         )
         self._warn("", "tolerance", message)
+
+    def _check_zero(self, name: str, result: Any, when: str) -> None:
+        """Warn when the measured activations are all zero (a dead layer) or, centred, all equal: every rank is 0 and
+        the ratios of sums of squares (variance ratios, normalised TCV) are 0 / 0, logged as NaN."""
+        if result.num_nonfinite_batches:
+            return
+        kinds = (
+            (result.uncentered, "only zeros", "a dead layer, e.g. a ReLU whose inputs are all negative"),
+            (result.centered, "the same output for every input", "a constant layer; centred, it is zero"),
+        )
+        for summary, what, why in kinds:
+            if summary is not None and float(summary.spectral_norm) == 0:
+                message = (
+                    f"gave {what} {when} ({why}): its ranks are 0 and its variance ratios and normalised TCV, "
+                    "0 / 0, are logged as NaN."
+                )
+                self._warn(name, "zero", " ".join(message.split()))
+                return
 
     def _check_classes(self, name: str, counts: Tensor | None, rows: int) -> None:
         if counts is None or not counts.numel() or not int(counts.sum()):

@@ -56,6 +56,11 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> No
     _require(name, value, lambda v: _is_int(v) and v >= 1, "a positive integer", allow_none)
 
 
+def check_int(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer (a seed: any sign; ``bool`` does not count)."""
+    _require(name, value, _is_int, "an integer", False)
+
+
 def check_non_negative_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is an ``int >= 0`` (or ``None`` when ``allow_none``)."""
     _require(name, value, lambda v: _is_int(v) and v >= 0, "a non-negative integer", allow_none)

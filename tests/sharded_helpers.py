@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from transformers.pytorch_utils import Conv1D
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.distributed import shard_layout, weight_matrix_spectra
 from rank_lightning.weight_matrices import matrices_of
+from tests.spawned import leave
 
 WORLD_SIZE = 2
 LAYERS = ("tall", "wide", "conv", "attn.c_attn", "mha", "one_row", "row_parallel", "experts", "expert_rows")
@@ -171,7 +173,7 @@ def layouts_worker(rank: int, port: int, out: str) -> None:
     results["monitor"] = [monitor.measure(model), WeightRankMonitor(verbose=False).measure(reference)]
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave()
 
 
 class _Stack(nn.Module):
@@ -223,7 +225,7 @@ def fsdp1_worker(rank: int, port: int, out: str, use_orig_params: bool) -> None:
     results["after_wrap"] = _fsdp1_selected_after_wrapping(use_orig_params)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave()
 
 
 def _fsdp1_selected_after_wrapping(use_orig_params: bool) -> dict:
@@ -268,8 +270,6 @@ def _fsdp1_selected_after_wrapping(use_orig_params: bool) -> dict:
 def zero3_worker(rank: int, port: int, out: str) -> None:
     """WeightRankMonitor's values of a model partitioned by DeepSpeed ZeRO stage 3 (``deepspeed.zero.Init``), before
     a DeepSpeed training step and after it, next to those of the same weights held in full; written by rank 0."""
-    import sys
-
     import deepspeed
 
     # DeepSpeed compiles a shared-memory collective for CPU processes at its first collective (1-2 minutes); gloo's
@@ -314,12 +314,7 @@ def zero3_worker(rank: int, port: int, out: str) -> None:
     results["released"] = [param.numel() for param in model.parameters()]
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-    # DeepSpeed's and transformers' native threads may still be joinable when the interpreter tears down, which aborts
-    # the process ("terminate called without an active exception") after its work is done: leave at once.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 def _zero3_fused(rank: int, config: dict) -> dict:

@@ -54,7 +54,8 @@ class ActivationRankMonitor(CurveMonitor):
     Timing: with ``stage="val"``, during validation of every ``every_n_epochs``-th epoch of ``fit`` (``(epoch + 1) %
     every_n_epochs == 0``), of every ``trainer.validate`` run and (``on_test``) of every ``trainer.test`` run, whose
     values go to keys of their own (``rank_test/...``, see Logged metrics) and not into the curves; with
-    ``stage="train"``, over the training batches of those epochs (validation run in between is not measured). With
+    ``stage="train"``, over the training batches of those epochs (validation run in between is not measured). Several
+    validation (or test) dataloaders are pooled: their rows together make one spectrum per layer, with a warning. With
     ``every_n_train_steps=N`` (step cadence, for long runs logged by step): over the ``window_batches`` training batches
     before every N-th optimizer step, from the training forward pass itself (no extra forward), logged at that step
     (:class:`~rank_lightning.callbacks.base.Cadence`); gradient accumulation counts optimizer steps, and every DDP
@@ -105,7 +106,9 @@ class ActivationRankMonitor(CurveMonitor):
     ``MemoryError`` at that first batch, naming it, before anything is allocated.
 
     Non-finite activations never stop training: a layer that gives NaN or Inf in a monitored epoch logs NaN for every
-    metric of that epoch, with a warning naming it; the other layers and later epochs are unaffected.
+    metric of that epoch, with a warning naming it; the other layers and later epochs are unaffected. A layer whose
+    activations are all zero (a dead ReLU; centred: all equal) logs 0 for every rank and NaN for the variance ratios
+    and the normalised TCV (0 / 0), with a warning naming it.
 
     Args:
         layers: block names (``pl_module.blocks()``), module names (``named_modules()``) or glob patterns (matched
@@ -272,6 +275,9 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
+        # Step cadence under manual optimization: the optimizer steps the last training batch that took any took.
+        self._step_at_batch_start = 0
+        self._manual_steps_per_batch: int | None = None
 
     def _configure(self, options: dict[str, Any]) -> None:
         o = options
@@ -354,7 +360,9 @@ class ActivationRankMonitor(CurveMonitor):
         how = ""
         if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
             how = " (default choice: the module has no blocks(); pass layers=[...] to choose)"
-        if stage == "test" and not self.cadence.on_test:
+        if str(getattr(stage, "value", stage)) == "predict":
+            self.info("trainer.predict is not monitored (validation, training or test batches are)")
+        elif stage == "test" and not self.cadence.on_test:
             why = "stage='train' measures training batches" if self.stage == "train" else "on_test=False"
             self.info(f"trainer.test is not monitored ({why})")
         else:
@@ -402,7 +410,9 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stage == "val" and self.due(trainer):
-            self._start(trainer, pl_module, sum(trainer.num_val_batches), loader_list(trainer.val_dataloaders))
+            loaders = loader_list(trainer.val_dataloaders)
+            self._warn_pooled_loaders(len(loaders), "validation")
+            self._start(trainer, pl_module, sum(trainer.num_val_batches), loaders)
 
     @override
     def on_validation_batch_start(
@@ -435,7 +445,19 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stage == "val" and self.due(trainer):
-            self._start(trainer, pl_module, sum(trainer.num_test_batches), loader_list(trainer.test_dataloaders))
+            loaders = loader_list(trainer.test_dataloaders)
+            self._warn_pooled_loaders(len(loaders), "test")
+            self._start(trainer, pl_module, sum(trainer.num_test_batches), loaders)
+
+    def _warn_pooled_loaders(self, count: int, kind: str) -> None:
+        """Say once that the rows of several validation (or test) loaders make one spectrum, not one per loader."""
+        if count > 1:
+            message = (
+                f"{count} {kind} dataloaders: their activations are pooled into one spectrum per layer (the rows of "
+                "every loader together), not measured per loader. To measure one data set, give the Trainer that "
+                "loader alone, or run trainer.validate once per loader."
+            )
+            self.warn_once(("pooled loaders", kind), message)
 
     # The test batches are read as the validation batches are (the stream is the validation-data one).
     on_test_batch_start = on_validation_batch_start
@@ -462,7 +484,10 @@ class ActivationRankMonitor(CurveMonitor):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._stream is not None and not self._stream.active and self.cadence.window_opens(trainer, batch_idx):
+        self._step_at_batch_start = trainer.global_step
+        steps_per_batch = None if pl_module.automatic_optimization else self._manual_steps_per_batch
+        idle = self._stream is not None and not self._stream.active
+        if idle and self.cadence.window_opens(trainer, batch_idx, steps_per_batch):
             self._target_step = self.cadence.next_step(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
         if self._monitoring("train"):
@@ -475,6 +500,8 @@ class ActivationRankMonitor(CurveMonitor):
         if self.cadence.by_step:
             # The last window's values stayed one batch (every callback's batch end saw them once); a new one may come.
             self.curves.clear_stale_metrics(trainer)
+            if not pl_module.automatic_optimization and trainer.global_step > self._step_at_batch_start:
+                self._manual_steps_per_batch = trainer.global_step - self._step_at_batch_start
         if not self._monitoring("train"):
             return
         self._stream.batch_end()
@@ -485,7 +512,9 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _warn_short_window(self, trainer: pl.Trainer) -> None:
         """Name a step window that streamed fewer than ``window_batches`` batches: one opened after the fit resumed
-        inside it, or one that an epoch's short last accumulation brought closer to the previous window."""
+        inside it, one that an epoch's short last accumulation brought closer to the previous window, or under manual
+        optimization the first window (planned before a batch's steps were seen) and windows longer than the batches
+        between two measurements."""
         streamed, window = self._stream.batches_seen, self.cadence.window_batches
         if streamed >= window:
             return
@@ -494,6 +523,14 @@ class ActivationRankMonitor(CurveMonitor):
             "batches: it opened after the fit resumed inside it, or an epoch's short last accumulation brought it "
             "within window_batches of the previous window. Its values stand on fewer rows (logged as spectrum_rows)."
         )
+        steps = self._manual_steps_per_batch
+        if steps is not None and steps > 1:
+            message += (
+                f" Under manual optimization each batch took {steps} optimizer steps (trainer.global_step counts "
+                f"every optimizer.step()): every_n_train_steps={self.cadence.every_n_train_steps} spans "
+                f"{-(-self.cadence.every_n_train_steps // steps)} batch(es), and the first window is planned before "
+                f"the steps of a batch are seen. Choose every_n_train_steps >= window_batches x {steps}."
+            )
         self.warn_once(("short window",), message)
 
     @override

@@ -195,16 +195,17 @@ class Cadence:
         n = self.every_n_train_steps or 1
         return (trainer.global_step // n + 1) * n
 
-    def window_opens(self, trainer: pl.Trainer, batch_idx: int) -> bool:
+    def window_opens(self, trainer: pl.Trainer, batch_idx: int, steps_per_batch: int | None = None) -> bool:
         """Whether training batch ``batch_idx`` is among the last ``window_batches`` before :meth:`next_step`: whether
-        the optimizer steps taken within the ``window_batches`` batches from it on reach that step."""
+        the optimizer steps taken within the ``window_batches`` batches from it on reach that step
+        (``steps_per_batch``: see :meth:`steps_taken_within`)."""
         if not self.by_step or trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return False
         steps_needed = self.next_step(trainer) - trainer.global_step
-        return self.steps_taken_within(trainer, batch_idx, self.window_batches) >= steps_needed
+        return self.steps_taken_within(trainer, batch_idx, self.window_batches, steps_per_batch) >= steps_needed
 
     @staticmethod
-    def steps_taken_within(trainer: pl.Trainer, batch_idx: int, count: int) -> int:
+    def steps_taken_within(trainer: pl.Trainer, batch_idx: int, count: int, steps_per_batch: int | None = None) -> int:
         """The optimizer steps Lightning takes within the ``count`` training batches from ``batch_idx`` (of the current
         epoch) on, continuing into the next epochs: each right after the batch that ends its accumulation.
 
@@ -212,7 +213,12 @@ class Cadence:
         ``accumulate_grad_batches``-th batch of an epoch, and after the epoch's last batch (the
         ``num_training_batches``-th) unless the strategy accumulates gradients itself. With
         ``num_training_batches`` unknown (``inf``) the epoch's end cannot be foreseen: every step is taken as full.
+        Under manual optimization ``trainer.global_step`` counts every ``optimizer.step()`` of a batch (two for a
+        module with two optimizers): there ``steps_per_batch``, the steps a batch was seen to take, gives
+        ``count * steps_per_batch``.
         """
+        if steps_per_batch is not None:
+            return count * steps_per_batch
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         num_batches = float(getattr(trainer, "num_training_batches", math.inf))
         step_on_last = not getattr(getattr(trainer, "strategy", None), "handles_gradient_accumulation", False)
@@ -228,14 +234,23 @@ class Cadence:
 def validations_per_epoch(trainer: pl.Trainer) -> float:
     """How many validation runs a training epoch of ``trainer.fit`` holds (``inf`` for an epoch of unknown length that
     validates every ``val_check_interval`` batches; ``1`` when validation runs at epoch ends or not at all), from
-    what Lightning sets up when training starts (``val_check_batch``, ``num_training_batches``)."""
+    what Lightning sets up when training starts (``val_check_batch``, ``num_training_batches``).
+
+    With ``check_val_every_n_epoch=None`` Lightning counts the ``val_check_interval`` batches across epochs, so an
+    epoch of ``n`` batches with an interval ``k`` that does not divide it holds up to ``(n + k - gcd(n, k)) // k``
+    validation runs (``n=6``, ``k=4``: one in the first epoch, two in the second), not ``n // k``."""
     every = getattr(trainer, "val_check_batch", None)
     batches = getattr(trainer, "num_training_batches", None)
     if not getattr(trainer, "enable_validation", False) or not isinstance(every, (int, float)) or math.isinf(every):
         return 1.0
     if not isinstance(batches, (int, float)) or every <= 0:
         return 1.0
-    return math.inf if math.isinf(batches) else float(max(1, int(batches // every)))
+    if math.isinf(batches):
+        return math.inf
+    n, k = int(batches), int(every)
+    if getattr(trainer, "check_val_every_n_epoch", 1) is None and n > 0 and k == every:
+        return float(max(1, (n + k - math.gcd(n, k)) // k))
+    return float(max(1, n // k))
 
 
 def builds_layers_later(pl_module: Any) -> bool:
@@ -377,6 +392,22 @@ class CurveMonitor(RankCallback):
         """Whether this epoch (or evaluation run) is monitored (:meth:`Cadence.due`)."""
         return self.cadence.due(trainer)
 
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A fresh ``fit`` (no optimizer step taken, no checkpoint to resume) of a monitor whose curves hold trained
+        points of an earlier fit (the same instance given to a second Trainer) starts new curves, with an initial
+        point of its own; a ``fit`` that continues (``max_epochs`` raised on the same Trainer) keeps them."""
+        fresh = (
+            str(getattr(stage, "value", stage)) == "fit"
+            and getattr(trainer, "global_step", 0) == 0
+            and not getattr(trainer, "ckpt_path", None)
+        )
+        trained = [point for point in self.curves.epochs if point != self.curves.initial_point]
+        if fresh and trained:
+            self.curves.restart()
+            self.info(f"a fresh fit: the curves start anew, without the {len(trained)} point(s) of the earlier fit")
+        super().setup(trainer, pl_module, stage)
+
     def initial_point_due(self, trainer: pl.Trainer) -> bool:
         """Whether to measure the untrained model now: ``log_at_init``, a ``fit`` before its first optimizer step
         (not one resumed from a checkpoint), and no initial point (epoch ``-1`` or step ``0``) recorded yet."""
@@ -443,10 +474,21 @@ class CurveMonitor(RankCallback):
         )
         self.warn_once(("cadence",), message)
 
+    def _check_validation_runs(self, trainer: pl.Trainer) -> None:
+        """Warn when ``limit_val_batches=0`` turns validation off, so that a monitor measuring there never measures."""
+        limit = getattr(trainer, "limit_val_batches", None)
+        if self.measures_validation_only() and isinstance(limit, (int, float)) and limit == 0:
+            message = (
+                f"limit_val_batches={limit!r}: this fit runs no validation, so this monitor measures nothing in it; "
+                "allow some validation batches, or measure the training batches (stage='train') where offered."
+            )
+            self.warn_once(("no validation",), message)
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._check_validation_cadence(trainer)
+        self._check_validation_runs(trainer)
         # RANK_LIGHTNING_FIGURE_WORKERS is read now: a bad value is an error when the fit starts, not at its end. The
         # workers themselves are started at the first record (LayerCurves), when the number of figures is known.
         if trainer.is_global_zero:

@@ -297,6 +297,8 @@ class ClassificationDimension(RankCallback):
         self.deficit_eta = deficit_eta
         self.deficit_classes = _class_indices(deficit_classes)
         self.deficit_fit_on = check_choice("deficit_fit_on", deficit_fit_on, _FIT_ON)
+        if isinstance(class_names, str):  # list("cat") would name the classes "c", "a", "t"
+            raise ValueError(f"class_names must be a sequence of names, one per class, got the string {class_names!r}")
         self.class_names = None if class_names is None else list(class_names)
         self.result: ClassificationDimensionResult | None = None
         self.deficit: Deficit | None = None

@@ -456,17 +456,26 @@ class LayerCurves:
         self.wandb_charts = wandb_charts
         self.wandb_charts_every_n_epochs = wandb_charts_every_n_epochs
         self.max_depth_curves = max_depth_curves
+        self._x_axis_at_start = self.x_axis
+        self._logged_keys: set[str] = set()
+        self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
+        self._references: dict[str, Reference] = {}
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget the history, as a new object would hold none: for a fresh ``fit`` (another Trainer, or another
+        model) of a monitor whose curves hold an earlier fit's points, which would otherwise mix with the new ones
+        (the initial point of the earlier model kept, its epochs overwritten one by one). The curve file written so
+        far stays on disk."""
+        self.x_axis = self._x_axis_at_start
         self._history: History = {}
         self._layers: list[str] = []
         self._metrics: list[str] = []
         self._checkpoint_point: tuple[int, int] | None = None
-        self._facts: dict[str, Any] = {} if x_axis == "epoch" else {"x_axis": x_axis}
+        self._facts: dict[str, Any] = {} if self.x_axis == "epoch" else {"x_axis": self.x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
         self._charted_epochs: list[int] | None = None
-        self._logged_keys: set[str] = set()
-        self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
-        self._references: dict[str, Reference] = {}
         # Set by load_state_dict: the epochs that held values before loading, and whether the first recorded epoch of
         # the fit that follows is still to be checked for a rewind.
         self._before_loading: History = {}

@@ -59,9 +59,10 @@ class NeuralCollapseMonitor(CurveMonitor):
     ``neural_collapse_curves.json`` go to ``<run dir>/rank_curves/``
     (:class:`~rank_lightning.callbacks.curves.LayerCurves`). A value that cannot be computed is logged as NaN
     (non-finite features; fewer than two classes; for NC1 and NC4, class means that coincide up to rounding, which a
-    warning names; no head weight for NC3) and never stops training. The class sums are kept in float64, and NC1 drops
-    the between-class directions at the rounding level of the precision the features were computed in
-    (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`).
+    warning names; no head weight for NC3) and never stops training. A class of the head without a sample among the
+    measured ones is left out of every metric (C counts the classes present), with a warning naming it. The class
+    sums are kept in float64, and NC1 drops the between-class directions at the rounding level of the precision the
+    features were computed in (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`).
 
     Args:
         head: the classifier head on the LightningModule (module path, block name or glob matching one module);
@@ -207,16 +208,37 @@ class NeuralCollapseMonitor(CurveMonitor):
             self.warn_once(("passes differ",), f"{error}; neural collapse is logged as NaN")
             return dict.fromkeys(self.metrics, math.nan)
         self.curves.describe(samples=self.result.num_samples)
+        self._warn_absent_classes(metric)
         undefined = [name for name in ("nc1", "nc4") if name in self.metrics]
-        if undefined and metric.between_class_rank == 0 and bool(torch.isfinite(metric.class_sums).all()):
-            dtype = str(metric.input_dtype or torch.float64).removeprefix("torch.")
-            message = (
-                f"the class means of the input of {self._head_path!r} differ by no more than the rounding of its "
-                f"{dtype} features (their centred means span no direction above max(C, d) * eps * max_c ||mu_c||): "
-                f"{' and '.join(undefined)} are logged as NaN until the classes separate"
-            )
-            self.warn_once(("no between-class directions",), message)
+        if undefined and self.result.num_classes >= 2 and metric.between_class_rank == 0:
+            if bool(torch.isfinite(metric.class_sums).all()):
+                dtype = str(metric.input_dtype or torch.float64).removeprefix("torch.")
+                message = (
+                    f"the class means of the input of {self._head_path!r} differ by no more than the rounding of "
+                    f"its {dtype} features (their centred means span no direction above max(C, d) * eps * max_c "
+                    f"||mu_c||): {' and '.join(undefined)} are logged as NaN until the classes separate"
+                )
+                self.warn_once(("no between-class directions",), message)
         return self.result.as_dict(self.metrics)
+
+    def _warn_absent_classes(self, metric: NeuralCollapseStatistics) -> None:
+        """Name the head's classes that the measured samples do not hold: the metrics are over the others only."""
+        absent = metric.absent_classes or []
+        if not absent:
+            return
+        present = metric.num_classes - len(absent)
+        if present < 2:
+            effect = f"with {present} class every metric is NaN (neural collapse compares two classes or more)"
+        else:
+            effect = (
+                f"the metrics cover the other {present} only (C = {present}: nc2's simplex angle is -1/{present - 1}; "
+                "nc4 counts a sample the head assigns to an absent class as a disagreement)"
+            )
+        message = (
+            f"the measured validation samples hold no sample of classes {absent} of the head's {metric.num_classes}: "
+            f"{effect}; measure more samples (max_samples) or a loader that holds every class"
+        )
+        self.warn_once(("absent classes", tuple(absent)), message)
 
     def _stream(
         self,

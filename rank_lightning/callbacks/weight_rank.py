@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -130,7 +131,8 @@ class WeightRankMonitor(CurveMonitor):
         every_n_train_steps: monitor right after every this many optimizer steps instead (counting optimizer steps,
             not the micro-batches of gradient accumulation); the curves are then keyed by ``trainer.global_step``
             (figures, charts ``weight_curves/<metric>_vs_step``, ``step_XXXXXXXX.npz``) and the initial point is step
-            ``0``. Setting both cadences is an error.
+            ``0``. Under manual optimization a batch takes one step per ``optimizer.step()``; a batch whose steps pass
+            a multiple of N is measured at the step it ends on. Setting both cadences is an error.
         rank_tolerance: relative tolerance ``eps`` of the numerical rank; ``None`` is the default of
             ``tolerance_dtype``: ``finfo(float32).eps * K`` (Feng et al. eq. 4), for bfloat16 and float16 their
             ``eps`` (:func:`~rank_lightning.functional.default_rank_tolerance`).
@@ -396,7 +398,7 @@ class WeightRankMonitor(CurveMonitor):
         names = self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         run = str(getattr(stage, "value", stage))
-        if run in ("validate", "test"):
+        if run in ("validate", "test", "predict"):
             # Weights are measured during fit: an evaluation run leaves them as the fit or the checkpoint has them.
             self.info(f"trainer.{run} is not monitored (weights are measured during fit)")
         else:
@@ -444,8 +446,10 @@ class WeightRankMonitor(CurveMonitor):
         if self.cadence.by_step:
             # The last measurement stayed one batch (every callback's batch end saw it once); a new one may come.
             self.curves.clear_stale_metrics(trainer)
+        # A batch that took a step reaching a multiple of every_n_train_steps: under manual optimization a batch can
+        # take several steps (one per optimizer) and pass over the multiple (2 -> 4 over 3).
         step, every = trainer.global_step, self.cadence.every_n_train_steps
-        if every is None or step == 0 or step % every or step in (self._step_at_batch_start, self._last_monitored_step):
+        if every is None or step // every == self._step_at_batch_start // every or step == self._last_monitored_step:
             return
         self._last_monitored_step = step
         self._monitor(trainer, pl_module)
@@ -490,7 +494,15 @@ class WeightRankMonitor(CurveMonitor):
         directory = self.curves.figure_dir(trainer) / "weight_singular_values"
         directory.mkdir(parents=True, exist_ok=True)
         at = f"step_{point:08d}" if self.curves.x_axis == "step" else f"epoch_{point:04d}"
-        np.savez_compressed(directory / f"{at}.npz", **arrays)
+        # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole.
+        path = directory / f"{at}.npz"
+        partial = path.with_name(f".{path.name}.partial")
+        try:
+            with open(partial, "wb") as handle:
+                np.savez_compressed(handle, **arrays)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
         loggers = wandb_loggers(trainer)
         if loggers:
             import wandb

@@ -57,6 +57,7 @@ from rank_lightning.functional.streaming import (
 from rank_lightning.validation import (
     check_choice,
     check_choices,
+    check_int,
     check_positive,
     check_positive_int,
     check_positive_ints,
@@ -392,6 +393,8 @@ class ActivationSpectrum(Metric):
         check_choice("classwise_center", classwise_center, (False, True))
         self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
         self._set_fallback(max_gram_features, max_samples, fallback, memory_budget_mb)
+        # Checked here: the seed is first used by a fallback's first draw, possibly hours into the fit.
+        check_int("seed", seed)
         self.seed, self._given_num_features = seed, num_features
         self._num_features: int | None = None
         self._generator: torch.Generator | None = None

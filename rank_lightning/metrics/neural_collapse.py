@@ -102,6 +102,14 @@ class NeuralCollapseStatistics(Metric):
         ``0`` leaves NC1 and NC4 undefined (NaN)."""
         return None if self._directions is None else int(self._directions.shape[1])
 
+    @property
+    def absent_classes(self) -> list[int] | None:
+        """The classes without a sample in the first pass, summed over all processes (``None`` before
+        :meth:`start_second_pass`): every metric leaves them out, and ``C`` counts the others."""
+        if self._present is None:
+            return None
+        return sorted(set(range(self.num_classes)) - set(self._present.tolist()))
+
     def update(self, features: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:
         """Add a batch: ``(B, d)`` features, ``(B,)`` labels in ``[0, C)``, optionally ``(B, C)`` logits (NC4).
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
-from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
+from tests.spawned import SpawnedDDP
 
 WORLD_SIZE = 2
 BATCH_SIZE = 8
@@ -60,7 +60,7 @@ def loader(num_samples: int = NUM_SAMPLES, shuffle: bool = False) -> torch.utils
 
 def _validating_trainer(devices: int, monitor: pl.Callback, **options: Any) -> pl.Trainer:
     """A quiet CPU Trainer with ``monitor`` on ``devices`` spawned DDP processes (one: no DDP)."""
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    strategy = SpawnedDDP(timeout=timedelta(seconds=60)) if devices > 1 else "auto"
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -118,7 +118,7 @@ def _fitting_trainer(root: Path, devices: int, monitor: pl.Callback, **options: 
     # The side layer never reaches the loss: DDP must be told that some parameters get no gradient.
     strategy = "auto"
     if devices > 1:
-        strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60), find_unused_parameters=True)
+        strategy = SpawnedDDP(timeout=timedelta(seconds=60), find_unused_parameters=True)
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,

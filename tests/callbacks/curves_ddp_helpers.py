@@ -1,12 +1,16 @@
 """Model, callbacks and run of the DDP test of :func:`~rank_lightning.callbacks.curves.log_rank_equal`.
 
-Kept apart from the test module so that spawned workers import only torch, Lightning, rank_lightning and the small
-helper modules.
+Run as ``python -m tests.callbacks.curves_ddp_helpers ROOT``: Lightning's ``ddp`` strategy starts the second process
+by running the same command, and each process leaves by ``os._exit`` once its files are written. A spawned worker
+(``ddp_spawn``) could abort at interpreter teardown after its work was done ("terminate called without an active
+exception" from a native thread of the process group), which failed the test at random.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -61,7 +65,7 @@ class WarningLog(pl.Callback):
 
 
 def _trainer(root: Path, callbacks: list, **options) -> pl.Trainer:
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60))
+    strategy = DDPStrategy(timeout=timedelta(seconds=60))
     return pl.Trainer(
         accelerator="cpu",
         devices=WORLD_SIZE,
@@ -77,11 +81,11 @@ def _trainer(root: Path, callbacks: list, **options) -> pl.Trainer:
     )
 
 
-def fit_and_validate(root: Path) -> dict[str, list[str]]:
-    """A 2-epoch DDP fit (curves, adversarial validation), then a DDP validate (classification dimension).
+def fit_and_validate(root: Path) -> None:
+    """A 2-epoch DDP fit (curves, adversarial validation), then a DDP validate (classification dimension); each process
+    writes the texts of the warnings it emitted to ``<stage>_rank<r>.json`` in ``root`` (see :func:`warnings_of`).
 
-    Returns:
-        ``"<stage>_rank<r>" -> texts of the warnings that process emitted``.
+    In the process that started the other, waits for it; then leaves at once (module docstring).
     """
     generator = torch.Generator().manual_seed(0)
     pixels = torch.rand(32, *SHAPE, generator=generator)  # in [0, 1], as the attacks expect
@@ -89,7 +93,22 @@ def fit_and_validate(root: Path) -> dict[str, list[str]]:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(pixels, labels), batch_size=8)
     model = ProbedNet()
     adversarial = AdversarialValidation(eps=[2 / 255], attacks=["fgsm"], max_samples=16, verbose=False)
-    _trainer(root, [EqualCurves(), adversarial], max_epochs=2).fit(model, loader, loader)
+    trainer = _trainer(root, [EqualCurves(), adversarial], max_epochs=2)
+    trainer.fit(model, loader, loader)
     dimension = ClassificationDimension(ks=[1, 2], verbose=False)
     _trainer(root, [dimension], inference_mode=False).validate(model, loader, verbose=False)
+    status = 0
+    for process in getattr(trainer.strategy.launcher, "procs", []):
+        status = status or process.wait(timeout=120)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def warnings_of(root: Path) -> dict[str, list[str]]:
+    """``"<stage>_rank<r>" -> texts of the warnings that process emitted`` (written by :func:`fit_and_validate`)."""
     return {path.stem: json.loads(path.read_text()) for path in sorted(root.glob("*_rank*.json"))}
+
+
+if __name__ == "__main__":
+    fit_and_validate(Path(sys.argv[1]))

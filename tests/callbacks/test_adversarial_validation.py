@@ -22,6 +22,7 @@ from rank_lightning.data import DigitsDataModule
 from rank_lightning.modules import ImageClassifier
 from tests.callbacks.trainer_helpers import quiet_trainer, torch_threads
 from tests.callbacks.wandb_helpers import offline_run_history
+from tests.spawned import SpawnedDDP
 
 EPS = (0.0, 2 / 255, 8 / 255, 16 / 255)
 
@@ -500,7 +501,7 @@ def _single_and_two_processes(tmp_path: Path, model: nn.Module, settings: dict[s
     single = _validate(tmp_path / "single", model, AdversarialValidation(**settings))
     callback = AdversarialValidation(**settings)
     trainer = _trainer(
-        tmp_path, [callback, _SaveMetrics(str(tmp_path))], inference_mode=False, strategy="ddp_spawn", devices=2
+        tmp_path, [callback, _SaveMetrics(str(tmp_path))], inference_mode=False, strategy=SpawnedDDP(), devices=2
     )
     trainer.validate(model, datamodule=_datamodule())
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -159,3 +159,62 @@ def test_a_window_resumed_inside_is_named(tmp_path: Path) -> None:
     # The curve file of the first fit holds step 16, which the resumed fit measures again: said in steps.
     assert any("checkpoint older than the recorded curves; steps 16 are trained again" in m for m in messages)
     assert resumed.curves.history[16]["net.0"]["spectrum_rows"] == 2 * BATCH_SIZE
+
+
+class _TwoOptimizers(SmallClassifier):
+    """Manual optimization with two optimizers stepped in every batch (as a GAN's): ``global_step`` advances by 2."""
+
+    def __init__(self) -> None:
+        super().__init__((5, 4, NUM_CLASSES), activation=nn.Tanh, seed=0)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+        for optimizer in optimizers:
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        first, rest = list(self.net[0].parameters()), list(self.net[2].parameters())
+        return [torch.optim.SGD(first, lr=self.lr), torch.optim.SGD(rest, lr=self.lr)]
+
+
+def _fit_manual(tmp_path: Path, callbacks: list, batches: int = 6) -> TrainBatches:
+    generator = torch.Generator().manual_seed(1)
+    n = batches * BATCH_SIZE
+    x, y = torch.randn(n, 5, generator=generator), torch.arange(n) % NUM_CLASSES
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH_SIZE)
+    record = TrainBatches()
+    trainer = quiet_trainer([record, *callbacks], max_epochs=2, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(_TwoOptimizers(), train_dataloaders=loader)
+    assert trainer.global_step == 4 * batches  # two steps per batch, two epochs
+    return record
+
+
+def test_manual_optimization_windows_stream_the_batches_before_each_step(tmp_path: Path) -> None:
+    monitor = ActivationRankMonitor(
+        layers=["net.0"], every_n_train_steps=4, window_batches=2, log_at_init=False, verbose=False
+    )
+    with pytest.warns(UserWarning, match=r"window of step 4 streamed 1 of window_batches=2") as caught:
+        record = _fit_manual(tmp_path, [monitor])
+    # Only the first window, planned before a batch's two steps were seen, is short; the warning says why.
+    assert any("each batch took 2 optimizer steps" in message for message in _short_window_warnings(caught))
+    steps = list(range(4, 25, 4))
+    assert monitor.curves.epochs == steps
+    for step in steps:
+        size = 1 if step == 4 else 2
+        rows = torch.cat([record.batches[i]["output"] for i in record.window(step, size)])
+        logged = monitor.curves.history[step]["net.0"]
+        assert logged["spectrum_rows"] == size * BATCH_SIZE, step
+        assert logged["participation_ratio"] == pytest.approx(float(participation_ratio(rows)), rel=1e-9), step
+
+
+def test_manual_optimization_weights_are_measured_after_each_multiple_passed(tmp_path: Path) -> None:
+    from rank_lightning.callbacks import WeightRankMonitor
+
+    monitor = WeightRankMonitor(layers=["net.0"], every_n_train_steps=3, verbose=False)
+    _fit_manual(tmp_path, [monitor], batches=3)
+    # Steps 2, 4, ..., 12: the batches ending at 4, 6, 10 and 12 reach or pass 3, 6, 9 and 12.
+    assert [step for step in monitor.curves.epochs if step > 0] == [4, 6, 10, 12]

@@ -352,3 +352,10 @@ def test_its_own_pass_gives_the_batch_transfer_hook_the_whole_batch(tmp_path):
     expected = classification_dimension(features, val.tensors[1][:20], model.head, threshold=0.9)
     assert callback.result.cls_dim == expected.cls_dim
     assert callback.result.accuracies == pytest.approx(expected.accuracies)
+
+
+def test_class_names_given_as_one_string_is_refused() -> None:
+    message = "class_names must be a sequence of names, one per class, got the string 'cat'"
+    with pytest.raises(ValueError, match=message):
+        ClassificationDimension(class_names="cat")
+    assert ClassificationDimension(class_names=("cat", "dog")).class_names == ["cat", "dog"]

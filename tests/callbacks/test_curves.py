@@ -1,6 +1,8 @@
 import csv
 import json
 import math
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -334,9 +336,12 @@ def test_max_depth_curves_is_validated(bad):
 
 @pytest.mark.slow
 def test_two_process_ddp_gives_no_sync_dist_advice_for_values_equal_on_every_rank(tmp_path):
-    from tests.callbacks.curves_ddp_helpers import ADVICE, fit_and_validate
+    from tests.callbacks.curves_ddp_helpers import ADVICE, warnings_of
 
-    caught = fit_and_validate(tmp_path)
+    command = [sys.executable, "-m", "tests.callbacks.curves_ddp_helpers", str(tmp_path)]
+    run = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], timeout=600, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    caught = warnings_of(tmp_path)
     assert set(caught) == {f"{stage}_rank{rank}" for stage in ("fit", "validate") for rank in (0, 1)}
     advice = [text for texts in caught.values() for text in texts if text.startswith(ADVICE)]
     # The model's own unreduced key is still advised about (so the warnings were recorded); none of the callbacks'.

@@ -2,6 +2,7 @@
 give the real reason, the memory plan is printed once, captions name the tolerance's dtype."""
 
 import logging
+import math
 import warnings
 from typing import Any
 
@@ -112,6 +113,66 @@ def test_a_cadence_that_meets_validation_seldom_is_named(tmp_path):
             SmallClassifier(), small_loader(), small_loader()
         )
     assert aligned.curves.epochs == [3]
+
+
+@pytest.mark.parametrize("limit", [0, 0.0])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ActivationRankMonitor(layers=["net.1"], log_at_init=False, verbose=False),
+        lambda: NeuralCollapseMonitor(log_at_init=False, verbose=False),
+        lambda: JacobianRankMonitor(verbose=False),
+    ],
+    ids=["activation", "neural_collapse", "jacobian"],
+)
+def test_a_fit_without_validation_is_named_by_every_validation_monitor(tmp_path, make, limit):
+    monitor = make()
+    trainer = quiet_trainer([monitor], max_epochs=2, limit_val_batches=limit, default_root_dir=tmp_path)
+    message = rf"{type(monitor).__name__}: limit_val_batches={limit!r}: this fit runs no validation"
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(SmallClassifier(), small_loader(), small_loader())
+    assert not monitor.curves.epochs
+
+
+def test_a_fit_without_validation_warns_no_monitor_that_measures_elsewhere(tmp_path):
+    monitors = [
+        ActivationRankMonitor(layers=["net.1"], stage="train", log_at_init=False, verbose=False),
+        WeightRankMonitor(log_at_init=False, verbose=False),
+    ]
+    trainer = quiet_trainer(monitors, max_epochs=2, limit_val_batches=0, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs no validation.*")
+        trainer.fit(SmallClassifier(), small_loader(), small_loader())
+    assert [m.curves.epochs for m in monitors] == [[0, 1], [0, 1]]
+
+
+def test_a_dead_layer_is_named_with_what_it_logs(tmp_path):
+    model = SmallClassifier(lr=0.0)
+    with torch.no_grad():
+        model.net[0].weight.zero_()
+        model.net[0].bias.fill_(-1.0)  # every input of the ReLU net.1 is -1: its outputs are all zero
+    monitor = ActivationRankMonitor(layers=["net.0", "net.1"], log_at_init=False, verbose=False, num_classes=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(tmp_path, monitor, model, epochs=1)
+    dead = [str(w.message) for w in caught if "gave only zeros" in str(w.message)]
+    assert len(dead) == 1 and dead[0].startswith("ActivationRankMonitor: layer 'net.1' gave only zeros at epoch 0")
+    values = monitor.curves.history[0]["net.1"]
+    assert values["numerical_rank"] == 0 and values["effective_rank"] == 0
+    assert math.isnan(values["variance_ratio_1"]) and math.isnan(values["tcv_normalized"])
+    assert monitor.curves.history[0]["net.0"]["numerical_rank"] == 1  # the constant rows -1 before the ReLU
+
+
+def test_a_constant_layer_measured_centred_is_named_with_what_it_logs(tmp_path):
+    model = SmallClassifier(lr=0.0)
+    with torch.no_grad():
+        model.net[0].weight.zero_()  # net.0 gives its bias for every input
+    monitor = ActivationRankMonitor(layers=["net.0"], center=True, log_at_init=False, verbose=False)
+    message = r"layer 'net.0' gave the same output for every input at epoch 0 \(a constant layer; centred, it is zero\)"
+    with pytest.warns(UserWarning, match=message):
+        _fit(tmp_path, monitor, model, epochs=1)
+    values = monitor.curves.history[0]["net.0"]
+    assert values["numerical_rank"] == 0 and math.isnan(values["variance_ratio_1"])
 
 
 class _RefusesLoaderBatches(SmallClassifier):

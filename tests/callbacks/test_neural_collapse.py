@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,41 @@ def test_class_means_that_differ_by_rounding_only_log_nc1_and_nc4_as_nan_with_a_
         trainer.validate(_Features(), loader)
     assert math.isnan(monitor.result.nc1) and math.isnan(monitor.result.nc4)
     assert math.isfinite(monitor.result.cdnv)
+
+
+def _features_loader(x: torch.Tensor, y: torch.Tensor) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10)
+
+
+def test_a_class_absent_from_the_validation_data_is_named_and_left_out(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    y = torch.tensor([0, 2, 3] * 10)  # class 1 of the head's 4 has no sample
+    x = 3.0 * nn.functional.one_hot(y, 32) + torch.randn(30, 32, generator=generator)
+    model = _Features()
+    monitor = NeuralCollapseMonitor(verbose=False)
+    message = r"no sample of classes \[1\] of the head's 4: the metrics cover the other 3 only \(C = 3"
+    with pytest.warns(UserWarning, match=message):
+        quiet_trainer([monitor], default_root_dir=tmp_path).validate(model, _features_loader(x, y))
+    with torch.no_grad():
+        predictions = model.fc(x).argmax(dim=1)
+    expected = neural_collapse(x, y, num_classes=4, head_weight=model.fc.weight, predictions=predictions)
+    assert monitor.result.num_classes == 3
+    for key in NC_METRICS:
+        assert monitor.result.as_dict()[key] == pytest.approx(expected.as_dict()[key], rel=1e-9), key
+
+
+def test_one_class_only_is_named_as_the_reason_for_nan(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 32, generator=generator), torch.full((10,), 2)
+    monitor = NeuralCollapseMonitor(verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([monitor], default_root_dir=tmp_path).validate(_Features(), _features_loader(x, y))
+    messages = [str(w.message) for w in caught if "NeuralCollapseMonitor" in str(w.message)]
+    named = "no sample of classes [0, 1, 3] of the head's 4: with 1 class every metric is NaN"
+    assert any(named in m for m in messages)
+    assert not any("differ by no more than the rounding" in m for m in messages)  # not the reason here
+    assert all(math.isnan(value) for value in monitor.result.as_dict().values())
 
 
 class _TwoViews(_Classifier):

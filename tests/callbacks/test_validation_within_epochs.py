@@ -115,6 +115,45 @@ def test_resuming_epoch_keyed_curves_with_several_validations_per_epoch_warns(tm
     assert resumed.curves.x_axis == "epoch" and resumed.curves.epochs == [-1, 0, 1]
 
 
+def test_an_interval_counted_across_epochs_keeps_every_validation(tmp_path: Path) -> None:
+    # check_val_every_n_epoch=None: validation after every 5th batch of the fit, batches 5, 10 and 15 of two epochs
+    # of 8: one in the first epoch and two in the second, which keyed by epoch would leave one point for both.
+    activations, weights = _monitors()
+    logger, model = RecordingLogger(), _model()
+    options = dict(val_check_interval=5, check_val_every_n_epoch=None, logger=logger, default_root_dir=tmp_path)
+    _fit([activations, weights], model, 2, **options)
+    for monitor in (activations, weights):
+        assert monitor.curves.x_axis == "step"
+        assert monitor.curves.epochs == [0, 5, 10, 15]
+    logged = {(step, key): value for step, metrics in logger.calls for key, value in metrics.items()}
+    ratios = [activations.curves.history[step]["net.0"]["participation_ratio"] for step in (5, 10, 15)]
+    assert ratios == [logged[(step, "rank/net.0/participation_ratio")] for step in (5, 10, 15)]
+    assert len(set(ratios)) == 3
+
+
+@pytest.mark.parametrize(
+    ("check_batch", "batches", "every_n_epoch", "expected"),
+    [
+        (5, 8, None, 2.0),  # batches 5 | 10, 15 | 20 | 25, 30 | ...: two in every other epoch
+        (4, 6, None, 2.0),  # batches 4 | 8, 12 | 16 | ...
+        (3, 8, None, 3.0),  # batches 3, 6 | 9, 12, 15 | ...
+        (4, 8, None, 2.0),
+        (6, 4, None, 1.0),  # batches 6 (second epoch) | 12 (third) | ...: never two in one epoch
+        (5, 8, 1, 1.0),  # counted within each epoch: batch 5 only
+    ],
+)
+def test_validations_per_epoch_of_an_interval_counted_across_epochs(
+    check_batch: int, batches: int, every_n_epoch: int | None, expected: float
+) -> None:
+    trainer = SimpleNamespace(
+        val_check_batch=check_batch,
+        num_training_batches=batches,
+        enable_validation=True,
+        check_val_every_n_epoch=every_n_epoch,
+    )
+    assert validations_per_epoch(trainer) == expected
+
+
 @pytest.mark.parametrize(
     ("check_batch", "batches", "enabled", "expected"),
     [

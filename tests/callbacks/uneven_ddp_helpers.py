@@ -12,7 +12,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
 from rank_lightning.callbacks import (
@@ -25,6 +24,7 @@ from rank_lightning.callbacks import (
 )
 from rank_lightning.functional.neural_collapse import NC_METRICS
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
+from tests.spawned import SpawnedDDP
 
 NUM_CLASSES = 3
 # Odd: Lightning's DistributedSampler gives each of two processes 31 validation and 34 training samples, the second
@@ -122,7 +122,7 @@ def _fit_and_read(
 ) -> list[dict]:
     """Fit ``model`` for ``epochs`` on ``devices`` spawned CPU processes (one: no DDP); the file each process's saving
     callback wrote."""
-    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    strategy = SpawnedDDP(timeout=timedelta(seconds=60)) if devices > 1 else "auto"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,

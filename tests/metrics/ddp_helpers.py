@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rank_lightning.metrics import ActivationSpectrum
+from tests.spawned import leave
 
 DDP_CONFIGS = {
     "gram": {"num_classes": 4, "center": "both", "num_features": 24},
@@ -56,8 +57,10 @@ def _in_group(results: Callable[[int, int], object], rank: int, world: int, init
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save(results(rank, world), Path(out_dir) / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave()
 
 
 def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:

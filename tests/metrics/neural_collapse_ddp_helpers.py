@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rank_lightning.metrics import NeuralCollapseStatistics
+from tests.spawned import leave
 
 
 def mixture(n: int = 360, d: int = 10, classes: int = 4, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -42,5 +43,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save(stream(rank, world), Path(out_dir) / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave()

@@ -399,6 +399,10 @@ def test_labels_are_validated_and_ignored_without_classes() -> None:
         ({"variance_ratio_ks": (0, 2)}, "variance_ratio_ks"),
         ({"max_samples": 0}, "max_samples"),
         ({"memory_budget_mb": 0}, "memory_budget_mb"),
+        # The seed is first used by a fallback's first draw: a bad one must fail here, not mid-fit.
+        ({"seed": "3"}, r"seed must be an integer, got '3'"),
+        ({"seed": 2.5}, r"seed must be an integer, got 2\.5"),
+        ({"seed": True}, r"seed must be an integer, got True"),
     ],
 )
 def test_invalid_arguments(kwargs: dict, match: str) -> None:
