@@ -451,13 +451,8 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _warn_pooled_loaders(self, count: int, kind: str) -> None:
         """Say once that the rows of several validation (or test) loaders make one spectrum, not one per loader."""
-        if count > 1:
-            message = (
-                f"{count} {kind} dataloaders: their activations are pooled into one spectrum per layer (the rows of "
-                "every loader together), not measured per loader. To measure one data set, give the Trainer that "
-                "loader alone, or run trainer.validate once per loader."
-            )
-            self.warn_once(("pooled loaders", kind), message)
+        pooled = "their activations are pooled into one spectrum per layer (the rows of every loader together)"
+        self.warn_pooled_loaders(count, kind, pooled)
 
     # The test batches are read as the validation batches are (the stream is the validation-data one).
     on_test_batch_start = on_validation_batch_start

@@ -26,7 +26,7 @@ from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, tr
 from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure, save_figure
-from rank_lightning.sampling import limit_to_own_samples, process_share
+from rank_lightning.sampling import own_samples, process_share
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
 __all__ = ["AdversarialValidation", "grey_levels"]
@@ -110,11 +110,12 @@ class AdversarialValidation(RankCallback):
 
     When (:class:`~rank_lightning.callbacks.base.Cadence`): in the validation of every ``every_n_epochs``-th epoch of
     ``fit`` (``(epoch + 1) % every_n_epochs == 0``, among the epochs that validate; sanity checks are skipped), in
-    every ``trainer.validate`` run and, with keys under ``adv_test/``, in every ``trainer.test`` run. The first
-    validation dataloader's batches are collected in ``on_validation_batch_end`` (inputs and labels, detached, on the
-    module's device) until ``max_samples`` are held by all processes together (process ``r`` of ``W`` keeps at most
+    every ``trainer.validate`` run and, with keys under ``adv_test/``, in every ``trainer.test`` run. The validation
+    (test) batches are collected in ``on_validation_batch_end`` (inputs and labels, detached, on the module's device)
+    until ``max_samples`` are held by all processes together (process ``r`` of ``W`` keeps at most
     ``max_samples // W``, plus one if ``r < max_samples % W``); the attacks run in ``on_validation_epoch_end``, in
-    chunks of ``batch_size``.
+    chunks of ``batch_size``. Several dataloaders are pooled: their samples, in loader order, make one attacked set,
+    with a warning (with ``max_samples``, a first loader that holds as many fills it alone).
 
     Budgets are in pixel units: the attacks un-normalise the inputs with the per-channel ``mean`` and ``std``,
     perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
@@ -146,7 +147,8 @@ class AdversarialValidation(RankCallback):
             gives the clean accuracy.
         attacks: names among ``fgsm``, ``iter_fgsm``, ``iter_ll_fgsm``.
         every_n_epochs: attack in every this many epochs of ``fit``.
-        max_samples: inputs attacked per evaluation, all processes together; ``None`` for the whole validation set.
+        max_samples: inputs attacked per evaluation, all processes together (the first, in loader order); ``None``
+            for the whole validation set.
         batch_size: inputs attacked at once.
         layer: layer of ``D_Adv`` (its output is read), in the syntax every callback accepts
             (:func:`~rank_lightning.layers.select_layers`): a block name of ``pl_module.blocks()``, a module name of
@@ -247,6 +249,8 @@ class AdversarialValidation(RankCallback):
         self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._active: str | None = None
         self._remaining = 0
+        self._own: list[int | None] = []  # per loader: the samples that are not DistributedSampler repeats
+        self._taken_from: list[int] = []  # per loader: the samples collected
         self._inputs: list[Tensor] = []
         self._labels: list[Tensor] = []
 
@@ -302,18 +306,30 @@ class AdversarialValidation(RankCallback):
         self._inputs, self._labels = [], []
         world, rank = max(trainer.world_size, 1), trainer.global_rank
         limit = process_share(self.max_samples, world, rank)
-        # The samples a DistributedSampler repeats at the end of a process's pass are attacked once.
-        loaders = loader_list(trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders)
-        limit = limit_to_own_samples(limit, next(iter(loaders), None))
         self._remaining = -1 if limit is None else limit
+        loaders = loader_list(trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders)
+        # The samples a DistributedSampler repeats at the end of a process's pass over a loader are attacked once.
+        self._own = [own_samples(loader) for loader in loaders]
+        self._taken_from = [0] * len(loaders)
+        if self._active is not None:
+            kind = "test" if self._active == "test" else "validation"
+            pooled = "their samples are pooled into one attacked set (max_samples takes the first in loader order)"
+            self.warn_pooled_loaders(len(loaders), kind, pooled)
 
     def _collect(self, batch: Any, dataloader_idx: int) -> None:
-        if self._active is None or dataloader_idx != 0 or self._remaining == 0:
+        if self._active is None or self._remaining == 0 or dataloader_idx >= len(self._own):
             return
         inputs, labels = self.reader.split(batch)
-        take = inputs.shape[0] if self._remaining < 0 else min(inputs.shape[0], self._remaining)
+        take, own = inputs.shape[0], self._own[dataloader_idx]
+        if own is not None:
+            take = min(take, own - self._taken_from[dataloader_idx])
+        if self._remaining > 0:
+            take = min(take, self._remaining)
+        if take <= 0:
+            return
         self._inputs.append(inputs[:take].detach().clone())
         self._labels.append(labels[:take].detach().clone())
+        self._taken_from[dataloader_idx] += take
         if self._remaining > 0:
             self._remaining -= take
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +22,19 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
-from rank_lightning.sampling import side_loader
+from rank_lightning.sampling import own_samples, side_loader
 from rank_lightning.validation import check_positive_int
 
 __all__ = [
     "Cadence",
     "CurveMonitor",
     "RankCallback",
+    "RowQuota",
     "first_val_loader",
     "gather_rows",
     "loader_list",
     "trainer_fn",
+    "val_loaders",
     "validations_per_epoch",
 ]
 
@@ -91,6 +93,62 @@ def first_val_loader(trainer: pl.Trainer) -> Any:
     where iterating the loader itself would move the state of its persistent workers or of its resumable position
     (:func:`~rank_lightning.sampling.side_loader`)."""
     return side_loader(next(iter(loader_list(trainer.val_dataloaders)), None))
+
+
+def val_loaders(trainer: pl.Trainer) -> list[Any]:
+    """Every validation dataloader of the trainer, in order, each as :func:`first_val_loader` gives the first one (a
+    copy where a pass of its own would move the loop's iterator), for a callback's own pass over their pooled rows."""
+    return [side_loader(loader) for loader in loader_list(trainer.val_dataloaders)]
+
+
+class RowQuota:
+    """The rows a process takes in one pass over several loaders in turn, whose rows are pooled: the first ``limit``
+    rows in loader order (``None``: all), and of each loader at most its own samples (without the samples that a
+    ``DistributedSampler`` repeats at the end of the process's pass over it:
+    :func:`~rank_lightning.sampling.own_samples`).
+
+    Iterate :meth:`batches` and report the rows taken from each batch with :meth:`took`.
+
+    Args:
+        limit: rows this process takes in all; ``None`` for every row.
+        started: whether the pass may stop before reading a batch; by default a process with nothing to take still
+            reads one batch (to join the collectives of the others with its empty share).
+    """
+
+    def __init__(self, limit: int | None, *, started: bool = False) -> None:
+        self.limit = limit
+        self.taken = 0
+        self._started = started
+        self._own: int | None = None
+        self._taken_from_loader = 0
+
+    def room(self) -> int | None:
+        """The rows that may still be taken from the current loader (``None``: all)."""
+        left = [
+            bound - taken
+            for bound, taken in ((self.limit, self.taken), (self._own, self._taken_from_loader))
+            if bound is not None
+        ]
+        return max(min(left), 0) if left else None
+
+    def took(self, rows: int) -> None:
+        """Count ``rows`` taken from the last batch (``0`` for none)."""
+        self.taken += rows
+        self._taken_from_loader += rows
+        self._started = True
+
+    def batches(self, loaders: Sequence[Any]) -> Iterator[tuple[Any, int | None]]:
+        """``(batch, room)`` for every batch to read, in loader order: at most ``room`` rows (``None``: all) may be
+        taken from the batch's start. A loader is left once its rows are taken, the pass once ``limit`` is reached."""
+        self.taken = 0
+        for loader in loaders:
+            self._own, self._taken_from_loader = own_samples(loader), 0
+            for batch in loader:
+                if self.room() == 0 and self._started:
+                    break
+                yield batch, self.room()
+            if self.limit is not None and self.taken >= self.limit and self._started:
+                return
 
 
 def gather_rows(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -> Tensor:
@@ -308,6 +366,19 @@ class RankCallback(pl.Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._prepare_if_waiting(trainer, pl_module)
+
+    def warn_pooled_loaders(self, count: int, kind: str, pooled: str) -> None:
+        """Say once that the ``count`` validation (or test: ``kind``) dataloaders are measured together, not per loader;
+        ``pooled`` says what their rows make."""
+        if count <= 1:
+            return
+        run = "trainer.test" if kind == "test" else "trainer.validate"
+        message = (
+            f"{count} {kind} dataloaders: {pooled}, not measured per loader; {run} returns these values with the "
+            f"results of every loader. To measure one data set, give the Trainer that loader alone, or run {run} "
+            "once per loader."
+        )
+        self.warn_once(("pooled loaders", kind), message)
 
     def info(self, message: str) -> None:
         """Print ``"<ClassName>: <message>"`` on rank zero when ``verbose``."""

@@ -18,10 +18,12 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import (
     Cadence,
     RankCallback,
+    RowQuota,
     first_call_keeper,
     first_val_loader,
     gather_rows,
     step_inputs,
+    val_loaders,
 )
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
 from rank_lightning.functional.classification import (
@@ -42,7 +44,7 @@ from rank_lightning.layers import (
     random_state_kept,
 )
 from rank_lightning.plotting import classification_dimension_figure, save_figure
-from rank_lightning.sampling import limit_to_own_samples, process_share
+from rank_lightning.sampling import process_share
 from rank_lightning.validation import (
     check_choice,
     check_fraction,
@@ -172,8 +174,9 @@ class ClassificationDimension(RankCallback):
     The final features are the input of the model's head, read by a forward pre-hook on it
     (:func:`~rank_lightning.layers.forward_hooks`; the head of the package's modules is ``backbone.<head_path>``; for
     other modules, the ``head`` given or the last ``nn.Linear``), together with the labels of each batch
-    (:class:`~rank_lightning.layers.BatchReader`: ``input_key``, ``label_key``, ``label_fn``), on the first validation
-    dataloader, in eval mode and without gradients (every submodule's training flag is restored afterwards). The
+    (:class:`~rank_lightning.layers.BatchReader`: ``input_key``, ``label_key``, ``label_fn``), on the validation data,
+    in eval mode and without gradients (every submodule's training flag is restored afterwards); several validation
+    dataloaders are pooled (their samples are evaluated together, in loader order), with a warning. The
     features are projected onto their top-k principal directions and fed to that same head;
     :func:`~rank_lightning.functional.classification_dimension` returns the smallest ``k`` keeping ``threshold``
     (0.95) of the full accuracy. The default projection is Feng et al.'s (their released code and Table 2): linear
@@ -215,7 +218,7 @@ class ClassificationDimension(RankCallback):
         center: project through the mean (True) or through the origin (False, Feng et al.'s choice).
         ks: the numbers of directions evaluated; ``None`` for every ``k`` in ``1..d`` (one head evaluation each).
             Each must be at most d, the width of the head's input.
-        max_samples: at most this many validation samples; ``None`` for all.
+        max_samples: at most this many validation samples (the first, in loader order); ``None`` for all.
         head: the head on the LightningModule, in the syntax of :func:`~rank_lightning.layers.select_layers` (module
             path, block name or glob matching exactly one module); ``None`` finds it (see above).
         input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches, and for dict
@@ -380,31 +383,31 @@ class ClassificationDimension(RankCallback):
                     f"(the outputs of the head {path!r})"
                 )
 
-    def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
-        """This process's head inputs and labels on ``loader`` (at most its share of ``max_samples``)."""
+    def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list[Any]) -> tuple[Tensor, Tensor]:
+        """This process's head inputs and labels on ``loaders``, in turn (at most its share of ``max_samples``; the
+        samples a ``DistributedSampler`` repeats are read once: :class:`~rank_lightning.callbacks.base.RowQuota`)."""
         path = self._head_path or self.find_head(pl_module)
         limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
-        limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
         head = FeatureLayer("head", path, "input")
         captured: dict[str, Tensor] = {}
-        features, labels, taken = [], [], 0
+        features: list[Tensor] = []
+        labels: list[Tensor] = []
+        quota = RowQuota(limit)
         self._call = None  # learnt again for this module and loader
         hooks = forward_hooks(pl_module, [head], first_call_keeper(self, path, captured))
         with hooks, eval_mode(pl_module), torch.no_grad():
-            for batch in loader:
-                # A process with nothing to take still runs one batch: its (0, d) features join the gather.
-                if limit is not None and taken >= limit and features:
-                    break
+            # A process with nothing to take still runs one batch: its (0, d) features join the gather.
+            for batch, room in quota.batches(loaders):
                 batch = step_inputs(pl_module.trainer, batch)
                 y = cast(Tensor, self.reader.labels(batch, required=True))
                 captured.clear()
                 self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
-                take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
+                take = y.shape[0] if room is None else min(y.shape[0], room)
                 features.append(captured["head"][:take].detach())
                 labels.append(y[:take].to(pl_module.device))
-                taken += take
+                quota.took(take)
         if not features:
             return torch.empty(0), torch.empty(0, dtype=torch.long)
         return torch.cat(features), torch.cat(labels).long()
@@ -413,12 +416,15 @@ class ClassificationDimension(RankCallback):
 
     def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Collect, gather, compute on rank zero and broadcast; the scalars to log (empty without data)."""
-        loader = first_val_loader(trainer)
-        if loader is None:
+        loaders = val_loaders(trainer)
+        if not loaders:
             self.warn_once(("no validation data",), "needs validation data; nothing evaluated")
             return {}
-        with random_state_kept(pl_module, [loader]):  # the loader draws a seed (and an order, if shuffled)
-            features, labels = self._collect(trainer, pl_module, loader)
+        pooled = "their samples are pooled into one evaluation (the features of every loader together; max_samples "
+        pooled += "takes the first samples in loader order)"
+        self.warn_pooled_loaders(len(loaders), "validation", pooled)
+        with random_state_kept(pl_module, loaders):  # the loaders draw a seed (and an order, if shuffled)
+            features, labels = self._collect(trainer, pl_module, loaders)
         shape = features.shape[1:]
         features = gather_rows(pl_module, trainer, features.flatten(1) if features.ndim > 2 else features)
         labels = gather_rows(pl_module, trainer, labels)

@@ -33,7 +33,8 @@ class JacobianRankMonitor(CurveMonitor):
     this partial rank from one block to the next certifies a drop of the full Jacobian rank.
 
     The inputs are the first ``num_inputs`` samples of the validation dataset (``dataset[0]``, ``dataset[1]``, ...,
-    whatever the sampler; for an iterable dataset the first ones its loader yields), read from the batch by
+    whatever the sampler; for an iterable dataset the first ones its loader yields; with several validation
+    dataloaders, the first loader's), read from the batch by
     :class:`~rank_lightning.layers.BatchReader` (``input_key``), captured at the first measurement and kept for the
     whole run: they are saved in checkpoints, so a resumed run measures the same inputs. The model's forward pass
     must accept them.

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, first_val_loader, gather_rows, step_inputs
+from rank_lightning.callbacks.base import Cadence, RankCallback, gather_rows, step_inputs, val_loaders
 from rank_lightning.functional.embedding import low_dimensional_accuracy
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.layers import (
@@ -34,9 +34,10 @@ SAMPLE_REDUCTIONS: tuple[str, ...] = tuple(name for name in REDUCTIONS if name n
 class LowDimensionalEvaluation(RankCallback):
     """Accuracy of a linear max-margin classifier on PCA embeddings of one layer's features (Sanyal et al. Sec. 4.4).
 
-    Features of ``layer`` are collected, in eval mode and without gradients, on the training data and on the first
-    validation dataloader; :func:`~rank_lightning.functional.low_dimensional_accuracy` fits PCA and the classifier on
-    the training features and scores the validation features for each dimension in ``dims``. Afterwards every
+    Features of ``layer`` are collected, in eval mode and without gradients, on the training data and on the validation
+    dataloaders (the samples of several are pooled: scored together, with a warning);
+    :func:`~rank_lightning.functional.low_dimensional_accuracy` fits PCA and the classifier on the training features
+    and scores the validation features for each dimension in ``dims``. Afterwards every
     submodule has its own train/eval flag back (a frozen BatchNorm in a training model stays frozen). It runs at the
     end of fit and, with ``every_n_epochs``, after every n-th validation epoch of fit
     (:class:`~rank_lightning.callbacks.base.Cadence`). Under DDP the features of all ranks are gathered first (every
@@ -123,19 +124,25 @@ class LowDimensionalEvaluation(RankCallback):
         self.info(f"low-dimensional embedding accuracy (validation)\n{'dim':>6} {'accuracy':>8}\n{rows}")
 
     def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, float]:
-        val_loaders = first_val_loader(trainer)
-        if trainer.train_dataloader is None or val_loaders is None:
+        loaders = val_loaders(trainer)
+        if trainer.train_dataloader is None or not loaders:
             self.warn_once(("no data",), "needs training and validation data; nothing evaluated")
             return {}
+        pooled = "their samples are pooled into one scored set (the features of every loader together, max_batches "
+        pooled += "of each)"
+        self.warn_pooled_loaders(len(loaders), "validation", pooled)
         # The loaders' iterators draw seeds (and scikit-learn may draw from NumPy's): the fit's random stream stays
         # that of the unmonitored fit.
-        with random_state_kept(pl_module, [trainer.train_dataloader, val_loaders]):
-            return self._evaluate_kept(trainer, pl_module, val_loaders)
+        with random_state_kept(pl_module, [trainer.train_dataloader, *loaders]):
+            return self._evaluate_kept(trainer, pl_module, loaders)
 
-    def _evaluate_kept(self, trainer: pl.Trainer, pl_module: pl.LightningModule, val_loaders: Any) -> dict[int, float]:
+    def _evaluate_kept(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list[Any]
+    ) -> dict[int, float]:
         # Its own pass beside the training loop's (a validation inside an epoch interrupts it).
         train_x, train_y = self._collect(trainer, pl_module, side_loader(trainer.train_dataloader))
-        val_x, val_y = self._collect(trainer, pl_module, val_loaders)
+        scored = [self._collect(trainer, pl_module, loader) for loader in loaders]
+        val_x, val_y = torch.cat([x for x, _ in scored]), torch.cat([y for _, y in scored])
         max_dim = min(train_x.shape)
         dims = [m for m in self.dims if m <= max_dim]
         skipped = [m for m in self.dims if m > max_dim]

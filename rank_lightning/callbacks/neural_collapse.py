@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import CurveMonitor, first_call_keeper, first_val_loader, step_inputs
+from rank_lightning.callbacks.base import CurveMonitor, RowQuota, first_call_keeper, step_inputs, val_loaders
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import (
@@ -25,7 +25,7 @@ from rank_lightning.layers import (
     random_state_kept,
 )
 from rank_lightning.metrics import NeuralCollapseStatistics
-from rank_lightning.sampling import limit_to_own_samples, process_share
+from rank_lightning.sampling import process_share
 from rank_lightning.validation import check_choices, check_positive_int
 
 __all__ = ["NC_METRICS", "NeuralCollapseMonitor"]
@@ -42,16 +42,18 @@ class NeuralCollapseMonitor(CurveMonitor):
 
     Two passes: NC4 compares the head with the nearest-class-centre rule, which needs the class means before any
     sample is classified, and NC1 is exact only from residuals around the means. So, in every monitored epoch, the
-    monitor reads the first validation dataloader twice, in eval mode and without gradients (every submodule's
-    training flag is restored afterwards): the first pass streams class counts and class sums, the second the
-    residuals around the class means and the agreements (:class:`~rank_lightning.metrics.NeuralCollapseStatistics`).
-    Both passes must see the same samples: a validation loader without random augmentation (the order may differ;
-    with ``max_samples`` the first batches are taken, so the order must not change). The cost is two forward passes
-    over those samples per monitored epoch, besides the validation loop itself, whose ``limit_val_batches`` does not
-    apply. Under DDP every process reads its share (``max_samples`` shared out exactly: ``max_samples // world_size``,
-    one more on the first ``max_samples % world_size`` processes) and the sums are all-reduced, so every process logs
-    the numbers one process would compute on all the samples; the samples Lightning's distributed sampler repeats to
-    pad the processes to one length are left out (:func:`~rank_lightning.sampling.own_samples`).
+    monitor reads the validation data twice, in eval mode and without gradients (every submodule's training flag is
+    restored afterwards): the first pass streams class counts and class sums, the second the residuals around the
+    class means and the agreements (:class:`~rank_lightning.metrics.NeuralCollapseStatistics`). Several validation
+    dataloaders are pooled: both passes read every loader in turn, and their samples together make one measurement,
+    with a warning. Both passes must see the same samples: a validation loader without random augmentation (the order
+    may differ; with ``max_samples`` the first batches are taken, in loader order, so the order must not change). The
+    cost is two forward passes over those samples per monitored epoch, besides the validation loop itself, whose
+    ``limit_val_batches`` does not apply. Under DDP every process reads its share (``max_samples`` shared out exactly:
+    ``max_samples // world_size``, one more on the first ``max_samples % world_size`` processes) and the sums are
+    all-reduced, so every process logs the numbers one process would compute on all the samples; the samples
+    Lightning's distributed sampler repeats to pad the processes to one length are left out
+    (:func:`~rank_lightning.sampling.own_samples`).
 
     Timing: at the end of validation (``on_validation_epoch_end``) in every ``every_n_epochs``-th epoch of ``fit``
     and, with ``on_validate``, of every ``trainer.validate`` run; with ``log_at_init``, also once before the first
@@ -70,7 +72,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         metrics: which of :data:`~rank_lightning.functional.neural_collapse.NC_METRICS` to log.
         every_n_epochs: monitor every this many epochs.
         on_validate: also monitor ``trainer.validate`` runs.
-        max_samples: at most this many validation samples per pass; ``None`` for all.
+        max_samples: at most this many validation samples per pass (the first, in loader order); ``None`` for all.
         input_key: where the inputs are in a batch; ``None`` for the ``x`` of ``(x, y)`` batches, and for dict
             batches the rule of :func:`~rank_lightning.layers.forward_batch` (``forward(**entries)``,
             ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
@@ -178,21 +180,23 @@ class NeuralCollapseMonitor(CurveMonitor):
                 self.curves.record_and_log(trainer, pl_module, values)
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, float]]:
-        """Both passes over the first validation loader; ``{head: {metric: value}}`` (empty without data)."""
-        loader = first_val_loader(trainer)
-        if loader is None:
+        """Both passes over the validation loaders, pooled; ``{head: {metric: value}}`` (empty without data)."""
+        loaders = val_loaders(trainer)
+        if not loaders:
             self.warn_once(("no validation data",), "needs validation data; nothing measured")
             return {}
+        pooled = "their samples are pooled into one measurement (the class means and neural collapse of every "
+        pooled += "loader's samples together; max_samples takes the first samples in loader order)"
+        self.warn_pooled_loaders(len(loaders), "validation", pooled)
         path = self._head_path or self.find_head(pl_module)
         limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
-        limit = limit_to_own_samples(limit, loader)  # the DistributedSampler's repeats are measured once
         self._call = None  # learnt again for this module and loader
-        with random_state_kept(pl_module, [loader]):  # the loader's iterators draw seeds
-            metric = self._stream(pl_module, loader, path, limit, None)
+        with random_state_kept(pl_module, loaders):  # the loaders' iterators draw seeds
+            metric = self._stream(pl_module, loaders, path, limit, None)
             if metric is None:
                 return {}
             metric.start_second_pass()
-            self._stream(pl_module, loader, path, limit, metric)
+            self._stream(pl_module, loaders, path, limit, metric)
         return {path: self._values(metric, pl_module.get_submodule(path))}
 
     def _values(self, metric: NeuralCollapseStatistics, head: nn.Module) -> dict[str, float]:
@@ -243,31 +247,30 @@ class NeuralCollapseMonitor(CurveMonitor):
     def _stream(
         self,
         pl_module: pl.LightningModule,
-        loader: Any,
+        loaders: list[Any],
         path: str,
         limit: int | None,
         metric: NeuralCollapseStatistics | None,
     ) -> NeuralCollapseStatistics | None:
-        """One pass: feed (features, labels[, logits]) of every batch to ``metric`` (created at the first batch)."""
+        """One pass: feed (features, labels[, logits]) of every batch of ``loaders``, in turn, to ``metric`` (created
+        at the first batch); the samples a ``DistributedSampler`` repeats are measured once (:class:`RowQuota`)."""
         captured: dict[str, Tensor] = {}
         layers = [FeatureLayer("features", path, "input"), FeatureLayer("logits", path, "output")]
-        second, taken = metric is not None, 0
+        # A process with nothing to take still runs one batch, to join the collective with the metric.
+        second, quota = metric is not None, RowQuota(limit, started=metric is not None)
         with forward_hooks(pl_module, layers, first_call_keeper(self, path, captured)):
             with eval_mode(pl_module), torch.no_grad():
-                for batch in loader:
-                    # A process with nothing to take still runs one batch, to join the collective with the metric.
-                    if limit is not None and taken >= limit and metric is not None:
-                        break
+                for batch, room in quota.batches(loaders):
                     # The whole batch, as the steps get it (the module's batch-transfer hooks, the precision's cast).
                     batch = step_inputs(pl_module.trainer, batch)
                     y = cast(Tensor, self.reader.labels(batch, required=True))
                     captured.clear()
                     self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
-                    take = y.shape[0] if limit is None else min(y.shape[0], limit - taken)
+                    take = y.shape[0] if room is None else min(y.shape[0], room)
                     metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second)
                     if metric is None:
                         return None
-                    taken += take
+                    quota.took(take)
         return metric
 
     def _update(

@@ -9,9 +9,20 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.attacks import fgsm, l2_dissimilarity
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    AdversarialValidation,
+    ClassificationDimension,
+    LowDimensionalEvaluation,
+    NeuralCollapseMonitor,
+    WeightRankMonitor,
+)
+from rank_lightning.callbacks.base import RowQuota
 from rank_lightning.callbacks.curves import read_curve_file
-from rank_lightning.functional import participation_ratio, stable_rank
+from rank_lightning.functional import classification_dimension, participation_ratio, stable_rank
+from rank_lightning.functional.embedding import low_dimensional_accuracy
+from rank_lightning.functional.neural_collapse import neural_collapse
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
 
@@ -137,3 +148,115 @@ def test_trainer_predict_says_that_it_is_not_monitored(tmp_path: Path, callback_
         "WeightRankMonitor: trainer.predict is not monitored (weights are measured during fit)",
     ]
     assert activations.curves.epochs == weights.curves.epochs == []
+
+
+class _Evaluated(_Tested):
+    """Inputs in [0, 1] (pixels, as the attacks need) and steps that log per dataloader."""
+
+    def validation_step(self, batch: object, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+
+def _pixel_loader(rows: int, seed: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.utils.data.TensorDataset(torch.rand(rows, 5, generator=g), torch.randint(0, 3, (rows,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _pooled(loaders: list, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and labels of ``loaders`` in loader order (the first ``count``)."""
+    x = torch.cat([loader.dataset.tensors[0] for loader in loaders])
+    y = torch.cat([loader.dataset.tensors[1] for loader in loaders])
+    return x[:count], y[:count]
+
+
+@pytest.mark.parametrize("run", ["fit", "validate"])
+def test_neural_collapse_pools_the_validation_loaders_with_a_warning(tmp_path: Path, run: str) -> None:
+    monitor = NeuralCollapseMonitor(verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    model, loaders = _Evaluated(seed=0), [_pixel_loader(16, seed=1), _pixel_loader(24, seed=2)]
+    with pytest.warns(UserWarning, match=r"NeuralCollapseMonitor: 2 validation dataloaders: their samples are pooled"):
+        if run == "fit":
+            trainer.fit(model, _pixel_loader(32, seed=0), loaders)
+        else:
+            trainer.validate(model, loaders, verbose=False)
+    x, y = _pooled(loaders)
+    with torch.no_grad():
+        features, logits = model.net[:2](x), model.net(x)
+    expected = neural_collapse(
+        features, y, num_classes=3, head_weight=model.net[2].weight, predictions=logits.argmax(1)
+    ).as_dict()
+    assert monitor.result.num_samples == 40
+    for key, value in expected.items():
+        assert float(trainer.callback_metrics[f"neural_collapse/net.2/{key}"]) == pytest.approx(value, rel=1e-9), key
+
+
+@pytest.mark.parametrize("max_samples", [None, 20])
+def test_classification_dimension_pools_the_validation_loaders_with_a_warning(tmp_path: Path, max_samples) -> None:
+    callback = ClassificationDimension(max_samples=max_samples, verbose=False)
+    trainer = quiet_trainer([callback], default_root_dir=tmp_path)
+    model, loaders = _Evaluated(seed=0), [_pixel_loader(16, seed=1), _pixel_loader(24, seed=2)]
+    with pytest.warns(UserWarning, match=r"ClassificationDimension: 2 validation dataloaders: their samples are"):
+        results = trainer.validate(model, loaders, verbose=False)
+    # max_samples=20 takes the 16 samples of the first loader and the first 4 of the second.
+    x, y = _pooled(loaders, max_samples)
+    with torch.no_grad():
+        expected = classification_dimension(model.net[:2](x), y, model.net[2])
+    for result in results:  # an epoch-level value: Lightning returns it with every loader's results
+        assert result["clsdim/num_samples"] == len(y)
+        assert result["clsdim/cls_dim"] == expected.cls_dim
+        assert result["clsdim/full_acc"] == pytest.approx(expected.full_accuracy, rel=1e-12)
+    assert callback.result.accuracies.tolist() == pytest.approx(expected.accuracies.tolist(), rel=1e-12)
+
+
+@pytest.mark.parametrize("run", ["validate", "test"])
+def test_adversarial_validation_pools_the_loaders_with_a_warning(tmp_path: Path, run: str) -> None:
+    callback = AdversarialValidation(eps=["8/255"], attacks=["fgsm"], max_samples=None, verbose=False)
+    trainer = quiet_trainer([callback], inference_mode=False, default_root_dir=tmp_path)
+    model, loaders = _Evaluated(seed=0), [_pixel_loader(16, seed=1), _pixel_loader(24, seed=2)]
+    with pytest.warns(UserWarning, match=rf"AdversarialValidation: 2 {'test' if run == 'test' else 'validation'} "):
+        getattr(trainer, run)(model, loaders, verbose=False)
+    x, y = _pooled(loaders)
+    adversarial = fgsm(model, x, y, 8 / 255)
+    with torch.no_grad():
+        clean, attacked = model(x).argmax(1), model(adversarial).argmax(1)
+    values = callback.history["test" if run == "test" else "validate"][0]
+    assert values["num_samples"] == 40
+    assert values["clean_acc"] == (clean == y).double().mean().item()
+    assert values["fgsm/acc@8"] == (attacked == y).double().mean().item()
+    assert values["fgsm/l2@8"] == pytest.approx(l2_dissimilarity(adversarial, x).double().mean().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(None, [1, 3, 11]), (3, [1, 3, 11]), (2, [1, 3])])
+def test_a_pooled_pass_takes_each_loaders_own_samples_in_loader_order(limit, expected) -> None:
+    # Process 1 of 2 reads samples 1, 3 and the repeat of 0 of the first loader, 11 and the repeat of 10 of the second.
+    loaders = [
+        torch.utils.data.DataLoader(
+            list(range(start, start + size)),
+            batch_size=2,
+            sampler=torch.utils.data.DistributedSampler(range(size), num_replicas=2, rank=1, shuffle=False),
+        )
+        for start, size in ((0, 5), (10, 3))
+    ]
+    quota, taken = RowQuota(limit), []
+    for batch, room in quota.batches(loaders):
+        rows = batch[: len(batch) if room is None else room].tolist()
+        taken += rows
+        quota.took(len(rows))
+    assert taken == expected
+
+
+def test_low_dimensional_evaluation_pools_the_validation_loaders_with_a_warning(tmp_path: Path) -> None:
+    callback = LowDimensionalEvaluation(dims=(1, 2), verbose=False)
+    trainer = quiet_trainer([callback], max_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    model, loaders = _Evaluated(seed=0), [_pixel_loader(16, seed=1), _pixel_loader(24, seed=2)]
+    train = _pixel_loader(32, seed=0)
+    with pytest.warns(UserWarning, match=r"LowDimensionalEvaluation: 2 validation dataloaders: their samples are"):
+        trainer.fit(model, train, loaders)
+    (train_x, train_y), (x, y) = _pooled([train]), _pooled(loaders)
+    with torch.no_grad():
+        expected = low_dimensional_accuracy(model.net[:2](train_x), train_y, model.net[:2](x), y, (1, 2))
+    assert callback.results == expected
+    # 40 validation samples: every accuracy is a multiple of 1/40, and at least one is not one of 1/16.
+    assert all(round(value * 40) == value * 40 for value in expected.values())
+    assert any(round(value * 16) != value * 16 for value in expected.values())
