@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +48,16 @@ def trainer_fn(trainer: pl.Trainer) -> str | None:
 
 
 def loader_list(loaders: Any) -> list[Any]:
-    """The trainer's evaluation loaders (``trainer.val_dataloaders``, ``test_dataloaders``) as a list: Lightning
-    gives one loader bare, several as a list, none as ``None``."""
-    return [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    """The trainer's evaluation loaders (``trainer.val_dataloaders``, ``test_dataloaders``) as a list, in the order of
+    their ``dataloader_idx``: Lightning gives one loader bare, several in the collection they were given in (a list,
+    tuple or dict, possibly nested), which it flattens in that order, and none as ``None``."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return [loader for inner in loaders for loader in loader_list(inner)]
+    return [loaders]
 
 
 def step_precision(trainer: pl.Trainer, stage: str) -> AbstractContextManager[Any]:

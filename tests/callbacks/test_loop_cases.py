@@ -14,6 +14,7 @@ from rank_lightning.callbacks import (
     ActivationRankMonitor,
     AdversarialValidation,
     ClassificationDimension,
+    JacobianRankMonitor,
     LowDimensionalEvaluation,
     NeuralCollapseMonitor,
     WeightRankMonitor,
@@ -260,3 +261,22 @@ def test_low_dimensional_evaluation_pools_the_validation_loaders_with_a_warning(
     # 40 validation samples: every accuracy is a multiple of 1/40, and at least one is not one of 1/16.
     assert all(round(value * 40) == value * 40 for value in expected.values())
     assert any(round(value * 16) != value * 16 for value in expected.values())
+
+
+def test_a_dict_of_validation_loaders_is_pooled_as_a_list_is(tmp_path: Path) -> None:
+    activations = ActivationRankMonitor(layers=["net.0"], log_at_init=True, max_samples=None, verbose=False)
+    collapse = NeuralCollapseMonitor(verbose=False)
+    attacks = AdversarialValidation(eps=["8/255"], attacks=["fgsm"], max_samples=None, verbose=False)
+    jacobian = JacobianRankMonitor(layers=["net.0"], num_inputs=2, verbose=False)
+    trainer = quiet_trainer([activations, collapse, attacks, jacobian], max_epochs=1, num_sanity_val_steps=0)
+    loaders = {"a": _pixel_loader(16, seed=1), "b": _pixel_loader(24, seed=2)}
+    with pytest.warns(UserWarning, match="2 validation dataloaders") as record:
+        trainer.fit(_Evaluated(seed=0), _pixel_loader(32, seed=0), loaders)
+    warned = sorted(str(w.message).split(":")[0] for w in record if "2 validation dataloaders" in str(w.message))
+    assert warned == ["ActivationRankMonitor", "AdversarialValidation", "NeuralCollapseMonitor"]
+    # Every sample of both loaders, also in the initial point (epoch -1) before training.
+    assert activations.curves.history[-1]["net.0"]["spectrum_rows"] == 40
+    assert trainer.callback_metrics["rank/net.0/spectrum_rows"] == 40
+    assert collapse.result.num_samples == 40
+    assert attacks.history["validate"][0]["num_samples"] == 40
+    assert torch.equal(jacobian.inputs, loaders["a"].dataset.tensors[0][:2])  # the first loader's first inputs
