@@ -47,9 +47,9 @@ class FrozenMLP(pl.LightningModule):
     """An MLP trained with a zero learning rate, so that one process and two hold the same weights; ``inputs``
     passes the inputs through unchanged, for a callback that should see them."""
 
-    def __init__(self, val_samples: int = VAL_SAMPLES) -> None:
+    def __init__(self, val_samples: int = VAL_SAMPLES, second_val_samples: int | None = None) -> None:
         super().__init__()
-        self.val_samples = val_samples
+        self.val_samples, self.second_val_samples = val_samples, second_val_samples
         self.inputs = nn.Identity()
         self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU())
         self.head = nn.Linear(16, NUM_CLASSES)
@@ -66,7 +66,7 @@ class FrozenMLP(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         return nn.functional.cross_entropy(self(batch[0]), batch[1])
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
         self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]), sync_dist=True)
 
     def configure_optimizers(self):
@@ -76,7 +76,8 @@ class FrozenMLP(pl.LightningModule):
         return _loader(TRAIN_SAMPLES, 1, shuffle=True)
 
     def val_dataloader(self):
-        return _loader(self.val_samples, 2, shuffle=False)
+        first = _loader(self.val_samples, 2, shuffle=False)
+        return first if self.second_val_samples is None else [first, _loader(self.second_val_samples, 3, shuffle=False)]
 
 
 class RecordingLowDimensionalEvaluation(LowDimensionalEvaluation):
@@ -139,10 +140,17 @@ def _fit_and_read(
     return [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(devices)]
 
 
-def fit(root: Path, devices: int, val_samples: int = VAL_SAMPLES, max_samples: int | None = None) -> dict:
-    """Fit FrozenMLP for one epoch on ``val_samples`` validation samples with the activation monitor (at the initial
-    point and after the epoch), neural collapse, the classification dimension (those three measuring at most
-    ``max_samples``) and the low-dimensional evaluation on ``devices`` CPU processes; what rank 0 computed."""
+def fit(
+    root: Path,
+    devices: int,
+    val_samples: int = VAL_SAMPLES,
+    max_samples: int | None = None,
+    second_val_samples: int | None = None,
+) -> dict:
+    """Fit FrozenMLP for one epoch on ``val_samples`` validation samples (and a second validation loader of
+    ``second_val_samples``) with the activation monitor (at the initial point and after the epoch), neural collapse,
+    the classification dimension (those three measuring at most ``max_samples``) and the low-dimensional evaluation on
+    ``devices`` CPU processes; what rank 0 computed."""
     torch.manual_seed(0)
     root.mkdir(parents=True, exist_ok=True)
     activations = ActivationRankMonitor(layers=["probe"], max_samples=max_samples, verbose=False)
@@ -150,7 +158,7 @@ def fit(root: Path, devices: int, val_samples: int = VAL_SAMPLES, max_samples: i
     clsdim = ClassificationDimension(head="head", max_samples=max_samples, verbose=False)
     lowdim = RecordingLowDimensionalEvaluation(dims=(2,), layer="inputs", verbose=False)
     callbacks = [activations, neural, clsdim, lowdim, _Save(str(root), neural, clsdim, lowdim, activations)]
-    ranks = _fit_and_read(FrozenMLP(val_samples), root, devices, callbacks)
+    ranks = _fit_and_read(FrozenMLP(val_samples, second_val_samples), root, devices, callbacks)
     assert all(dict(values, clsdim=None) == dict(ranks[0], clsdim=None) for values in ranks), "the processes disagree"
     return ranks[0]
 
