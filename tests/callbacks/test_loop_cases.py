@@ -268,7 +268,8 @@ def test_a_dict_of_validation_loaders_is_pooled_as_a_list_is(tmp_path: Path) -> 
     collapse = NeuralCollapseMonitor(verbose=False)
     attacks = AdversarialValidation(eps=["8/255"], attacks=["fgsm"], max_samples=None, verbose=False)
     jacobian = JacobianRankMonitor(layers=["net.0"], num_inputs=2, verbose=False)
-    trainer = quiet_trainer([activations, collapse, attacks, jacobian], max_epochs=1, num_sanity_val_steps=0)
+    callbacks = [activations, collapse, attacks, jacobian]
+    trainer = quiet_trainer(callbacks, max_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path)
     loaders = {"a": _pixel_loader(16, seed=1), "b": _pixel_loader(24, seed=2)}
     with pytest.warns(UserWarning, match="2 validation dataloaders") as record:
         trainer.fit(_Evaluated(seed=0), _pixel_loader(32, seed=0), loaders)
