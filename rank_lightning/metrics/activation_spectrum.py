@@ -789,6 +789,12 @@ class ActivationSpectrum(Metric):
         return self
 
     @override
+    def _apply(self, fn: Any, exclude_state: Sequence[str] = "") -> ActivationSpectrum:
+        """Device moves only: ``metric.to(torch.float16)`` (or a model's ``.to(dtype)``, which reaches its metrics)
+        converts every floating state, which :meth:`set_dtype` does not guard, and would round the float64 sums."""
+        return super()._apply(device_move_only(fn), exclude_state)
+
+    @override
     def reset(self) -> None:
         """Forget every streamed row; d is learnt again from the next batch (unless ``num_features`` was given)."""
         super().reset()
@@ -1088,6 +1094,17 @@ class ActivationSpectrum(Metric):
             class_counts=self.class_counts.clone() if self.num_classes else None,
             spectrum_rows=estimate.spectrum_rows,
         )
+
+
+def device_move_only(fn: Any) -> Any:
+    """``fn`` (a function ``Module._apply`` maps over tensors) restricted to moving a tensor to its device: a tensor it
+    would also convert to another dtype keeps its own (moved, never rounded through the other)."""
+
+    def move(tensor: Tensor) -> Tensor:
+        target = fn(tensor.new_empty(0))  # where and as what fn puts a tensor, at no cost
+        return fn(tensor) if target.dtype == tensor.dtype else tensor.to(target.device)
+
+    return move
 
 
 def _keeps_padded_rows(device: torch.device) -> bool:

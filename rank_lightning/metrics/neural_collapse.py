@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -17,6 +20,7 @@ from rank_lightning.functional.neural_collapse import (
     residual_moments,
 )
 from rank_lightning.functional.streaming import class_counts, row_moments
+from rank_lightning.metrics.activation_spectrum import device_move_only
 from rank_lightning.validation import check_positive_int, check_real
 
 __all__ = ["NeuralCollapseStatistics"]
@@ -226,6 +230,19 @@ class NeuralCollapseStatistics(Metric):
     def set_dtype(self, dst_type: str | torch.dtype) -> NeuralCollapseStatistics:
         """Keep the float64 states: the sums are float64 whatever the precision of the model or the features (float16
         class sums keep 3 digits and overflow at 65,504). Returns the metric."""
+        return self
+
+    @override
+    def _apply(self, fn: Any, exclude_state: Sequence[str] = "") -> NeuralCollapseStatistics:
+        """Device moves only (``metric.to(torch.float16)`` would round the float64 sums), applied also to the class
+        means and directions that :meth:`start_second_pass` fixed, which the second pass's batches meet."""
+        move = device_move_only(fn)
+        super()._apply(move, exclude_state)
+        for name in ("_means", "_present", "_row_of", "_directions"):
+            if getattr(self, name) is not None:
+                setattr(self, name, move(getattr(self, name)))
+        if self._totals is not None:
+            self._totals = (move(self._totals[0]), move(self._totals[1]))
         return self
 
     def reset(self) -> None:

@@ -1045,6 +1045,26 @@ def test_set_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
     np.testing.assert_allclose(result.uncentered.spectrum.singular_values, _np_sv(x), rtol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_move_to_another_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
+    # metric.to(dtype) (or model.to(dtype) with the metric inside) bypassed set_dtype and rounded every float64 state,
+    # the defaults too: a metric moved before its first batch lost its sum of squares (the TCV) to float16.
+    x, y = clustered_data(n=200, d=24, seed=8)
+    x = 30 * x + 100
+    one_shot = ActivationSpectrum(num_classes=4, center="both")
+    one_shot.update(x, y)
+    expected = one_shot.compute().as_dict()
+    moved_midway = ActivationSpectrum(num_classes=4, center="both")
+    _stream(moved_midway, x[:80], y[:80], [40, 40])
+    moved_midway = moved_midway.to(dtype)
+    _stream(moved_midway, x[80:], y[80:], [40, 40, 40])
+    moved_first = torch.nn.Sequential(ActivationSpectrum(num_classes=4, center="both")).to(dtype=dtype)[0]
+    _stream(moved_first, x, y, [40] * 5)
+    for metric in (moved_midway, moved_first):
+        assert metric.gram.dtype == metric.sum_squares.dtype == metric.reference.dtype == torch.float64
+        _assert_scalars_close(metric.compute().as_dict(), expected, rtol=1e-12)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -172,3 +172,23 @@ def test_set_dtype_keeps_the_float64_sums() -> None:
     result = metric.compute().as_dict()
     for key in NC_METRICS:
         assert result[key] == pytest.approx(expected[key], rel=1e-9), key
+
+
+def test_a_move_to_another_dtype_keeps_the_float64_sums_and_moves_the_means() -> None:
+    # metric.to(dtype) bypassed set_dtype and rounded the float64 sums; a device move left the fixed means behind.
+    x, y, logits, weight = mixture(seed=7)
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric.update(x[:180] + 1000, y[:180])
+    metric = metric.to(torch.float16)
+    metric.update(x[180:] + 1000, y[180:])
+    metric.start_second_pass()
+    metric.update(x + 1000, y, logits)
+    metric.head_weight = weight
+    assert metric.class_sums.dtype == metric.class_scatter.dtype == torch.float64
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    result = metric.compute().as_dict()
+    for key in NC_METRICS:
+        assert result[key] == pytest.approx(expected[key], rel=1e-9), key
+    metric.to("meta")
+    assert metric._means.device.type == metric._directions.device.type == metric.class_sums.device.type == "meta"
+    assert metric._means.dtype == torch.float64
