@@ -26,15 +26,12 @@ from rank_lightning.validation import check_positive_int, check_real
 __all__ = ["NeuralCollapseStatistics"]
 
 
-def _coarser(current: torch.dtype | None, new: torch.dtype) -> torch.dtype:
-    """The coarser of two feature dtypes (larger ``finfo.eps``); integer features count as float64 (exact)."""
-    if current is None:
-        return new
+_FEATURE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
-    def eps(dtype: torch.dtype) -> float:
-        return torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps
 
-    return new if eps(new) > eps(current) else current
+def _eps(dtype: torch.dtype) -> float:
+    """``finfo(dtype).eps`` of a feature dtype; integer features count as float64 (exact)."""
+    return torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps
 
 
 class NeuralCollapseStatistics(Metric):
@@ -68,7 +65,6 @@ class NeuralCollapseStatistics(Metric):
 
     Attributes:
         head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN).
-        input_dtype: the coarsest dtype of the features given in the first pass (``None`` before any).
     """
 
     full_state_update = False
@@ -86,14 +82,23 @@ class NeuralCollapseStatistics(Metric):
         self.add_state("agreements", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("predicted_rows", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("second_counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
+        # The largest eps of the first pass's feature dtypes (0: none seen): a state, so that it is saved, merged and
+        # agreed across processes (the largest) with the sums it describes.
+        self.add_state("input_eps", torch.zeros((), dtype=f64), dist_reduce_fx="max")
         self.head_weight: Tensor | None = None
-        self.input_dtype: torch.dtype | None = None
         self._means: Tensor | None = None
         self._present: Tensor | None = None
         self._row_of: Tensor | None = None  # each class's row among the means (-1: no mean), for the second pass
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
         self._restored_second_pass = False  # load_state_dict brought second-pass sums: the means must be fixed again
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """The coarsest dtype of the features given in the first pass (integers count as float64; ``None`` before
+        any)."""
+        eps = float(self.input_eps)
+        return next((dtype for dtype in _FEATURE_DTYPES if _eps(dtype) == eps), None)
 
     @property
     def second_pass(self) -> bool:
@@ -128,7 +133,7 @@ class NeuralCollapseStatistics(Metric):
                 "before streaming the rest of it"
             )
         if not self.second_pass:
-            self.input_dtype = _coarser(self.input_dtype, features.dtype)
+            self.input_eps = self.input_eps.clamp_min(_eps(features.dtype))
             moments = row_moments(features.detach().to(torch.float64), labels, num_classes=self.num_classes)
             self.class_counts += moments.class_counts
             self.class_sums += moments.class_sums
@@ -183,11 +188,12 @@ class NeuralCollapseStatistics(Metric):
         # all-reduce still counts every share once.
         with self.sync_context():
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
+            dtype = self.input_dtype  # of every process's features, as compute() will take it
         self._restored_second_pass = False
         self._present, self._means, global_mean = class_means(*self._totals)
         self._row_of = class_rows(self._present, self.num_classes)
         counts = self._totals[0][self._present]
-        basis = between_class_directions(self._means, global_mean, dtype=self.input_dtype, counts=counts)
+        basis = between_class_directions(self._means, global_mean, dtype=dtype, counts=counts)
         self._directions = basis.directions
 
     def compute(self) -> NeuralCollapse:
@@ -220,6 +226,9 @@ class NeuralCollapseStatistics(Metric):
         """Load the states; the class means of a state saved in the second pass are fixed again by
         :meth:`start_second_pass`, which :meth:`update` then requires."""
         loaded = prefix + "second_counts" in state_dict  # non-persistent states are not in it: nothing changes
+        if loaded and prefix + "input_eps" not in state_dict:
+            # Saved before the dtype was a state: not known, as for a metric that saw no batch.
+            state_dict[prefix + "input_eps"] = torch.zeros((), dtype=torch.float64)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if not loaded:
             return
@@ -250,4 +259,3 @@ class NeuralCollapseStatistics(Metric):
         super().reset()
         self._restored_second_pass = False
         self._means = self._present = self._row_of = self._directions = self._totals = None
-        self.input_dtype = None

@@ -184,7 +184,7 @@ def test_a_move_to_another_dtype_keeps_the_float64_sums_and_moves_the_means() ->
     metric.start_second_pass()
     metric.update(x + 1000, y, logits)
     metric.head_weight = weight
-    assert metric.class_sums.dtype == metric.class_scatter.dtype == torch.float64
+    assert metric.class_sums.dtype == metric.class_scatter.dtype == metric.input_eps.dtype == torch.float64
     expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
     result = metric.compute().as_dict()
     for key in NC_METRICS:
@@ -192,3 +192,32 @@ def test_a_move_to_another_dtype_keeps_the_float64_sums_and_moves_the_means() ->
     metric.to("meta")
     assert metric._means.device.type == metric._directions.device.type == metric.class_sums.device.type == "meta"
     assert metric._means.dtype == torch.float64
+
+
+def test_the_first_pass_dtype_survives_a_saved_state_and_a_merge() -> None:
+    # The dtype that sets NC1's rounding threshold was a plain attribute: a loaded or merged first pass forgot it and
+    # kept float32 rounding as between-class directions (NC1 of 14.7 instead of 0.116 on these features).
+    gen = torch.Generator().manual_seed(1)
+    y = torch.arange(6).repeat_interleave(50)
+    centres = 3 * torch.randn(6, 30, generator=gen, dtype=torch.float64)
+    x64 = centres[y] + torch.randn(300, 30, generator=gen, dtype=torch.float64)
+    mixing = torch.randn(30, 3, generator=gen, dtype=torch.float64)
+    x32 = (x64 @ mixing @ mixing.T / 30).float()
+    saved, merged = NeuralCollapseStatistics(6, 30), NeuralCollapseStatistics(6, 30)
+    saved.persistent(True)
+    saved.update(x32[:150], y[:150])
+    loaded = NeuralCollapseStatistics(6, 30)
+    loaded.load_state_dict(saved.state_dict())
+    merged.update(x32[150:].double(), y[150:])
+    merged.merge_state(saved)
+    loaded.update(x32[150:], y[150:])
+    for metric in (loaded, merged):
+        assert metric.input_dtype == torch.float32
+        metric.start_second_pass()
+        metric.update(x32, y)
+        assert metric.compute().nc1 == pytest.approx(neural_collapse(x32, y).nc1, rel=1e-10)
+    assert neural_collapse(x32, y).nc1 == pytest.approx(0.1164, rel=1e-3)
+    older = saved.state_dict()
+    del older["input_eps"]  # saved before the dtype was a state: loads, the dtype unknown
+    loaded.load_state_dict(older)
+    assert loaded.input_dtype is None and int(loaded.class_counts.sum()) == 150
