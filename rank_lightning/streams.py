@@ -392,6 +392,16 @@ class ActivationStream:
 
     def _same_features(self, name: str, activations: Tensor, metric: ActivationSpectrum) -> bool:
         """Whether the batch reduces to the layer's features; else a warning says why and the layer skips it."""
+        first = self.layer_ndims.get(name, activations.ndim)
+        if activations.ndim != first:
+            # The layer's metric reduces outputs of its first kind: another kind would not reduce to its rows.
+            message = (
+                f"gives {tuple(activations.shape)}, a {activations.ndim}-d output where its first batch gave a "
+                f"{first}-d one; such batches are skipped for this layer (its spectrum_rows counts the rest). Monitor "
+                "a module whose outputs keep one shape."
+            )
+            self._warn(name, "dimensions", message)
+            return False
         reduction = self.reductions.get(activations.ndim) or "flatten"
         found, expected = _num_features(activations, reduction), metric.num_features
         if expected is None or found == expected:

@@ -364,3 +364,24 @@ def test_the_decoder_of_an_encoder_decoder_is_measured_on_the_target_tokens():
         shares = s / s.sum()
         expected = float(torch.exp(-(shares * shares.log()).sum()))
         assert implicit[path]["token/effective_rank"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_layer_whose_output_changes_dimensions_skips_those_batches_with_a_warning():
+    # The metric reduces the outputs of the layer's first kind: a (B, T, d) batch after (B, d) ones reduced to T * d
+    # 'flatten' features and raised out of the user's forward pass.
+    model = nn.Sequential(nn.Linear(5, 4)).eval()  # (B, 4) outputs of (B, 5) inputs, (B, T, 4) of tokens
+    generator = torch.Generator().manual_seed(2)
+    flat = [torch.randn(12, 5, generator=generator) for _ in range(2)]
+    tokens = torch.randn(12, 3, 5, generator=generator)
+    tracker = RankTracker(model, layers=["0"])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), tracker:
+        warnings.simplefilter("always")
+        for x in (flat[0], tokens, flat[1]):
+            model(x)
+        values = tracker.compute()["0"]
+    with torch.no_grad():
+        s = torch.linalg.svdvals(torch.cat([model(x) for x in flat]).double())
+    assert values["spectrum_rows"] == 24.0
+    assert values["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
+    message = "layer '0' gives (12, 3, 4), a 3-d output where its first batch gave a 2-d one; such batches are skipped"
+    assert next(str(w.message) for w in caught if "3-d output" in str(w.message)).startswith(message)
