@@ -817,8 +817,10 @@ class ActivationSpectrum(Metric):
 
         Raises:
             ValueError: anything else; a metric with other ``num_classes`` or ``reduction``; rows of a different
-                number of features; a metric whose subsample or sketch was drawn with this metric's ``seed`` (the
-                i-th rows of both would share their random key or bucket).
+                number of features; rows kept another way (without per-class Grams, on another path, in a subsample
+                or sketch of another size: other settings); a metric whose subsample or sketch was drawn with this
+                metric's ``seed`` (the i-th rows of both would share their random key or bucket). A refused merge
+                changes nothing.
         """
         if isinstance(incoming_state, ActivationSpectrum):
             for name in ("num_classes", "reduction"):
@@ -848,6 +850,8 @@ class ActivationSpectrum(Metric):
         self._merge(other)
 
     def _merge(self, other: ActivationSpectrum) -> None:
+        if int(other.num_samples):
+            self._check_mergeable(other)  # before anything changes: a refused merge leaves this metric as it was
         self._computed = None
         device = self.feature_sum.device
         self.num_nonfinite_batches = self.num_nonfinite_batches + other.num_nonfinite_batches.to(device)
@@ -857,10 +861,6 @@ class ActivationSpectrum(Metric):
         self._update_count += 1  # rows arrived: compute() is no longer "before update", the states keep their device
         if self._num_features is None:
             self._configure(other._num_features)
-        elif other._num_features != self._num_features:
-            raise ValueError(
-                f"cannot merge rows of {other._num_features} features into rows of {self._num_features} features"
-            )
         self._ensure_states(device, fresh=False)
         if int(self.num_samples) == 0:
             self.reference = other.reference.to(device).clone()
@@ -880,6 +880,22 @@ class ActivationSpectrum(Metric):
                 [merged.rows],
                 [merged.keys.to(device)],
                 [merged.labels.to(device)],
+            )
+
+    def _check_mergeable(self, other: ActivationSpectrum) -> None:
+        """Raise unless the rows of ``other`` add to these: the same width, kept the same way (the same Grams, or a
+        subsample or sketch of the same size)."""
+        d = other._num_features
+        if self._num_features is not None and d != self._num_features:
+            raise ValueError(f"cannot merge rows of {d} features into rows of {self._num_features} features")
+        expected = self._state_shapes(d)
+        found = {name: tuple(getattr(other, name).shape) for name in expected}
+        theirs, mine = other.fallback_size, self._fallback_size_for(d)
+        if found != expected or (self._path_for(d) == "sample_gram" and theirs != mine):
+            raise ValueError(
+                f"cannot merge an ActivationSpectrum that keeps {_kept(found, theirs)} into one that keeps "
+                f"{_kept(expected, mine)}; merge metrics made with the same num_classes, classwise, "
+                "max_gram_features, max_samples, fallback and memory_budget_mb"
             )
 
     # -- DDP: one reference point for every process ----------------------------------------------------------------
@@ -1094,6 +1110,18 @@ class ActivationSpectrum(Metric):
             class_counts=self.class_counts.clone() if self.num_classes else None,
             spectrum_rows=estimate.spectrum_rows,
         )
+
+
+def _kept(shapes: dict[str, tuple[int, ...]], fallback_size: int) -> str:
+    """How a metric whose states have ``shapes`` keeps its rows, in words (for a refused merge)."""
+    d, classes = shapes["feature_sum"][0], shapes["class_counts"][0]
+    if shapes["gram"] != (0,):
+        kept = "the exact Gram" + (" and per-class Grams" if shapes["class_grams"] != (0,) else "")
+    elif shapes["sketch"] != (0,):
+        kept = f"a sketch of {shapes['sketch'][0]} rows"
+    else:
+        kept = f"a subsample of {fallback_size} rows"
+    return f"{kept} of {d} features ({classes} classes)"
 
 
 def device_move_only(fn: Any) -> Any:

@@ -312,6 +312,37 @@ def test_merge_state_of_subsamples_and_bad_merges() -> None:
         first.merge_state(3)
 
 
+def test_merging_a_metric_that_keeps_its_rows_otherwise_raises_and_changes_nothing() -> None:
+    # Other settings gave states of other shapes: the merge raised a bare size mismatch halfway, after the counts and
+    # sums had been added, and the metric then computed a spectrum of half its rows over the count of all of them.
+    x, y = clustered_data(n=120, d=12)
+    merged, whole = ActivationSpectrum(num_classes=4), ActivationSpectrum(num_classes=4)
+    _stream(merged, x[:60], y[:60], [60])
+    _stream(whole, x, y, [60, 60])
+    message = (
+        r"keeps the exact Gram of 12 features \(4 classes\) into one that keeps the exact Gram and per-class Grams of "
+        r"12 features \(4 classes\); merge metrics made with the same num_classes, classwise, max_gram_features"
+    )
+    kinds = {
+        message: {"classwise": False},
+        r"keeps a subsample of 30 rows of 12 features .* into one that keeps the exact Gram": {
+            "max_gram_features": 8,
+            "max_samples": 30,
+            "seed": 1,
+        },
+    }
+    for match, options in kinds.items():
+        other = ActivationSpectrum(num_classes=4, **options)
+        _stream(other, x[60:], y[60:], [60])
+        with pytest.raises(ValueError, match=match):
+            merged.merge_state(other)
+        assert int(merged.num_samples) == 60
+    correct = ActivationSpectrum(num_classes=4)
+    _stream(correct, x[60:], y[60:], [60])
+    merged.merge_state(correct)
+    _assert_scalars_close(merged.compute().as_dict(), whole.compute().as_dict(), rtol=1e-12)
+
+
 def test_forward_returns_batch_result_and_accumulates() -> None:
     x, y = clustered_data(n=90, d=10)
     metric = ActivationSpectrum(num_classes=4)
