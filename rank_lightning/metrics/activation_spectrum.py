@@ -897,6 +897,16 @@ class ActivationSpectrum(Metric):
                 f"{_kept(expected, mine)}; merge metrics made with the same num_classes, classwise, "
                 "max_gram_features, max_samples, fallback and memory_budget_mb"
             )
+        if self.sample_keys and other.sample_keys:
+            # Random keys that recur: rows drawn with this metric's seed (a state dict, whose seed is not known), or the
+            # same rows merged twice; the smallest keys of the union would not be a uniform subsample.
+            keys, incoming = dim_zero_cat(self.sample_keys), dim_zero_cat(other.sample_keys)
+            incoming = incoming[torch.isfinite(incoming)]
+            if bool(torch.isin(incoming, keys.to(incoming.device)).any()):
+                raise ValueError(
+                    "the incoming subsample shares random keys with this one: rows drawn with the same seed (this "
+                    f"metric's is seed={self.seed}; metrics to be merged need different seeds), or rows merged twice"
+                )
 
     # -- DDP: one reference point for every process ----------------------------------------------------------------
 

@@ -343,6 +343,25 @@ def test_merging_a_metric_that_keeps_its_rows_otherwise_raises_and_changes_nothi
     _assert_scalars_close(merged.compute().as_dict(), whole.compute().as_dict(), rtol=1e-12)
 
 
+def test_merging_the_state_dict_of_a_subsample_drawn_with_the_same_seed_raises() -> None:
+    # A state dict does not tell its seed: the i-th rows of both subsamples shared their random key, and the
+    # smallest keys of the union kept rows in pairs, not a uniform subsample.
+    x, _ = clustered_data(n=100, d=12)
+    options = {"max_gram_features": 8, "max_samples": 30}
+    merged, same_seed, other_seed = (ActivationSpectrum(**options, seed=seed) for seed in (0, 0, 3))
+    merged.update(x[:50])
+    same_seed.update(x[50:])
+    other_seed.update(x[50:])
+    shared = r"shares random keys with this one: rows drawn with the same seed \(this metric's is seed=0; metrics"
+    with pytest.raises(ValueError, match=shared):
+        merged.merge_state(same_seed.metric_state)
+    assert int(merged.num_samples) == 50
+    merged.merge_state(other_seed.metric_state)
+    assert int(merged.num_samples) == 100 and merged.compute().num_spectrum_samples == 30
+    with pytest.raises(ValueError, match="or rows merged twice"):
+        merged.merge_state(other_seed.metric_state)
+
+
 def test_forward_returns_batch_result_and_accumulates() -> None:
     x, y = clustered_data(n=90, d=10)
     metric = ActivationSpectrum(num_classes=4)
