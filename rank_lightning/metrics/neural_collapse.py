@@ -196,6 +196,34 @@ class NeuralCollapseStatistics(Metric):
         basis = between_class_directions(self._means, global_mean, dtype=dtype, counts=counts)
         self._directions = basis.directions
 
+    @override
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Add the sums of another :class:`NeuralCollapseStatistics` (or its ``metric_state``) to these, pass by pass.
+
+        First-pass sums merge before :meth:`start_second_pass`, which then fixes the means of all of them; second-pass
+        sums merge only into a metric whose class means are the incoming metric's.
+
+        Raises:
+            ValueError: first-pass sums into a metric whose means are fixed (they would be left out), second-pass sums
+                into a metric in its first pass, or a second pass around other class means.
+        """
+        incoming = incoming_state if isinstance(incoming_state, NeuralCollapseStatistics) else None
+        state = incoming.metric_state if incoming is not None else incoming_state
+        if isinstance(state, dict) and {"class_counts", "second_counts"} <= set(state):
+            second = incoming.second_pass if incoming is not None else bool(state["second_counts"].sum())
+            advice = "merge the first passes, call start_second_pass() on the merged metric, then stream the second"
+            if not self.second_pass and second:
+                raise ValueError(f"cannot merge second-pass sums into a metric in its first pass; {advice} pass")
+            if self.second_pass and not second and bool(state["class_counts"].sum()):
+                raise ValueError(f"cannot merge first-pass sums into a metric whose means are fixed; {advice} pass")
+            if self.second_pass and incoming is not None and second and not self._same_means(incoming):
+                raise ValueError(f"cannot merge a second pass around other class means; {advice} pass into it")
+        super().merge_state(incoming_state)
+
+    def _same_means(self, other: NeuralCollapseStatistics) -> bool:
+        mine, theirs = (self._present, self._means, self._directions), (other._present, other._means, other._directions)
+        return all(a.shape == b.shape and torch.equal(a, b.to(a.device)) for a, b in zip(mine, theirs))
+
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).
 

@@ -221,3 +221,35 @@ def test_the_first_pass_dtype_survives_a_saved_state_and_a_merge() -> None:
     del older["input_eps"]  # saved before the dtype was a state: loads, the dtype unknown
     loaded.load_state_dict(older)
     assert loaded.input_dtype is None and int(loaded.class_counts.sum()) == 150
+
+
+def test_merge_state_refuses_sums_of_another_pass_or_around_other_means() -> None:
+    # Both merges went through and computed without the merged rows, or with residuals around other means.
+    x, y, logits, weight = mixture(seed=8)
+    half = [(x[i::2], y[i::2], logits[i::2]) for i in (0, 1)]
+    metric, other, first_only = (NeuralCollapseStatistics(num_classes=4, num_features=10) for _ in range(3))
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(*half[0])
+    first_only.update(x, y)
+    with pytest.raises(ValueError, match="first-pass sums into a metric whose means are fixed; merge the first"):
+        metric.merge_state(first_only)
+    other.update(*half[1][:2])
+    other.start_second_pass()  # the means of its own half
+    other.update(*half[1])
+    with pytest.raises(ValueError, match="cannot merge a second pass around other class means"):
+        metric.merge_state(other)
+    with pytest.raises(ValueError, match="second-pass sums into a metric in its first pass"):
+        first_only.merge_state(other.metric_state)
+    # The way that works: the first passes merged, then one second pass around the means of all of them.
+    merged = NeuralCollapseStatistics(num_classes=4, num_features=10)
+    merged.update(*half[0][:2])
+    rest = NeuralCollapseStatistics(num_classes=4, num_features=10)
+    rest.update(*half[1][:2])
+    merged.merge_state(rest)
+    merged.start_second_pass()
+    merged.update(x, y, logits)
+    merged.head_weight = weight
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    for key in NC_METRICS:
+        assert merged.compute().as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
