@@ -385,3 +385,30 @@ def test_a_layer_whose_output_changes_dimensions_skips_those_batches_with_a_warn
     assert values["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
     message = "layer '0' gives (12, 3, 4), a 3-d output where its first batch gave a 2-d one; such batches are skipped"
     assert next(str(w.message) for w in caught if "3-d output" in str(w.message)).startswith(message)
+
+
+def test_a_new_block_before_compute_warns_that_it_drops_the_inputs_measured():
+    # A `with tracker:` around each forward pass of a loop started a new pass each time: compute() then gave the
+    # last batch's values alone, without a word.
+    model = nn.Sequential(nn.Linear(6, 10)).eval()
+    generator = torch.Generator().manual_seed(3)
+    xs = [torch.randn(16, 6, generator=generator) for _ in range(3)]
+    tracker = RankTracker(model, layers=["0"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            with torch.no_grad(), tracker:
+                model(x)
+        values = tracker.compute()["0"]
+        with torch.no_grad(), tracker:  # computed: a new pass drops nothing
+            model(xs[0])
+    dropped = [str(w.message) for w in caught if "drops" in str(w.message)]
+    assert dropped == [
+        "RankTracker: a new pass starts and drops the 16 input(s) measured since the last compute(); each `with "
+        "tracker:` block (or start()) is a pass of its own: call compute() before the next one, or keep one block "
+        "around every forward pass of the pass"
+    ]
+    with torch.no_grad():
+        s = torch.linalg.svdvals(model(xs[2]).double())
+    assert values["spectrum_rows"] == 16.0
+    assert values["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
