@@ -304,8 +304,12 @@ class ActivationStream:
             return
         for name, path in self.layers.items() if self._name_uncalled else ():
             if name not in self._seen_this_batch:
-                message = f"({path}) was not called in the forward pass of a monitored batch; it is not logged. "
-                self._warn(name, "not called", message + "Name a module that runs (layers=[...]).")
+                message = (
+                    f"({path}) was not called in the forward pass of the pass's first monitored batch; it is measured "
+                    "in the batches that call it only, and not logged if none does. Name a module that runs "
+                    "(layers=[...])."
+                )
+                self._warn(name, "not called", message)
         if self._planned and self._planned != self._reported_plan:
             self._report_plan()
             self._reported_plan = dict(self._planned)

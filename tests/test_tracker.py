@@ -412,3 +412,34 @@ def test_a_new_block_before_compute_warns_that_it_drops_the_inputs_measured():
         s = torch.linalg.svdvals(model(xs[2]).double())
     assert values["spectrum_rows"] == 16.0
     assert values["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(6, 5), nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.branch(h) if branch else h
+
+
+def test_a_layer_the_first_batch_does_not_call_is_measured_in_the_batches_that_do():
+    # The warning after the first batch said such a layer was not logged, and it was logged.
+    model = _Branching().eval()
+    generator = torch.Generator().manual_seed(4)
+    xs = [torch.randn(16, 6, generator=generator) for _ in range(3)]
+    tracker = RankTracker(model, layers=["trunk", "branch"])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), tracker:
+        warnings.simplefilter("always")
+        outputs = [model(x, branch=i > 0) for i, x in enumerate(xs)]
+    values = tracker.compute()
+    message = (
+        "layer 'branch' (branch) was not called in the forward pass of the pass's first monitored batch; it is "
+        "measured in the batches that call it only, and not logged if none does. Name a module that runs "
+        "(layers=[...])."
+    )
+    assert [str(w.message) for w in caught if "not called" in str(w.message)] == [message]
+    s = torch.linalg.svdvals(torch.cat(outputs[1:]).double())
+    assert values["branch"]["spectrum_rows"] == 32.0 and values["trunk"]["spectrum_rows"] == 48.0
+    assert values["branch"]["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
