@@ -570,6 +570,10 @@ class ActivationSpectrum(Metric):
         """Load the states, then learn d from them (as :meth:`update` would have) and restore the generator."""
         rng = state_dict.pop(prefix + self._RNG_KEY, None)
         loaded = prefix + "feature_sum" in state_dict
+        problem = self._unloadable(state_dict, prefix) if loaded else None
+        if problem:
+            error_msgs.append(problem)  # load_state_dict raises it; this metric stays as it was
+            return
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -582,6 +586,31 @@ class ActivationSpectrum(Metric):
             self._update_count = max(self._update_count, 1)  # rows arrived: compute() is no longer "before update"
             self._generator = None
             self._restored_rng = rng if rng is not None else rows
+
+    def _unloadable(self, state_dict: dict[str, Any], prefix: str) -> str | None:
+        """Why the states in ``state_dict`` cannot go on in this metric: rows kept another way (other Grams, another
+        path or subsample size) or of another width than ``num_features``; ``None`` when they can."""
+        d = int(state_dict[prefix + "feature_sum"].shape[0])
+        if not d:
+            return None  # nothing streamed: the width is learnt again
+        expected = self._state_shapes(d)
+        found = {name: tuple(state_dict[prefix + name].shape) for name in expected if prefix + name in state_dict}
+        capacity = self._fallback_size_for(d)
+        keys = state_dict.get(prefix + "sample_keys", [])
+        kept = sum(int(part.shape[0]) for part in keys) if isinstance(keys, list) else int(keys.shape[0])
+        rows = int(state_dict.get(prefix + "num_samples", 0))
+        smaller = self._path_for(d) == "sample_gram" and kept < min(rows, capacity)  # it kept fewer than it saw
+        given = self._given_num_features
+        if given is not None and given != d:
+            saved = f"the saved ActivationSpectrum holds rows of {d} features"
+            return f"{saved}, this one was made with num_features={given}"
+        if found == {name: expected[name] for name in found} and not smaller:
+            return None
+        return (
+            f"the saved ActivationSpectrum keeps {_kept({**expected, **found}, kept)}, this one would keep "
+            f"{_kept(expected, capacity)}; load it into a metric made with the same num_classes, classwise, "
+            "max_gram_features, max_samples, fallback and memory_budget_mb"
+        )
 
     def update(
         self, activations: Tensor, labels: Tensor | ClassGrouping | None = None, *, mask: Tensor | None = None

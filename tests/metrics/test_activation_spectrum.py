@@ -1180,3 +1180,34 @@ def test_a_batch_of_another_width_names_where_the_width_came_from() -> None:
     metric.update(torch.randn(3, 5))
     with pytest.raises(ValueError, match="reduce to 6 features with reduction='flatten', but earlier batches had 5"):
         metric.update(torch.randn(3, 6))
+
+
+def test_a_state_saved_with_other_settings_is_refused_and_the_metric_left_as_it_was() -> None:
+    # Loaded into a metric without class Grams, the labelled rows (kept in the class Grams) were out of its Gram:
+    # participation ratio 1.0 where the rows give 10.7, without a word; other paths failed deep in compute().
+    x, y = clustered_data(n=120, d=12)
+    saved = ActivationSpectrum(num_classes=4)
+    saved.persistent(True)
+    _stream(saved, x, y, [60, 60])
+    state = saved.state_dict()
+    kinds = {
+        "this one would keep the exact Gram of 12 features": {"classwise": False},
+        "this one would keep a subsample of 50 rows of 12 features": {"max_gram_features": 8, "max_samples": 50},
+        "holds rows of 12 features, this one was made with num_features=10": {"num_features": 10},
+    }
+    for match, options in kinds.items():
+        metric = ActivationSpectrum(num_classes=4, **options)
+        metric.persistent(True)
+        metric.update(x[:30, : options.get("num_features", 12)], y[:30])
+        with pytest.raises(RuntimeError, match=match):
+            metric.load_state_dict(dict(state))
+        assert int(metric.num_samples) == 30
+    small = ActivationSpectrum(max_gram_features=8, max_samples=20)
+    small.persistent(True)
+    small.update(x)
+    with pytest.raises(RuntimeError, match=r"keeps a subsample of 20 rows .* would keep a subsample of 50 rows"):
+        ActivationSpectrum(max_gram_features=8, max_samples=50).load_state_dict(small.state_dict())
+    restored = ActivationSpectrum(num_classes=4)
+    restored.load_state_dict(dict(state))
+    s = _np_sv(x)
+    assert restored.compute().uncentered.participation_ratio == pytest.approx((s**2).sum() ** 2 / (s**4).sum(), 1e-10)
