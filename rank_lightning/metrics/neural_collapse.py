@@ -250,14 +250,32 @@ class NeuralCollapseStatistics(Metric):
             dtype=self.input_dtype,
         )
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         """Load the states; the class means of a state saved in the second pass are fixed again by
         :meth:`start_second_pass`, which :meth:`update` then requires."""
         loaded = prefix + "second_counts" in state_dict  # non-persistent states are not in it: nothing changes
+        sums = state_dict.get(prefix + "class_sums")
+        if loaded and sums is not None and tuple(sums.shape) != (self.num_classes, self.num_features):
+            # torchmetrics sets the states as they come: sums of another shape failed, if at all, batches later.
+            c, d = sums.shape
+            message = f"the saved NeuralCollapseStatistics has num_classes={c}, num_features={d}; this one has "
+            error_msgs.append(f"{message}num_classes={self.num_classes}, num_features={self.num_features}")
+            return
         if loaded and prefix + "input_eps" not in state_dict:
             # Saved before the dtype was a state: not known, as for a metric that saw no batch.
             state_dict[prefix + "input_eps"] = torch.zeros((), dtype=torch.float64)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         if not loaded:
             return
         self._means = self._present = self._row_of = self._directions = self._totals = None

@@ -253,3 +253,23 @@ def test_merge_state_refuses_sums_of_another_pass_or_around_other_means() -> Non
     expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
     for key in NC_METRICS:
         assert merged.compute().as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
+
+
+def test_a_state_of_another_shape_is_refused_and_the_metric_left_as_it_was() -> None:
+    # torchmetrics set the states as they came: (3, 10) class sums went into a metric of 4 classes, which failed, if
+    # at all, batches later.
+    x, y, _, _ = mixture(seed=9, classes=3)
+    saved = NeuralCollapseStatistics(num_classes=3, num_features=10)
+    saved.persistent(True)
+    saved.update(x, y)
+    for classes, features in ((4, 10), (3, 8)):
+        metric = NeuralCollapseStatistics(num_classes=classes, num_features=features)
+        message = f"has num_classes=3, num_features=10; this one has num_classes={classes}, num_features={features}"
+        with pytest.raises(RuntimeError, match=message):
+            metric.load_state_dict(saved.state_dict())
+        assert tuple(metric.class_sums.shape) == (classes, features) and int(metric.class_counts.sum()) == 0
+    restored = NeuralCollapseStatistics(num_classes=3, num_features=10)
+    restored.load_state_dict(saved.state_dict())
+    restored.start_second_pass()
+    restored.update(x, y)
+    assert restored.compute().nc1 == pytest.approx(neural_collapse(x, y).nc1, rel=1e-10)
