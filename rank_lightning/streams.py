@@ -304,8 +304,12 @@ class ActivationStream:
             return
         for name, path in self.layers.items() if self._name_uncalled else ():
             if name not in self._seen_this_batch:
-                message = f"({path}) was not called in the forward pass of a monitored batch; it is not logged. "
-                self._warn(name, "not called", message + "Name a module that runs (layers=[...]).")
+                message = (
+                    f"({path}) was not called in the forward pass of the pass's first monitored batch; it is measured "
+                    "in the batches that call it only, and not logged if none does. Name a module that runs "
+                    "(layers=[...])."
+                )
+                self._warn(name, "not called", message)
         if self._planned and self._planned != self._reported_plan:
             self._report_plan()
             self._reported_plan = dict(self._planned)
@@ -392,6 +396,16 @@ class ActivationStream:
 
     def _same_features(self, name: str, activations: Tensor, metric: ActivationSpectrum) -> bool:
         """Whether the batch reduces to the layer's features; else a warning says why and the layer skips it."""
+        first = self.layer_ndims.get(name, activations.ndim)
+        if activations.ndim != first:
+            # The layer's metric reduces outputs of its first kind: another kind would not reduce to its rows.
+            message = (
+                f"gives {tuple(activations.shape)}, a {activations.ndim}-d output where its first batch gave a "
+                f"{first}-d one; such batches are skipped for this layer (its spectrum_rows counts the rest). Monitor "
+                "a module whose outputs keep one shape."
+            )
+            self._warn(name, "dimensions", message)
+            return False
         reduction = self.reductions.get(activations.ndim) or "flatten"
         found, expected = _num_features(activations, reduction), metric.num_features
         if expected is None or found == expected:

@@ -174,6 +174,7 @@ class RankTracker:
         self._explicit_batch = False
         self._root_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._loader: Any = None
+        self._uncomputed = 0  # inputs measured in passes that ended without compute()
 
     def _warn_once(self, layer: str, kind: str, message: str) -> None:
         """Warn about a layer's problem of one kind once, as the callbacks do (not at every pass)."""
@@ -197,8 +198,17 @@ class RankTracker:
         return self
 
     def start(self) -> RankTracker:
-        """Hook the layers; what runs from now on is measured (until :meth:`stop` or :meth:`compute`)."""
+        """Hook the layers and start a pass; what runs from now on is measured (until :meth:`stop` or
+        :meth:`compute`). The sums of an earlier pass that :meth:`compute` did not read are dropped, with a warning."""
         self.stop()
+        if self._uncomputed:
+            message = (
+                f"RankTracker: a new pass starts and drops the {self._uncomputed} input(s) measured since the last "
+                "compute(); each `with tracker:` block (or start()) is a pass of its own: call compute() before the "
+                "next one, or keep one block around every forward pass of the pass"
+            )
+            self._warn_once("", "uncomputed pass", message)
+            self._uncomputed = 0
         batches = math.inf if self.num_batches is None else self.num_batches
         if self.num_batches is None and self._loader is not None:
             try:
@@ -217,6 +227,7 @@ class RankTracker:
 
     def stop(self) -> None:
         """Remove the hooks; the sums stay until :meth:`compute` (or the next :meth:`start`)."""
+        self._uncomputed += self.stream.inputs_measured if self.stream.active else 0
         for handle in self._root_hooks:
             handle.remove()
         self._root_hooks = []
@@ -288,6 +299,7 @@ class RankTracker:
         rows. Inside ``with tracker:`` a new pass starts right away.
         """
         hooked = self.stream.active
+        self._uncomputed = 0
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         values, _ = self.stream.compute(
             device, metrics=self.metrics, centered=self.center, per_class=self.log_per_class, when="in this pass"

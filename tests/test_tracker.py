@@ -364,3 +364,82 @@ def test_the_decoder_of_an_encoder_decoder_is_measured_on_the_target_tokens():
         shares = s / s.sum()
         expected = float(torch.exp(-(shares * shares.log()).sum()))
         assert implicit[path]["token/effective_rank"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_layer_whose_output_changes_dimensions_skips_those_batches_with_a_warning():
+    # The metric reduces the outputs of the layer's first kind: a (B, T, d) batch after (B, d) ones reduced to T * d
+    # 'flatten' features and raised out of the user's forward pass.
+    model = nn.Sequential(nn.Linear(5, 4)).eval()  # (B, 4) outputs of (B, 5) inputs, (B, T, 4) of tokens
+    generator = torch.Generator().manual_seed(2)
+    flat = [torch.randn(12, 5, generator=generator) for _ in range(2)]
+    tokens = torch.randn(12, 3, 5, generator=generator)
+    tracker = RankTracker(model, layers=["0"])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), tracker:
+        warnings.simplefilter("always")
+        for x in (flat[0], tokens, flat[1]):
+            model(x)
+        values = tracker.compute()["0"]
+    with torch.no_grad():
+        s = torch.linalg.svdvals(torch.cat([model(x) for x in flat]).double())
+    assert values["spectrum_rows"] == 24.0
+    assert values["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
+    message = "layer '0' gives (12, 3, 4), a 3-d output where its first batch gave a 2-d one; such batches are skipped"
+    assert next(str(w.message) for w in caught if "3-d output" in str(w.message)).startswith(message)
+
+
+def test_a_new_block_before_compute_warns_that_it_drops_the_inputs_measured():
+    # A `with tracker:` around each forward pass of a loop started a new pass each time: compute() then gave the
+    # last batch's values alone, without a word.
+    model = nn.Sequential(nn.Linear(6, 10)).eval()
+    generator = torch.Generator().manual_seed(3)
+    xs = [torch.randn(16, 6, generator=generator) for _ in range(3)]
+    tracker = RankTracker(model, layers=["0"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            with torch.no_grad(), tracker:
+                model(x)
+        values = tracker.compute()["0"]
+        with torch.no_grad(), tracker:  # computed: a new pass drops nothing
+            model(xs[0])
+    dropped = [str(w.message) for w in caught if "drops" in str(w.message)]
+    assert dropped == [
+        "RankTracker: a new pass starts and drops the 16 input(s) measured since the last compute(); each `with "
+        "tracker:` block (or start()) is a pass of its own: call compute() before the next one, or keep one block "
+        "around every forward pass of the pass"
+    ]
+    with torch.no_grad():
+        s = torch.linalg.svdvals(model(xs[2]).double())
+    assert values["spectrum_rows"] == 16.0
+    assert values["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(6, 5), nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.branch(h) if branch else h
+
+
+def test_a_layer_the_first_batch_does_not_call_is_measured_in_the_batches_that_do():
+    # The warning after the first batch said such a layer was not logged, and it was logged.
+    model = _Branching().eval()
+    generator = torch.Generator().manual_seed(4)
+    xs = [torch.randn(16, 6, generator=generator) for _ in range(3)]
+    tracker = RankTracker(model, layers=["trunk", "branch"])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), tracker:
+        warnings.simplefilter("always")
+        outputs = [model(x, branch=i > 0) for i, x in enumerate(xs)]
+    values = tracker.compute()
+    message = (
+        "layer 'branch' (branch) was not called in the forward pass of the pass's first monitored batch; it is "
+        "measured in the batches that call it only, and not logged if none does. Name a module that runs "
+        "(layers=[...])."
+    )
+    assert [str(w.message) for w in caught if "not called" in str(w.message)] == [message]
+    s = torch.linalg.svdvals(torch.cat(outputs[1:]).double())
+    assert values["branch"]["spectrum_rows"] == 32.0 and values["trunk"]["spectrum_rows"] == 48.0
+    assert values["branch"]["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)

@@ -570,6 +570,10 @@ class ActivationSpectrum(Metric):
         """Load the states, then learn d from them (as :meth:`update` would have) and restore the generator."""
         rng = state_dict.pop(prefix + self._RNG_KEY, None)
         loaded = prefix + "feature_sum" in state_dict
+        problem = self._unloadable(state_dict, prefix) if loaded else None
+        if problem:
+            error_msgs.append(problem)  # load_state_dict raises it; this metric stays as it was
+            return
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -582,6 +586,31 @@ class ActivationSpectrum(Metric):
             self._update_count = max(self._update_count, 1)  # rows arrived: compute() is no longer "before update"
             self._generator = None
             self._restored_rng = rng if rng is not None else rows
+
+    def _unloadable(self, state_dict: dict[str, Any], prefix: str) -> str | None:
+        """Why the states in ``state_dict`` cannot go on in this metric: rows kept another way (other Grams, another
+        path or subsample size) or of another width than ``num_features``; ``None`` when they can."""
+        d = int(state_dict[prefix + "feature_sum"].shape[0])
+        if not d:
+            return None  # nothing streamed: the width is learnt again
+        expected = self._state_shapes(d)
+        found = {name: tuple(state_dict[prefix + name].shape) for name in expected if prefix + name in state_dict}
+        capacity = self._fallback_size_for(d)
+        keys = state_dict.get(prefix + "sample_keys", [])
+        kept = sum(int(part.shape[0]) for part in keys) if isinstance(keys, list) else int(keys.shape[0])
+        rows = int(state_dict.get(prefix + "num_samples", 0))
+        smaller = self._path_for(d) == "sample_gram" and kept < min(rows, capacity)  # it kept fewer than it saw
+        given = self._given_num_features
+        if given is not None and given != d:
+            saved = f"the saved ActivationSpectrum holds rows of {d} features"
+            return f"{saved}, this one was made with num_features={given}"
+        if found == {name: expected[name] for name in found} and not smaller:
+            return None
+        return (
+            f"the saved ActivationSpectrum keeps {_kept({**expected, **found}, kept)}, this one would keep "
+            f"{_kept(expected, capacity)}; load it into a metric made with the same num_classes, classwise, "
+            "max_gram_features, max_samples, fallback and memory_budget_mb"
+        )
 
     def update(
         self, activations: Tensor, labels: Tensor | ClassGrouping | None = None, *, mask: Tensor | None = None
@@ -789,6 +818,12 @@ class ActivationSpectrum(Metric):
         return self
 
     @override
+    def _apply(self, fn: Any, exclude_state: Sequence[str] = "") -> ActivationSpectrum:
+        """Device moves only: ``metric.to(torch.float16)`` (or a model's ``.to(dtype)``, which reaches its metrics)
+        converts every floating state, which :meth:`set_dtype` does not guard, and would round the float64 sums."""
+        return super()._apply(device_move_only(fn), exclude_state)
+
+    @override
     def reset(self) -> None:
         """Forget every streamed row; d is learnt again from the next batch (unless ``num_features`` was given)."""
         super().reset()
@@ -811,8 +846,10 @@ class ActivationSpectrum(Metric):
 
         Raises:
             ValueError: anything else; a metric with other ``num_classes`` or ``reduction``; rows of a different
-                number of features; a metric whose subsample or sketch was drawn with this metric's ``seed`` (the
-                i-th rows of both would share their random key or bucket).
+                number of features; rows kept another way (without per-class Grams, on another path, in a subsample
+                or sketch of another size: other settings); a metric whose subsample or sketch was drawn with this
+                metric's ``seed`` (the i-th rows of both would share their random key or bucket). A refused merge
+                changes nothing.
         """
         if isinstance(incoming_state, ActivationSpectrum):
             for name in ("num_classes", "reduction"):
@@ -842,6 +879,8 @@ class ActivationSpectrum(Metric):
         self._merge(other)
 
     def _merge(self, other: ActivationSpectrum) -> None:
+        if int(other.num_samples):
+            self._check_mergeable(other)  # before anything changes: a refused merge leaves this metric as it was
         self._computed = None
         device = self.feature_sum.device
         self.num_nonfinite_batches = self.num_nonfinite_batches + other.num_nonfinite_batches.to(device)
@@ -851,10 +890,6 @@ class ActivationSpectrum(Metric):
         self._update_count += 1  # rows arrived: compute() is no longer "before update", the states keep their device
         if self._num_features is None:
             self._configure(other._num_features)
-        elif other._num_features != self._num_features:
-            raise ValueError(
-                f"cannot merge rows of {other._num_features} features into rows of {self._num_features} features"
-            )
         self._ensure_states(device, fresh=False)
         if int(self.num_samples) == 0:
             self.reference = other.reference.to(device).clone()
@@ -875,6 +910,32 @@ class ActivationSpectrum(Metric):
                 [merged.keys.to(device)],
                 [merged.labels.to(device)],
             )
+
+    def _check_mergeable(self, other: ActivationSpectrum) -> None:
+        """Raise unless the rows of ``other`` add to these: the same width, kept the same way (the same Grams, or a
+        subsample or sketch of the same size)."""
+        d = other._num_features
+        if self._num_features is not None and d != self._num_features:
+            raise ValueError(f"cannot merge rows of {d} features into rows of {self._num_features} features")
+        expected = self._state_shapes(d)
+        found = {name: tuple(getattr(other, name).shape) for name in expected}
+        theirs, mine = other.fallback_size, self._fallback_size_for(d)
+        if found != expected or (self._path_for(d) == "sample_gram" and theirs != mine):
+            raise ValueError(
+                f"cannot merge an ActivationSpectrum that keeps {_kept(found, theirs)} into one that keeps "
+                f"{_kept(expected, mine)}; merge metrics made with the same num_classes, classwise, "
+                "max_gram_features, max_samples, fallback and memory_budget_mb"
+            )
+        if self.sample_keys and other.sample_keys:
+            # Random keys that recur: rows drawn with this metric's seed (a state dict, whose seed is not known), or the
+            # same rows merged twice; the smallest keys of the union would not be a uniform subsample.
+            keys, incoming = dim_zero_cat(self.sample_keys), dim_zero_cat(other.sample_keys)
+            incoming = incoming[torch.isfinite(incoming)]
+            if bool(torch.isin(incoming, keys.to(incoming.device)).any()):
+                raise ValueError(
+                    "the incoming subsample shares random keys with this one: rows drawn with the same seed (this "
+                    f"metric's is seed={self.seed}; metrics to be merged need different seeds), or rows merged twice"
+                )
 
     # -- DDP: one reference point for every process ----------------------------------------------------------------
 
@@ -1088,6 +1149,29 @@ class ActivationSpectrum(Metric):
             class_counts=self.class_counts.clone() if self.num_classes else None,
             spectrum_rows=estimate.spectrum_rows,
         )
+
+
+def _kept(shapes: dict[str, tuple[int, ...]], fallback_size: int) -> str:
+    """How a metric whose states have ``shapes`` keeps its rows, in words (for a refused merge)."""
+    d, classes = shapes["feature_sum"][0], shapes["class_counts"][0]
+    if shapes["gram"] != (0,):
+        kept = "the exact Gram" + (" and per-class Grams" if shapes["class_grams"] != (0,) else "")
+    elif shapes["sketch"] != (0,):
+        kept = f"a sketch of {shapes['sketch'][0]} rows"
+    else:
+        kept = f"a subsample of {fallback_size} rows"
+    return f"{kept} of {d} features ({classes} classes)"
+
+
+def device_move_only(fn: Any) -> Any:
+    """``fn`` (a function ``Module._apply`` maps over tensors) restricted to moving a tensor to its device: a tensor it
+    would also convert to another dtype keeps its own (moved, never rounded through the other)."""
+
+    def move(tensor: Tensor) -> Tensor:
+        target = fn(tensor.new_empty(0))  # where and as what fn puts a tensor, at no cost
+        return fn(tensor) if target.dtype == tensor.dtype else tensor.to(target.device)
+
+    return move
 
 
 def _keeps_padded_rows(device: torch.device) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -17,20 +20,18 @@ from rank_lightning.functional.neural_collapse import (
     residual_moments,
 )
 from rank_lightning.functional.streaming import class_counts, row_moments
+from rank_lightning.metrics.activation_spectrum import device_move_only
 from rank_lightning.validation import check_positive_int, check_real
 
 __all__ = ["NeuralCollapseStatistics"]
 
 
-def _coarser(current: torch.dtype | None, new: torch.dtype) -> torch.dtype:
-    """The coarser of two feature dtypes (larger ``finfo.eps``); integer features count as float64 (exact)."""
-    if current is None:
-        return new
+_FEATURE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
-    def eps(dtype: torch.dtype) -> float:
-        return torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps
 
-    return new if eps(new) > eps(current) else current
+def _eps(dtype: torch.dtype) -> float:
+    """``finfo(dtype).eps`` of a feature dtype; integer features count as float64 (exact)."""
+    return torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps
 
 
 class NeuralCollapseStatistics(Metric):
@@ -64,7 +65,6 @@ class NeuralCollapseStatistics(Metric):
 
     Attributes:
         head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN).
-        input_dtype: the coarsest dtype of the features given in the first pass (``None`` before any).
     """
 
     full_state_update = False
@@ -82,14 +82,23 @@ class NeuralCollapseStatistics(Metric):
         self.add_state("agreements", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("predicted_rows", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("second_counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
+        # The largest eps of the first pass's feature dtypes (0: none seen): a state, so that it is saved, merged and
+        # agreed across processes (the largest) with the sums it describes.
+        self.add_state("input_eps", torch.zeros((), dtype=f64), dist_reduce_fx="max")
         self.head_weight: Tensor | None = None
-        self.input_dtype: torch.dtype | None = None
         self._means: Tensor | None = None
         self._present: Tensor | None = None
         self._row_of: Tensor | None = None  # each class's row among the means (-1: no mean), for the second pass
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
         self._restored_second_pass = False  # load_state_dict brought second-pass sums: the means must be fixed again
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """The coarsest dtype of the features given in the first pass (integers count as float64; ``None`` before
+        any)."""
+        eps = float(self.input_eps)
+        return next((dtype for dtype in _FEATURE_DTYPES if _eps(dtype) == eps), None)
 
     @property
     def second_pass(self) -> bool:
@@ -124,7 +133,7 @@ class NeuralCollapseStatistics(Metric):
                 "before streaming the rest of it"
             )
         if not self.second_pass:
-            self.input_dtype = _coarser(self.input_dtype, features.dtype)
+            self.input_eps = self.input_eps.clamp_min(_eps(features.dtype))
             moments = row_moments(features.detach().to(torch.float64), labels, num_classes=self.num_classes)
             self.class_counts += moments.class_counts
             self.class_sums += moments.class_sums
@@ -179,12 +188,41 @@ class NeuralCollapseStatistics(Metric):
         # all-reduce still counts every share once.
         with self.sync_context():
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
+            dtype = self.input_dtype  # of every process's features, as compute() will take it
         self._restored_second_pass = False
         self._present, self._means, global_mean = class_means(*self._totals)
         self._row_of = class_rows(self._present, self.num_classes)
         counts = self._totals[0][self._present]
-        basis = between_class_directions(self._means, global_mean, dtype=self.input_dtype, counts=counts)
+        basis = between_class_directions(self._means, global_mean, dtype=dtype, counts=counts)
         self._directions = basis.directions
+
+    @override
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Add the sums of another :class:`NeuralCollapseStatistics` (or its ``metric_state``) to these, pass by pass.
+
+        First-pass sums merge before :meth:`start_second_pass`, which then fixes the means of all of them; second-pass
+        sums merge only into a metric whose class means are the incoming metric's.
+
+        Raises:
+            ValueError: first-pass sums into a metric whose means are fixed (they would be left out), second-pass sums
+                into a metric in its first pass, or a second pass around other class means.
+        """
+        incoming = incoming_state if isinstance(incoming_state, NeuralCollapseStatistics) else None
+        state = incoming.metric_state if incoming is not None else incoming_state
+        if isinstance(state, dict) and {"class_counts", "second_counts"} <= set(state):
+            second = incoming.second_pass if incoming is not None else bool(state["second_counts"].sum())
+            advice = "merge the first passes, call start_second_pass() on the merged metric, then stream the second"
+            if not self.second_pass and second:
+                raise ValueError(f"cannot merge second-pass sums into a metric in its first pass; {advice} pass")
+            if self.second_pass and not second and bool(state["class_counts"].sum()):
+                raise ValueError(f"cannot merge first-pass sums into a metric whose means are fixed; {advice} pass")
+            if self.second_pass and incoming is not None and second and not self._same_means(incoming):
+                raise ValueError(f"cannot merge a second pass around other class means; {advice} pass into it")
+        super().merge_state(incoming_state)
+
+    def _same_means(self, other: NeuralCollapseStatistics) -> bool:
+        mine, theirs = (self._present, self._means, self._directions), (other._present, other._means, other._directions)
+        return all(a.shape == b.shape and torch.equal(a, b.to(a.device)) for a, b in zip(mine, theirs))
 
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).
@@ -212,11 +250,32 @@ class NeuralCollapseStatistics(Metric):
             dtype=self.input_dtype,
         )
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         """Load the states; the class means of a state saved in the second pass are fixed again by
         :meth:`start_second_pass`, which :meth:`update` then requires."""
         loaded = prefix + "second_counts" in state_dict  # non-persistent states are not in it: nothing changes
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        sums = state_dict.get(prefix + "class_sums")
+        if loaded and sums is not None and tuple(sums.shape) != (self.num_classes, self.num_features):
+            # torchmetrics sets the states as they come: sums of another shape failed, if at all, batches later.
+            c, d = sums.shape
+            message = f"the saved NeuralCollapseStatistics has num_classes={c}, num_features={d}; this one has "
+            error_msgs.append(f"{message}num_classes={self.num_classes}, num_features={self.num_features}")
+            return
+        if loaded and prefix + "input_eps" not in state_dict:
+            # Saved before the dtype was a state: not known, as for a metric that saw no batch.
+            state_dict[prefix + "input_eps"] = torch.zeros((), dtype=torch.float64)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         if not loaded:
             return
         self._means = self._present = self._row_of = self._directions = self._totals = None
@@ -228,9 +287,21 @@ class NeuralCollapseStatistics(Metric):
         class sums keep 3 digits and overflow at 65,504). Returns the metric."""
         return self
 
+    @override
+    def _apply(self, fn: Any, exclude_state: Sequence[str] = "") -> NeuralCollapseStatistics:
+        """Device moves only (``metric.to(torch.float16)`` would round the float64 sums), applied also to the class
+        means and directions that :meth:`start_second_pass` fixed, which the second pass's batches meet."""
+        move = device_move_only(fn)
+        super()._apply(move, exclude_state)
+        for name in ("_means", "_present", "_row_of", "_directions"):
+            if getattr(self, name) is not None:
+                setattr(self, name, move(getattr(self, name)))
+        if self._totals is not None:
+            self._totals = (move(self._totals[0]), move(self._totals[1]))
+        return self
+
     def reset(self) -> None:
         """Clear both passes."""
         super().reset()
         self._restored_second_pass = False
         self._means = self._present = self._row_of = self._directions = self._totals = None
-        self.input_dtype = None

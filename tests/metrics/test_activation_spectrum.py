@@ -312,6 +312,56 @@ def test_merge_state_of_subsamples_and_bad_merges() -> None:
         first.merge_state(3)
 
 
+def test_merging_a_metric_that_keeps_its_rows_otherwise_raises_and_changes_nothing() -> None:
+    # Other settings gave states of other shapes: the merge raised a bare size mismatch halfway, after the counts and
+    # sums had been added, and the metric then computed a spectrum of half its rows over the count of all of them.
+    x, y = clustered_data(n=120, d=12)
+    merged, whole = ActivationSpectrum(num_classes=4), ActivationSpectrum(num_classes=4)
+    _stream(merged, x[:60], y[:60], [60])
+    _stream(whole, x, y, [60, 60])
+    message = (
+        r"keeps the exact Gram of 12 features \(4 classes\) into one that keeps the exact Gram and per-class Grams of "
+        r"12 features \(4 classes\); merge metrics made with the same num_classes, classwise, max_gram_features"
+    )
+    kinds = {
+        message: {"classwise": False},
+        r"keeps a subsample of 30 rows of 12 features .* into one that keeps the exact Gram": {
+            "max_gram_features": 8,
+            "max_samples": 30,
+            "seed": 1,
+        },
+    }
+    for match, options in kinds.items():
+        other = ActivationSpectrum(num_classes=4, **options)
+        _stream(other, x[60:], y[60:], [60])
+        with pytest.raises(ValueError, match=match):
+            merged.merge_state(other)
+        assert int(merged.num_samples) == 60
+    correct = ActivationSpectrum(num_classes=4)
+    _stream(correct, x[60:], y[60:], [60])
+    merged.merge_state(correct)
+    _assert_scalars_close(merged.compute().as_dict(), whole.compute().as_dict(), rtol=1e-12)
+
+
+def test_merging_the_state_dict_of_a_subsample_drawn_with_the_same_seed_raises() -> None:
+    # A state dict does not tell its seed: the i-th rows of both subsamples shared their random key, and the
+    # smallest keys of the union kept rows in pairs, not a uniform subsample.
+    x, _ = clustered_data(n=100, d=12)
+    options = {"max_gram_features": 8, "max_samples": 30}
+    merged, same_seed, other_seed = (ActivationSpectrum(**options, seed=seed) for seed in (0, 0, 3))
+    merged.update(x[:50])
+    same_seed.update(x[50:])
+    other_seed.update(x[50:])
+    shared = r"shares random keys with this one: rows drawn with the same seed \(this metric's is seed=0; metrics"
+    with pytest.raises(ValueError, match=shared):
+        merged.merge_state(same_seed.metric_state)
+    assert int(merged.num_samples) == 50
+    merged.merge_state(other_seed.metric_state)
+    assert int(merged.num_samples) == 100 and merged.compute().num_spectrum_samples == 30
+    with pytest.raises(ValueError, match="or rows merged twice"):
+        merged.merge_state(other_seed.metric_state)
+
+
 def test_forward_returns_batch_result_and_accumulates() -> None:
     x, y = clustered_data(n=90, d=10)
     metric = ActivationSpectrum(num_classes=4)
@@ -1045,6 +1095,26 @@ def test_set_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
     np.testing.assert_allclose(result.uncentered.spectrum.singular_values, _np_sv(x), rtol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_move_to_another_dtype_keeps_the_float64_sums(dtype: torch.dtype) -> None:
+    # metric.to(dtype) (or model.to(dtype) with the metric inside) bypassed set_dtype and rounded every float64 state,
+    # the defaults too: a metric moved before its first batch lost its sum of squares (the TCV) to float16.
+    x, y = clustered_data(n=200, d=24, seed=8)
+    x = 30 * x + 100
+    one_shot = ActivationSpectrum(num_classes=4, center="both")
+    one_shot.update(x, y)
+    expected = one_shot.compute().as_dict()
+    moved_midway = ActivationSpectrum(num_classes=4, center="both")
+    _stream(moved_midway, x[:80], y[:80], [40, 40])
+    moved_midway = moved_midway.to(dtype)
+    _stream(moved_midway, x[80:], y[80:], [40, 40, 40])
+    moved_first = torch.nn.Sequential(ActivationSpectrum(num_classes=4, center="both")).to(dtype=dtype)[0]
+    _stream(moved_first, x, y, [40] * 5)
+    for metric in (moved_midway, moved_first):
+        assert metric.gram.dtype == metric.sum_squares.dtype == metric.reference.dtype == torch.float64
+        _assert_scalars_close(metric.compute().as_dict(), expected, rtol=1e-12)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -1110,3 +1180,34 @@ def test_a_batch_of_another_width_names_where_the_width_came_from() -> None:
     metric.update(torch.randn(3, 5))
     with pytest.raises(ValueError, match="reduce to 6 features with reduction='flatten', but earlier batches had 5"):
         metric.update(torch.randn(3, 6))
+
+
+def test_a_state_saved_with_other_settings_is_refused_and_the_metric_left_as_it_was() -> None:
+    # Loaded into a metric without class Grams, the labelled rows (kept in the class Grams) were out of its Gram:
+    # participation ratio 1.0 where the rows give 10.7, without a word; other paths failed deep in compute().
+    x, y = clustered_data(n=120, d=12)
+    saved = ActivationSpectrum(num_classes=4)
+    saved.persistent(True)
+    _stream(saved, x, y, [60, 60])
+    state = saved.state_dict()
+    kinds = {
+        "this one would keep the exact Gram of 12 features": {"classwise": False},
+        "this one would keep a subsample of 50 rows of 12 features": {"max_gram_features": 8, "max_samples": 50},
+        "holds rows of 12 features, this one was made with num_features=10": {"num_features": 10},
+    }
+    for match, options in kinds.items():
+        metric = ActivationSpectrum(num_classes=4, **options)
+        metric.persistent(True)
+        metric.update(x[:30, : options.get("num_features", 12)], y[:30])
+        with pytest.raises(RuntimeError, match=match):
+            metric.load_state_dict(dict(state))
+        assert int(metric.num_samples) == 30
+    small = ActivationSpectrum(max_gram_features=8, max_samples=20)
+    small.persistent(True)
+    small.update(x)
+    with pytest.raises(RuntimeError, match=r"keeps a subsample of 20 rows .* would keep a subsample of 50 rows"):
+        ActivationSpectrum(max_gram_features=8, max_samples=50).load_state_dict(small.state_dict())
+    restored = ActivationSpectrum(num_classes=4)
+    restored.load_state_dict(dict(state))
+    s = _np_sv(x)
+    assert restored.compute().uncentered.participation_ratio == pytest.approx((s**2).sum() ** 2 / (s**4).sum(), 1e-10)

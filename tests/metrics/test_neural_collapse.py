@@ -172,3 +172,104 @@ def test_set_dtype_keeps_the_float64_sums() -> None:
     result = metric.compute().as_dict()
     for key in NC_METRICS:
         assert result[key] == pytest.approx(expected[key], rel=1e-9), key
+
+
+def test_a_move_to_another_dtype_keeps_the_float64_sums_and_moves_the_means() -> None:
+    # metric.to(dtype) bypassed set_dtype and rounded the float64 sums; a device move left the fixed means behind.
+    x, y, logits, weight = mixture(seed=7)
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric.update(x[:180] + 1000, y[:180])
+    metric = metric.to(torch.float16)
+    metric.update(x[180:] + 1000, y[180:])
+    metric.start_second_pass()
+    metric.update(x + 1000, y, logits)
+    metric.head_weight = weight
+    assert metric.class_sums.dtype == metric.class_scatter.dtype == metric.input_eps.dtype == torch.float64
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    result = metric.compute().as_dict()
+    for key in NC_METRICS:
+        assert result[key] == pytest.approx(expected[key], rel=1e-9), key
+    metric.to("meta")
+    assert metric._means.device.type == metric._directions.device.type == metric.class_sums.device.type == "meta"
+    assert metric._means.dtype == torch.float64
+
+
+def test_the_first_pass_dtype_survives_a_saved_state_and_a_merge() -> None:
+    # The dtype that sets NC1's rounding threshold was a plain attribute: a loaded or merged first pass forgot it and
+    # kept float32 rounding as between-class directions (NC1 of 14.7 instead of 0.116 on these features).
+    gen = torch.Generator().manual_seed(1)
+    y = torch.arange(6).repeat_interleave(50)
+    centres = 3 * torch.randn(6, 30, generator=gen, dtype=torch.float64)
+    x64 = centres[y] + torch.randn(300, 30, generator=gen, dtype=torch.float64)
+    mixing = torch.randn(30, 3, generator=gen, dtype=torch.float64)
+    x32 = (x64 @ mixing @ mixing.T / 30).float()
+    saved, merged = NeuralCollapseStatistics(6, 30), NeuralCollapseStatistics(6, 30)
+    saved.persistent(True)
+    saved.update(x32[:150], y[:150])
+    loaded = NeuralCollapseStatistics(6, 30)
+    loaded.load_state_dict(saved.state_dict())
+    merged.update(x32[150:].double(), y[150:])
+    merged.merge_state(saved)
+    loaded.update(x32[150:], y[150:])
+    for metric in (loaded, merged):
+        assert metric.input_dtype == torch.float32
+        metric.start_second_pass()
+        metric.update(x32, y)
+        assert metric.compute().nc1 == pytest.approx(neural_collapse(x32, y).nc1, rel=1e-10)
+    assert neural_collapse(x32, y).nc1 == pytest.approx(0.1164, rel=1e-3)
+    older = saved.state_dict()
+    del older["input_eps"]  # saved before the dtype was a state: loads, the dtype unknown
+    loaded.load_state_dict(older)
+    assert loaded.input_dtype is None and int(loaded.class_counts.sum()) == 150
+
+
+def test_merge_state_refuses_sums_of_another_pass_or_around_other_means() -> None:
+    # Both merges went through and computed without the merged rows, or with residuals around other means.
+    x, y, logits, weight = mixture(seed=8)
+    half = [(x[i::2], y[i::2], logits[i::2]) for i in (0, 1)]
+    metric, other, first_only = (NeuralCollapseStatistics(num_classes=4, num_features=10) for _ in range(3))
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(*half[0])
+    first_only.update(x, y)
+    with pytest.raises(ValueError, match="first-pass sums into a metric whose means are fixed; merge the first"):
+        metric.merge_state(first_only)
+    other.update(*half[1][:2])
+    other.start_second_pass()  # the means of its own half
+    other.update(*half[1])
+    with pytest.raises(ValueError, match="cannot merge a second pass around other class means"):
+        metric.merge_state(other)
+    with pytest.raises(ValueError, match="second-pass sums into a metric in its first pass"):
+        first_only.merge_state(other.metric_state)
+    # The way that works: the first passes merged, then one second pass around the means of all of them.
+    merged = NeuralCollapseStatistics(num_classes=4, num_features=10)
+    merged.update(*half[0][:2])
+    rest = NeuralCollapseStatistics(num_classes=4, num_features=10)
+    rest.update(*half[1][:2])
+    merged.merge_state(rest)
+    merged.start_second_pass()
+    merged.update(x, y, logits)
+    merged.head_weight = weight
+    expected = neural_collapse(x, y, head_weight=weight, predictions=logits.argmax(dim=1)).as_dict()
+    for key in NC_METRICS:
+        assert merged.compute().as_dict()[key] == pytest.approx(expected[key], rel=1e-10), key
+
+
+def test_a_state_of_another_shape_is_refused_and_the_metric_left_as_it_was() -> None:
+    # torchmetrics set the states as they came: (3, 10) class sums went into a metric of 4 classes, which failed, if
+    # at all, batches later.
+    x, y, _, _ = mixture(seed=9, classes=3)
+    saved = NeuralCollapseStatistics(num_classes=3, num_features=10)
+    saved.persistent(True)
+    saved.update(x, y)
+    for classes, features in ((4, 10), (3, 8)):
+        metric = NeuralCollapseStatistics(num_classes=classes, num_features=features)
+        message = f"has num_classes=3, num_features=10; this one has num_classes={classes}, num_features={features}"
+        with pytest.raises(RuntimeError, match=message):
+            metric.load_state_dict(saved.state_dict())
+        assert tuple(metric.class_sums.shape) == (classes, features) and int(metric.class_counts.sum()) == 0
+    restored = NeuralCollapseStatistics(num_classes=3, num_features=10)
+    restored.load_state_dict(saved.state_dict())
+    restored.start_second_pass()
+    restored.update(x, y)
+    assert restored.compute().nc1 == pytest.approx(neural_collapse(x, y).nc1, rel=1e-10)
