@@ -533,11 +533,16 @@ class ActivationSpectrum(Metric):
         """The generator of the fallback's keys and buckets, on the device of the rows (a GPU then draws them itself:
         copies from the host would wait for it). The same seed draws other numbers on a CPU and on a GPU."""
         if self._generator is None or self._generator.device != device:
+            previous = self._generator
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             # Ranks need independent keys and buckets, or their sketches would correlate.
             self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
             restored, self._restored_rng = self._restored_rng, None
-            if isinstance(restored, Tensor) and restored.numel() == self._generator.get_state().numel():
+            if previous is not None:
+                # Moved to another device mid-stream: the draws go on from the old generator's, or the rows after the
+                # move would get the keys (buckets) of the first rows again.
+                self._generator.manual_seed(_continued_seed(previous))
+            elif isinstance(restored, Tensor) and restored.numel() == self._generator.get_state().numel():
                 self._generator.set_state(restored)  # the draws go on where the saved metric's stopped
             elif restored is not None:
                 # No state to go on from (or one of another device): a seed of its own for the draws after the restored
@@ -1172,6 +1177,12 @@ def device_move_only(fn: Any) -> Any:
         return fn(tensor) if target.dtype == tensor.dtype else tensor.to(target.device)
 
     return move
+
+
+def _continued_seed(generator: torch.Generator) -> int:
+    """A seed drawn from ``generator``: a generator seeded with it goes on where ``generator`` stopped, with draws
+    unrelated to those ``generator`` made so far (used when the metric's rows move to another device mid-stream)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
 
 
 def _keeps_padded_rows(device: torch.device) -> bool:

@@ -362,6 +362,35 @@ def test_merging_the_state_dict_of_a_subsample_drawn_with_the_same_seed_raises()
         merged.merge_state(other_seed.metric_state)
 
 
+def test_a_move_to_another_device_goes_on_with_new_keys() -> None:
+    # The generator is made anew on the rows' device; seeded as at the start, the rows after a move mid-stream
+    # would get the first rows' keys again. (A CPU-only machine cannot move rows: ``cpu:0`` is another device to the
+    # generator, which is what a move looks like to it.)
+    x, _ = clustered_data(n=100, d=12)
+    metric = ActivationSpectrum(max_gram_features=8, max_samples=30, seed=4)
+    metric.update(x[:50])
+    moved = torch.rand(50, generator=metric._rng(torch.device("cpu", 0)), dtype=torch.float64)
+    first = torch.rand(50, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert not bool(torch.isin(moved, first).any())
+    again = ActivationSpectrum(max_gram_features=8, max_samples=30, seed=4)
+    again.update(x[:50])
+    repeated = torch.rand(50, generator=again._rng(torch.device("cpu", 0)), dtype=torch.float64)
+    assert torch.equal(moved, repeated)  # still reproducible from the seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_streamed_after_a_round_trip_through_a_gpu_get_keys_of_their_own() -> None:
+    x, _ = clustered_data(n=150, d=12)
+    metric = ActivationSpectrum(max_gram_features=8, max_samples=150, seed=4)
+    metric.update(x[:50])
+    metric.to("cuda")
+    metric.update(x[50:100].cuda())
+    metric.to("cpu")
+    metric.update(x[100:])
+    keys = metric.sample_keys[0] if isinstance(metric.sample_keys, list) else metric.sample_keys
+    assert keys.numel() == 150 and keys.unique().numel() == 150
+
+
 def test_forward_returns_batch_result_and_accumulates() -> None:
     x, y = clustered_data(n=90, d=10)
     metric = ActivationSpectrum(num_classes=4)
