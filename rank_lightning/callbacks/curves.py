@@ -86,7 +86,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -96,6 +95,7 @@ from typing import Any
 import torch
 
 from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
+from rank_lightning.files import replace_file, unwritten_warning
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -374,9 +374,12 @@ def write_curve_file(
     :meth:`LayerCurves.describe`) and ``"superseded"`` (``[{"resumed_at": epoch, "history": {...}}, ...]``: the
     values of epochs that a resumed fit trained again). NaN and Inf are written as JSON's ``NaN`` / ``Infinity``
     literals, which :func:`read_curve_file` reads back. The file is replaced in one step (written beside it, then
-    renamed), so that a run killed while writing leaves the previous version whole.
+    renamed: :func:`~rank_lightning.files.replace_file`), so that a run killed while writing leaves the previous
+    version whole.
+
+    Raises:
+        OSError: the file could not be written (the previous version is then whole).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     content: dict[str, Any] = {"namespace": namespace, "layers": layers, "metrics": metrics}
     content["history"] = _epochs_as_text(history)
     if facts:
@@ -385,13 +388,8 @@ def write_curve_file(
         content["superseded"] = [
             {"resumed_at": block["resumed_at"], "history": _epochs_as_text(block["history"])} for block in superseded
         ]
-    # Written beside and renamed over the old file: a run killed while writing leaves the previous file whole.
-    text, partial = json.dumps(content), path.with_name(f".{path.name}.partial")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    text = json.dumps(content).encode()
+    replace_file(path, lambda file: file.write(text))
 
 
 def read_curve_file(path: str | Path) -> dict[str, Any]:
@@ -460,6 +458,7 @@ class LayerCurves:
         self._logged_keys: set[str] = set()
         self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
         self._references: dict[str, Reference] = {}
+        self._unwritten: set[tuple[str, str]] = set()  # (path, error) of the curve files warned about
         self.restart()
 
     def restart(self) -> None:
@@ -787,11 +786,12 @@ class LayerCurves:
             )
             results = draw_figures(jobs, workers=0)
         paths = []
-        for metric, result in zip(drawn, results):
+        for job, metric, result in zip(jobs, drawn, results):
             if isinstance(result, Exception):  # a figure must never take the run down; the curve file keeps the data
                 warnings.warn(
-                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({result!r}); the curves are in "
-                    f"{self.namespace}_curves.json and python -m rank_lightning.analysis.report can draw them",
+                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({result!r}), so {job.path} is not "
+                    f"written; the curves are in {self.namespace}_curves.json and python -m "
+                    "rank_lightning.analysis.report can draw them",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -918,15 +918,24 @@ class LayerCurves:
         return self.figure_dir(trainer) / f"{self.namespace}_curves.json"
 
     def _write_curve_file(self, trainer: Any) -> None:
-        write_curve_file(
-            self._curve_path(trainer),
-            self.namespace,
-            self._layers,
-            self._metrics,
-            self._history,
-            facts=self._facts,
-            superseded=self._superseded,
-        )
+        """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
+        path and error, and the fit goes on: the history stays in memory and in checkpoints."""
+        path = self._curve_path(trainer)
+        try:
+            write_curve_file(
+                path,
+                self.namespace,
+                self._layers,
+                self._metrics,
+                self._history,
+                facts=self._facts,
+                superseded=self._superseded,
+            )
+        except OSError as error:
+            if (str(path), repr(error)) not in self._unwritten:
+                self._unwritten.add((str(path), repr(error)))
+                kept = "the curves are kept in memory, in checkpoints and in the loggers"
+                warnings.warn(f"LayerCurves: {unwritten_warning(path, error, kept)}", RuntimeWarning, stacklevel=3)
 
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import CurveMonitor
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, wandb_loggers
 from rank_lightning.distributed import SHARDINGS, fsdp_parameter_shapes, weight_matrix_spectra
+from rank_lightning.files import replace_file, unwritten_warning
 from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
 from rank_lightning.layers import check_layer_types, select_layers
@@ -492,17 +492,13 @@ class WeightRankMonitor(CurveMonitor):
         weights' ``-1`` or ``0``) in a file of its own, and send them to W&B beside the point's scalars."""
         arrays = {name: spec.singular_values.numpy() for name, spec in spectra.items()}
         directory = self.curves.figure_dir(trainer) / "weight_singular_values"
-        directory.mkdir(parents=True, exist_ok=True)
         at = f"step_{point:08d}" if self.curves.x_axis == "step" else f"epoch_{point:04d}"
-        # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole.
         path = directory / f"{at}.npz"
-        partial = path.with_name(f".{path.name}.partial")
-        try:
-            with open(partial, "wb") as handle:
-                np.savez_compressed(handle, **arrays)
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        try:  # written beside and renamed over: a failed or killed write leaves the file of an earlier run whole
+            replace_file(path, lambda handle: np.savez_compressed(handle, **arrays))
+        except OSError as error:  # a full disk or a read-only folder must not end the fit
+            kept = "these singular values are not kept (the curves are, in the loggers and in checkpoints)"
+            self.warn_once(("unwritten", str(path)), unwritten_warning(path, error, kept), RuntimeWarning)
         loggers = wandb_loggers(trainer)
         if loggers:
             import wandb

@@ -3,6 +3,7 @@ left half written."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from rank_lightning import files
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR, read_curve_file, write_curve_file
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
@@ -48,12 +50,12 @@ def test_a_curve_file_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatc
     first = {0: {"fc": {"numerical_rank": 3.0}}}
     write_curve_file(path, "rank", ["fc"], ["numerical_rank"], first)
 
-    def killed_while_writing(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
-        with open(self, "w") as file:
-            file.write(data[: len(data) // 2])
-        raise KeyboardInterrupt
+    class KilledWhileWriting(io.FileIO):
+        def write(self, data: Any) -> int:
+            super().write(bytes(data)[: len(data) // 2])
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(Path, "write_text", killed_while_writing)
+    monkeypatch.setattr(files, "open", lambda fd, mode: KilledWhileWriting(fd, mode), raising=False)
     with pytest.raises(KeyboardInterrupt):
         write_curve_file(path, "rank", ["fc"], ["numerical_rank"], {**first, 1: {"fc": {"numerical_rank": 2.0}}})
     monkeypatch.undo()
