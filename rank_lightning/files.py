@@ -42,4 +42,4 @@ def replace_file(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path
 
 def unwritten_warning(path: str | Path, error: BaseException, kept: str) -> str:
     """The message of a file a callback could not write: the path, the error, and where the values are ``kept``."""
-    return f"could not write {path} ({error!r}); training goes on, {kept}"
+    return f"could not write {path} ({error!r}); the run goes on, {kept}"

@@ -12,16 +12,20 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import pytorch_lightning as pl
 import torch
+from matplotlib.figure import Figure
 from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
+from rank_lightning.files import replace_file, unwritten_warning
+from rank_lightning.plotting import save_figure
 from rank_lightning.sampling import side_loader
 from rank_lightning.validation import check_positive_int
 
@@ -320,6 +324,26 @@ class RankCallback(pl.Callback):
             return
         self._warned.add(key)
         warnings.warn(f"{type(self).__name__}: {message}", category, stacklevel=3)
+
+    def write_file(self, path: Path, write: Callable[[IO[bytes]], object], kept: str) -> bool:
+        """Write ``path`` in one step (:func:`~rank_lightning.files.replace_file`); whether it was written. One that
+        cannot be (a full disk, a read-only folder) is a warning naming the path, the error and where the values are
+        ``kept`` (once per path and error), never the end of the fit; the earlier file stays whole."""
+        try:
+            replace_file(path, write)
+        except OSError as error:
+            self.warn_once(("unwritten", str(path), repr(error)), unwritten_warning(path, error, kept), RuntimeWarning)
+            return False
+        return True
+
+    def draw_file(self, path: Path, draw: Callable[[], Figure], kept: str) -> Path | None:
+        """Draw the figure ``draw`` returns into ``path`` (:func:`~rank_lightning.plotting.save_figure`); ``None``,
+        with a warning naming the path, the error and where the values are ``kept``, when drawing or writing fails."""
+        try:
+            return save_figure(draw(), path)
+        except Exception as error:  # a figure must never take the run down
+            self.warn_once(("unwritten", str(path), repr(error)), unwritten_warning(path, error, kept), RuntimeWarning)
+            return None
 
 
 class CurveMonitor(RankCallback):

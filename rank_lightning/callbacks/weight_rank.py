@@ -15,7 +15,6 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import CurveMonitor
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, wandb_loggers
 from rank_lightning.distributed import SHARDINGS, fsdp_parameter_shapes, weight_matrix_spectra
-from rank_lightning.files import replace_file, unwritten_warning
 from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
 from rank_lightning.layers import check_layer_types, select_layers
@@ -494,11 +493,10 @@ class WeightRankMonitor(CurveMonitor):
         directory = self.curves.figure_dir(trainer) / "weight_singular_values"
         at = f"step_{point:08d}" if self.curves.x_axis == "step" else f"epoch_{point:04d}"
         path = directory / f"{at}.npz"
-        try:  # written beside and renamed over: a failed or killed write leaves the file of an earlier run whole
-            replace_file(path, lambda handle: np.savez_compressed(handle, **arrays))
-        except OSError as error:  # a full disk or a read-only folder must not end the fit
-            kept = "these singular values are not kept (the curves are, in the loggers and in checkpoints)"
-            self.warn_once(("unwritten", str(path)), unwritten_warning(path, error, kept), RuntimeWarning)
+        # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole, and a full
+        # disk or a read-only folder is a warning.
+        kept = "these singular values are not kept (the curves are, in the loggers and in checkpoints)"
+        self.write_file(path, lambda handle: np.savez_compressed(handle, **arrays), kept)
         loggers = wandb_loggers(trainer)
         if loggers:
             import wandb

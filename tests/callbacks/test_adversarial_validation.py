@@ -528,3 +528,30 @@ def test_two_processes_attack_the_sample_the_distributed_sampler_repeats_once(tm
     assert single["num_samples"] == ddp["adv/num_samples"] == 359
     for key, value in single.items():
         assert ddp[f"adv/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_files_that_cannot_be_written_are_warnings_and_the_earlier_ones_stay_whole(tmp_path, model, monkeypatch):
+    directory = tmp_path / "rank_curves"
+    directory.mkdir()
+    (directory / "adversarial.json").write_text('{"0": "an earlier run"}')
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    def broken_figure(*args, **kwargs):
+        raise ValueError("no finite value to draw")
+
+    monkeypatch.setattr("rank_lightning.files.os.replace", read_only)
+    monkeypatch.setattr("rank_lightning.callbacks.adversarial_validation.adversarial_figure", broken_figure)
+    callback = AdversarialValidation(eps=[2 / 255], attacks=["fgsm"], max_samples=32, verbose=False)
+    with pytest.warns(RuntimeWarning) as caught:
+        values = _validate(tmp_path, model, callback)
+    assert values["num_samples"] == 32
+    assert sorted(str(w.message) for w in caught if "could not write" in str(w.message)) == [
+        f"AdversarialValidation: could not write {directory / 'adversarial.json'} (PermissionError(13, 'Permission "
+        "denied')); the run goes on, the values are in the loggers and in checkpoints",
+        f"AdversarialValidation: could not write {directory / 'adversarial.png'} (ValueError('no finite value to "
+        "draw')); the run goes on, the values are in the loggers and in checkpoints",
+    ]
+    assert (directory / "adversarial.json").read_text() == '{"0": "an earlier run"}'
+    assert sorted(p.name for p in directory.iterdir()) == ["adversarial.json"]

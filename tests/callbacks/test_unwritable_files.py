@@ -68,7 +68,7 @@ def test_a_fit_into_an_unwritable_run_directory_ends_normally_and_names_every_fi
     directory = tmp_path / FIGURE_DIR
     assert [m for m in messages if "could not write" in m] == [
         f"LayerCurves: could not write {directory / 'rank_curves.json'} (OSError(28, 'No space left on device')); "
-        "training goes on, the curves are kept in memory, in checkpoints and in the loggers"
+        "the run goes on, the curves are kept in memory, in checkpoints and in the loggers"
     ]
     for metric in ("numerical_rank", "stable_rank"):
         assert sum(f"so {directory / f'rank_{metric}.png'} is not written" in m for m in messages) == 1
