@@ -411,6 +411,7 @@ class CurveMonitor(RankCallback):
         )
         x_axis = "epoch" if every_n_train_steps is None else "step"
         self.curves = LayerCurves(namespace, figures_every_n_epochs=figures_every_n_epochs, x_axis=x_axis)
+        self._training_ended = False  # set at on_train_end: what follows is the end of fit, its figures drawn
 
     def due(self, trainer: pl.Trainer) -> bool:
         """Whether this epoch (or evaluation run) is monitored (:meth:`Cadence.due`)."""
@@ -517,6 +518,11 @@ class CurveMonitor(RankCallback):
         # workers themselves are started at the first record (LayerCurves), when the number of figures is known.
         if trainer.is_global_zero:
             figure_workers(0)
+        self._training_ended = False
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training_ended = True
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -536,8 +542,17 @@ class CurveMonitor(RankCallback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A fit stopped by an exception (Ctrl-C included) still gets the figures of what it recorded; a failure to
-        draw them is a warning, never a second exception over the first."""
+        draw them is a warning, never a second exception over the first. A Ctrl-C once training has ended stops the
+        drawing of the figures at the end of fit: they are not drawn again (Lightning ignores Ctrl-C from here on, so
+        that drawing could not be stopped), with a warning naming the curve file, which holds every value."""
         if trainer_fn(trainer) != "fit" or not trainer.is_global_zero or not self.curves.epochs:
+            return
+        if isinstance(exception, KeyboardInterrupt) and self._training_ended:
+            message = (
+                "Ctrl-C at the end of fit stopped the figures: those not written yet are not drawn; the curves are "
+                f"in {self.curves.curve_path(trainer)}: python -m rank_lightning.analysis.report draws them"
+            )
+            self.warn_once(("figures interrupted",), message, RuntimeWarning)
             return
         try:
             self.curves.finish(trainer)

@@ -895,7 +895,7 @@ class LayerCurves:
             warnings.warn(
                 f"LayerCurves({self.namespace!r}): this fit resumed at {self.x_axis} {epoch} from a checkpoint older "
                 f"than the recorded curves; {self.x_axis}s {epoch_ranges(rewound)} are trained again and their values "
-                f"are replaced. The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in "
+                f"are replaced. The previous values are kept under 'superseded' in {self.curve_path(trainer)} and in "
                 "checkpoints.",
                 UserWarning,
                 stacklevel=3,
@@ -907,20 +907,21 @@ class LayerCurves:
         found, found_blocks = [self._before_loading], [self._superseded_before_loading]
         if trainer.is_global_zero:
             try:
-                content = read_curve_file(self._curve_path(trainer))
+                content = read_curve_file(self.curve_path(trainer))
                 found.append(content["history"])
                 found_blocks.append(content["superseded"])
             except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
                 pass
         return found, found_blocks
 
-    def _curve_path(self, trainer: Any) -> Path:
+    def curve_path(self, trainer: Any) -> Path:
+        """``<run dir>/rank_curves/<namespace>_curves.json``, the curve file."""
         return self.figure_dir(trainer) / f"{self.namespace}_curves.json"
 
     def _write_curve_file(self, trainer: Any) -> None:
         """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
         path and error, and the fit goes on: the history stays in memory and in checkpoints."""
-        path = self._curve_path(trainer)
+        path = self.curve_path(trainer)
         try:
             write_curve_file(
                 path,
