@@ -24,6 +24,7 @@ from rank_lightning.attacks import (
 )
 from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn
 from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
+from rank_lightning.files import RunFiles
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import limit_to_own_samples, process_share
@@ -243,6 +244,7 @@ class AdversarialValidation(RankCallback):
         self.std = None if std is None else tuple(float(v) for v in std)
         self.reader = BatchReader(input_key, label_key)
         self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
+        self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
         self._feature_layer: FeatureLayer | None = None
         self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._active: str | None = None
@@ -350,6 +352,7 @@ class AdversarialValidation(RankCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for stage, epochs in state_dict["history"].items():
             self.history[stage] = {int(epoch): dict(values) for epoch, values in epochs.items()}
+        self._run_files.continues = True  # the JSON files found are this run's
 
     # -- what ------------------------------------------------------------------------------------------------------
 
@@ -440,13 +443,15 @@ class AdversarialValidation(RankCallback):
 
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
         """The stage's history as JSON and the last evaluation's figure, each replaced in one step; one that cannot be
-        written or drawn is a warning naming it (the values are in the loggers and in checkpoints)."""
+        written or drawn is a warning naming it (the values are in the loggers and in checkpoints). A JSON file of
+        another run there is kept as ``<stem>-v<n>.json`` (:class:`~rank_lightning.files.RunFiles`)."""
         directory = run_directory(trainer) / FIGURE_DIR
         stem = "adversarial" if stage == "validate" else "adversarial_test"
         history = self.history[stage]
         text = json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
         kept = "the values are in the loggers and in checkpoints"
-        self.write_file(directory / f"{stem}.json", lambda file: file.write(text.encode()), kept)
+        if self._run_files.claim(directory / f"{stem}.json", "adversarial evaluations"):
+            self.write_file(directory / f"{stem}.json", lambda file: file.write(text.encode()), kept)
         epoch = max(history)
         figure_path = self.draw_file(
             directory / f"{stem}.png",

@@ -36,6 +36,9 @@ follows with those numbers, identically for every callback:
    ``_.=-`` become ``_``; :func:`~rank_lightning.plotting.layer_curves_figure`): the metric against epoch, one line
    per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in
    words, with a caption line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance).
+   Each file is replaced in one step; one that cannot be written (a full disk, a read-only folder) or drawn is a
+   warning naming the path and the error, and the fit goes on. A curve file of another run found where a fresh history
+   writes its first is kept under another name (:meth:`LayerCurves.claim`).
 
 A value measured before the first training step is recorded at epoch ``-1`` (:data:`INITIAL_EPOCH`) by
 :meth:`LayerCurves.record_initial`, which sends it straight to the loggers (``pl_module.log`` is not allowed in
@@ -95,7 +98,7 @@ from typing import Any
 import torch
 
 from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
-from rank_lightning.files import replace_file, unwritten_warning
+from rank_lightning.files import RunFiles, replace_file, unwritten_warning
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -465,7 +468,7 @@ class LayerCurves:
         """Forget the history, as a new object would hold none: for a fresh ``fit`` (another Trainer, or another
         model) of a monitor whose curves hold an earlier fit's points, which would otherwise mix with the new ones
         (the initial point of the earlier model kept, its epochs overwritten one by one). The curve file written so
-        far stays on disk."""
+        far stays on disk: a fit into the same folder keeps it under another name (:meth:`claim`)."""
         self.x_axis = self._x_axis_at_start
         self._history: History = {}
         self._layers: list[str] = []
@@ -480,6 +483,21 @@ class LayerCurves:
         self._before_loading: History = {}
         self._superseded_before_loading: list[dict[str, Any]] = []
         self._rewind_check = False
+        # The files and folders of the run directory this history has made its own (claim); a history loaded from a
+        # checkpoint continues a saved run, whose files are its own already.
+        self._run_files = RunFiles(f"LayerCurves({self.namespace!r})")
+
+    def claim(self, path: Path, what: str) -> bool:
+        """Make ``path`` (a file or folder of the run directory that this history writes) this run's, before its first
+        write (:meth:`~rank_lightning.files.RunFiles.claim`): one left there by another run is kept as
+        ``<stem>-v<n><suffix>``, with a warning; the files of a run this history continues (loaded from a checkpoint, or
+        written by it) are its own. Whether ``path`` may be written.
+
+        Args:
+            path: the file or folder.
+            what: what it holds, in words (``"curves"``, ``"singular values"``), for the warning.
+        """
+        return self._run_files.claim(path, what)
 
     @property
     def layers(self) -> list[str]:
@@ -850,6 +868,7 @@ class LayerCurves:
             for b in state_dict.get("superseded", [])
         ]
         self._rewind_check = True
+        self._run_files.continues = True
 
     def _scalars(self, stored: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         return {
@@ -922,6 +941,8 @@ class LayerCurves:
         """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
         path and error, and the fit goes on: the history stays in memory and in checkpoints."""
         path = self.curve_path(trainer)
+        if not self.claim(path, "curves"):
+            return
         try:
             write_curve_file(
                 path,

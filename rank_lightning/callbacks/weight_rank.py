@@ -496,7 +496,8 @@ class WeightRankMonitor(CurveMonitor):
         # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole, and a full
         # disk or a read-only folder is a warning.
         kept = "these singular values are not kept (the curves are, in the loggers and in checkpoints)"
-        self.write_file(path, lambda handle: np.savez_compressed(handle, **arrays), kept)
+        if self.curves.claim(directory, "singular values"):  # an earlier run's are kept under another name
+            self.write_file(path, lambda handle: np.savez_compressed(handle, **arrays), kept)
         loggers = wandb_loggers(trainer)
         if loggers:
             import wandb

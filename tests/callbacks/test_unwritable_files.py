@@ -11,7 +11,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from rank_lightning import files
-from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, read_curve_file
 from rank_lightning.plotting import layer_curves_figure, save_figure
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_data
@@ -96,3 +96,34 @@ def test_a_figure_that_fails_to_write_leaves_the_earlier_file_whole(tmp_path, mo
         save_figure(layer_curves_figure("ns", "m", ["a"], {0: {"a": {"m": 2.0}}}), path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ns_m.png"]
+
+
+def test_a_second_fit_into_the_same_folder_keeps_the_files_of_the_first_under_another_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK_LIGHTNING_FIGURE_WORKERS", "0")
+
+    def fit(seed: int) -> WeightRankMonitor:
+        monitor = WeightRankMonitor(metrics=["stable_rank"], save_singular_values=True, verbose=False)
+        trainer = quiet_trainer([monitor], max_epochs=2, default_root_dir=tmp_path)  # logger=False: one folder
+        trainer.fit(SmallClassifier(seed=seed), DataLoader(small_data(32), batch_size=8))
+        return monitor
+
+    first = fit(seed=0)
+    directory = tmp_path / FIGURE_DIR
+    spectra = (directory / "weight_singular_values" / "epoch_0001.npz").read_bytes()
+    with pytest.warns(UserWarning) as caught:
+        second = fit(seed=1)
+    assert sorted(str(w.message) for w in caught if "another run" in str(w.message)) == [
+        f"LayerCurves('weight'): {directory / 'weight_curves.json'} held the curves of another run; they are kept as "
+        "weight_curves-v1.json and this run writes its own",
+        f"LayerCurves('weight'): {directory / 'weight_singular_values'} held the singular values of another run; they "
+        "are kept as weight_singular_values-v1 and this run writes its own",
+    ]
+    assert read_curve_file(directory / "weight_curves-v1.json")["history"] == first.curves.history
+    assert read_curve_file(directory / "weight_curves.json")["history"] == second.curves.history
+    assert first.curves.history != second.curves.history
+    assert (directory / "weight_singular_values-v1" / "epoch_0001.npz").read_bytes() == spectra
+    assert sorted(p.name for p in (directory / "weight_singular_values").iterdir()) == [
+        "epoch_-001.npz",
+        "epoch_0000.npz",
+        "epoch_0001.npz",
+    ]

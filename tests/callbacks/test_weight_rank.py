@@ -599,6 +599,8 @@ def test_a_failed_spectrum_write_keeps_the_earlier_file_and_the_fit_goes_on(tmp_
         trainer = fit()  # the second run into the same folder cannot write its spectra
     assert trainer.state.finished and trainer.current_epoch == 1
     assert sum("could not write" in str(w.message) for w in caught) == 2  # epoch -1 and epoch 0, each named
-    np.testing.assert_array_equal(np.load(saved)["head"], before)
-    np.testing.assert_array_equal(np.load(saved.with_name("epoch_0000.npz"))["head"], before_epoch_0)
-    assert sorted(p.name for p in saved.parent.iterdir()) == ["epoch_-001.npz", "epoch_0000.npz"]
+    kept = saved.parent.with_name("weight_singular_values-v1")  # the first run's, set aside whole
+    np.testing.assert_array_equal(np.load(kept / saved.name)["head"], before)
+    np.testing.assert_array_equal(np.load(kept / "epoch_0000.npz")["head"], before_epoch_0)
+    assert sorted(p.name for p in kept.iterdir()) == ["epoch_-001.npz", "epoch_0000.npz"]
+    assert list(saved.parent.iterdir()) == []  # no partial file of the second run
