@@ -64,7 +64,8 @@ class RunFiles:
     into the same folder: ``logger=False``, or a logger with a fixed version) is renamed to the first free
     ``<stem>-v<n><suffix>`` (:func:`free_version`), with a warning naming both, so that nothing of that run is
     overwritten. A writer that continues a saved run (its history loaded from a checkpoint) sets :attr:`continues`:
-    the files it finds are its own.
+    the files it finds are its own. A file the writer has written (:meth:`wrote`) and finds changed by someone else
+    before its next write (two runs writing the same folder at the same time) is set aside again.
 
     Args:
         owner: the writer, in words, first in its warnings (``"LayerCurves('rank')"``).
@@ -74,7 +75,12 @@ class RunFiles:
         self.owner = owner
         self.continues = False
         self._claimed: set[str] = set()
+        self._written: dict[str, tuple[int, int, int] | None] = {}
         self._warned: set[tuple[str, str]] = set()
+
+    def wrote(self, path: str | Path) -> None:
+        """Note that the writer has just written the file ``path``, so that a later change by another is seen."""
+        self._written[str(path)] = _stamp(path)
 
     def claim(self, path: str | Path, what: str) -> bool:
         """Make ``path`` (a file or folder) this run's before its first write (see the class); whether it may be
@@ -88,8 +94,10 @@ class RunFiles:
         path = Path(path)
         key = str(path)
         if key in self._claimed:
-            return True
-        if self.continues or not path.exists():
+            written = self._written.get(key)
+            if written is None or _stamp(path) in (None, written):
+                return True  # its own (or gone): a file written since by another writer is set aside below
+        elif self.continues or not path.exists():
             self._claimed.add(key)
             return True
         aside = free_version(path)
@@ -108,3 +116,13 @@ class RunFiles:
         message = f"{self.owner}: {path} held the {what} of another run; they are kept as {aside.name} and this run "
         warnings.warn(message + "writes its own", UserWarning, stacklevel=3)
         return True
+
+
+def _stamp(path: str | Path) -> tuple[int, int, int] | None:
+    """What tells one version of a file from another: inode (a new one at every :func:`replace_file`), modification
+    time and size; ``None`` when there is no file."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_ino, status.st_mtime_ns, status.st_size

@@ -450,8 +450,11 @@ class AdversarialValidation(RankCallback):
         history = self.history[stage]
         text = json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
         kept = "the values are in the loggers and in checkpoints"
-        if self._run_files.claim(directory / f"{stem}.json", "adversarial evaluations"):
-            self.write_file(directory / f"{stem}.json", lambda file: file.write(text.encode()), kept)
+        path = directory / f"{stem}.json"
+        if self._run_files.claim(path, "adversarial evaluations") and self.write_file(
+            path, lambda file: file.write(text.encode()), kept
+        ):
+            self._run_files.wrote(path)
         epoch = max(history)
         figure_path = self.draw_file(
             directory / f"{stem}.png",

@@ -958,6 +958,8 @@ class LayerCurves:
                 self._unwritten.add((str(path), repr(error)))
                 kept = "the curves are kept in memory, in checkpoints and in the loggers"
                 warnings.warn(f"LayerCurves: {unwritten_warning(path, error, kept)}", RuntimeWarning, stacklevel=3)
+        else:
+            self._run_files.wrote(path)
 
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)

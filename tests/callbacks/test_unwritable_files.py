@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from rank_lightning import files
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
-from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, read_curve_file
+from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, read_curve_file, write_curve_file
 from rank_lightning.plotting import layer_curves_figure, save_figure
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_data
 
@@ -127,3 +127,18 @@ def test_a_second_fit_into_the_same_folder_keeps_the_files_of_the_first_under_an
         "epoch_0000.npz",
         "epoch_0001.npz",
     ]
+
+
+def test_a_curve_file_written_meanwhile_by_another_run_is_set_aside_before_the_next_write(tmp_path):
+    curves = LayerCurves("test", wandb_charts=False)
+    trainer = SimpleNamespace(
+        is_global_zero=True, loggers=[], default_root_dir=str(tmp_path), sanity_checking=False, current_epoch=0
+    )
+    _record(curves, trainer, 0)
+    path = tmp_path / FIGURE_DIR / "test_curves.json"
+    write_curve_file(path, "test", ["a"], ["m"], {0: {"a": {"m": 7.0}}})  # another run writing the same folder
+    with pytest.warns(UserWarning, match=r"test_curves\.json held the curves of another run; they are kept as "):
+        _record(curves, trainer, 1)
+    _record(curves, trainer, 2)  # its own file again: written over without a word
+    assert read_curve_file(path.with_name("test_curves-v1.json"))["history"] == {0: {"a": {"m": 7.0}}}
+    assert read_curve_file(path)["history"] == {e: {"a": {"m": float(e)}} for e in range(3)}
