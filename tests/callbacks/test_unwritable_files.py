@@ -142,3 +142,27 @@ def test_a_curve_file_written_meanwhile_by_another_run_is_set_aside_before_the_n
     _record(curves, trainer, 2)  # its own file again: written over without a word
     assert read_curve_file(path.with_name("test_curves-v1.json"))["history"] == {0: {"a": {"m": 7.0}}}
     assert read_curve_file(path)["history"] == {e: {"a": {"m": float(e)}} for e in range(3)}
+
+
+def test_a_figure_that_matplotlib_cannot_draw_is_named_and_the_others_are_drawn(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK_LIGHTNING_FIGURE_WORKERS", "0")
+    draw = layer_curves_figure
+
+    def fails_on_inf(namespace, metric, layers, history, **kwargs):
+        if any(math.isinf(m.get(metric, 0.0)) for values in history.values() for m in values.values()):
+            raise ValueError("Axis limits cannot be NaN or Inf")
+        return draw(namespace, metric, layers, history, **kwargs)
+
+    monkeypatch.setattr("rank_lightning.callbacks.curves.layer_curves_figure", fails_on_inf)
+    curves = LayerCurves("test")
+    for epoch in range(2):
+        curves.record(epoch, {"a": {"good": 1.0 + epoch, "bad": math.inf, "also_good": 2.0}})
+    with pytest.warns(RuntimeWarning) as caught:
+        paths = curves.write_figures(SimpleNamespace(is_global_zero=True, loggers=[], default_root_dir=str(tmp_path)))
+    directory = tmp_path / FIGURE_DIR
+    assert paths == [directory / "test_good.png", directory / "test_also_good.png"]
+    assert [str(w.message) for w in caught] == [
+        "LayerCurves: drawing 'test' 'bad' failed (ValueError('Axis limits cannot be NaN or Inf')), so "
+        f"{directory / 'test_bad.png'} is not written; the curves are in test_curves.json and python -m "
+        "rank_lightning.analysis.report can draw them"
+    ]
