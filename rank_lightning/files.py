@@ -52,7 +52,7 @@ def free_version(path: str | Path) -> Path:
     of an earlier run is kept when a new run would write over it (Lightning names checkpoints so, too)."""
     path = Path(path)
     version = 1
-    while (candidate := path.with_name(f"{path.stem}-v{version}{path.suffix}")).exists():
+    while os.path.lexists(candidate := path.with_name(f"{path.stem}-v{version}{path.suffix}")):
         version += 1
     return candidate
 
@@ -97,7 +97,7 @@ class RunFiles:
             written = self._written.get(key)
             if written is None or _stamp(path) in (None, written):
                 return True  # its own (or gone): a file written since by another writer is set aside below
-        elif self.continues or not path.exists():
+        elif self.continues or not os.path.lexists(path):  # (never raises: an unreadable folder fails the write)
             self._claimed.add(key)
             return True
         aside = free_version(path)

@@ -5,6 +5,7 @@ import errno
 import math
 import os
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -166,3 +167,22 @@ def test_a_figure_that_matplotlib_cannot_draw_is_named_and_the_others_are_drawn(
         f"{directory / 'test_bad.png'} is not written; the curves are in test_curves.json and python -m "
         "rank_lightning.analysis.report can draw them"
     ]
+
+
+def test_a_run_directory_that_cannot_be_searched_is_a_warning_too(tmp_path, monkeypatch):
+    (tmp_path / FIGURE_DIR).mkdir()
+    stat = Path.stat
+
+    def denied(self, *args, **kwargs):  # a folder without search permission (as root, chmod would not deny it)
+        if FIGURE_DIR in self.parts:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)
+    curves = LayerCurves("test", wandb_charts=False)
+    trainer = SimpleNamespace(
+        is_global_zero=True, loggers=[], default_root_dir=str(tmp_path), sanity_checking=False, current_epoch=0
+    )
+    with pytest.warns(RuntimeWarning, match=r"could not write \S*test_curves\.json \(PermissionError\(13"):
+        _record(curves, trainer, 0)
+    assert curves.epochs == [0]
