@@ -47,6 +47,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
 
+from rank_lightning.files import replace_file
+
 __all__ = [
     "INITIAL_EPOCH",
     "Reference",
@@ -100,12 +102,12 @@ def save_figure(figure: Figure, path: str | Path, dpi: int = 100) -> Path:
       row made writing take 28-50 ms instead of 12-24 ms, for files 5-11% larger.
 
     Other formats go through ``Figure.savefig``; the ``savefig.*`` settings of matplotlib do not apply to PNG files.
+    Either way the file is replaced in one step (:func:`~rank_lightning.files.replace_file`): a failed or interrupted
+    write leaves the earlier file whole.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() != ".png":
-        figure.savefig(path, dpi=dpi)
-        return path
+        return replace_file(path, lambda file: figure.savefig(file, dpi=dpi, format=path.suffix[1:] or None))
     old_canvas, old_dpi = figure.canvas, figure.dpi
     canvas = _SharedRendererCanvas(figure)
     try:
@@ -157,13 +159,15 @@ def _write_png(path: Path, rgba: np.ndarray, dpi: float) -> None:
     rows[:, 1:] = rgba.reshape(height, 4 * width)
     pixels_per_metre = round(dpi / 0.0254)
     software = f"Software\0matplotlib {matplotlib.__version__}".encode("latin-1")
-    with open(path, "wb") as file:
-        file.write(b"\x89PNG\r\n\x1a\n")
-        file.write(_png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)))
-        file.write(_png_chunk(b"pHYs", struct.pack(">IIB", pixels_per_metre, pixels_per_metre, 1)))
-        file.write(_png_chunk(b"tEXt", software))
-        file.write(_png_chunk(b"IDAT", zlib.compress(rows, 1)))
-        file.write(_png_chunk(b"IEND", b""))
+    chunks = [
+        b"\x89PNG\r\n\x1a\n",
+        _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)),
+        _png_chunk(b"pHYs", struct.pack(">IIB", pixels_per_metre, pixels_per_metre, 1)),
+        _png_chunk(b"tEXt", software),
+        _png_chunk(b"IDAT", zlib.compress(rows, 1)),
+        _png_chunk(b"IEND", b""),
+    ]
+    replace_file(path, lambda file: file.writelines(chunks))
 
 
 def evenly_spaced(items: Sequence[int], count: int) -> list[int]:

@@ -542,6 +542,7 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
         # A step window still open when training stops never reached its step: nothing is logged for it.
         if self.cadence.by_step:
             self._stop()

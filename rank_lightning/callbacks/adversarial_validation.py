@@ -24,8 +24,9 @@ from rank_lightning.attacks import (
 )
 from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn
 from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
+from rank_lightning.files import RunFiles
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
-from rank_lightning.plotting import adversarial_figure, save_figure
+from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import own_samples, process_share
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
@@ -245,6 +246,7 @@ class AdversarialValidation(RankCallback):
         self.std = None if std is None else tuple(float(v) for v in std)
         self.reader = BatchReader(input_key, label_key)
         self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
+        self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
         self._feature_layer: FeatureLayer | None = None
         self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._active: str | None = None
@@ -366,6 +368,7 @@ class AdversarialValidation(RankCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for stage, epochs in state_dict["history"].items():
             self.history[stage] = {int(epoch): dict(values) for epoch, values in epochs.items()}
+        self._run_files.continues = True  # the JSON files found are this run's
 
     # -- what ------------------------------------------------------------------------------------------------------
 
@@ -455,22 +458,31 @@ class AdversarialValidation(RankCallback):
     # -- files and W&B ---------------------------------------------------------------------------------------------
 
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
+        """The stage's history as JSON and the last evaluation's figure, each replaced in one step; one that cannot be
+        written or drawn is a warning naming it (the values are in the loggers and in checkpoints). A JSON file of
+        another run there is kept as ``<stem>-v<n>.json`` (:class:`~rank_lightning.files.RunFiles`)."""
         directory = run_directory(trainer) / FIGURE_DIR
-        directory.mkdir(parents=True, exist_ok=True)
         stem = "adversarial" if stage == "validate" else "adversarial_test"
         history = self.history[stage]
-        (directory / f"{stem}.json").write_text(
-            json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
-        )
+        text = json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
+        kept = "the values are in the loggers and in checkpoints"
+        path = directory / f"{stem}.json"
+        if self._run_files.claim(path, "adversarial evaluations") and self.write_file(
+            path, lambda file: file.write(text.encode()), kept
+        ):
+            self._run_files.wrote(path)
         epoch = max(history)
-        figure = adversarial_figure(
-            self._curves(history[epoch]),
-            [float(grey_levels(eps)) for eps in self.eps],
-            history[epoch]["clean_acc"],
-            f"{_NAMESPACES[stage]}, epoch {epoch}",
-            feature_layer=None if self._feature_layer is None else self._feature_layer.name,
+        figure_path = self.draw_file(
+            directory / f"{stem}.png",
+            lambda: adversarial_figure(
+                self._curves(history[epoch]),
+                [float(grey_levels(eps)) for eps in self.eps],
+                history[epoch]["clean_acc"],
+                f"{_NAMESPACES[stage]}, epoch {epoch}",
+                feature_layer=None if self._feature_layer is None else self._feature_layer.name,
+            ),
+            kept,
         )
-        figure_path = save_figure(figure, directory / f"{stem}.png")
         loggers = wandb_loggers(trainer)
         if loggers:
             self._log_wandb(loggers, trainer, stage, history[epoch], figure_path)
@@ -486,7 +498,12 @@ class AdversarialValidation(RankCallback):
         }
 
     def _log_wandb(
-        self, loggers: list[Any], trainer: pl.Trainer, stage: str, values: Mapping[str, float], figure_path: Path
+        self,
+        loggers: list[Any],
+        trainer: pl.Trainer,
+        stage: str,
+        values: Mapping[str, float],
+        figure_path: Path | None,
     ) -> None:
         import wandb
 
@@ -499,9 +516,7 @@ class AdversarialValidation(RankCallback):
                 rows.append([name, float(level), distance, 1 - accuracy, accuracy, values.get(f"{name}/d_adv@{level}")])
         columns = ["attack", "eps_grey_levels", "l2_dissimilarity", "misclassification", "accuracy", "d_adv"]
         prefix = f"{_NAMESPACES[stage]}_curves"
-        payload = {
-            f"{prefix}/figure": wandb.Image(str(figure_path)),
-            f"{prefix}/table": wandb.Table(columns=columns, data=rows),
-        }
+        payload: dict[str, Any] = {} if figure_path is None else {f"{prefix}/figure": wandb.Image(str(figure_path))}
+        payload[f"{prefix}/table"] = wandb.Table(columns=columns, data=rows)
         for logger in loggers:
             logger.log_metrics(payload, step=trainer.global_step)

@@ -12,16 +12,20 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import pytorch_lightning as pl
 import torch
+from matplotlib.figure import Figure
 from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
+from rank_lightning.files import replace_file, unwritten_warning
+from rank_lightning.plotting import save_figure
 from rank_lightning.sampling import own_samples, side_loader
 from rank_lightning.validation import check_positive_int
 
@@ -399,6 +403,26 @@ class RankCallback(pl.Callback):
         self._warned.add(key)
         warnings.warn(f"{type(self).__name__}: {message}", category, stacklevel=3)
 
+    def write_file(self, path: Path, write: Callable[[IO[bytes]], object], kept: str) -> bool:
+        """Write ``path`` in one step (:func:`~rank_lightning.files.replace_file`); whether it was written. One that
+        cannot be (a full disk, a read-only folder) is a warning naming the path, the error and where the values are
+        ``kept`` (once per path and error), never the end of the fit; the earlier file stays whole."""
+        try:
+            replace_file(path, write)
+        except OSError as error:
+            self.warn_once(("unwritten", str(path), repr(error)), unwritten_warning(path, error, kept), RuntimeWarning)
+            return False
+        return True
+
+    def draw_file(self, path: Path, draw: Callable[[], Figure], kept: str) -> Path | None:
+        """Draw the figure ``draw`` returns into ``path`` (:func:`~rank_lightning.plotting.save_figure`); ``None``,
+        with a warning naming the path, the error and where the values are ``kept``, when drawing or writing fails."""
+        try:
+            return save_figure(draw(), path)
+        except Exception as error:  # a figure must never take the run down
+            self.warn_once(("unwritten", str(path), repr(error)), unwritten_warning(path, error, kept), RuntimeWarning)
+            return None
+
 
 class CurveMonitor(RankCallback):
     """Base of the monitors that log per-layer curves: cadence, curves, figures, checkpointed history.
@@ -465,6 +489,7 @@ class CurveMonitor(RankCallback):
         )
         x_axis = "epoch" if every_n_train_steps is None else "step"
         self.curves = LayerCurves(namespace, figures_every_n_epochs=figures_every_n_epochs, x_axis=x_axis)
+        self._training_ended = False  # set at on_train_end: what follows is the end of fit, its figures drawn
 
     def due(self, trainer: pl.Trainer) -> bool:
         """Whether this epoch (or evaluation run) is monitored (:meth:`Cadence.due`)."""
@@ -571,6 +596,11 @@ class CurveMonitor(RankCallback):
         # workers themselves are started at the first record (LayerCurves), when the number of figures is known.
         if trainer.is_global_zero:
             figure_workers(0)
+        self._training_ended = False
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training_ended = True
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -590,8 +620,17 @@ class CurveMonitor(RankCallback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A fit stopped by an exception (Ctrl-C included) still gets the figures of what it recorded; a failure to
-        draw them is a warning, never a second exception over the first."""
+        draw them is a warning, never a second exception over the first. A Ctrl-C once training has ended stops the
+        drawing of the figures at the end of fit: they are not drawn again (Lightning ignores Ctrl-C from here on, so
+        that drawing could not be stopped), with a warning naming the curve file, which holds every value."""
         if trainer_fn(trainer) != "fit" or not trainer.is_global_zero or not self.curves.epochs:
+            return
+        if isinstance(exception, KeyboardInterrupt) and self._training_ended:
+            message = (
+                "Ctrl-C at the end of fit stopped the figures: those not written yet are not drawn; the curves are "
+                f"in {self.curves.curve_path(trainer)}: python -m rank_lightning.analysis.report draws them"
+            )
+            self.warn_once(("figures interrupted",), message, RuntimeWarning)
             return
         try:
             self.curves.finish(trainer)

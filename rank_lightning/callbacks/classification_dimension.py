@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import operator
 import warnings
@@ -12,6 +13,7 @@ from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -43,7 +45,7 @@ from rank_lightning.layers import (
     forward_hooks,
     random_state_kept,
 )
-from rank_lightning.plotting import classification_dimension_figure, save_figure
+from rank_lightning.plotting import classification_dimension_figure
 from rank_lightning.sampling import process_share
 from rank_lightning.validation import (
     check_choice,
@@ -89,23 +91,24 @@ def _mean(values: Sequence[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
-def _write_accuracy_table(path: Path, result: ClassificationDimensionResult) -> None:
+def _csv_bytes(rows: Sequence[Sequence[Any]]) -> bytes:
+    """``rows`` as the bytes of a CSV file (``csv`` module defaults)."""
+    buffer = io.StringIO(newline="")
+    csv.writer(buffer).writerows(rows)
+    return buffer.getvalue().encode()
+
+
+def _accuracy_table(result: ClassificationDimensionResult) -> bytes:
     full = result.full_accuracy
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["k", "accuracy", "relative_accuracy", "eigenvalue"])
-        for k, accuracy in zip(result.ks.tolist(), result.accuracies.tolist()):
-            relative = accuracy / full if full > 0 else math.nan
-            writer.writerow([k, repr(accuracy), repr(relative), repr(float(result.eigenvalues[k - 1]))])
+    rows: list[list[Any]] = [["k", "accuracy", "relative_accuracy", "eigenvalue"]]
+    for k, accuracy in zip(result.ks.tolist(), result.accuracies.tolist()):
+        relative = accuracy / full if full > 0 else math.nan
+        rows.append([k, repr(accuracy), repr(relative), repr(float(result.eigenvalues[k - 1]))])
+    return _csv_bytes(rows)
 
 
-def _write_deficit(directory: Path, deficit: Deficit, class_names: Sequence[str] | None) -> None:
-    (directory / "independence_deficit.md").write_text(independence_deficit_markdown(deficit, class_names) + "\n")
-    with (directory / "independence_deficit.csv").open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(_DEFICIT_COLUMNS)
-        for row in deficit:
-            writer.writerow(_deficit_cells(row))
+def _deficit_table(deficit: Deficit) -> bytes:
+    return _csv_bytes([list(_DEFICIT_COLUMNS), *(_deficit_cells(row) for row in deficit)])
 
 
 def _drawable(result: ClassificationDimensionResult) -> bool:
@@ -113,8 +116,8 @@ def _drawable(result: ClassificationDimensionResult) -> bool:
     return result.defined and bool(((result.eigenvalues > 0) & torch.isfinite(result.eigenvalues)).any())
 
 
-def _draw(result: ClassificationDimensionResult, path: Path) -> Path:
-    figure = classification_dimension_figure(
+def _figure(result: ClassificationDimensionResult) -> Figure:
+    return classification_dimension_figure(
         result.ks.tolist(),
         result.accuracies.tolist(),
         result.eigenvalues.tolist(),
@@ -124,7 +127,6 @@ def _draw(result: ClassificationDimensionResult, path: Path) -> Path:
         threshold=result.threshold,
         centered=result.centered,
     )
-    return save_figure(figure, path)
 
 
 def _scalars(
@@ -494,17 +496,24 @@ class ClassificationDimension(RankCallback):
     def _write_files(
         self, directory: Path, result: ClassificationDimensionResult, deficit: Deficit | None
     ) -> Path | None:
-        """Write the accuracy table, the figure and the deficit files; returns the figure's path (``None`` when the
-        result has nothing to draw; an older figure is then removed, so that none describes other data)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_accuracy_table(directory / "accuracy_vs_k.csv", result)
+        """Write the accuracy table, the figure and the deficit files, each replaced in one step; returns the figure's
+        path (``None`` when the result has nothing to draw, an older figure then being removed so that none describes
+        other data, or when it could not be written). A file that cannot be written or drawn is a warning naming it."""
+        kept = "the numbers are in the loggers and in the callback's result"
+        self.write_file(directory / "accuracy_vs_k.csv", lambda file: file.write(_accuracy_table(result)), kept)
         if deficit is not None:
-            _write_deficit(directory, deficit, self.class_names)
+            markdown = (independence_deficit_markdown(deficit, self.class_names) + "\n").encode()
+            table = _deficit_table(deficit)
+            self.write_file(directory / "independence_deficit.md", lambda file: file.write(markdown), kept)
+            self.write_file(directory / "independence_deficit.csv", lambda file: file.write(table), kept)
         path = directory / "accuracy_vs_k.png"
         if not _drawable(result):
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                self.warn_once(("unremoved", str(path)), f"could not remove {path} ({error!r})", RuntimeWarning)
             return None
-        return _draw(result, path)
+        return self.draw_file(path, lambda: _figure(result), kept)
 
     @staticmethod
     def _log_wandb(

@@ -36,6 +36,9 @@ follows with those numbers, identically for every callback:
    ``_.=-`` become ``_``; :func:`~rank_lightning.plotting.layer_curves_figure`): the metric against epoch, one line
    per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in
    words, with a caption line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance).
+   Each file is replaced in one step; one that cannot be written (a full disk, a read-only folder) or drawn is a
+   warning naming the path and the error, and the fit goes on. A curve file of another run found where a fresh history
+   writes its first is kept under another name (:meth:`LayerCurves.claim`).
 
 A value measured before the first training step is recorded at epoch ``-1`` (:data:`INITIAL_EPOCH`) by
 :meth:`LayerCurves.record_initial`, which sends it straight to the loggers (``pl_module.log`` is not allowed in
@@ -86,7 +89,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -96,6 +98,7 @@ from typing import Any
 import torch
 
 from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
+from rank_lightning.files import RunFiles, replace_file, unwritten_warning
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -374,9 +377,12 @@ def write_curve_file(
     :meth:`LayerCurves.describe`) and ``"superseded"`` (``[{"resumed_at": epoch, "history": {...}}, ...]``: the
     values of epochs that a resumed fit trained again). NaN and Inf are written as JSON's ``NaN`` / ``Infinity``
     literals, which :func:`read_curve_file` reads back. The file is replaced in one step (written beside it, then
-    renamed), so that a run killed while writing leaves the previous version whole.
+    renamed: :func:`~rank_lightning.files.replace_file`), so that a run killed while writing leaves the previous
+    version whole.
+
+    Raises:
+        OSError: the file could not be written (the previous version is then whole).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     content: dict[str, Any] = {"namespace": namespace, "layers": layers, "metrics": metrics}
     content["history"] = _epochs_as_text(history)
     if facts:
@@ -385,13 +391,8 @@ def write_curve_file(
         content["superseded"] = [
             {"resumed_at": block["resumed_at"], "history": _epochs_as_text(block["history"])} for block in superseded
         ]
-    # Written beside and renamed over the old file: a run killed while writing leaves the previous file whole.
-    text, partial = json.dumps(content), path.with_name(f".{path.name}.partial")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    text = json.dumps(content).encode()
+    replace_file(path, lambda file: file.write(text))
 
 
 def read_curve_file(path: str | Path) -> dict[str, Any]:
@@ -460,13 +461,14 @@ class LayerCurves:
         self._logged_keys: set[str] = set()
         self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
         self._references: dict[str, Reference] = {}
+        self._unwritten: set[tuple[str, str]] = set()  # (path, error) of the curve files warned about
         self.restart()
 
     def restart(self) -> None:
         """Forget the history, as a new object would hold none: for a fresh ``fit`` (another Trainer, or another
         model) of a monitor whose curves hold an earlier fit's points, which would otherwise mix with the new ones
         (the initial point of the earlier model kept, its epochs overwritten one by one). The curve file written so
-        far stays on disk."""
+        far stays on disk: a fit into the same folder keeps it under another name (:meth:`claim`)."""
         self.x_axis = self._x_axis_at_start
         self._history: History = {}
         self._layers: list[str] = []
@@ -481,6 +483,21 @@ class LayerCurves:
         self._before_loading: History = {}
         self._superseded_before_loading: list[dict[str, Any]] = []
         self._rewind_check = False
+        # The files and folders of the run directory this history has made its own (claim); a history loaded from a
+        # checkpoint continues a saved run, whose files are its own already.
+        self._run_files = RunFiles(f"LayerCurves({self.namespace!r})")
+
+    def claim(self, path: Path, what: str) -> bool:
+        """Make ``path`` (a file or folder of the run directory that this history writes) this run's, before its first
+        write (:meth:`~rank_lightning.files.RunFiles.claim`): one left there by another run is kept as
+        ``<stem>-v<n><suffix>``, with a warning; the files of a run this history continues (loaded from a checkpoint, or
+        written by it) are its own. Whether ``path`` may be written.
+
+        Args:
+            path: the file or folder.
+            what: what it holds, in words (``"curves"``, ``"singular values"``), for the warning.
+        """
+        return self._run_files.claim(path, what)
 
     @property
     def layers(self) -> list[str]:
@@ -787,11 +804,12 @@ class LayerCurves:
             )
             results = draw_figures(jobs, workers=0)
         paths = []
-        for metric, result in zip(drawn, results):
+        for job, metric, result in zip(jobs, drawn, results):
             if isinstance(result, Exception):  # a figure must never take the run down; the curve file keeps the data
                 warnings.warn(
-                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({result!r}); the curves are in "
-                    f"{self.namespace}_curves.json and python -m rank_lightning.analysis.report can draw them",
+                    f"LayerCurves: drawing {self.namespace!r} {metric!r} failed ({result!r}), so {job.path} is not "
+                    f"written; the curves are in {self.namespace}_curves.json and python -m "
+                    "rank_lightning.analysis.report can draw them",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -850,6 +868,7 @@ class LayerCurves:
             for b in state_dict.get("superseded", [])
         ]
         self._rewind_check = True
+        self._run_files.continues = True
 
     def _scalars(self, stored: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         return {
@@ -895,7 +914,7 @@ class LayerCurves:
             warnings.warn(
                 f"LayerCurves({self.namespace!r}): this fit resumed at {self.x_axis} {epoch} from a checkpoint older "
                 f"than the recorded curves; {self.x_axis}s {epoch_ranges(rewound)} are trained again and their values "
-                f"are replaced. The previous values are kept under 'superseded' in {self._curve_path(trainer)} and in "
+                f"are replaced. The previous values are kept under 'superseded' in {self.curve_path(trainer)} and in "
                 "checkpoints.",
                 UserWarning,
                 stacklevel=3,
@@ -907,26 +926,40 @@ class LayerCurves:
         found, found_blocks = [self._before_loading], [self._superseded_before_loading]
         if trainer.is_global_zero:
             try:
-                content = read_curve_file(self._curve_path(trainer))
+                content = read_curve_file(self.curve_path(trainer))
                 found.append(content["history"])
                 found_blocks.append(content["superseded"])
             except (OSError, ValueError, KeyError):  # no file, or not one this module wrote: nothing to keep
                 pass
         return found, found_blocks
 
-    def _curve_path(self, trainer: Any) -> Path:
+    def curve_path(self, trainer: Any) -> Path:
+        """``<run dir>/rank_curves/<namespace>_curves.json``, the curve file."""
         return self.figure_dir(trainer) / f"{self.namespace}_curves.json"
 
     def _write_curve_file(self, trainer: Any) -> None:
-        write_curve_file(
-            self._curve_path(trainer),
-            self.namespace,
-            self._layers,
-            self._metrics,
-            self._history,
-            facts=self._facts,
-            superseded=self._superseded,
-        )
+        """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
+        path and error, and the fit goes on: the history stays in memory and in checkpoints."""
+        path = self.curve_path(trainer)
+        if not self.claim(path, "curves"):
+            return
+        try:
+            write_curve_file(
+                path,
+                self.namespace,
+                self._layers,
+                self._metrics,
+                self._history,
+                facts=self._facts,
+                superseded=self._superseded,
+            )
+        except OSError as error:
+            if (str(path), repr(error)) not in self._unwritten:
+                self._unwritten.add((str(path), repr(error)))
+                kept = "the curves are kept in memory, in checkpoints and in the loggers"
+                warnings.warn(f"LayerCurves: {unwritten_warning(path, error, kept)}", RuntimeWarning, stacklevel=3)
+        else:
+            self._run_files.wrote(path)
 
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)

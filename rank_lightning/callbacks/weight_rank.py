@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -492,17 +491,13 @@ class WeightRankMonitor(CurveMonitor):
         weights' ``-1`` or ``0``) in a file of its own, and send them to W&B beside the point's scalars."""
         arrays = {name: spec.singular_values.numpy() for name, spec in spectra.items()}
         directory = self.curves.figure_dir(trainer) / "weight_singular_values"
-        directory.mkdir(parents=True, exist_ok=True)
         at = f"step_{point:08d}" if self.curves.x_axis == "step" else f"epoch_{point:04d}"
-        # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole.
         path = directory / f"{at}.npz"
-        partial = path.with_name(f".{path.name}.partial")
-        try:
-            with open(partial, "wb") as handle:
-                np.savez_compressed(handle, **arrays)
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole, and a full
+        # disk or a read-only folder is a warning.
+        kept = "these singular values are not kept (the curves are, in the loggers and in checkpoints)"
+        if self.curves.claim(directory, "singular values"):  # an earlier run's are kept under another name
+            self.write_file(path, lambda handle: np.savez_compressed(handle, **arrays), kept)
         loggers = wandb_loggers(trainer)
         if loggers:
             import wandb

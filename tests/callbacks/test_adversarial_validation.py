@@ -528,3 +528,44 @@ def test_two_processes_attack_the_sample_the_distributed_sampler_repeats_once(tm
     assert single["num_samples"] == ddp["adv/num_samples"] == 359
     for key, value in single.items():
         assert ddp[f"adv/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_files_that_cannot_be_written_are_warnings_and_the_earlier_ones_stay_whole(tmp_path, model, monkeypatch):
+    directory = tmp_path / "rank_curves"
+    directory.mkdir()
+    (directory / "adversarial.json").write_text('{"0": "an earlier run"}')
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    def broken_figure(*args, **kwargs):
+        raise ValueError("no finite value to draw")
+
+    monkeypatch.setattr("rank_lightning.files.os.replace", read_only)
+    monkeypatch.setattr("rank_lightning.callbacks.adversarial_validation.adversarial_figure", broken_figure)
+    callback = AdversarialValidation(eps=[2 / 255], attacks=["fgsm"], max_samples=32, verbose=False)
+    with pytest.warns(RuntimeWarning) as caught:
+        values = _validate(tmp_path, model, callback)
+    assert values["num_samples"] == 32
+    assert sorted(str(w.message) for w in caught if "could not" in str(w.message)) == [
+        f"AdversarialValidation: {directory / 'adversarial.json'} holds the adversarial evaluations of another run "
+        "and could not be renamed to adversarial-v1.json (PermissionError(13, 'Permission denied')); it is left as "
+        "it is and this run's adversarial evaluations are not written there",
+        f"AdversarialValidation: could not write {directory / 'adversarial.png'} (ValueError('no finite value to "
+        "draw')); the run goes on, the values are in the loggers and in checkpoints",
+    ]
+    assert (directory / "adversarial.json").read_text() == '{"0": "an earlier run"}'
+    assert sorted(p.name for p in directory.iterdir()) == ["adversarial.json"]
+
+
+def test_the_json_of_another_run_in_the_same_folder_is_kept_under_another_name(tmp_path, model):
+    directory = tmp_path / "rank_curves"
+    directory.mkdir()
+    (directory / "adversarial.json").write_text('{"0": "an earlier run"}')
+    callback = AdversarialValidation(eps=[2 / 255], attacks=["fgsm"], max_samples=32, verbose=False)
+    with pytest.warns(UserWarning, match=r"adversarial\.json held the adversarial evaluations of another run; they"):
+        _validate(tmp_path, model, callback)
+    assert (directory / "adversarial-v1.json").read_text() == '{"0": "an earlier run"}'
+    assert json.loads((directory / "adversarial.json").read_text())["0"]["adv/num_samples"] == 32
+    _validate(tmp_path, model, callback)  # the same callback again: its own file, rewritten
+    assert sorted(p.name for p in directory.iterdir()) == ["adversarial-v1.json", "adversarial.json", "adversarial.png"]

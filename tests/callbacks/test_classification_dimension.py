@@ -359,3 +359,24 @@ def test_class_names_given_as_one_string_is_refused() -> None:
     with pytest.raises(ValueError, match=message):
         ClassificationDimension(class_names="cat")
     assert ClassificationDimension(class_names=("cat", "dog")).class_names == ["cat", "dog"]
+
+
+def test_files_that_cannot_be_written_are_warnings_and_the_fit_ends_normally(tmp_path, monkeypatch):
+    directory = tmp_path / CLSDIM_DIR
+    directory.mkdir()
+    (directory / "accuracy_vs_k.csv").write_text("k,accuracy\n1,0.5\n")  # an earlier run's table
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("rank_lightning.files.os.replace", full_disk)
+    callback = ClassificationDimension(independence_deficit=True, verbose=False)
+    trainer = make_trainer(tmp_path, [callback], max_epochs=1)
+    with pytest.warns(RuntimeWarning) as caught:
+        trainer.fit(TinyNet(), make_loader(make_data(), True), make_loader(make_data(30, seed=6)))
+    assert trainer.state.finished and callback.result.ambient_dim == 12
+    unwritten = sorted(path for w in caught for path in re.findall(r"could not write (\S+) \(OSError", str(w.message)))
+    names = ["accuracy_vs_k.csv", "accuracy_vs_k.png", "independence_deficit.csv", "independence_deficit.md"]
+    assert unwritten == [str(directory / name) for name in names]
+    assert (directory / "accuracy_vs_k.csv").read_text() == "k,accuracy\n1,0.5\n"
+    assert [p.name for p in directory.iterdir()] == ["accuracy_vs_k.csv"]
