@@ -22,8 +22,15 @@ from rank_lightning.attacks import (
     kurakin_steps,
     l2_dissimilarity,
 )
-from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn
-from rank_lightning.callbacks.curves import FIGURE_DIR, log_rank_equal, run_directory, wandb_loggers
+from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn, validations_per_epoch
+from rank_lightning.callbacks.curves import (
+    FIGURE_DIR,
+    INITIAL_EPOCH,
+    evaluated_point,
+    log_rank_equal,
+    run_directory,
+    wandb_loggers,
+)
 from rank_lightning.files import RunFiles
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure
@@ -140,8 +147,15 @@ class AdversarialValidation(RankCallback):
     Files: after every evaluation, rank zero writes ``<run dir>/rank_curves/adversarial.png`` (``adversarial_test.png``
     for ``trainer.test``): misclassification rate against mean L2 dissimilarity, one line per attack, points at each
     eps and at the clean inputs (Sanyal et al. Fig. 5), beside ``D_Adv`` against eps; and ``adversarial.json`` with
-    the logged values of every evaluation (``{epoch: {key: value}}``). The run directory is that of
-    :func:`~rank_lightning.callbacks.curves.run_directory`.
+    the logged values of every evaluation (``{point: {"epoch": e, "step": s, key: value, ...}}``). The run directory
+    is that of :func:`~rank_lightning.callbacks.curves.run_directory`.
+
+    Where an evaluation is recorded (the rules of the rank monitors' curves,
+    :func:`~rank_lightning.callbacks.curves.evaluated_point`): at its epoch during ``fit``, or at its optimizer step
+    when validation runs several times per epoch (``val_check_interval`` below an epoch; keyed by epoch, each
+    evaluation would replace the one before it in the same epoch); ``trainer.validate`` / ``trainer.test`` of the
+    weights a fit left at the last epoch that fit trained, of a checkpoint at its epoch, of an untrained model at
+    epoch ``-1``. A fresh ``fit`` (the same instance given to a new Trainer) starts a new history.
 
     Args:
         eps: L-infinity budgets in pixel units, numbers or fractions such as ``"8/255"``, each in [0, 1]; ``0``
@@ -245,8 +259,8 @@ class AdversarialValidation(RankCallback):
         self.mean = None if mean is None else tuple(float(v) for v in mean)
         self.std = None if std is None else tuple(float(v) for v in std)
         self.reader = BatchReader(input_key, label_key)
-        self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
-        self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
+        self._restart_history()
+        self._checkpoint_point: tuple[int, int] | None = None  # (epoch, global_step) of the checkpoint loaded
         self._feature_layer: FeatureLayer | None = None
         self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._active: str | None = None
@@ -267,6 +281,66 @@ class AdversarialValidation(RankCallback):
         return self._pixel_stats
 
     # -- setup -----------------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A fresh ``fit`` (no optimizer step taken, no checkpoint to resume) of a callback whose history holds
+        evaluations of an earlier fit's model (the same instance given to a new Trainer) starts a new history, as the
+        rank monitors start new curves."""
+        fresh = (
+            str(getattr(stage, "value", stage)) == "fit"
+            and getattr(trainer, "global_step", 0) == 0
+            and not getattr(trainer, "ckpt_path", None)
+        )
+        trained = [point for points in self.history.values() for point in points if point != self._initial_point]
+        if fresh and trained:
+            self._restart_history()
+            self.info(f"a fresh fit: a new history, without the {len(trained)} evaluation(s) of the earlier model")
+        super().setup(trainer, pl_module, stage)
+
+    def _restart_history(self) -> None:
+        self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
+        self._when: dict[str, dict[int, dict[str, int]]] = {"validate": {}, "test": {}}  # epoch and step of each point
+        self.x_axis = "epoch"  # what the history is keyed by: "step" when validation runs several times per epoch
+        self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
+
+    @property
+    def _initial_point(self) -> int:
+        return INITIAL_EPOCH if self.x_axis == "epoch" else 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Key the history by optimizer step when validation runs several times per epoch."""
+        per_epoch = validations_per_epoch(trainer)
+        if per_epoch <= 1 or self.x_axis == "step":
+            return
+        interval = getattr(trainer, "val_check_interval", None)
+        several = "more than once" if math.isinf(per_epoch) else f"{per_epoch:g} times"
+        if any(point != self._initial_point for point in self.history["validate"]):
+            self.warn_once(
+                ("several validations per epoch",),
+                f"validation runs {several} per training epoch (val_check_interval={interval!r}) but the history "
+                "loaded from the checkpoint is keyed by epoch: in adversarial.json and the figure each evaluation "
+                "replaces the one before it in the same epoch (the loggers keep every one, at its step). Start a new "
+                "fit to key it by step.",
+            )
+            return
+        self.x_axis = "step"
+        for kept in (self.history["validate"], self._when["validate"]):  # an initial evaluation moves to step 0
+            if INITIAL_EPOCH in kept:
+                kept[0] = kept.pop(INITIAL_EPOCH)
+        self.info(
+            f"validation runs {several} per training epoch (val_check_interval={interval!r}): the evaluations are "
+            "keyed by optimizer step, not by epoch"
+        )
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
+        epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
+        self._checkpoint_point = None if epoch is None or step is None else (int(epoch), int(step))
 
     @override
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -362,12 +436,19 @@ class AdversarialValidation(RankCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {stage: dict(epochs) for stage, epochs in self.history.items()}}
+        return {
+            "history": {stage: dict(epochs) for stage, epochs in self.history.items()},
+            "when": {stage: dict(points) for stage, points in self._when.items()},
+            "x_axis": self.x_axis,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for stage, epochs in state_dict["history"].items():
             self.history[stage] = {int(epoch): dict(values) for epoch, values in epochs.items()}
+        for stage, points in state_dict.get("when", {}).items():
+            self._when[stage] = {int(point): dict(when) for point, when in points.items()}
+        self.x_axis = state_dict.get("x_axis", "epoch")  # checkpoints of earlier versions are keyed by epoch
         self._run_files.continues = True  # the JSON files found are this run's
 
     # -- what ------------------------------------------------------------------------------------------------------
@@ -391,7 +472,10 @@ class AdversarialValidation(RankCallback):
             return
         # Every process holds the reduced values already: logging them unsynchronised lets every process monitor them.
         log_rank_equal(pl_module, self._namespaced(stage, values))
-        self.history[stage][trainer.current_epoch] = values
+        at = trainer.global_step if self.x_axis == "step" else trainer.current_epoch
+        point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+        self.history[stage][point] = values
+        self._when[stage][point] = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step)}
         if trainer.is_global_zero:
             self._write(trainer, stage)
 
@@ -464,28 +548,39 @@ class AdversarialValidation(RankCallback):
         directory = run_directory(trainer) / FIGURE_DIR
         stem = "adversarial" if stage == "validate" else "adversarial_test"
         history = self.history[stage]
-        text = json.dumps({str(epoch): self._namespaced(stage, values) for epoch, values in sorted(history.items())})
+        when = self._when[stage]
+        text = json.dumps(
+            {
+                str(point): {**when.get(point, {}), **self._namespaced(stage, values)}
+                for point, values in sorted(history.items())
+            }
+        )
         kept = "the values are in the loggers and in checkpoints"
         path = directory / f"{stem}.json"
         if self._run_files.claim(path, "adversarial evaluations") and self.write_file(
             path, lambda file: file.write(text.encode()), kept
         ):
             self._run_files.wrote(path)
-        epoch = max(history)
+        point = max(history)
+        last = history[point]
+        if self.x_axis == "step" or point == INITIAL_EPOCH:  # an untrained (or externally trained) model: step 0
+            title = f"{_NAMESPACES[stage]}, step {when.get(point, {}).get('step', max(point, 0))}"
+        else:
+            title = f"{_NAMESPACES[stage]}, epoch {point}"
         figure_path = self.draw_file(
             directory / f"{stem}.png",
             lambda: adversarial_figure(
-                self._curves(history[epoch]),
+                self._curves(last),
                 [float(grey_levels(eps)) for eps in self.eps],
-                history[epoch]["clean_acc"],
-                f"{_NAMESPACES[stage]}, epoch {epoch}",
+                last["clean_acc"],
+                title,
                 feature_layer=None if self._feature_layer is None else self._feature_layer.name,
             ),
             kept,
         )
         loggers = wandb_loggers(trainer)
         if loggers:
-            self._log_wandb(loggers, trainer, stage, history[epoch], figure_path)
+            self._log_wandb(loggers, trainer, stage, last, figure_path)
 
     def _curves(self, values: Mapping[str, float]) -> dict[str, dict[str, list[float]]]:
         """``attack -> {metric: [value per budget]}`` of one evaluation, as :func:`adversarial_figure` draws them."""

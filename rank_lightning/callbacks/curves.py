@@ -118,6 +118,7 @@ __all__ = [
     "check_distinct_namespaces",
     "check_namespace",
     "epoch_ranges",
+    "evaluated_point",
     "log_rank_equal",
     "log_step",
     "publish_scalars",
@@ -322,6 +323,22 @@ def _last_trained_epoch(trainer: Any) -> int:
     progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_progress", None), "current", None)
     started = getattr(progress, "started", None)
     return started - 1 if isinstance(started, int) and started > 0 else int(trainer.current_epoch)
+
+
+def evaluated_point(trainer: Any, at: int, x_axis: str, checkpoint_point: tuple[int, int] | None = None) -> int:
+    """Where values measured now are recorded in a history keyed by ``x_axis`` (``"epoch"`` or ``"step"``): ``at``
+    during ``fit``; for ``validate`` / ``test``, the epoch or step of the checkpoint loaded (``checkpoint_point``,
+    ``(epoch, global_step)`` as its ``on_load_checkpoint`` read them), else the initial point (epoch ``-1``, step
+    ``0``) for a model no optimizer step has touched (a later fit must not overwrite it with its epoch 0), else the
+    last epoch the fit trained (the step on a step axis), where that fit recorded the same weights."""
+    if _trainer_fn(trainer) not in ("validate", "test"):
+        return at
+    loaded = checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+    if loaded is not None and loaded[1] > 0:
+        return loaded[1] if x_axis == "step" else loaded[0]
+    if trainer.global_step == 0:
+        return INITIAL_EPOCH if x_axis == "epoch" else 0
+    return at if x_axis == "step" else _last_trained_epoch(trainer)
 
 
 def _fitting(trainer: Any) -> bool:
@@ -677,17 +694,7 @@ class LayerCurves:
         self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
 
     def _evaluated_point(self, trainer: Any, at: int) -> int:
-        """Where values measured now are recorded: ``at`` during ``fit``; for ``validate`` / ``test``, the loaded
-        checkpoint's epoch or step, else the initial point for a model no optimizer step has touched (a later fit must
-        not overwrite it with its epoch 0), else the last epoch the fit trained (the step on a step axis)."""
-        if _trainer_fn(trainer) not in ("validate", "test"):
-            return at
-        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
-        if loaded is not None and loaded[1] > 0:
-            return loaded[1] if self.x_axis == "step" else loaded[0]
-        if trainer.global_step == 0:
-            return self.initial_point
-        return at if self.x_axis == "step" else _last_trained_epoch(trainer)
+        return evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the

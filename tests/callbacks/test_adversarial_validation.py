@@ -71,7 +71,7 @@ def _trainer(tmp_path: Path, callbacks: list[pl.Callback], trainer_cls: type = p
 
 def _validate(tmp_path: Path, model: nn.Module, callback: AdversarialValidation, **kwargs: Any) -> dict[str, float]:
     _trainer(tmp_path, [callback], inference_mode=False, **kwargs).validate(model, datamodule=_datamodule())
-    return callback.history["validate"][0]
+    return callback.history["validate"][-1]
 
 
 def _reference(model: ImageClassifier, count: int, eps_values: tuple[float, ...]) -> dict[str, float]:
@@ -258,7 +258,7 @@ def test_offline_wandb_run_holds_the_keys_figure_and_table(tmp_path, model, monk
     finally:
         wandb.finish()
     history = offline_run_history(tmp_path)
-    assert float(history["adv/fgsm/acc@8"][0]) == pytest.approx(callback.history["validate"][0]["fgsm/acc@8"])
+    assert float(history["adv/fgsm/acc@8"][0]) == pytest.approx(callback.history["validate"][-1]["fgsm/acc@8"])
     assert json.loads(history["adv_curves/figure/_type"][0]) == "image-file"
     assert json.loads(history["adv_curves/table/_type"][0]) == "table-file"
     assert (tmp_path / "adv" / run_id / "rank_curves" / "adversarial.png").is_file()
@@ -280,7 +280,7 @@ def test_explicit_pixel_stats_equal_the_datamodule_ones(tmp_path, model):
     first = _validate(tmp_path, model, implicit)
     _trainer(tmp_path, [explicit], inference_mode=False).validate(model, dataloaders=loader)
     assert implicit.pixel_stats == explicit.pixel_stats == (datamodule.mean, datamodule.std)
-    assert explicit.history["validate"][0] == first
+    assert explicit.history["validate"][-1] == first
     # Without any statistics the normalised inputs are not pixels in [0, 1], which the attacks refuse.
     unknown = AdversarialValidation(eps=[8 / 255], max_samples=64, verbose=False)
     with pytest.raises(ValueError, match="pass the datamodule's mean and std"):
@@ -362,7 +362,7 @@ def test_dict_batches_and_explicit_keys(tmp_path, model):
     _trainer(tmp_path, [dicts], inference_mode=False).validate(_Backbone(model.backbone), dataloaders=as_dicts)
     swapped = AdversarialValidation(**settings, **stats, input_key=1, label_key=0)
     _trainer(tmp_path, [swapped], inference_mode=False).validate(_Backbone(model.backbone), dataloaders=as_tuples)
-    assert dicts.history["validate"][0] == swapped.history["validate"][0] == reference
+    assert dicts.history["validate"][-1] == swapped.history["validate"][-1] == reference
     with pytest.raises(ValueError, match=r"cannot find integer class labels at 'y' in a dict batch"):
         wrong = AdversarialValidation(**settings, **stats, label_key="y")
         _trainer(tmp_path, [wrong], inference_mode=False).validate(_Backbone(model.backbone), dataloaders=as_dicts)
@@ -402,10 +402,10 @@ def test_module_without_blocks_skips_d_adv_unless_a_layer_is_named(tmp_path):
     plain = AdversarialValidation(eps=[8 / 255], verbose=False)
     _trainer(tmp_path, [plain], inference_mode=False).validate(_Plain(), dataloaders=loader)
     assert plain.pixel_stats is None
-    assert not any("d_adv" in key for key in plain.history["validate"][0])
+    assert not any("d_adv" in key for key in plain.history["validate"][-1])
     named = AdversarialValidation(eps=[8 / 255], layer="net.1", verbose=False)
     _trainer(tmp_path, [named], inference_mode=False).validate(_Plain(), dataloaders=loader)
-    assert named.history["validate"][0]["fgsm/d_adv@8"] > 0
+    assert named.history["validate"][-1]["fgsm/d_adv@8"] > 0
 
 
 def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
@@ -428,7 +428,7 @@ def test_works_with_a_lightning_pytorch_trainer(tmp_path, model):
     trainer.validate(model, dataloaders=loader)
     reference = _reference(model, 150, (8 / 255,))
     for key in ("clean_acc", "feature_sq_norm", "iter_fgsm/acc@8", "iter_fgsm/l2@8", "iter_fgsm/d_adv@8"):
-        assert callback.history["validate"][0][key] == pytest.approx(reference[key], rel=1e-5), key
+        assert callback.history["validate"][-1][key] == pytest.approx(reference[key], rel=1e-5), key
     with pytest.raises(ValueError, match="inference_mode=False"):
         lightning.Trainer(logger=False, enable_progress_bar=False, callbacks=[callback]).validate(
             model, dataloaders=loader
@@ -566,6 +566,38 @@ def test_the_json_of_another_run_in_the_same_folder_is_kept_under_another_name(t
     with pytest.warns(UserWarning, match=r"adversarial\.json held the adversarial evaluations of another run; they"):
         _validate(tmp_path, model, callback)
     assert (directory / "adversarial-v1.json").read_text() == '{"0": "an earlier run"}'
-    assert json.loads((directory / "adversarial.json").read_text())["0"]["adv/num_samples"] == 32
+    assert json.loads((directory / "adversarial.json").read_text())["-1"]["adv/num_samples"] == 32
     _validate(tmp_path, model, callback)  # the same callback again: its own file, rewritten
     assert sorted(p.name for p in directory.iterdir()) == ["adversarial-v1.json", "adversarial.json", "adversarial.png"]
+
+
+def test_evaluations_are_recorded_where_the_rank_curves_record_them(tmp_path, model):
+    # Two validations per epoch: keyed by epoch, the second of an epoch replaced the first (4 evaluations, 2 kept).
+    callback = AdversarialValidation(eps=[2 / 255], attacks=["fgsm"], max_samples=32, verbose=False)
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    trainer = _trainer(
+        tmp_path,
+        [callback],
+        max_epochs=2,
+        logger=logger,
+        limit_train_batches=4,
+        val_check_interval=2,
+        inference_mode=False,
+    )
+    trainer.fit(model, datamodule=_datamodule())
+    assert callback.x_axis == "step" and list(callback.history["validate"]) == [2, 4, 6, 8]
+    saved = json.loads((Path(logger.log_dir) / "rank_curves" / "adversarial.json").read_text())
+    assert [(saved[k]["epoch"], saved[k]["step"]) for k in saved] == [(0, 2), (0, 4), (1, 6), (1, 8)]
+    # The weights the fit left, validated after it: the fit's last point (the same values), not a point of its own.
+    last = dict(callback.history["validate"][8])
+    trainer.validate(model, datamodule=_datamodule(), verbose=False)
+    assert list(callback.history["validate"]) == [2, 4, 6, 8] and callback.history["validate"][8] == last
+    # A checkpoint of epoch 0 is recorded at its step; the same instance in a fresh fit starts a new history.
+    checkpoint = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    fresh = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=2, logger=False, inference_mode=False)
+    fresh.fit(model, datamodule=_datamodule())
+    assert callback.x_axis == "epoch" and list(callback.history["validate"]) == [0]
+    again = _trainer(tmp_path, [callback], logger=False, inference_mode=False)
+    again.validate(model, datamodule=_datamodule(), ckpt_path=checkpoint, verbose=False)
+    assert callback.history["validate"][8] == last  # the checkpoint's x axis (step) and point came with it

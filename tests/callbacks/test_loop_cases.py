@@ -221,7 +221,7 @@ def test_adversarial_validation_pools_the_loaders_with_a_warning(tmp_path: Path,
     adversarial = fgsm(model, x, y, 8 / 255)
     with torch.no_grad():
         clean, attacked = model(x).argmax(1), model(adversarial).argmax(1)
-    values = callback.history["test" if run == "test" else "validate"][0]
+    values = callback.history["test" if run == "test" else "validate"][-1]
     assert values["num_samples"] == 40
     assert values["clean_acc"] == (clean == y).double().mean().item()
     assert values["fgsm/acc@8"] == (attacked == y).double().mean().item()
