@@ -43,6 +43,7 @@ from rank_lightning.layers import (
     decoder_layers,
     forward_hooks,
     hidden_state,
+    several_loaders_advice,
 )
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import own_samples, process_share
@@ -286,7 +287,8 @@ class ActivationStream:
         if labels is None:
             where = self.batch_reader.label_source(batch)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
-            self._warn("", "labels", message + "class-wise VR) are not logged. Set label_key or label_fn.")
+            advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
+            self._warn("", "labels", message + advice)
         return labels
 
     @property

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities import CombinedLoader, rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -106,6 +106,49 @@ def val_loaders(trainer: pl.Trainer) -> list[Any]:
     """Every validation dataloader of the trainer, in order, each as :func:`first_val_loader` gives the first one (a
     copy where a pass of its own would move the loop's iterator), for a callback's own pass over their pooled rows."""
     return [side_loader(loader) for loader in loader_list(trainer.val_dataloaders)]
+
+
+class TrainingBatches:
+    """The training batches of the trainer, as its training step receives them, for a callback's own pass.
+
+    One training loader gives its batches. Several (a list or a dict, possibly nested) are combined in the fit's
+    ``CombinedLoader`` mode (``"max_size_cycle"``, ``"min_size"``, ``"max_size"``) into the list or dict of per-loader
+    batches the step receives; :meth:`parts` gives these per-loader batches. The loaders are
+    :func:`~rank_lightning.sampling.side_loader` copies, so the training loop's iterators are left alone.
+
+    Attributes:
+        loaders: the training loader, or the collection of them as the trainer holds it (copies).
+        combined: whether there are several training loaders, whose batches are combined.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        iterables = trainer.train_dataloader
+        self.combined = isinstance(iterables, (Mapping, list, tuple))
+        self.loaders = side_loader(iterables)
+        fit_loop = getattr(trainer, "fit_loop", None)
+        self.mode = getattr(getattr(fit_loop, "_combined_loader", None), "_mode", "max_size_cycle")
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.combined:
+            yield from self.loaders
+            return
+        for batch, _, _ in CombinedLoader(self.loaders, self.mode):
+            yield batch
+
+    def parts(self, batch: Any) -> list[Any]:
+        """The per-loader batches of a combined ``batch`` in :func:`loader_list` order, without the loaders a
+        ``"max_size"`` batch has none of; ``[batch]`` for one training loader."""
+        parts = _parts(self.loaders, batch) if self.combined else [batch]
+        return [part for part in parts if part is not None]
+
+
+def _parts(structure: Any, batch: Any) -> list[Any]:
+    """The per-loader batches of a combined ``batch``, in :func:`loader_list` order of the loaders ``structure``."""
+    if isinstance(structure, Mapping):
+        return [part for key, inner in structure.items() for part in _parts(inner, batch[key])]
+    if isinstance(structure, (list, tuple)):
+        return [part for inner, value in zip(structure, batch) for part in _parts(inner, value)]
+    return [batch]
 
 
 class RowQuota:

@@ -1,0 +1,91 @@
+"""Several training loaders (a list or a dict, combined by Lightning's ``CombinedLoader``): the callbacks that make
+their own pass over the training data read the batches the training step receives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import CombinedLoader
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor
+from tests.callbacks.trainer_helpers import quiet_trainer
+
+
+def _loader(rows: int, seed: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(rows, 8, generator=generator), torch.randint(0, 3, (rows,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+class _Concatenating(pl.LightningModule):
+    """Trains on the inputs of every training loader of a step, concatenated in loader order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
+        self.num_classes = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        parts = [part for part in (batch.values() if isinstance(batch, dict) else batch) if part is not None]
+        x, y = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _participation_ratio(model: _Concatenating, inputs: torch.Tensor) -> float:
+    with torch.no_grad():
+        s2 = torch.linalg.svdvals(model.net[:2](inputs).double()) ** 2
+    return float(s2.sum() ** 2 / (s2**2).sum())
+
+
+@pytest.mark.parametrize(
+    ("make", "inputs"),
+    [
+        # max_size_cycle: 4 steps; the shorter loader b (2 batches) starts again.
+        (lambda a, b: {"a": a, "b": b}, lambda a, b: [a[:16], b[:8], b[:8]]),
+        (lambda a, b: [a, b], lambda a, b: [a[:16], b[:8], b[:8]]),
+        (lambda a, b: CombinedLoader({"a": a, "b": b}, "min_size"), lambda a, b: [a[:8], b[:8]]),
+        (lambda a, b: CombinedLoader([a, b], "max_size"), lambda a, b: [a[:16], b[:8]]),
+    ],
+)
+def test_the_initial_point_of_training_batches_reads_every_training_loader(make, inputs, tmp_path):
+    a, b = _loader(16, 1), _loader(8, 2)
+    model = _Concatenating()
+    expected = _participation_ratio(model, torch.cat(inputs(a.dataset.tensors[0], b.dataset.tensors[0])))
+    rows = sum(len(part) for part in inputs(a.dataset.tensors[0], b.dataset.tensors[0]))
+    monitor = ActivationRankMonitor(layers=["net.1"], stage="train", max_samples=None, verbose=False)
+    quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, make(a, b))
+    initial = monitor.curves.history[-1]["net.1"]
+    assert initial["spectrum_rows"] == rows
+    assert initial["participation_ratio"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_labels_of_a_combined_training_batch_come_from_label_fn(tmp_path):
+    def labels(batch: dict) -> torch.Tensor:
+        return torch.cat([part[1] for part in batch.values()])
+
+    monitor = ActivationRankMonitor(layers=["net.1"], stage="train", max_samples=None, label_fn=labels, verbose=False)
+    loaders = {"a": _loader(16, 1), "b": _loader(8, 2)}
+    quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(_Concatenating(), loaders)
+    assert set(monitor.curves.history) == {-1, 0}
+    for point in monitor.curves.history.values():
+        assert point["net.1"]["spectrum_rows"] == 32
+        assert point["net.1"]["tcv"] > 0
+
+
+def test_no_labels_in_a_combined_training_batch_name_label_fn(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], stage="train", max_samples=None, log_at_init=False)
+    loaders = {"a": _loader(16, 1), "b": _loader(8, 2)}
+    with pytest.warns(UserWarning, match=r"keys \['a', 'b'\].*a batch of several loaders.*label_fn=lambda batch"):
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(_Concatenating(), loaders)
