@@ -12,7 +12,7 @@ from pytorch_lightning.utilities import CombinedLoader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks import ActivationRankMonitor, RankPretraining
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 
@@ -89,3 +89,18 @@ def test_no_labels_in_a_combined_training_batch_name_label_fn(tmp_path):
     loaders = {"a": _loader(16, 1), "b": _loader(8, 2)}
     with pytest.warns(UserWarning, match=r"keys \['a', 'b'\].*a batch of several loaders.*label_fn=lambda batch"):
         quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(_Concatenating(), loaders)
+
+
+@pytest.mark.parametrize("make", [lambda a, b: {"a": a, "b": b}, lambda a, b: [a, b]])
+def test_rank_pretraining_takes_the_inputs_of_every_training_loader(make, tmp_path):
+    a, b = _loader(16, 1), _loader(8, 2)
+    model = _Concatenating()
+    xa, xb = a.dataset.tensors[0], b.dataset.tensors[0]
+    # Two minibatches: the first batch of each loader, then the second of each, concatenated in loader order.
+    expected = (
+        _participation_ratio(model, torch.cat([xa[:4], xb[:4]]))
+        + _participation_ratio(model, torch.cat([xa[4:8], xb[4:8]]))
+    ) / 2
+    pretraining = RankPretraining(layer="net.1", num_batches=2, steps=1, verbose=False)
+    quiet_trainer([pretraining], max_epochs=1, max_steps=1, default_root_dir=tmp_path).fit(model, make(a, b))
+    assert pretraining.results["net.1"]["r_before"] == pytest.approx(expected, rel=1e-9)
