@@ -12,7 +12,8 @@ from pytorch_lightning.utilities import CombinedLoader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from rank_lightning.callbacks import ActivationRankMonitor, RankPretraining
+from rank_lightning.callbacks import ActivationRankMonitor, LowDimensionalEvaluation, RankPretraining
+from rank_lightning.functional import low_dimensional_accuracy
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 
@@ -38,6 +39,9 @@ class _Concatenating(pl.LightningModule):
         parts = [part for part in (batch.values() if isinstance(batch, dict) else batch) if part is not None]
         x, y = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
         return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -104,3 +108,16 @@ def test_rank_pretraining_takes_the_inputs_of_every_training_loader(make, tmp_pa
     pretraining = RankPretraining(layer="net.1", num_batches=2, steps=1, verbose=False)
     quiet_trainer([pretraining], max_epochs=1, max_steps=1, default_root_dir=tmp_path).fit(model, make(a, b))
     assert pretraining.results["net.1"]["r_before"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_low_dimensional_evaluation_fits_on_the_samples_of_every_training_loader(tmp_path):
+    a, b, val = _loader(16, 1), _loader(8, 2), _loader(12, 3)
+    model = _Concatenating()
+    evaluation = LowDimensionalEvaluation(dims=(2, 5), layer="net.1", verbose=False)
+    trainer = quiet_trainer([evaluation], max_epochs=1, default_root_dir=tmp_path)
+    trainer.fit(model, {"a": a, "b": b}, val)
+    (xa, ya), (xb, yb), (xv, yv) = (loader.dataset.tensors for loader in (a, b, val))
+    with torch.no_grad():
+        train_x, val_x = model.net[:2](torch.cat([xa, xb])), model.net[:2](xv)
+    expected = low_dimensional_accuracy(train_x, torch.cat([ya, yb]), val_x, yv, (2, 5))
+    assert evaluation.results == pytest.approx(expected)
