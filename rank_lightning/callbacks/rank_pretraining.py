@@ -22,6 +22,7 @@ from rank_lightning.layers import (
     module_blocks,
     train_mode,
 )
+from rank_lightning.nn import collect_auxiliary_losses
 from rank_lightning.validation import check_choice, check_positive, check_positive_int
 
 __all__ = ["RankPretraining"]
@@ -196,6 +197,8 @@ class RankPretraining(RankCallback):
                     self._prepare_gradients(trainer, parameters)
                     optimizer.step()
         pl_module.zero_grad(set_to_none=True)
+        # The ascent's forward passes leave the auxiliary losses of LR-Layers pending: not the first step's.
+        collect_auxiliary_losses(pl_module)
 
     def _prepare_gradients(self, trainer: pl.Trainer, parameters: Sequence[Tensor]) -> None:
         """Average the gradients over DDP ranks and, with ``normalize_gradient``, divide them by their global norm."""

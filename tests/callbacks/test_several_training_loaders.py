@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, LowDimensionalEvaluation, RankPretraining
 from rank_lightning.functional import low_dimensional_accuracy
+from rank_lightning.modules import ImageClassifier
+from rank_lightning.nn import lr_layers
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 
@@ -121,3 +123,21 @@ def test_low_dimensional_evaluation_fits_on_the_samples_of_every_training_loader
         train_x, val_x = model.net[:2](torch.cat([xa, xb])), model.net[:2](xv)
     expected = low_dimensional_accuracy(train_x, torch.cat([ya, yb]), val_x, yv, (2, 5))
     assert evaluation.results == pytest.approx(expected)
+
+
+def test_rank_pretraining_leaves_no_auxiliary_loss_for_the_first_step(tmp_path):
+    # The ascent's pending LR-Layer loss (its graph freed by the ascent's backward) must not join the first step's.
+    model = ImageClassifier(
+        backbone="mlp",
+        backbone_kwargs={"depth": 2, "width": 8},
+        num_classes=3,
+        input_shape=(8,),
+        lr_layers=[{"before": "head", "rank": 2}],
+    )
+    for _, layer in lr_layers(model):
+        layer.enabled = True
+    trainer = quiet_trainer(
+        [RankPretraining(num_batches=1, steps=2, verbose=False)], max_steps=1, default_root_dir=tmp_path
+    )
+    trainer.fit(model, _loader(16, 1))
+    assert trainer.global_step == 1
