@@ -354,9 +354,10 @@ class ActivationStream:
             # A module called twice per forward (a shared ReLU) would mix two representations.
             message = (
                 "runs more than once per batch: a module called twice in one forward pass (a shared activation), or a "
-                "step that makes several forward passes (generate(), a second view of the batch). Only its first call "
-                "of each batch is measured; to measure another, monitor a module that runs once per forward pass, or "
-                "make the extra passes outside the step."
+                "step that makes several forward passes (generate(), a second view of the batch, one pass per "
+                "training loader). Only its first call of each batch is measured; to measure another, monitor a "
+                "module that runs once per forward pass, make the extra passes outside the step, or run the inputs "
+                "of several training loaders in one pass (torch.cat)."
             )
             self._warn(name, "reuse", message)
             return

@@ -141,3 +141,16 @@ def test_rank_pretraining_leaves_no_auxiliary_loss_for_the_first_step(tmp_path):
     )
     trainer.fit(model, _loader(16, 1))
     assert trainer.global_step == 1
+
+
+class _OnePassPerLoader(_Concatenating):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return sum(nn.functional.cross_entropy(self(x), y) for x, y in batch.values())
+
+
+def test_a_step_with_one_pass_per_training_loader_is_named_with_the_remedy(tmp_path):
+    monitor = ActivationRankMonitor(layers=["net.1"], stage="train", max_samples=None, log_at_init=False)
+    loaders = {"a": _loader(16, 1), "b": _loader(8, 2)}
+    with pytest.warns(UserWarning, match=r"'net.1' runs more than once per batch: .*one pass per training loader"):
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(_OnePassPerLoader(), loaders)
+    assert monitor.curves.history[0]["net.1"]["spectrum_rows"] == 16  # the first loader's rows only
