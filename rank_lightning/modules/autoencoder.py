@@ -101,7 +101,7 @@ class AutoEncoder(RankModule):
         return self.backbone(x)
 
     def _shared_step(self, batch: Any, stage: str) -> torch.Tensor:
-        x = batch[0]
+        x = (self.training_batch(batch) if stage == "train" else batch)[0]
         loss = F.mse_loss(self(x), x)
         on_step = stage == "train"
         # Reduced over processes in every stage: the epoch value is then the mean over all samples, not rank 0's.

@@ -49,7 +49,8 @@ class ImageClassifier(RankModule):
         ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``; with LR-Layers also
         ``train/lr_layer_loss`` (their summed auxiliary loss, zero before switch-on). With several validation (or
         test) dataloaders, each loader's loss and accuracy are logged apart, under Lightning's
-        ``val/acc/dataloader_idx_<i>`` keys (the accuracy of each loader counts its own samples only).
+        ``val/acc/dataloader_idx_<i>`` keys (the accuracy of each loader counts its own samples only). Several
+        training loaders train on the rows of all of them (:meth:`~RankModule.training_batch`).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class ImageClassifier(RankModule):
         return getattr(self, name), name
 
     def _shared_step(self, batch: Any, stage: str, dataloader_idx: int = 0) -> torch.Tensor:
+        batch = self.training_batch(batch) if stage == "train" else batch
         x, y = batch[0], batch[1]
         logits = self(x)
         loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)

@@ -239,3 +239,39 @@ def test_the_autoencoder_logs_the_loss_of_each_validation_loader(tmp_path):
     (val_a, val_b) = _trainer(tmp_path).validate(model, [a, b], verbose=False)
     assert val_a["val/loss/dataloader_idx_0"] == pytest.approx(expected[0], rel=1e-5)
     assert val_b["val/loss/dataloader_idx_1"] == pytest.approx(expected[1], rel=1e-5)
+
+
+class _FirstLoss(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.__dict__.setdefault("loss", float(outputs["loss"]))
+
+
+@pytest.mark.parametrize("make", [lambda a, b: {"a": a, "b": b}, lambda a, b: [a, b]])
+def test_several_training_loaders_train_on_the_rows_of_all(make, tmp_path):
+    torch.manual_seed(0)
+    model = ImageClassifier(backbone="mlp", backbone_kwargs={"depth": 1, "width": 8}, num_classes=3, input_shape=(6,))
+    a, b = _loader((6,), n=32, seed=1), _loader((6,), n=16, seed=2)
+    (xa, ya), (xb, yb) = a.dataset.tensors, b.dataset.tensors
+    with torch.no_grad():
+        logits = model(torch.cat([xa[:16], xb[:16]]))
+    expected = float(torch.nn.functional.cross_entropy(logits, torch.cat([ya[:16], yb[:16]])))
+    first = _FirstLoss()
+    trainer = pl.Trainer(
+        callbacks=[first],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, make(a, b))
+    assert first.loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_autoencoder_trains_on_several_loaders_of_inputs_alone(tmp_path):
+    model = AutoEncoder(input_shape=(6,), hidden_dims=(8, 3, 8))
+    loaders = [DataLoader(TensorDataset(torch.randn(8, 6)), batch_size=4) for _ in range(2)]
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, {"a": loaders[0], "b": loaders[1]})
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
