@@ -216,11 +216,14 @@ class ActivationStream:
         mask: Tensor | None = None,
         decoder_mask: Tensor | None = None,
         loader: int = 0,
+        combined: bool = False,
     ) -> None:
         """Begin a batch: its labels (``labels`` or read from ``batch``), its attention mask (``mask`` or read from
         ``batch``), the mask of the decoder's tokens for the layers in the decoder of an encoder-decoder
         (``decoder_mask`` or read from ``batch``) and its size, which tells the batch dimension of every layer's
-        output; ``loader`` is the index of the batch's loader among the ``loaders`` of :meth:`start`."""
+        output; ``loader`` is the index of the batch's loader among the ``loaders`` of :meth:`start`. ``combined``:
+        the batch holds the batches of several loaders (Lightning's ``CombinedLoader``), whose first tensor is one
+        loader's: its size is then told by the labels or mask, else by the layers' outputs."""
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
         self._labels = labels if self.num_classes else None
@@ -229,7 +232,7 @@ class ActivationStream:
         if self._decoder_layers:
             self._decoder_mask, wrong_decoder = self._read_mask(batch, decoder_mask, self.batch_reader.decoder_mask)
         self._count_wrong_masks(wrong, wrong_decoder)
-        self._batch = BatchReader.batch_size(batch) if batch is not None else None
+        self._batch = BatchReader.batch_size(batch) if batch is not None and not combined else None
         for known in (labels, self._mask, self._decoder_mask):  # labels tell the batch size even without class metrics
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
                 self._batch = known.shape[0]

@@ -13,7 +13,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning import streams
-from rank_lightning.callbacks.base import CurveMonitor, TrainingBatches, loader_list, step_inputs, step_precision
+from rank_lightning.callbacks.base import (
+    CurveMonitor,
+    TrainingBatches,
+    loader_list,
+    several_training_loaders,
+    step_inputs,
+    step_precision,
+)
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, log_rank_equal
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
@@ -490,7 +497,7 @@ class ActivationRankMonitor(CurveMonitor):
             self._target_step = self.cadence.next_step(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
         if self._monitoring("train"):
-            self._stream.batch_start(batch)
+            self._stream.batch_start(batch, combined=several_training_loaders(trainer))
 
     @override
     def on_train_batch_end(
@@ -705,8 +712,9 @@ class ActivationRankMonitor(CurveMonitor):
                     if index >= batches or (math.isinf(batches) and self._stream.exhausted):
                         break
                     batch = step_inputs(trainer, batch)
-                    self._stream.batch_start(batch, loader=number)
-                    if isinstance(loader, TrainingBatches) and loader.combined:
+                    combined = isinstance(loader, TrainingBatches) and loader.combined
+                    self._stream.batch_start(batch, loader=number, combined=combined)
+                    if combined:
                         # A step of several training loaders: their inputs in one forward pass, in loader order.
                         pl_module(torch.cat([self.batch_reader.inputs(part) for part in loader.parts(batch)]))
                     else:

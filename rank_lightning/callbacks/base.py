@@ -108,6 +108,11 @@ def val_loaders(trainer: pl.Trainer) -> list[Any]:
     return [side_loader(loader) for loader in loader_list(trainer.val_dataloaders)]
 
 
+def several_training_loaders(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's training loaders are several (a list or dict), whose batches Lightning combines."""
+    return isinstance(trainer.train_dataloader, (Mapping, list, tuple))
+
+
 class TrainingBatches:
     """The training batches of the trainer, as its training step receives them, for a callback's own pass.
 
@@ -122,9 +127,8 @@ class TrainingBatches:
     """
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        iterables = trainer.train_dataloader
-        self.combined = isinstance(iterables, (Mapping, list, tuple))
-        self.loaders = side_loader(iterables)
+        self.combined = several_training_loaders(trainer)
+        self.loaders = side_loader(trainer.train_dataloader)
         fit_loop = getattr(trainer, "fit_loop", None)
         self.mode = getattr(getattr(fit_loop, "_combined_loader", None), "_mode", "max_size_cycle")
 

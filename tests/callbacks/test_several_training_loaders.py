@@ -154,3 +154,38 @@ def test_a_step_with_one_pass_per_training_loader_is_named_with_the_remedy(tmp_p
     with pytest.warns(UserWarning, match=r"'net.1' runs more than once per batch: .*one pass per training loader"):
         quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(_OnePassPerLoader(), loaders)
     assert monitor.curves.history[0]["net.1"]["spectrum_rows"] == 16  # the first loader's rows only
+
+
+class _Inputs(torch.utils.data.Dataset):
+    """Bare input tensors, no labels (an autoencoder's data)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.x = loader.dataset.tensors[0]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x[index]
+
+
+class _ConcatenatingInputs(_Concatenating):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(torch.cat(list(batch.values()))).square().mean()
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_combined_batches_of_bare_inputs_are_measured_on_all_their_rows(steps, tmp_path):
+    # The combined batch's first tensor is loader a's (4 rows); the layers see 8 rows a step.
+    a, b = _loader(16, 1), _loader(8, 2)
+    loaders = {"a": DataLoader(_Inputs(a), batch_size=4), "b": DataLoader(_Inputs(b), batch_size=4)}
+    model = _ConcatenatingInputs()
+    xa, xb = a.dataset.tensors[0], b.dataset.tensors[0]
+    rows = [xa[:8], xb[:8]] if steps else [xa, xb, xb]
+    expected = _participation_ratio(model, torch.cat(rows))
+    cadence = {"every_n_train_steps": steps, "window_batches": 2} if steps else {"stage": "train"}
+    monitor = ActivationRankMonitor(layers=["net.1"], max_samples=None, verbose=False, **cadence)
+    quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, loaders)
+    first = min(monitor.curves.history)
+    assert monitor.curves.history[first]["net.1"]["participation_ratio"] == pytest.approx(expected, rel=1e-9)
+    assert all(point["net.1"]["spectrum_rows"] == len(torch.cat(rows)) for point in monitor.curves.history.values())
