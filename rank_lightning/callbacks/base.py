@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
-from rank_lightning.sampling import own_samples, side_loader
+from rank_lightning.sampling import combined_parts, own_samples, side_loader
 from rank_lightning.validation import check_positive_int
 
 __all__ = [
@@ -142,17 +142,7 @@ class TrainingBatches:
     def parts(self, batch: Any) -> list[Any]:
         """The per-loader batches of a combined ``batch`` in :func:`loader_list` order, without the loaders a
         ``"max_size"`` batch has none of; ``[batch]`` for one training loader."""
-        parts = _parts(self.loaders, batch) if self.combined else [batch]
-        return [part for part in parts if part is not None]
-
-
-def _parts(structure: Any, batch: Any) -> list[Any]:
-    """The per-loader batches of a combined ``batch``, in :func:`loader_list` order of the loaders ``structure``."""
-    if isinstance(structure, Mapping):
-        return [part for key, inner in structure.items() for part in _parts(inner, batch[key])]
-    if isinstance(structure, (list, tuple)):
-        return [part for inner, value in zip(structure, batch) for part in _parts(inner, value)]
-    return [batch]
+        return combined_parts(self.loaders, batch)
 
 
 class RowQuota:

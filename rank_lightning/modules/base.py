@@ -11,20 +11,12 @@ import torch
 from torch import nn
 
 from rank_lightning.modules.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+from rank_lightning.sampling import combined_parts
 
 
 def _same_input(ours: tuple[int, ...], theirs: tuple[int, ...]) -> bool:
     """Equal shapes, or a flat vector of as many values as the other shape (an MLP flattens its inputs)."""
     return ours == theirs or ((len(ours) == 1 or len(theirs) == 1) and math.prod(ours) == math.prod(theirs))
-
-
-def _parts(structure: Any, batch: Any) -> list[Any]:
-    """The per-loader batches of a combined ``batch``, following the collection of loaders ``structure``."""
-    if isinstance(structure, Mapping):
-        return [part for key, inner in structure.items() for part in _parts(inner, batch[key])]
-    if isinstance(structure, (list, tuple)):
-        return [part for inner, value in zip(structure, batch) for part in _parts(inner, value)]
-    return [batch]
 
 
 class RankModule(pl.LightningModule):
@@ -93,7 +85,7 @@ class RankModule(pl.LightningModule):
         loaders = self.trainer.train_dataloader if self._trainer is not None else None
         if not isinstance(loaders, (Mapping, list, tuple)):
             return batch
-        parts = [part for part in _parts(loaders, batch) if part is not None]
+        parts = combined_parts(loaders, batch)
         return [torch.cat(column) for column in zip(*parts, strict=False)]
 
     def blocks(self) -> dict[str, str]:
