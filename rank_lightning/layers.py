@@ -1178,6 +1178,23 @@ def _describe(batch: Any) -> str:
     return f"a batch of type {type(batch).__name__}"
 
 
+def several_loaders_advice(batch: Any) -> str:
+    """Advice for the labels of a batch that looks like a batch of several loaders (a dict or list of per-loader
+    batches, as Lightning's ``CombinedLoader`` gives them: no tensor of its own, a tuple, list or dict in it); else
+    ``""``."""
+    items = list(batch.values()) if isinstance(batch, Mapping) else batch
+    if not isinstance(items, (tuple, list)) or len(items) < 2 or any(isinstance(item, Tensor) for item in items):
+        return ""
+    if not any(isinstance(item, (tuple, list, Mapping)) for item in items):
+        return ""
+    parts = "batch.values()" if isinstance(batch, Mapping) else "batch"
+    return (
+        " It is a batch of several loaders (Lightning combines several training loaders): set label_fn to the labels "
+        "of the rows the step runs, in its order, e.g. "
+        f"label_fn=lambda batch: torch.cat([part[1] for part in {parts}])."
+    )
+
+
 _NOT_ONE_HOT = "rows that are not one-hot: soft labels, mixup or regression targets are not class labels"
 
 
@@ -1368,6 +1385,7 @@ class BatchReader:
             advice = "class metrics need integer labels of shape (B,) or one-hot rows of shape (B, C)"
         else:
             advice = "set label_key (an index for tuples, a key for dicts) or label_fn"
+        advice += several_loaders_advice(batch)
         raise ValueError(f"cannot find integer class labels at {self._label_where(batch, found)}; {advice}")
 
     def mask(self, batch: Any, *, convert: bool = True) -> Tensor | None:

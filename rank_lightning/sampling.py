@@ -12,11 +12,12 @@ they are the last samples of the processes that read them: each process measures
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-__all__ = ["limit_to_own_samples", "own_samples", "process_share", "repeated_samples", "side_loader"]
+__all__ = ["combined_parts", "limit_to_own_samples", "own_samples", "process_share", "repeated_samples", "side_loader"]
 
 
 def _padding_sampler(loader: Any) -> DistributedSampler | None:
@@ -110,3 +111,16 @@ def side_loader(loader: Any) -> Any:
     if loader.batch_sampler is None:  # batching off: one sample at a time
         return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **workers)
     return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **workers)
+
+
+def combined_parts(loaders: Any, batch: Any) -> list[Any]:
+    """The per-loader batches of a ``batch`` that Lightning's ``CombinedLoader`` made of the collection ``loaders`` (a
+    list, tuple or dict, possibly nested), in the order of their flattening (a dict's values in order), without the
+    loaders a ``"max_size"`` batch has none of; ``[batch]`` when ``loaders`` is one loader."""
+    if batch is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return [part for key, inner in loaders.items() for part in combined_parts(inner, batch[key])]
+    if isinstance(loaders, (list, tuple)):
+        return [part for inner, value in zip(loaders, batch) for part in combined_parts(inner, value)]
+    return [batch]

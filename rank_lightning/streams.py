@@ -43,6 +43,7 @@ from rank_lightning.layers import (
     decoder_layers,
     forward_hooks,
     hidden_state,
+    several_loaders_advice,
 )
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import own_samples, process_share
@@ -215,11 +216,14 @@ class ActivationStream:
         mask: Tensor | None = None,
         decoder_mask: Tensor | None = None,
         loader: int = 0,
+        combined: bool = False,
     ) -> None:
         """Begin a batch: its labels (``labels`` or read from ``batch``), its attention mask (``mask`` or read from
         ``batch``), the mask of the decoder's tokens for the layers in the decoder of an encoder-decoder
         (``decoder_mask`` or read from ``batch``) and its size, which tells the batch dimension of every layer's
-        output; ``loader`` is the index of the batch's loader among the ``loaders`` of :meth:`start`."""
+        output; ``loader`` is the index of the batch's loader among the ``loaders`` of :meth:`start`. ``combined``:
+        the batch holds the batches of several loaders (Lightning's ``CombinedLoader``), whose first tensor is one
+        loader's: its size is then told by the labels or mask, else by the layers' outputs."""
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
         self._labels = labels if self.num_classes else None
@@ -228,7 +232,7 @@ class ActivationStream:
         if self._decoder_layers:
             self._decoder_mask, wrong_decoder = self._read_mask(batch, decoder_mask, self.batch_reader.decoder_mask)
         self._count_wrong_masks(wrong, wrong_decoder)
-        self._batch = BatchReader.batch_size(batch) if batch is not None else None
+        self._batch = BatchReader.batch_size(batch) if batch is not None and not combined else None
         for known in (labels, self._mask, self._decoder_mask):  # labels tell the batch size even without class metrics
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
                 self._batch = known.shape[0]
@@ -286,7 +290,8 @@ class ActivationStream:
         if labels is None:
             where = self.batch_reader.label_source(batch)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
-            self._warn("", "labels", message + "class-wise VR) are not logged. Set label_key or label_fn.")
+            advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
+            self._warn("", "labels", message + advice)
         return labels
 
     @property
@@ -356,9 +361,10 @@ class ActivationStream:
             # A module called twice per forward (a shared ReLU) would mix two representations.
             message = (
                 "runs more than once per batch: a module called twice in one forward pass (a shared activation), or a "
-                "step that makes several forward passes (generate(), a second view of the batch). Only its first call "
-                "of each batch is measured; to measure another, monitor a module that runs once per forward pass, or "
-                "make the extra passes outside the step."
+                "step that makes several forward passes (generate(), a second view of the batch, one pass per "
+                "training loader). Only its first call of each batch is measured; to measure another, monitor a "
+                "module that runs once per forward pass, make the extra passes outside the step, or run the inputs "
+                "of several training loaders in one pass (torch.cat)."
             )
             self._warn(name, "reuse", message)
             return

@@ -74,3 +74,14 @@ def test_limit_to_own_samples():
     assert limit_to_own_samples(10, loader) == 3
     assert limit_to_own_samples(10, _loader(8, 2, 1)) == 10
     assert limit_to_own_samples(None, _loader(8, 2, 1)) is None
+
+
+def test_combined_parts_follow_the_loaders_collection_and_leave_out_exhausted_ones():
+    from rank_lightning.sampling import combined_parts
+
+    loaders = {"a": "la", "b": ["lb", {"c": "lc"}]}
+    batch = {"a": (1, 2), "b": [(3, 4), {"c": (5, 6)}]}
+    assert combined_parts(loaders, batch) == [(1, 2), (3, 4), (5, 6)]
+    # A "max_size" batch holds None for the loaders it has no batch of, nested ones too.
+    assert combined_parts(loaders, {"a": None, "b": [(3, 4), None]}) == [(3, 4)]
+    assert combined_parts("one loader", (1, 2)) == [(1, 2)]

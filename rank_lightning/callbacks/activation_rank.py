@@ -13,7 +13,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rank_lightning import streams
-from rank_lightning.callbacks.base import CurveMonitor, loader_list, step_inputs, step_precision
+from rank_lightning.callbacks.base import (
+    CurveMonitor,
+    TrainingBatches,
+    loader_list,
+    several_training_loaders,
+    step_inputs,
+    step_precision,
+)
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, log_rank_equal
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
@@ -97,7 +104,11 @@ class ActivationRankMonitor(CurveMonitor):
     window with a step cadence; ``stage="train"``, training mode with BatchNorm statistics restored), calling the
     module's ``forward`` on the inputs of each batch (``input_key``; for a dict batch without it, ``forward(**entries)``
     when ``forward`` names them, else ``forward(batch)``, and when that fails before any monitored layer ran, the dict's
-    inputs, ``forward(batch["image"])``). It is recorded as epoch ``-1`` and sent to the loggers at step 0.
+    inputs, ``forward(batch["image"])``). Several training loaders (a list or dict, which Lightning's ``CombinedLoader``
+    combines in the fit's mode) give each step's batches of every loader, whose inputs (``input_key`` of each) run in
+    one ``forward`` call, concatenated in loader order; the labels are read from the combined batch, as in the
+    monitored passes (``label_fn``, e.g. ``lambda batch: torch.cat([part[1] for part in batch.values()])``). It is
+    recorded as epoch ``-1`` and sent to the loggers at step 0.
 
     Memory: the float64 states of all monitored layers together stay within ``memory_budget_mb`` on each device
     (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch. A layer whose
@@ -486,7 +497,7 @@ class ActivationRankMonitor(CurveMonitor):
             self._target_step = self.cadence.next_step(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
         if self._monitoring("train"):
-            self._stream.batch_start(batch)
+            self._stream.batch_start(batch, combined=several_training_loaders(trainer))
 
     @override
     def on_train_batch_end(
@@ -648,7 +659,7 @@ class ActivationRankMonitor(CurveMonitor):
             loaders = [(loaders[0][0], 1)]
         batches = sum(batches for _, batches in loaders)
         # The layers forward() does not run may run in the module's own steps: named by the monitored passes only.
-        self._start(trainer, pl_module, batches, [loader for loader, _ in loaders], name_uncalled=initial)
+        self._start(trainer, pl_module, batches, [_loader_of(loader) for loader, _ in loaders], name_uncalled=initial)
         try:
             self._initial_pass(trainer, pl_module, loaders)
         except Exception as error:  # a model that cannot run a loader's batch must not stop the fit it precedes
@@ -685,7 +696,7 @@ class ActivationRankMonitor(CurveMonitor):
         mode = eval_mode if self.stage == "val" else train_mode
         # The loaders draw seeds and orders, dropout draws masks: the fit's random streams stay those of the
         # unmonitored fit.
-        kept = random_state_kept(pl_module, [loader for loader, _ in loaders])
+        kept = random_state_kept(pl_module, [_loader_of(loader) for loader, _ in loaders])
         # Under the steps' precision (bf16 autocast): the point must be comparable with the monitored passes'.
         precision = step_precision(trainer, self.stage)
         call: str | None = None  # how forward() takes a dict batch, learnt at the first one
@@ -702,8 +713,13 @@ class ActivationRankMonitor(CurveMonitor):
                     if index >= batches or (math.isinf(batches) and self._stream.exhausted):
                         break
                     batch = step_inputs(trainer, batch)
-                    self._stream.batch_start(batch, loader=number)
-                    call = forward_batch(pl_module, batch, self.batch_reader, call, ran=ran)
+                    combined = isinstance(loader, TrainingBatches) and loader.combined
+                    self._stream.batch_start(batch, loader=number, combined=combined)
+                    if combined:
+                        # A step of several training loaders: their inputs in one forward pass, in loader order.
+                        pl_module(torch.cat([self.batch_reader.inputs(part) for part in loader.parts(batch)]))
+                    else:
+                        call = forward_batch(pl_module, batch, self.batch_reader, call, ran=ran)
                     self._stream.batch_end()
 
 
@@ -713,14 +729,20 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     ``limit_*_batches``; ``inf`` for a loader of unknown length, whose rows then stop at ``max_samples``), or one
     step ``window`` of training batches."""
     if stage == "train":
-        loader = side_loader(trainer.train_dataloader)  # Lightning holds the training iterator already
+        # Copies of the loaders (Lightning holds the training iterators already); several are combined as in the fit.
+        training = TrainingBatches(trainer)
         batches = window if window is not None else trainer.num_training_batches
-        return [(loader, batches)] if loader is not None and batches > 0 else []
+        return [(training, batches)] if training.loaders and batches > 0 else []
     loaders = loader_list(trainer.val_dataloaders)
     counts = list(trainer.num_val_batches)
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _loader_of(loader: Any) -> Any:
+    """The loader (or collection of loaders) behind one loader of an initial pass."""
+    return loader.loaders if isinstance(loader, TrainingBatches) else loader
 
 
 def _raised_by_package(error: BaseException) -> bool:

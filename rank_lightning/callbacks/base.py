@@ -18,7 +18,7 @@ from typing import IO, Any
 import pytorch_lightning as pl
 import torch
 from matplotlib.figure import Figure
-from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities import CombinedLoader, rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -26,7 +26,7 @@ from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.figure_workers import figure_workers
 from rank_lightning.files import replace_file, unwritten_warning
 from rank_lightning.plotting import save_figure
-from rank_lightning.sampling import own_samples, side_loader
+from rank_lightning.sampling import combined_parts, own_samples, side_loader
 from rank_lightning.validation import check_positive_int
 
 __all__ = [
@@ -110,6 +110,43 @@ def val_loaders(trainer: pl.Trainer) -> list[Any]:
     """Every validation dataloader of the trainer, in order, each as :func:`first_val_loader` gives the first one (a
     copy where a pass of its own would move the loop's iterator), for a callback's own pass over their pooled rows."""
     return [side_loader(loader) for loader in loader_list(trainer.val_dataloaders)]
+
+
+def several_training_loaders(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's training loaders are several (a list or dict), whose batches Lightning combines."""
+    return isinstance(trainer.train_dataloader, (Mapping, list, tuple))
+
+
+class TrainingBatches:
+    """The training batches of the trainer, as its training step receives them, for a callback's own pass.
+
+    One training loader gives its batches. Several (a list or a dict, possibly nested) are combined in the fit's
+    ``CombinedLoader`` mode (``"max_size_cycle"``, ``"min_size"``, ``"max_size"``) into the list or dict of per-loader
+    batches the step receives; :meth:`parts` gives these per-loader batches. The loaders are
+    :func:`~rank_lightning.sampling.side_loader` copies, so the training loop's iterators are left alone.
+
+    Attributes:
+        loaders: the training loader, or the collection of them as the trainer holds it (copies).
+        combined: whether there are several training loaders, whose batches are combined.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.combined = several_training_loaders(trainer)
+        self.loaders = side_loader(trainer.train_dataloader)
+        fit_loop = getattr(trainer, "fit_loop", None)
+        self.mode = getattr(getattr(fit_loop, "_combined_loader", None), "_mode", "max_size_cycle")
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.combined:
+            yield from self.loaders
+            return
+        for batch, _, _ in CombinedLoader(self.loaders, self.mode):
+            yield batch
+
+    def parts(self, batch: Any) -> list[Any]:
+        """The per-loader batches of a combined ``batch`` in :func:`loader_list` order, without the loaders a
+        ``"max_size"`` batch has none of; ``[batch]`` for one training loader."""
+        return combined_parts(self.loaders, batch)
 
 
 class RowQuota:

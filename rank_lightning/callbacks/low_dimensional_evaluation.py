@@ -11,7 +11,14 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import Cadence, RankCallback, gather_rows, step_inputs, val_loaders
+from rank_lightning.callbacks.base import (
+    Cadence,
+    RankCallback,
+    gather_rows,
+    loader_list,
+    step_inputs,
+    val_loaders,
+)
 from rank_lightning.functional.embedding import low_dimensional_accuracy
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.layers import (
@@ -34,8 +41,9 @@ SAMPLE_REDUCTIONS: tuple[str, ...] = tuple(name for name in REDUCTIONS if name n
 class LowDimensionalEvaluation(RankCallback):
     """Accuracy of a linear max-margin classifier on PCA embeddings of one layer's features (Sanyal et al. Sec. 4.4).
 
-    Features of ``layer`` are collected, in eval mode and without gradients, on the training data and on the validation
-    dataloaders (the samples of several are pooled: scored together, with a warning);
+    Features of ``layer`` are collected, in eval mode and without gradients, on the training data (the samples of every
+    training loader, when there are several) and on the validation dataloaders (the samples of several are pooled:
+    scored together, with a warning);
     :func:`~rank_lightning.functional.low_dimensional_accuracy` fits PCA and the classifier on the training features
     and scores the validation features for each dimension in ``dims``. Afterwards every
     submodule has its own train/eval flag back (a frozen BatchNorm in a training model stays frozen). It runs at the
@@ -140,7 +148,10 @@ class LowDimensionalEvaluation(RankCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list[Any]
     ) -> dict[int, float]:
         # Its own pass beside the training loop's (a validation inside an epoch interrupts it).
-        train_x, train_y = self._collect(trainer, pl_module, side_loader(trainer.train_dataloader))
+        # Several training loaders (a list or dict): their samples together, max_batches of each.
+        training = [side_loader(loader) for loader in loader_list(trainer.train_dataloader)]
+        fitted = [self._collect(trainer, pl_module, loader) for loader in training]
+        train_x, train_y = torch.cat([x for x, _ in fitted]), torch.cat([y for _, y in fitted])
         scored = [self._collect(trainer, pl_module, loader) for loader in loaders]
         val_x, val_y = torch.cat([x for x, _ in scored]), torch.cat([y for _, y in scored])
         max_dim = min(train_x.shape)

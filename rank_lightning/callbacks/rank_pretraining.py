@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import RankCallback
+from rank_lightning.callbacks.base import RankCallback, TrainingBatches
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.functional.spectral import participation_ratio
 from rank_lightning.layers import (
@@ -22,6 +22,7 @@ from rank_lightning.layers import (
     module_blocks,
     train_mode,
 )
+from rank_lightning.nn import collect_auxiliary_losses
 from rank_lightning.validation import check_choice, check_positive, check_positive_int
 
 __all__ = ["RankPretraining"]
@@ -57,7 +58,8 @@ class RankPretraining(RankCallback):
             exactly one module; default: the last block of ``pl_module.blocks()`` (the last hidden layer), else the
             input of the last ``nn.Linear``.
         num_batches: M, the number of minibatches (taken in order from the training dataloader, restarting it if it
-            has fewer batches).
+            has fewer batches). With several training loaders (a list or dict), a minibatch is a step's batch of
+            every loader (combined in the fit's ``CombinedLoader`` mode), their inputs concatenated in loader order.
         steps: T, gradient-ascent steps per minibatch (Daneshmand et al. Fig. 6: 25 or 75 iterations in total).
         lr: learning rate of the ascent. With ``normalize_gradient`` the gradient has unit norm, so a step is ``lr``
             long without momentum; with ``momentum`` the steps add up along a steady direction, to at most
@@ -140,24 +142,29 @@ class RankPretraining(RankCallback):
         header = f"{'block':<32} {'before':>10} {'after':>10}"
         self.info("\n".join([title, header, *rows]))
 
-    def _batches(self, trainer: pl.Trainer) -> list[Any]:
-        loader = trainer.train_dataloader
-        if loader is None:
+    def _batches(self, trainer: pl.Trainer) -> list[Tensor]:
+        """The inputs of the first ``num_batches`` training batches; of a batch of several training loaders, their
+        inputs concatenated in loader order (:class:`~rank_lightning.callbacks.base.TrainingBatches`)."""
+        if trainer.train_dataloader is None:
             raise RuntimeError("RankPretraining needs a training dataloader")
-        batches: list[Any] = []
+        loader = TrainingBatches(trainer)
+        batches: list[Tensor] = []
         while len(batches) < self.num_batches:
             start = len(batches)
             for batch in loader:
-                batches.append(trainer.strategy.batch_to_device(batch))
+                parts = loader.parts(trainer.strategy.batch_to_device(batch))
+                batches.append(torch.cat([self.reader.inputs(part) for part in parts]))
                 if len(batches) == self.num_batches:
                     break
             if len(batches) == start:
                 raise RuntimeError("the training dataloader yielded no batch")
         return batches
 
-    def _features(self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batch: Any) -> dict[str, Tensor]:
+    def _features(
+        self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], inputs: Tensor
+    ) -> dict[str, Tensor]:
         with capture_features(pl_module, layers) as captured:
-            pl_module(self.reader.inputs(batch))
+            pl_module(inputs)
         return {name: reduce_activations(value, self.reduction) for name, value in captured.items()}
 
     def _measure(
@@ -190,6 +197,8 @@ class RankPretraining(RankCallback):
                     self._prepare_gradients(trainer, parameters)
                     optimizer.step()
         pl_module.zero_grad(set_to_none=True)
+        # The ascent's forward passes leave the auxiliary losses of LR-Layers pending: not the first step's.
+        collect_auxiliary_losses(pl_module)
 
     def _prepare_gradients(self, trainer: pl.Trainer, parameters: Sequence[Tensor]) -> None:
         """Average the gradients over DDP ranks and, with ``normalize_gradient``, divide them by their global norm."""

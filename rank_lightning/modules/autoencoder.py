@@ -60,7 +60,8 @@ class AutoEncoder(RankModule):
         **optim: optimiser and schedule settings of :class:`~rank_lightning.modules.base.RankModule`.
 
     Logged metrics:
-        ``train/loss``, ``val/loss``, ``test/loss``.
+        ``train/loss``, ``val/loss``, ``test/loss``; with several validation (or test) dataloaders, each loader's
+        loss under Lightning's ``val/loss/dataloader_idx_<i>`` keys.
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class AutoEncoder(RankModule):
         return self.backbone(x)
 
     def _shared_step(self, batch: Any, stage: str) -> torch.Tensor:
-        x = batch[0]
+        x = (self.training_batch(batch) if stage == "train" else batch)[0]
         loss = F.mse_loss(self(x), x)
         on_step = stage == "train"
         # Reduced over processes in every stage: the epoch value is then the mean over all samples, not rank 0's.
@@ -110,8 +111,8 @@ class AutoEncoder(RankModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._shared_step(batch, "val")
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._shared_step(batch, "test")

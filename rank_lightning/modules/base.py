@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from torch import nn
 
 from rank_lightning.modules.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+from rank_lightning.sampling import combined_parts
 
 
 def _same_input(ours: tuple[int, ...], theirs: tuple[int, ...]) -> bool:
@@ -73,6 +76,17 @@ class RankModule(pl.LightningModule):
                     f"{type(self).__name__} has {name}={ours!r} but {type(data).__name__} gives {name}={theirs!r}; "
                     f"build the module with the datamodule's {name} (the CLI links it)"
                 )
+
+    def training_batch(self, batch: Any) -> Any:
+        """A training batch as one loader's: of several training loaders (a list or dict, which Lightning combines
+        into a list or dict of per-loader batches), the tensors of every loader at each position (``x``, ``y``, ...)
+        concatenated in loader order (without the loaders a ``"max_size"`` batch has none of), so that a step trains
+        on all their rows; one loader's batch as it is."""
+        loaders = self.trainer.train_dataloader if self._trainer is not None else None
+        if not isinstance(loaders, (Mapping, list, tuple)):
+            return batch
+        parts = combined_parts(loaders, batch)
+        return [torch.cat(column) for column in zip(*parts, strict=False)]
 
     def blocks(self) -> dict[str, str]:
         """The backbone's blocks (``short name -> submodule path``), with paths relative to this module."""

@@ -47,7 +47,10 @@ class ImageClassifier(RankModule):
 
     Logged metrics:
         ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``; with LR-Layers also
-        ``train/lr_layer_loss`` (their summed auxiliary loss, zero before switch-on).
+        ``train/lr_layer_loss`` (their summed auxiliary loss, zero before switch-on). With several validation (or
+        test) dataloaders, each loader's loss and accuracy are logged apart, under Lightning's
+        ``val/acc/dataloader_idx_<i>`` keys (the accuracy of each loader counts its own samples only). Several
+        training loaders train on the rows of all of them (:meth:`~RankModule.training_batch`).
     """
 
     def __init__(
@@ -134,16 +137,26 @@ class ImageClassifier(RankModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)
 
-    def _shared_step(self, batch: Any, stage: str) -> torch.Tensor:
+    def _accuracy(self, stage: str, dataloader_idx: int) -> tuple[MulticlassAccuracy, str]:
+        """The accuracy metric of ``stage`` for its dataloader ``dataloader_idx`` and its attribute name:
+        ``<stage>_acc`` for the first loader; for a later one ``<stage>_acc_<i>``, made at its first batch (one metric
+        per loader, so that no loader's samples count in another's accuracy; it holds no saved state)."""
+        name = f"{stage}_acc" if dataloader_idx == 0 else f"{stage}_acc_{dataloader_idx}"
+        if not hasattr(self, name):
+            self.add_module(name, MulticlassAccuracy(num_classes=self.num_classes, average="micro").to(self.device))
+        return getattr(self, name), name
+
+    def _shared_step(self, batch: Any, stage: str, dataloader_idx: int = 0) -> torch.Tensor:
+        batch = self.training_batch(batch) if stage == "train" else batch
         x, y = batch[0], batch[1]
         logits = self(x)
         loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
-        accuracy = getattr(self, f"{stage}_acc")
+        accuracy, attribute = self._accuracy(stage, dataloader_idx)
         accuracy(logits, y)
         on_step = stage == "train"
         # Reduced over processes in every stage: the epoch value is then the mean over all samples, not rank 0's.
         self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=True)
-        self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True, metric_attribute=attribute)
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -155,8 +168,8 @@ class ImageClassifier(RankModule):
             loss = loss + aux
         return loss
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._shared_step(batch, "val")
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._shared_step(batch, "val", dataloader_idx)
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._shared_step(batch, "test")
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._shared_step(batch, "test", dataloader_idx)

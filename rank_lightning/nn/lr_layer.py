@@ -53,9 +53,12 @@ class LRLayer(nn.Module):
         weight: ``W_S``, (m, m).
         bias: ``b``, (m,); the origin of the affine subspace.
         enabled: whether training forward passes compute the auxiliary loss (off until switch-on).
-        aux_loss: the auxiliary loss of the latest training forward pass not yet collected, or ``None``. Before
-            switch-on it is a zero connected to the parameters, so that DDP sees a (zero) gradient for them.
-        last_losses: detached ``{"reconstruction": L_c, "norm": L_N}`` of the latest loss (unweighted means).
+        aux_loss: the auxiliary loss of the training forward passes not yet collected, or ``None``; of several (a step
+            that runs each of several training loaders apart), their mean over the rows of all, as one pass over the
+            concatenated inputs gives. Before switch-on it is a zero connected to the parameters, so that DDP sees a
+            (zero) gradient for them.
+        last_losses: detached ``{"reconstruction": L_c, "norm": L_N}`` of the latest loss (unweighted means over its
+            rows).
 
     Example::
 
@@ -110,6 +113,7 @@ class LRLayer(nn.Module):
         self.enabled = False
         self.aux_loss: Tensor | None = None
         self.last_losses: dict[str, Tensor] = {}
+        self._pending_rows = 0  # the rows behind aux_loss
 
     @property
     def effective_weight(self) -> Tensor:
@@ -133,19 +137,29 @@ class LRLayer(nn.Module):
             # A zero that depends on the parameters: DDP without find_unused_parameters expects every parameter to
             # receive a gradient in every step, also before switch-on.
             self.aux_loss = (self.weight[0, 0] + self.bias[0]) * 0.0
+            self._pending_rows = 0
             return x
         a = self._as_matrix(x)  # (n, m)
         shifted = a + self.bias  # rows a_i + b
         # Row form of W^T (a_i + b): (a_i + b)^T W.
         reconstruction = (shifted @ self.effective_weight - shifted).square().sum(dim=1).mean()
         norm = (1 - torch.linalg.vector_norm(a, dim=1)).abs().mean()
-        self.aux_loss = self.lambda_1 * reconstruction + self.lambda_2 * norm
-        self.last_losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
+        loss = self.lambda_1 * reconstruction + self.lambda_2 * norm
+        losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
+        # (A layer saved whole before _pending_rows existed has none: nothing pending.)
+        rows, earlier = a.shape[0], getattr(self, "_pending_rows", 0) if self.aux_loss is not None else 0
+        if earlier:
+            # Another forward pass of the same step (a step that runs each of several training loaders apart): the
+            # mean over the rows of both, as one pass over the concatenated inputs gives, none counted twice.
+            share = rows / (earlier + rows)
+            loss = torch.lerp(self.aux_loss, loss, share)
+            losses = {key: torch.lerp(self.last_losses[key], value, share) for key, value in losses.items()}
+        self.aux_loss, self.last_losses, self._pending_rows = loss, losses, earlier + rows
         return x
 
     def pop_auxiliary_loss(self) -> Tensor | None:
         """Return the pending auxiliary loss (``None`` if there is none) and clear it."""
-        loss, self.aux_loss = self.aux_loss, None
+        loss, self.aux_loss, self._pending_rows = self.aux_loss, None, 0
         return loss
 
     @torch.no_grad()

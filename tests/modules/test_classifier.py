@@ -5,6 +5,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from rank_lightning.layers import select_layers
 from rank_lightning.modules import AutoEncoder, ImageClassifier
 
 
@@ -194,3 +195,83 @@ def test_a_flat_input_of_as_many_values_fits_the_datamodule(tmp_path):
 def test_label_smoothing_must_lie_in_the_unit_interval(value):
     with pytest.raises(ValueError, match=rf"label_smoothing must lie in \[0, 1\], got {value!r}"):
         ImageClassifier(backbone="mlp", num_classes=3, input_shape=(4,), label_smoothing=value)
+
+
+def _accuracy(model, loader):
+    with torch.no_grad():
+        hits = sum(int((model(x).argmax(1) == y).sum()) for x, y in loader)
+    return hits / len(loader.dataset)
+
+
+def test_several_validation_and_test_loaders_log_each_loaders_own_accuracy(tmp_path):
+    torch.manual_seed(0)
+    model = ImageClassifier(backbone="mlp", backbone_kwargs={"depth": 1, "width": 8}, num_classes=3, input_shape=(6,))
+    a, b = _loader((6,), n=48, seed=1), _loader((6,), n=32, seed=2)
+    expected = [_accuracy(model, a), _accuracy(model, b)]
+    assert expected[0] != expected[1]
+    trainer = _trainer(tmp_path)
+    for _ in range(2):  # the second run starts from reset metrics
+        (val_a, val_b) = trainer.validate(model, [a, b], verbose=False)
+        assert val_a["val/acc/dataloader_idx_0"] == pytest.approx(expected[0])
+        assert val_b["val/acc/dataloader_idx_1"] == pytest.approx(expected[1])
+        assert "val/loss/dataloader_idx_1" in val_b
+    (test_a, test_b) = trainer.test(model, {"shift": b, "clean": a}, verbose=False)
+    assert test_a["test/acc/dataloader_idx_0"] == pytest.approx(expected[1])
+    assert test_b["test/acc/dataloader_idx_1"] == pytest.approx(expected[0])
+    # One loader keeps the plain keys, and the accuracy of that loader alone.
+    (single,) = trainer.validate(model, b, verbose=False)
+    assert set(single) == {"val/loss", "val/acc"}
+    assert single["val/acc"] == pytest.approx(expected[1])
+    # The extra metrics hold no saved state (a checkpoint loads into a fresh module) and are no layers.
+    ImageClassifier(**model.hparams).load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match=r"unknown layer 'nope'; layers are: layer1, backbone, ") as error:
+        select_layers(model, ["nope"])
+    assert "acc" not in str(error.value)
+
+
+def test_the_autoencoder_logs_the_loss_of_each_validation_loader(tmp_path):
+    torch.manual_seed(0)
+    model = AutoEncoder(input_shape=(6,), hidden_dims=(8, 3, 8))
+    a, b = _loader((6,), n=32, seed=1), _loader((6,), n=32, seed=2)
+    with torch.no_grad():
+        inputs = [loader.dataset.tensors[0] for loader in (a, b)]
+        expected = [float(torch.nn.functional.mse_loss(model(x), x)) for x in inputs]
+    (val_a, val_b) = _trainer(tmp_path).validate(model, [a, b], verbose=False)
+    assert val_a["val/loss/dataloader_idx_0"] == pytest.approx(expected[0], rel=1e-5)
+    assert val_b["val/loss/dataloader_idx_1"] == pytest.approx(expected[1], rel=1e-5)
+
+
+class _FirstLoss(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.__dict__.setdefault("loss", float(outputs["loss"]))
+
+
+@pytest.mark.parametrize("make", [lambda a, b: {"a": a, "b": b}, lambda a, b: [a, b]])
+def test_several_training_loaders_train_on_the_rows_of_all(make, tmp_path):
+    torch.manual_seed(0)
+    model = ImageClassifier(backbone="mlp", backbone_kwargs={"depth": 1, "width": 8}, num_classes=3, input_shape=(6,))
+    a, b = _loader((6,), n=32, seed=1), _loader((6,), n=16, seed=2)
+    (xa, ya), (xb, yb) = a.dataset.tensors, b.dataset.tensors
+    with torch.no_grad():
+        logits = model(torch.cat([xa[:16], xb[:16]]))
+    expected = float(torch.nn.functional.cross_entropy(logits, torch.cat([ya[:16], yb[:16]])))
+    first = _FirstLoss()
+    trainer = pl.Trainer(
+        callbacks=[first],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, make(a, b))
+    assert first.loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_autoencoder_trains_on_several_loaders_of_inputs_alone(tmp_path):
+    model = AutoEncoder(input_shape=(6,), hidden_dims=(8, 3, 8))
+    loaders = [DataLoader(TensorDataset(torch.randn(8, 6)), batch_size=4) for _ in range(2)]
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, {"a": loaders[0], "b": loaders[1]})
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -223,3 +223,22 @@ def test_lr_layer_raises_the_variance_ratio_of_its_input() -> None:
         with_layer = _train_digits(LRLayer(128, 5, lambda_1=1.0, lambda_2=1.0, projection=projection))
         assert with_layer > plain, projection
         assert 1 - with_layer < 0.8 * (1 - plain), projection
+
+
+def test_forward_passes_of_one_step_count_every_row_once() -> None:
+    # A step that runs each of several training loaders apart gives the loss of one pass over their rows together.
+    layer = _random_layer(12, 3, lambda_1=0.7, lambda_2=1.3)
+    xa, xb = torch.randn(6, 3, 2, 2, dtype=torch.float64), torch.randn(2, 3, 2, 2, dtype=torch.float64)
+    layer(xb)
+    alone = layer.pop_auxiliary_loss()
+    layer(torch.cat([xa, xb]))
+    together, last = layer.pop_auxiliary_loss(), dict(layer.last_losses)
+    layer(xa)
+    layer(xb)
+    torch.testing.assert_close(layer.pop_auxiliary_loss(), together)
+    torch.testing.assert_close(layer.last_losses, last)
+    a = torch.cat([xa, xb]).reshape(8, 12).numpy()
+    expected = _numpy_loss(a, layer.weight.detach().numpy(), layer.bias.detach().numpy(), 0.7, 1.3)
+    assert together.item() == pytest.approx(expected, rel=1e-12)
+    layer(xb)  # the pending loss was collected: a new step starts
+    torch.testing.assert_close(layer.pop_auxiliary_loss(), alone)
