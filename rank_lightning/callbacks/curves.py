@@ -685,7 +685,8 @@ class LayerCurves:
     def logger_step(self, trainer: Any) -> int:
         """The loggers' step of a value recorded now during ``fit``: on a step axis the step the curve file and the
         figures show (``trainer.global_step``, the initial point being step 0), else the step Lightning logs at
-        (:func:`log_step`). What a monitor sends beside its scalars (W&B histograms) goes there too."""
+        (:func:`log_step`). What is sent beside the scalars (the W&B charts, a monitor's W&B histograms) goes there
+        too."""
         return int(trainer.global_step) if self.x_axis == "step" else log_step(trainer)
 
     def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
@@ -1005,5 +1006,6 @@ class LayerCurves:
                 columns=["depth index", "layer"], data=[[i, layer] for i, layer in enumerate(self._layers)]
             )
             self._wandb_layer_table_logged = True
+        step = self.logger_step(trainer) if _fitting(trainer) else trainer.global_step  # beside the scalars
         for logger in loggers:
-            logger.log_metrics(payload, step=trainer.global_step)
+            logger.log_metrics(payload, step=step)

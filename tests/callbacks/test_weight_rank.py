@@ -433,6 +433,29 @@ def test_an_epoch_and_a_step_weight_monitor_keep_their_spectra_apart_in_wandb_an
             assert (bins[0], bins[-1]) == pytest.approx((singular_values.min(), singular_values.max()), rel=1e-12)
 
 
+@pytest.mark.slow
+def test_wandb_charts_go_to_the_step_of_the_measurement_that_sends_them(tmp_path, monkeypatch):
+    # No validation: the epochs are measured in on_train_epoch_end, which Lightning logs at the epoch's last step.
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], log_at_init=False, verbose=False)
+    logger = WandbLogger(mode="offline", save_dir=tmp_path, project="rank")
+    try:
+        trainer = quiet_trainer([monitor], logger=logger, max_epochs=2, limit_val_batches=0, log_every_n_steps=1)
+        trainer.fit(_Model(), _loader())
+    finally:
+        wandb.finish()
+
+    rows = offline_run_rows(tmp_path)
+    scalars = [int(row["trainer/global_step"]) for row in rows if "weight/head/stable_rank" in row]
+    chart = "weight_curves/stable_rank_vs_epoch_table/_type"
+    charts = [int(row["trainer/global_step"]) for row in rows if chart in row]
+    assert scalars == [3, 7]  # 4 batches an epoch
+    # After the first measured epoch, beside its scalars; then once more at the end of fit, after every step.
+    assert charts == [3, 8]
+
+
 class _BlockNet(nn.Module):
     """A small network offering ``blocks()``, as the package's modules do."""
 
