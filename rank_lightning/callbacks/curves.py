@@ -27,7 +27,9 @@ follows with those numbers, identically for every callback:
    ``max_depth_curves`` epochs), plus once the table ``"{namespace}_curves/layers"`` mapping depth index to layer.
    Each chart carries the whole history, so they are sent after the first recorded epoch, after every
    ``wandb_charts_every_n_epochs``-th, and by :meth:`LayerCurves.finish` at the end of fit (not after every epoch,
-   which would upload a quadratically growing amount); the scalars themselves go to W&B every epoch;
+   which would upload a quadratically growing amount); the scalars themselves go to W&B every epoch. A chart is a
+   W&B table of one row per line and point, which W&B cuts at ``wandb.Table.MAX_ROWS`` rows (10,000): a longer
+   history is charted on fewer points (epochs), evenly spaced, first and last included;
 4. writes, on rank zero, into ``<run dir>/rank_curves/``: ``{namespace}_curves.json`` (layers in depth order and the
    whole history, rewritten at every recorded epoch so that runs without a CSV logger can be reported on; read back
    by :func:`read_curve_file`) and, when :meth:`LayerCurves.write_figures` is called (by :meth:`LayerCurves.finish`,
@@ -685,7 +687,8 @@ class LayerCurves:
     def logger_step(self, trainer: Any) -> int:
         """The loggers' step of a value recorded now during ``fit``: on a step axis the step the curve file and the
         figures show (``trainer.global_step``, the initial point being step 0), else the step Lightning logs at
-        (:func:`log_step`). What a monitor sends beside its scalars (W&B histograms) goes there too."""
+        (:func:`log_step`). What is sent beside the scalars (the W&B charts, a monitor's W&B histograms) goes there
+        too."""
         return int(trainer.global_step) if self.x_axis == "step" else log_step(trainer)
 
     def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
@@ -971,9 +974,6 @@ class LayerCurves:
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)
 
-    def _depth_epochs(self) -> list[int]:
-        return evenly_spaced(self.epochs, self.max_depth_curves)
-
     def _log_wandb_charts(self, trainer: Any) -> None:
         loggers = wandb_loggers(trainer)
         if not loggers:
@@ -982,8 +982,12 @@ class LayerCurves:
 
         self._charted_epochs = self.epochs
 
-        epochs = self.epochs
-        depth_epochs = self._depth_epochs()
+        # A chart is a table of one row per line and point, which W&B truncates past wandb.Table.MAX_ROWS rows,
+        # cutting the last lines short or off: past it, fewer points (or epoch lines) are sent, evenly spaced, first
+        # and last kept. The scalars and the curve file keep every point.
+        fits = max(wandb.Table.MAX_ROWS // max(len(self._layers), 1), 2)
+        epochs = evenly_spaced(self.epochs, fits)
+        depth_epochs = evenly_spaced(self.epochs, min(self.max_depth_curves, fits))
         payload: dict[str, Any] = {}
         for metric in self._metrics:
             payload[f"{self.namespace}_curves/{metric}_vs_{self.x_axis}"] = wandb.plot.line_series(
@@ -1005,5 +1009,6 @@ class LayerCurves:
                 columns=["depth index", "layer"], data=[[i, layer] for i, layer in enumerate(self._layers)]
             )
             self._wandb_layer_table_logged = True
+        step = self.logger_step(trainer) if _fitting(trainer) else trainer.global_step  # beside the scalars
         for logger in loggers:
-            logger.log_metrics(payload, step=trainer.global_step)
+            logger.log_metrics(payload, step=step)

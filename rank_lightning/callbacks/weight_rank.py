@@ -166,14 +166,16 @@ class WeightRankMonitor(CurveMonitor):
         save_singular_values: also keep every monitored spectrum: one ``.npz`` (one array per layer) per point of
             the curves in ``<run dir>/rank_curves/weight_singular_values/epoch_XXXX.npz`` (``epoch_-001.npz`` for the
             untrained weights; ``step_XXXXXXXX.npz`` for curves keyed by step) and, with a
-            ``WandbLogger``, one histogram per layer.
+            ``WandbLogger``, one histogram per layer, ``weight_spectra/<layer>`` (``<namespace>_singular_values/``
+            and ``<namespace>_spectra/<layer>`` under another namespace, so that two monitors keep apart).
         log_at_init: also measure the untrained weights at the start of a fresh ``fit`` (before the first optimizer
             step), recorded as epoch ``-1`` and sent to the loggers at step 0 (rank collapse starts at
             initialisation, Daneshmand et al.).
         figures_every_n_epochs: also draw the PNG figures after every this many monitored epochs; ``None`` draws
             them at the end of fit only.
-        namespace: first part of the logged keys and of the curve file and figure names; ``None`` for
-            ``"weight"``. Two weight monitors of one Trainer need two namespaces; the same one is an error at setup.
+        namespace: first part of the logged keys and of the curve file, figure, W&B chart and spectra names;
+            ``None`` for ``"weight"``. Two weight monitors of one Trainer need two namespaces; the same one is an
+            error at setup.
         verbose: report the monitored matrices (rank zero) at setup.
 
     Raises:
@@ -210,10 +212,11 @@ class WeightRankMonitor(CurveMonitor):
           (Clauset et al. 2009; :func:`~rank_lightning.functional.power_law_alpha`, equal to WeightWatcher's
           ``alpha`` for Linear layers; conv weights differ, since WeightWatcher splits kernels per offset).
 
-        With a ``WandbLogger``, also the charts ``weight_curves/<metric>_vs_epoch``,
-        ``weight_curves/<metric>_vs_depth``, the table ``weight_curves/layers`` and, with
-        ``save_singular_values=True``, the histograms ``weight_spectra/<layer>``; the charts hold the whole history
-        and are sent after the first monitored epoch, every fifth one and at the end of fit.
+        With a ``WandbLogger``, also the charts ``weight_curves/<metric>_vs_epoch`` (``_vs_step`` for curves keyed
+        by step), ``weight_curves/<metric>_vs_depth``, the table ``weight_curves/layers`` and, with
+        ``save_singular_values=True``, the histograms ``weight_spectra/<layer>`` (``<namespace>_curves/`` and
+        ``<namespace>_spectra/`` under another namespace); the charts hold the whole history and are sent after the
+        first monitored epoch, every fifth one and at the end of fit.
     """
 
     def __init__(
@@ -490,7 +493,10 @@ class WeightRankMonitor(CurveMonitor):
         """Keep the spectra of the curves' ``point`` (an epoch or a step, as the curves are keyed; the untrained
         weights' ``-1`` or ``0``) in a file of its own, and send them to W&B beside the point's scalars."""
         arrays = {name: spec.singular_values.numpy() for name, spec in spectra.items()}
-        directory = self.curves.figure_dir(trainer) / "weight_singular_values"
+        # Named by namespace, as the curve files are: two weight monitors (an epoch and a step cadence, say) would
+        # otherwise share one folder and one W&B key, taking each other's folder for another run's.
+        namespace = self.curves.namespace
+        directory = self.curves.figure_dir(trainer) / f"{namespace}_singular_values"
         at = f"step_{point:08d}" if self.curves.x_axis == "step" else f"epoch_{point:04d}"
         path = directory / f"{at}.npz"
         # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole, and a full
@@ -503,7 +509,7 @@ class WeightRankMonitor(CurveMonitor):
             import wandb
 
             histograms = {
-                f"weight_spectra/{name}": wandb.Histogram(values[np.isfinite(values)])
+                f"{namespace}_spectra/{name}": wandb.Histogram(values[np.isfinite(values)])
                 for name, values in arrays.items()
             }
             step = self.curves.logger_step(trainer)  # beside the scalars of the same measurement

@@ -27,6 +27,7 @@ from rank_lightning.callbacks.curves import (
     wandb_loggers,
     write_curve_file,
 )
+from tests.callbacks.wandb_helpers import offline_run_history
 
 
 class _Net(pl.LightningModule):
@@ -794,3 +795,32 @@ def test_resuming_twice_from_an_older_checkpoint_keeps_every_superseded_run(tmp_
         (2, {3: 203.0, 5: 205.0}),
     ]
     assert third.curves.superseded == content["superseded"]
+
+
+@pytest.mark.slow
+def test_a_wandb_chart_longer_than_a_table_keeps_every_layer_to_its_last_point(tmp_path, monkeypatch):
+    # A line-series chart is a table of one row per layer and point; W&B truncates a table past wandb.Table.MAX_ROWS
+    # rows, which cut the last layers' curves short (or off). The points are thinned instead, evenly, first and last
+    # kept.
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(wandb.Table, "MAX_ROWS", 10)
+    logger = WandbLogger(mode="offline", save_dir=tmp_path, project="rank")
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[logger], global_step=6, callbacks=[])
+    curves = LayerCurves("test")
+    for epoch in range(7):
+        curves.record(epoch, {layer: {"m": 10.0 * depth + epoch} for depth, layer in enumerate(["a", "b", "c"])})
+    try:
+        curves._log_wandb_charts(trainer)
+        files = Path(logger.experiment.dir)
+    finally:
+        wandb.finish()
+
+    history = offline_run_history(tmp_path)
+    table = json.loads((files / json.loads(history["test_curves/m_vs_epoch_table/path"][0])).read_text())
+    # 10 // 3 layers: 3 points a layer, epochs 0, 3 and 6.
+    assert table["data"] == [[e, layer, 10.0 * depth + e] for depth, layer in enumerate("abc") for e in (0, 3, 6)]
+    depth_table = json.loads((files / json.loads(history["test_curves/m_vs_depth_table/path"][0])).read_text())
+    # The depth chart alike: 3 of the 7 epochs, each a line over the 3 layers.
+    expected = [[depth, f"epoch {e}", 10.0 * depth + e] for e in (0, 3, 6) for depth in range(3)]
+    assert depth_table["data"] == expected

@@ -15,7 +15,7 @@ from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
 from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import quiet_trainer
-from tests.callbacks.wandb_helpers import offline_run_history
+from tests.callbacks.wandb_helpers import offline_run_history, offline_run_rows
 
 TAIL_RANKS = (1, 2, 5)
 
@@ -390,6 +390,70 @@ def test_offline_wandb_run_holds_the_weight_keys_and_charts(tmp_path, monkeypatc
         for chart in ("vs_epoch", "vs_depth"):
             assert json.loads(history[f"weight_curves/{metric}_{chart}_table/_type"]) == "table-file"
     assert (tmp_path / "rank" / run_id / FIGURE_DIR / "weight_spectral_norm.png").is_file()
+
+
+@pytest.mark.slow
+def test_an_epoch_and_a_step_weight_monitor_keep_their_spectra_apart_in_wandb_and_on_disk(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    options = dict(layers=["head"], metrics=["stable_rank"], save_singular_values=True, verbose=False)
+    by_epoch = WeightRankMonitor(**options)
+    by_step = WeightRankMonitor(**options, every_n_train_steps=2, namespace="weight_step")
+    logger = WandbLogger(mode="offline", save_dir=tmp_path, project="rank")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*another run")
+            trainer = quiet_trainer([by_epoch, by_step], logger=logger, max_epochs=2, log_every_n_steps=1)
+            trainer.fit(_Model(), _loader(), _loader(16))
+        directory = tmp_path / "rank" / logger.experiment.id / FIGURE_DIR
+    finally:
+        wandb.finish()
+
+    rows = offline_run_rows(tmp_path)
+    val_steps = [int(row["trainer/global_step"]) for row in rows if "val/loss" in row]
+    assert val_steps == [3, 7]  # 4 batches an epoch
+    for monitor, steps, files in (
+        (by_epoch, [0, *val_steps], ["epoch_-001", "epoch_0000", "epoch_0001"]),
+        (by_step, [0, 2, 4, 6, 8], [f"step_{step:08d}" for step in (0, 2, 4, 6, 8)]),
+    ):
+        namespace = monitor.curves.namespace
+        scalars = [row for row in rows if f"{namespace}/head/stable_rank" in row]
+        assert [int(row["trainer/global_step"]) for row in scalars] == steps
+        assert [float(row[f"{namespace}/head/stable_rank"]) for row in scalars] == [
+            monitor.curves.history[point]["head"]["stable_rank"] for point in monitor.curves.epochs
+        ]
+        spectra = [row for row in rows if f"{namespace}_spectra/head/bins" in row]
+        assert [int(row["trainer/global_step"]) for row in spectra] == steps
+        folder = directory / f"{namespace}_singular_values"
+        assert sorted(path.stem for path in folder.iterdir()) == sorted(files)
+        for row, name in zip(spectra, files):
+            singular_values = np.load(folder / f"{name}.npz")["head"]
+            bins = json.loads(row[f"{namespace}_spectra/head/bins"])
+            assert (bins[0], bins[-1]) == pytest.approx((singular_values.min(), singular_values.max()), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_wandb_charts_go_to_the_step_of_the_measurement_that_sends_them(tmp_path, monkeypatch):
+    # No validation: the epochs are measured in on_train_epoch_end, which Lightning logs at the epoch's last step.
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    monitor = WeightRankMonitor(layers=["head"], metrics=["stable_rank"], log_at_init=False, verbose=False)
+    logger = WandbLogger(mode="offline", save_dir=tmp_path, project="rank")
+    try:
+        trainer = quiet_trainer([monitor], logger=logger, max_epochs=2, limit_val_batches=0, log_every_n_steps=1)
+        trainer.fit(_Model(), _loader())
+    finally:
+        wandb.finish()
+
+    rows = offline_run_rows(tmp_path)
+    scalars = [int(row["trainer/global_step"]) for row in rows if "weight/head/stable_rank" in row]
+    chart = "weight_curves/stable_rank_vs_epoch_table/_type"
+    charts = [int(row["trainer/global_step"]) for row in rows if chart in row]
+    assert scalars == [3, 7]  # 4 batches an epoch
+    # After the first measured epoch, beside its scalars; then once more at the end of fit, after every step.
+    assert charts == [3, 8]
 
 
 class _BlockNet(nn.Module):

@@ -44,8 +44,9 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def offline_run_history(save_dir: Path, timeout: float = 60.0) -> dict[str, list[str]]:
-    """Every history value of the single offline run under ``save_dir``: ``key -> [value_json, ...]`` in log order.
+def offline_run_rows(save_dir: Path, timeout: float = 60.0) -> list[dict[str, str]]:
+    """The history rows of the single offline run under ``save_dir``, in log order: one ``key -> value_json`` dict per
+    ``log`` call (``"trainer/global_step"`` is the step a ``WandbLogger`` logged it at, ``"_step"`` W&B's own count).
 
     ``wandb.finish()`` can return before the service has flushed the log, so this waits (up to ``timeout`` seconds)
     for the run's last record, ``exit``. Nested keys are joined with ``/``.
@@ -55,9 +56,18 @@ def offline_run_history(save_dir: Path, timeout: float = 60.0) -> dict[str, list
     while not (records := list(wandb_records(run_file))) or records[-1].WhichOneof("record_type") != "exit":
         assert time.monotonic() < deadline, f"the offline run {run_file} was never closed"
         time.sleep(0.2)
+    return [
+        {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+        for record in records
+        if record.WhichOneof("record_type") == "history"
+    ]
+
+
+def offline_run_history(save_dir: Path, timeout: float = 60.0) -> dict[str, list[str]]:
+    """Every history value of the single offline run under ``save_dir``: ``key -> [value_json, ...]`` in log order
+    (:func:`offline_run_rows`)."""
     history: dict[str, list[str]] = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "history":
-            for item in record.history.item:
-                history.setdefault(item.key or "/".join(item.nested_key), []).append(item.value_json)
+    for row in offline_run_rows(save_dir, timeout):
+        for key, value in row.items():
+            history.setdefault(key, []).append(value)
     return history
