@@ -21,7 +21,7 @@ from rank_lightning.callbacks.base import (
     step_inputs,
     step_precision,
 )
-from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, log_rank_equal
+from rank_lightning.callbacks.curves import TEST_SUFFIX, check_distinct_namespaces, check_namespace, log_rank_equal
 from rank_lightning.functional.reductions import CONV_REDUCTIONS, TOKEN_REDUCTIONS
 from rank_lightning.layers import (
     BatchReader,
@@ -377,7 +377,7 @@ class ActivationRankMonitor(CurveMonitor):
             why = "stage='train' measures training batches" if self.stage == "train" else "on_test=False"
             self.info(f"trainer.test is not monitored ({why})")
         else:
-            data = f", the test data under {self.curves.namespace}_test/" if stage == "test" else ""
+            data = f", the test data under {self.curves.namespace}{TEST_SUFFIX}/" if stage == "test" else ""
             self.info(f"monitoring {len(self._layers)} layers{how}, {classes}{data}: {names}")
         self._stop()
         self._stream = ActivationStream(
@@ -476,7 +476,7 @@ class ActivationRankMonitor(CurveMonitor):
         values, _ = self._stream.compute(
             pl_module.device, metrics=self.metrics, centered=self.center, per_class=self.log_per_class, when="in test"
         )
-        namespace = f"{self.curves.namespace}_test"
+        namespace = f"{self.curves.namespace}{TEST_SUFFIX}"
         scalars = {f"{namespace}/{layer}/{key}": value for layer, row in values.items() for key, value in row.items()}
         log_rank_equal(pl_module, scalars)
 

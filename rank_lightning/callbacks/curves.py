@@ -115,6 +115,7 @@ from rank_lightning.validation import check_choice, check_positive_int
 __all__ = [
     "FIGURE_DIR",
     "INITIAL_EPOCH",
+    "TEST_SUFFIX",
     "X_AXES",
     "LayerCurves",
     "check_distinct_namespaces",
@@ -270,9 +271,14 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+TEST_SUFFIX = "_test"
+"""What a monitor's namespace takes for the values of ``trainer.test`` runs (``rank_test/<layer>/<metric>``)."""
+
+
 def check_distinct_namespaces(trainer: Any, callback: Any) -> None:
-    """Raise if a callback before ``callback`` among the trainer's logs under its namespace: their keys, curve files
-    and figures would overwrite each other's. (The later of the two raises, at its setup, once its own settings are
+    """Raise if a callback before ``callback`` among the trainer's logs under its namespace, or under the namespace
+    of its test values (``<namespace>_test``, :data:`TEST_SUFFIX`), or takes this one's: their keys, curve files and
+    figures would overwrite each other's. (The later of the two raises, at its setup, once its own settings are
     checked.)
 
     Raises:
@@ -283,7 +289,16 @@ def check_distinct_namespaces(trainer: Any, callback: Any) -> None:
         if other is callback:
             return
         curves = getattr(other, "curves", None)
-        if not isinstance(curves, LayerCurves) or curves.namespace != namespace:
+        if not isinstance(curves, LayerCurves):
+            continue
+        if namespace == curves.namespace + TEST_SUFFIX or curves.namespace == namespace + TEST_SUFFIX:
+            base, derived = sorted((namespace, curves.namespace), key=len)
+            raise ValueError(
+                f"{type(callback).__name__} and {type(other).__name__} log under namespaces {base!r} and {derived!r}: "
+                f"the values of trainer.test runs of the monitor under {base!r} go to {derived}/..., the keys of the "
+                f"other; choose a namespace that does not end in {TEST_SUFFIX!r}"
+            )
+        if curves.namespace != namespace:
             continue
         takes = [type(c).__name__ for c in (callback, other) if "namespace" in inspect.signature(type(c)).parameters]
         remedy = f"pass namespace='...' to one {' or '.join(dict.fromkeys(takes))}" if takes else "keep one of them"

@@ -98,3 +98,11 @@ def test_curves_saved_under_another_key_of_their_class_are_found(tmp_path):
     for before, after in zip(first, resumed, strict=True):
         assert after.curves.epochs == [*before.curves.epochs, 1]
         assert {e: after.curves.history[e] for e in before.curves.epochs} == before.curves.history
+
+
+def test_a_namespace_that_is_another_monitors_test_keys_is_refused(tmp_path):
+    # ActivationRankMonitor logs trainer.test values under "<namespace>_test/": a monitor named so would share them.
+    monitors = [ActivationRankMonitor(verbose=False), WeightRankMonitor(namespace="rank_test", verbose=False)]
+    with pytest.raises(ValueError, match=r"namespaces 'rank' and 'rank_test': the values of trainer.test runs"):
+        _fit(tmp_path, monitors)
+    _fit(tmp_path, [ActivationRankMonitor(verbose=False), WeightRankMonitor(namespace="rank_tested", verbose=False)])
