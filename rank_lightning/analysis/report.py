@@ -57,6 +57,7 @@ from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_
 
 __all__ = [
     "RunCurves",
+    "UnreadableCurveFile",
     "available_namespaces",
     "find_runs",
     "load_run",
@@ -133,10 +134,17 @@ def find_runs(paths: Iterable[str | Path]) -> list[tuple[str, Path]]:
         path relative to the deepest folder shared by all runs (the folder name for a single run).
 
     Raises:
-        FileNotFoundError: a path that does not exist or holds no run.
+        FileNotFoundError: a path that does not exist, is a file, or holds no run.
     """
     found: list[Path] = []
     for path in map(Path, paths):
+        if path.is_file():
+            run = path.parent.parent if path.parent.name == FIGURE_DIR else path.parent
+            this_run = f" ({str(run)!r} for this file)" if path.name == "metrics.csv" or run != path.parent else ""
+            raise FileNotFoundError(
+                f"run directory {str(path)!r} is a file, not a folder: give a run's folder{this_run}, one holding "
+                f"metrics.csv or {FIGURE_DIR}/<namespace>_curves.json, or a folder above runs"
+            )
         if not path.is_dir():
             raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
         if _is_run(path):
@@ -208,8 +216,21 @@ def _read_metrics_csv(run: RunCurves, path: Path, namespaces: Sequence[str], fin
                 run.final[key] = values[-1]
 
 
+class UnreadableCurveFile(ValueError):
+    """A curve file that is not the JSON a rank callback writes (truncated, edited, another program's file)."""
+
+
 def _read_curve_file(run: RunCurves, path: Path) -> None:
-    content = read_curve_file(path)
+    try:
+        content = read_curve_file(path)
+        missing = [key for key in ("namespace", "layers", "metrics") if key not in content]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnreadableCurveFile(
+            f"cannot read the curve file {str(path)!r} ({type(error).__name__}: {error}); move it out of the run "
+            "folder, or restore it, to report the run"
+        ) from error
     namespace = content["namespace"]
     run.layers[namespace] = list(content["layers"])
     run.metric_order[namespace] = list(content["metrics"])
@@ -275,6 +296,10 @@ def load_run(
 
     Returns:
         The run's curves; namespaces without values are left out.
+
+    Raises:
+        UnreadableCurveFile: a curve file of ``namespaces`` that is not one a rank callback writes (its message names
+            the file and the error).
     """
     directory = Path(directory)
     run = RunCurves(label=label or directory.name, directory=directory)
@@ -486,11 +511,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as error:
         parser.error(str(error))
     show = show_progress(args.quiet)
-    with progress_bar(show) as progress:
-        runs = [
-            load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
-            for label, directory in progress.track(found, description="reading runs")
-        ]
+    try:
+        with progress_bar(show) as progress:
+            runs = [
+                load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
+                for label, directory in progress.track(found, description="reading runs")
+            ]
+    except UnreadableCurveFile as error:
+        parser.error(str(error))
     empty = [run for run in runs if not run.curves]
     requested = " ".join(args.namespaces)
     if len(empty) == len(runs):

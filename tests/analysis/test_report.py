@@ -373,3 +373,28 @@ def test_runs_keyed_by_epoch_and_by_step_get_a_figure_for_each_axis(tmp_path):
         ("by_epoch/version_0", "1", ""),
         ("by_step/version_0", "", "6"),
     }
+
+
+def test_a_file_given_as_run_directory_names_the_run_folder(tmp_path, capsys):
+    run = _one_run(tmp_path / "logs")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run / "metrics.csv"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    given = str(run / "metrics.csv")
+    assert f"run directory {given!r} is a file, not a folder: give a run's folder ({str(run)!r} for this file)" in err
+    assert "does not exist" not in err
+
+
+def test_an_unreadable_curve_file_is_one_message_naming_it(tmp_path, capsys):
+    run = _one_run(tmp_path / "logs")
+    curve_file = run / FIGURE_DIR / "weight_curves.json"
+    curve_file.parent.mkdir()
+    curve_file.write_text('{"namespace": "weight", "lay')
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot read the curve file {str(curve_file)!r} (JSONDecodeError: " in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
