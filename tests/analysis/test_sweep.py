@@ -128,7 +128,8 @@ def test_short_names_fall_back_to_the_whole_key():
 
 def test_check_arguments_rejects_a_key_the_cli_does_not_know():
     check_arguments([str(ZANGRANDO)], {WEIGHT_DECAY_KEY: ["0", "1e-3"], "data.init_args.batch_size": ["32"]})
-    with pytest.raises(ValueError, match="Option 'weight_decy' is not accepted"):
+    unknown = r"ImageClassifier has no option 'weight_decy' \(did you mean 'weight_decay'\?\)"
+    with pytest.raises(ValueError, match=unknown):
         check_arguments([str(ZANGRANDO)], {"model.init_args.weight_decy": ["0"]})
     with pytest.raises(ValueError, match="rejects"):
         check_arguments([str(ZANGRANDO)], {WEIGHT_DECAY_KEY: ["not-a-number"]})
