@@ -426,19 +426,21 @@ def write_figures(
     jobs = []
     for namespace in _union(run.layers for run in runs):
         layers = _union(run.layers.get(namespace, []) for run in runs)
+        # The runs that hold the namespace: another run is no line of its figures (nor an empty legend entry).
+        holding = [run for run in runs if namespace in run.curves]
         for metric in _union(run.metrics(namespace) for run in runs):
             stem = figure_filename(namespace, metric)
-            curves = {run.label: _metric_curves(run, namespace, metric) for run in runs}
+            curves = {run.label: _metric_curves(run, namespace, metric) for run in holding}
             for axis in _x_axes(runs, namespace):
-                keyed = {run.label: curves[run.label] for run in runs if run.x_axis(namespace) == axis}
+                keyed = {run.label: curves[run.label] for run in holding if run.x_axis(namespace) == axis}
                 along = (namespace, metric, layers, keyed)
                 jobs.append(
                     FigureJob(
                         out_dir / f"{stem}_vs_{axis}.png", runs_vs_epoch_figure, along, {"x_label": axis}, dpi=110
                     )
                 )
-            last = {run.label: (run.last_point(namespace), curves[run.label]) for run in runs}
-            axes = {run.label: run.x_axis(namespace) for run in runs}
+            last = {run.label: (run.last_point(namespace), curves[run.label]) for run in holding}
+            axes = {run.label: run.x_axis(namespace) for run in holding}
             by_depth = (namespace, metric, layers, last)
             jobs.append(
                 FigureJob(out_dir / f"{stem}_vs_depth.png", runs_vs_depth_figure, by_depth, {"x_labels": axes}, dpi=110)

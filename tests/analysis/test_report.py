@@ -12,7 +12,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
-from rank_lightning.analysis.report import available_namespaces, find_runs, load_run, main
+from rank_lightning.analysis.report import available_namespaces, find_runs, load_run, main, write_figures
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR, write_curve_file
 
@@ -398,3 +398,20 @@ def test_an_unreadable_curve_file_is_one_message_naming_it(tmp_path, capsys):
     assert f"error: cannot read the curve file {str(curve_file)!r} (JSONDecodeError: " in err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_figures_of_a_namespace_draw_only_the_runs_that_hold_it(tmp_path, monkeypatch):
+    weights, jacobian = _one_run(tmp_path / "logs"), _jacobian_run(tmp_path / "logs" / "feng")
+    runs = [load_run(d, label=label, namespaces=["weight", "jacobian"]) for label, d in find_runs([weights, jacobian])]
+    jobs = []
+    monkeypatch.setattr("rank_lightning.analysis.report.draw_figures", lambda todo, on_figure: jobs.extend(todo) or [])
+    write_figures(runs, tmp_path / "out")
+    drawn = {job.path.name: list(job.args[3]) for job in jobs}
+    assert drawn == {
+        "weight_numerical_rank_vs_epoch.png": ["version_0"],
+        "weight_numerical_rank_vs_depth.png": ["version_0"],
+        "jacobian_rank_vs_epoch.png": ["feng"],
+        "jacobian_rank_vs_depth.png": ["feng"],
+    }
+    depth = next(job for job in jobs if job.path.name == "jacobian_rank_vs_depth.png")
+    assert depth.kwargs["x_labels"] == {"feng": "epoch"}
