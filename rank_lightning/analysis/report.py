@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import os
 import re
@@ -325,6 +326,25 @@ def _union(lists: Iterable[Sequence[str]]) -> list[str]:
     return list(merged)
 
 
+def _depth_order(orders: Iterable[Sequence[str]]) -> list[str]:
+    """The layers of several runs in one depth order: every run's order is kept, so a layer that only some runs
+    measured sits between its neighbours in those runs (a run measuring ``layer3`` alone does not move it before
+    ``layer1``); layers no run orders against each other keep the order they were first seen in, as do the layers of
+    runs that order them differently."""
+    orders = [list(order) for order in orders]
+    seen = _union(orders)
+    before: dict[str, set[str]] = {layer: set() for layer in seen}
+    for order in orders:
+        for first, second in itertools.pairwise(order):
+            before[second].add(first)
+    merged: list[str] = []
+    while len(merged) < len(seen):
+        left = [layer for layer in seen if layer not in merged]
+        ready = [layer for layer in left if before[layer] <= set(merged)]
+        merged.append((ready or left)[0])
+    return merged
+
+
 def summary_rows(runs: Sequence[RunCurves]) -> tuple[list[str], list[dict[str, object]]]:
     """The summary table: one row per run, namespace and layer, with the last epoch's value of each metric (the last
     step's for curves keyed by step: their ``step`` column holds it, their ``epoch`` is empty; the ``step`` column is
@@ -425,7 +445,7 @@ def write_figures(
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
     for namespace in _union(run.layers for run in runs):
-        layers = _union(run.layers.get(namespace, []) for run in runs)
+        layers = _depth_order(run.layers.get(namespace, []) for run in runs)
         # The runs that hold the namespace: another run is no line of its figures (nor an empty legend entry).
         holding = [run for run in runs if namespace in run.curves]
         for metric in _union(run.metrics(namespace) for run in runs):

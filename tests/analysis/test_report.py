@@ -415,3 +415,20 @@ def test_figures_of_a_namespace_draw_only_the_runs_that_hold_it(tmp_path, monkey
     }
     depth = next(job for job in jobs if job.path.name == "jacobian_rank_vs_depth.png")
     assert depth.kwargs["x_labels"] == {"feng": "epoch"}
+
+
+def test_a_run_measuring_fewer_layers_keeps_the_depth_order_of_the_figures(tmp_path, monkeypatch):
+    # "a_last" sorts first and measured the last layer alone; the figures' panels still go input to output.
+    for name, layers in (("a_last", ["a_out"]), ("b_all", DEPTH_ORDER)):
+        history = {0: {layer: {"stable_rank": 1.0} for layer in layers}}
+        path = tmp_path / name / FIGURE_DIR / "weight_curves.json"
+        write_curve_file(path, "weight", layers, ["stable_rank"], history)
+    runs = [load_run(directory, label=label) for label, directory in find_runs([tmp_path])]
+    assert [run.label for run in runs] == ["a_last", "b_all"]
+    jobs = []
+    monkeypatch.setattr("rank_lightning.analysis.report.draw_figures", lambda todo, on_figure: jobs.extend(todo) or [])
+    write_figures(runs, tmp_path / "out")
+    assert {job.path.name: job.args[2] for job in jobs} == {
+        "weight_stable_rank_vs_epoch.png": DEPTH_ORDER,
+        "weight_stable_rank_vs_depth.png": DEPTH_ORDER,
+    }
