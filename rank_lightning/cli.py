@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import warnings
+import zipfile
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -194,6 +195,12 @@ class RankCLI(LightningCLI):
             }
         )
 
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint's hyperparameters here, before any run folder exists.
+        if self.config.get("subcommand"):
+            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
+        super()._parse_ckpt_path()
+
     def _run_subcommand(self, subcommand: str) -> None:
         # The loggers create their versioned directories (and the folders above them: runs/<name>/tensorboard/ for
         # the first run) before the callbacks' and the model's setup, so a setup error would leave an empty
@@ -210,6 +217,25 @@ class RankCLI(LightningCLI):
                 for directory in new_parents:
                     _remove_if_empty(directory)
             raise
+
+
+def check_checkpoint_file(ckpt_path: Any) -> None:
+    """Refuse a ``--ckpt_path`` naming a local file that is no checkpoint (a config, a curve file, a truncated copy),
+    which ``torch.load`` answers with a pickling traceback; other values (``last``, ``best``, remote paths, missing
+    files) are Lightning's to answer.
+
+    Raises:
+        ValueError: naming the file and what a checkpoint is.
+    """
+    if not isinstance(ckpt_path, (str, os.PathLike)) or not Path(ckpt_path).is_file():
+        return
+    with open(ckpt_path, "rb") as file:
+        legacy = file.read(1) == b"\x80"  # torch.save's format before zip files: a pickle
+    if not (legacy or zipfile.is_zipfile(ckpt_path)):
+        raise ValueError(
+            f"--ckpt_path {str(ckpt_path)!r} is not a checkpoint (a file ModelCheckpoint or torch.save wrote, such as "
+            "<run dir>/checkpoints/last.ckpt), or it was cut short"
+        )
 
 
 def _new_log_directories(trainer: pl.Trainer) -> list[Path]:

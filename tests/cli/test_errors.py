@@ -201,3 +201,18 @@ def test_the_debug_variable_keeps_the_parsers_whole_message(capsys, monkeypatch)
     err = capsys.readouterr().err
     assert "Option 'every_n_epoch' is not accepted" in err
     assert "has no option" not in err
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_ckpt_path_that_is_no_checkpoint_is_one_message(subcommand, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    not_a_checkpoint = tmp_path / "config.yaml"
+    not_a_checkpoint.write_text("seed_everything: 0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main([subcommand, "--config", QUICKSTART, "--ckpt_path", str(not_a_checkpoint)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"error: --ckpt_path {str(not_a_checkpoint)!r} is not a checkpoint (a file ModelCheckpoint" in err
+    assert "Traceback" not in err and "weights_only" not in err
+    assert not (tmp_path / "runs").exists()
