@@ -21,7 +21,8 @@ the report names those epochs. Curves are keyed by epoch, or by optimizer step w
 step cadence, several validations per epoch: a curve file that says so, or CSV values logged at more than one step of
 an epoch), and drawn against that axis. The layers' depth order comes from the curve file (CSV columns are sorted by
 name), else from a natural sort of the names. A run without any key of the requested namespaces is skipped, with
-the namespaces it does have.
+the namespaces it does have; a ``--namespaces`` or ``--final-metrics`` value (other than the defaults) that no run
+holds is named, with those the runs have.
 
 Written to ``OUT_DIR`` (created when missing), or, when it already holds files, to a new ``OUT_DIR/run_<n>``: the
 second report into ``run_2``, the third into ``run_3`` (nothing is overwritten):
@@ -501,6 +502,35 @@ def _skipped(runs: Sequence[RunCurves], namespaces: Sequence[str], *, keep: bool
     return lines
 
 
+def _unmatched(runs: Sequence[RunCurves], namespaces: Sequence[str], final_metrics: Sequence[str]) -> list[str]:
+    """A line per requested namespace and final metric (other than the defaults, which a run may lack) that none of
+    the reported ``runs`` holds: a misspelled one would otherwise leave the report silently without it."""
+    have = _union(available_namespaces(run.directory) for run in runs)
+    lines = [
+        f"--namespaces {namespace}: no run has keys {namespace}/<layer>/<metric>; the runs have: {', '.join(have)}"
+        for namespace in namespaces
+        if namespace not in DEFAULT_NAMESPACES and all(namespace not in run.curves for run in runs)
+    ]
+    missing = [
+        key for key in final_metrics if key not in DEFAULT_FINAL_METRICS and all(key not in r.final for r in runs)
+    ]
+    if missing:
+        logged = _union(_run_level_keys(run.directory) for run in runs)
+        others = f"the runs logged: {', '.join(logged)}" if logged else "the runs logged no run-level key"
+        lines += [f"--final-metrics {key}: no run logged it; {others}" for key in missing]
+    return lines
+
+
+def _run_level_keys(directory: Path) -> list[str]:
+    """The ``metrics.csv`` columns of a run other than ``epoch``, ``step`` and per-layer keys."""
+    path = directory / "metrics.csv"
+    if not path.is_file():
+        return []
+    with path.open(newline="") as file:
+        header = next(csv.reader(file), [])
+    return [column for column in header if column not in ("epoch", "step") and column.count("/") < 2]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m rank_lightning.analysis.report`` (see the module docstring)."""
     parser = argparse.ArgumentParser(
@@ -559,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(runs)} run(s): {_labels([run.label for run in runs])}")
     for line in _skipped(empty, args.namespaces, keep=True):
         print(f"skipped, no keys of {requested}: {line}")
+    for line in _unmatched(runs, args.namespaces, args.final_metrics):
+        print(line)
     replaced = [
         f"{run.label} {ns} {run.x_axis(ns)}s {epoch_ranges(points)}"
         for run in runs

@@ -432,3 +432,20 @@ def test_a_run_measuring_fewer_layers_keeps_the_depth_order_of_the_figures(tmp_p
         "weight_stable_rank_vs_epoch.png": DEPTH_ORDER,
         "weight_stable_rank_vs_depth.png": DEPTH_ORDER,
     }
+
+
+def test_a_requested_namespace_or_final_metric_no_run_has_is_named(tmp_path, capsys):
+    run = _one_run(tmp_path / "logs")
+    argv = [str(run), "--namespaces", "weight", "wieght", "--final-metrics", "val/accc", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--namespaces wieght: no run has keys wieght/<layer>/<metric>; the runs have: weight\n" in out
+    assert "--final-metrics val/accc: no run logged it; the runs logged no run-level key\n" in out
+    assert main([str(run), "--out", str(tmp_path / "defaults")]) == 0
+    assert "no run" not in capsys.readouterr().out
+
+
+def test_a_missing_final_metric_is_named_with_those_the_runs_logged(tmp_path, capsys):
+    _write_csv(tmp_path / "run", [{"epoch": 0, "step": 3, "weight/fc/numerical_rank": 2.0, "val/loss": 0.5}])
+    assert main([str(tmp_path / "run"), "--final-metrics", "val/los", "--out", str(tmp_path / "o")]) == 0
+    assert "--final-metrics val/los: no run logged it; the runs logged: val/loss\n" in capsys.readouterr().out
