@@ -22,7 +22,8 @@ step cadence, several validations per epoch: a curve file that says so, or CSV v
 an epoch), and drawn against that axis. The layers' depth order comes from the curve file (CSV columns are sorted by
 name), else from a natural sort of the names. A run without any key of the requested namespaces is skipped, with
 the namespaces it does have; a ``--namespaces`` or ``--final-metrics`` value (other than the defaults) that no run
-holds is named, with those the runs have.
+holds is named, with those the runs have. Curve files of an earlier run that a new run found in its folder (kept
+as ``rank_curves/<namespace>_curves-v<n>.json``) are not read, and named.
 
 Written to ``OUT_DIR`` (created when missing), or, when it already holds files, to a new ``OUT_DIR/run_<n>``: the
 second report into ``run_2``, the third into ``run_3`` (nothing is overwritten):
@@ -591,6 +592,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"skipped, no keys of {requested}: {line}")
     for line in _unmatched(runs, args.namespaces, args.final_metrics):
         print(line)
+    for run in runs:
+        if kept := sorted(p.name for p in (run.directory / FIGURE_DIR).glob("*_curves-v*.json")):
+            print(
+                f"{run.label}: the curves of an earlier run in its folder, kept as {FIGURE_DIR}/{', '.join(kept)}, are "
+                f"not reported (copied into a folder of their own as {FIGURE_DIR}/<namespace>_curves.json, they are)"
+            )
     replaced = [
         f"{run.label} {ns} {run.x_axis(ns)}s {epoch_ranges(points)}"
         for run in runs

@@ -449,3 +449,16 @@ def test_a_missing_final_metric_is_named_with_those_the_runs_logged(tmp_path, ca
     _write_csv(tmp_path / "run", [{"epoch": 0, "step": 3, "weight/fc/numerical_rank": 2.0, "val/loss": 0.5}])
     assert main([str(tmp_path / "run"), "--final-metrics", "val/los", "--out", str(tmp_path / "o")]) == 0
     assert "--final-metrics val/los: no run logged it; the runs logged: val/loss\n" in capsys.readouterr().out
+
+
+def test_curve_files_an_earlier_run_left_in_the_folder_are_named_not_mixed_in(tmp_path, capsys):
+    run = tmp_path / "version_0"
+    for stem, value in (("weight_curves-v1", 9.0), ("weight_curves", 4.0)):
+        history = {0: {"fc": {"numerical_rank": value}}}
+        write_curve_file(run / FIGURE_DIR / f"{stem}.json", "weight", ["fc"], ["numerical_rank"], history)
+    assert main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert (
+        "version_0: the curves of an earlier run in its folder, kept as rank_curves/weight_curves-v1.json, are not "
+        "reported (copied into a folder of their own as rank_curves/<namespace>_curves.json, they are)\n"
+    ) in capsys.readouterr().out
+    assert [r["weight/numerical_rank"] for r in _read(tmp_path / "out" / "summary.csv")] == ["4.0"]
