@@ -412,3 +412,10 @@ def test_main_ends_with_a_summary_of_what_it_wrote_and_where(tmp_path, monkeypat
     folders = r"^\s+2 run folders\s+weight_decay=0/version_0, weight_decay=0\.01/version_0$"
     assert re.search(folders, printed, re.M), printed
     assert "1 run(s) failed: weight_decay=1/version_0 (see their .log files)" in printed
+
+
+def test_the_figure_title_names_the_step_for_runs_keyed_by_step():
+    by_epoch, by_step = {"epoch": 3, "layer": "fc"}, {"epoch": None, "step": 40, "layer": "fc"}
+    assert sweep.last_point([by_epoch]) == "epoch"
+    assert sweep.last_point([by_step]) == "step"
+    assert sweep.last_point([by_epoch, {**by_epoch, "step": None}, by_step]) == "epoch or step"
