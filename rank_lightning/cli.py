@@ -16,10 +16,15 @@ as one message; ``RANK_LIGHTNING_DEBUG=1`` shows their traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import importlib
+import inspect
 import os
+import re
 import shutil
 import sys
 import warnings
+import zipfile
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -53,13 +58,85 @@ CONFIG_SUFFIXES = (".yaml", ".yml")
 _SETUP_FILES = ("config*.yaml", "hparams.yaml", "events.out.tfevents.*")
 
 
+_CLASS_PROBLEM = re.compile(r"^( *)- Problem with given class_path '([^']+)':\n((?:\1 +\S.*(?:\n|$))+)", re.MULTILINE)
+_PARSER_KEY = re.compile(r'^Parser key "([^"]+)"')
+
+
+def _type_name(text: str) -> str:
+    """``<class 'int'>`` -> ``int``, ``typing.Literal['val', 'train']`` -> ``one of 'val', 'train'``."""
+    text = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", text.strip()).replace("typing.", "")
+    if literal := re.fullmatch(r"Literal\[(.*)\]", text):
+        return f"one of {literal.group(1)}"
+    return "None" if text == "NoneType" else text
+
+
+def _init_options(class_path: str) -> list[str]:
+    """The keyword arguments of the class at ``class_path`` (empty when it cannot be imported)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        parameters = inspect.signature(cls).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _module_classes(class_path: str) -> list[str]:
+    """The public classes of the module of ``class_path`` (empty when it cannot be imported)."""
+    module, _, _ = class_path.rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        return []
+    return sorted(name for name, value in vars(found).items() if inspect.isclass(value) and not name.startswith("_"))
+
+
+def class_argument_error(message: str) -> str | None:
+    """One line for the parser's message about a class given in a config (a callback, a logger, the model): the class
+    and option at fault, the value given and what is valid; ``None`` for other messages.
+
+    The parser reports a misspelled option of ``trainer.callbacks`` as a dozen lines about union subtypes; the first
+    ``Problem with given class_path`` block in them is the class the config names.
+    """
+    key, problem = _PARSER_KEY.match(message), _CLASS_PROBLEM.search(message)
+    if key is None or problem is None:
+        return None
+    class_path = problem.group(2)
+    name = class_path.rpartition(".")[2]
+    body = [line.strip() for line in problem.group(3).splitlines()]
+    where = f"{key.group(1)}: {name}"
+    if unknown := re.fullmatch(r"Option '([^']+)' is not accepted", body[0]):
+        option, options = unknown.group(1), _init_options(class_path)
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{where} has no option {option!r}{hint}; its options are: {', '.join(options)}"
+    if inner := _PARSER_KEY.match(body[0]):
+        given = next((line.removeprefix("Given value: ") for line in body if line.startswith("Given value: ")), None)
+        expected = [_type_name(line.removeprefix("- Expected a ")) for line in body if line.startswith("- Expected a ")]
+        single = [re.search(r"Expected a (.+?)\. Got value: (.*)", line) for line in body if "Got value" in line]
+        if not expected and single and single[0] is not None:  # one type: 'Expected a <type>. Got value: <value>'
+            expected, given = [_type_name(single[0].group(1))], single[0].group(2)
+        value = "" if given is None else f"={given}"
+        return f"{where}: {inner.group(1)}{value} is not valid; expected {' or '.join(expected) or body[-1]}"
+    if "has no attribute" in body[0] or "No module named" in body[0]:
+        close = difflib.get_close_matches(name, _module_classes(class_path), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return f"{key.group(1)}: cannot import {class_path!r} ({body[0]}){hint}"
+    return f"{where}: {' '.join(body)}"
+
+
 class RankArgumentParser(LightningArgumentParser):
-    """Lightning's parser, whose error for a bad ``--data`` value also lists the package's datamodules."""
+    """Lightning's parser, whose error for a bad ``--data`` value also lists the package's datamodules, and whose
+    error for a bad option of a class in the config (a misspelled callback argument, a value of the wrong type) is
+    one line naming the class, the option, the value and what is valid (:func:`class_argument_error`;
+    ``RANK_LIGHTNING_DEBUG=1`` shows the parser's whole message)."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if message.startswith('Parser key "data"'):
             names = ", ".join(get_datamodule_class(name).__name__ for name in list_datamodules())
             message += f"\nvalid --data values: {names}, or the import path of any LightningDataModule"
+        elif os.environ.get(DEBUG_ENV, "") in ("", "0") and (short := class_argument_error(message)) is not None:
+            message = f"{short}\n({DEBUG_ENV}=1 shows the parser's whole message)"
         super().error(message, ex)
 
 
@@ -118,6 +195,12 @@ class RankCLI(LightningCLI):
             }
         )
 
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint's hyperparameters here, before any run folder exists.
+        if self.config.get("subcommand"):
+            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
+        super()._parse_ckpt_path()
+
     def _run_subcommand(self, subcommand: str) -> None:
         # The loggers create their versioned directories (and the folders above them: runs/<name>/tensorboard/ for
         # the first run) before the callbacks' and the model's setup, so a setup error would leave an empty
@@ -134,6 +217,25 @@ class RankCLI(LightningCLI):
                 for directory in new_parents:
                     _remove_if_empty(directory)
             raise
+
+
+def check_checkpoint_file(ckpt_path: Any) -> None:
+    """Refuse a ``--ckpt_path`` naming a local file that is no checkpoint (a config, a curve file, a truncated copy),
+    which ``torch.load`` answers with a pickling traceback; other values (``last``, ``best``, remote paths, missing
+    files) are Lightning's to answer.
+
+    Raises:
+        ValueError: naming the file and what a checkpoint is.
+    """
+    if not isinstance(ckpt_path, (str, os.PathLike)) or not Path(ckpt_path).is_file():
+        return
+    with open(ckpt_path, "rb") as file:
+        legacy = file.read(1) == b"\x80"  # torch.save's format before zip files: a pickle
+    if not (legacy or zipfile.is_zipfile(ckpt_path)):
+        raise ValueError(
+            f"--ckpt_path {str(ckpt_path)!r} is not a checkpoint (a file ModelCheckpoint or torch.save wrote, such as "
+            "<run dir>/checkpoints/last.ckpt), or it was cut short"
+        )
 
 
 def _new_log_directories(trainer: pl.Trainer) -> list[Path]:

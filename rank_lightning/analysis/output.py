@@ -16,18 +16,35 @@ the work starts.
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["fresh_directory", "fresh_file", "print_written", "progress_bar", "show_progress"]
+__all__ = ["at_least", "fresh_directory", "fresh_file", "print_written", "progress_bar", "show_progress"]
 
 # Files of a group named in full in the summary; longer groups show their first and last file.
 _NAMED_FILES = 3
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number of at least ``minimum``; another value is an error naming it and the
+    bound (``argument --heads: 0 is not a whole number of at least 1``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
+        return value
+
+    return parse
 
 
 def _check_ancestors(target: Path) -> None:

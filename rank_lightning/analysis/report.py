@@ -21,7 +21,9 @@ the report names those epochs. Curves are keyed by epoch, or by optimizer step w
 step cadence, several validations per epoch: a curve file that says so, or CSV values logged at more than one step of
 an epoch), and drawn against that axis. The layers' depth order comes from the curve file (CSV columns are sorted by
 name), else from a natural sort of the names. A run without any key of the requested namespaces is skipped, with
-the namespaces it does have.
+the namespaces it does have; a ``--namespaces`` or ``--final-metrics`` value (other than the defaults) that no run
+holds is named, with those the runs have. Curve files of an earlier run that a new run found in its folder (kept
+as ``rank_curves/<namespace>_curves-v<n>.json``) are not read, and named.
 
 Written to ``OUT_DIR`` (created when missing), or, when it already holds files, to a new ``OUT_DIR/run_<n>``: the
 second report into ``run_2``, the third into ``run_3`` (nothing is overwritten):
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import os
 import re
@@ -57,6 +60,7 @@ from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_
 
 __all__ = [
     "RunCurves",
+    "UnreadableCurveFile",
     "available_namespaces",
     "find_runs",
     "load_run",
@@ -133,10 +137,17 @@ def find_runs(paths: Iterable[str | Path]) -> list[tuple[str, Path]]:
         path relative to the deepest folder shared by all runs (the folder name for a single run).
 
     Raises:
-        FileNotFoundError: a path that does not exist or holds no run.
+        FileNotFoundError: a path that does not exist, is a file, or holds no run.
     """
     found: list[Path] = []
     for path in map(Path, paths):
+        if path.is_file():
+            run = path.parent.parent if path.parent.name == FIGURE_DIR else path.parent
+            this_run = f" ({str(run)!r} for this file)" if path.name == "metrics.csv" or run != path.parent else ""
+            raise FileNotFoundError(
+                f"run directory {str(path)!r} is a file, not a folder: give a run's folder{this_run}, one holding "
+                f"metrics.csv or {FIGURE_DIR}/<namespace>_curves.json, or a folder above runs"
+            )
         if not path.is_dir():
             raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
         if _is_run(path):
@@ -208,8 +219,21 @@ def _read_metrics_csv(run: RunCurves, path: Path, namespaces: Sequence[str], fin
                 run.final[key] = values[-1]
 
 
+class UnreadableCurveFile(ValueError):
+    """A curve file that is not the JSON a rank callback writes (truncated, edited, another program's file)."""
+
+
 def _read_curve_file(run: RunCurves, path: Path) -> None:
-    content = read_curve_file(path)
+    try:
+        content = read_curve_file(path)
+        missing = [key for key in ("namespace", "layers", "metrics") if key not in content]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnreadableCurveFile(
+            f"cannot read the curve file {str(path)!r} ({type(error).__name__}: {error}); move it out of the run "
+            "folder, or restore it, to report the run"
+        ) from error
     namespace = content["namespace"]
     run.layers[namespace] = list(content["layers"])
     run.metric_order[namespace] = list(content["metrics"])
@@ -275,6 +299,10 @@ def load_run(
 
     Returns:
         The run's curves; namespaces without values are left out.
+
+    Raises:
+        UnreadableCurveFile: a curve file of ``namespaces`` that is not one a rank callback writes (its message names
+            the file and the error).
     """
     directory = Path(directory)
     run = RunCurves(label=label or directory.name, directory=directory)
@@ -298,6 +326,25 @@ def _union(lists: Iterable[Sequence[str]]) -> list[str]:
     for items in lists:
         merged.update(dict.fromkeys(items))
     return list(merged)
+
+
+def _depth_order(orders: Iterable[Sequence[str]]) -> list[str]:
+    """The layers of several runs in one depth order: every run's order is kept, so a layer that only some runs
+    measured sits between its neighbours in those runs (a run measuring ``layer3`` alone does not move it before
+    ``layer1``); layers no run orders against each other keep the order they were first seen in, as do the layers of
+    runs that order them differently."""
+    orders = [list(order) for order in orders]
+    seen = _union(orders)
+    before: dict[str, set[str]] = {layer: set() for layer in seen}
+    for order in orders:
+        for first, second in itertools.pairwise(order):
+            before[second].add(first)
+    merged: list[str] = []
+    while len(merged) < len(seen):
+        left = [layer for layer in seen if layer not in merged]
+        ready = [layer for layer in left if before[layer] <= set(merged)]
+        merged.append((ready or left)[0])
+    return merged
 
 
 def summary_rows(runs: Sequence[RunCurves]) -> tuple[list[str], list[dict[str, object]]]:
@@ -400,20 +447,22 @@ def write_figures(
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
     for namespace in _union(run.layers for run in runs):
-        layers = _union(run.layers.get(namespace, []) for run in runs)
+        layers = _depth_order(run.layers.get(namespace, []) for run in runs)
+        # The runs that hold the namespace: another run is no line of its figures (nor an empty legend entry).
+        holding = [run for run in runs if namespace in run.curves]
         for metric in _union(run.metrics(namespace) for run in runs):
             stem = figure_filename(namespace, metric)
-            curves = {run.label: _metric_curves(run, namespace, metric) for run in runs}
+            curves = {run.label: _metric_curves(run, namespace, metric) for run in holding}
             for axis in _x_axes(runs, namespace):
-                keyed = {run.label: curves[run.label] for run in runs if run.x_axis(namespace) == axis}
+                keyed = {run.label: curves[run.label] for run in holding if run.x_axis(namespace) == axis}
                 along = (namespace, metric, layers, keyed)
                 jobs.append(
                     FigureJob(
                         out_dir / f"{stem}_vs_{axis}.png", runs_vs_epoch_figure, along, {"x_label": axis}, dpi=110
                     )
                 )
-            last = {run.label: (run.last_point(namespace), curves[run.label]) for run in runs}
-            axes = {run.label: run.x_axis(namespace) for run in runs}
+            last = {run.label: (run.last_point(namespace), curves[run.label]) for run in holding}
+            axes = {run.label: run.x_axis(namespace) for run in holding}
             by_depth = (namespace, metric, layers, last)
             jobs.append(
                 FigureJob(out_dir / f"{stem}_vs_depth.png", runs_vs_depth_figure, by_depth, {"x_labels": axes}, dpi=110)
@@ -454,6 +503,35 @@ def _skipped(runs: Sequence[RunCurves], namespaces: Sequence[str], *, keep: bool
     return lines
 
 
+def _unmatched(runs: Sequence[RunCurves], namespaces: Sequence[str], final_metrics: Sequence[str]) -> list[str]:
+    """A line per requested namespace and final metric (other than the defaults, which a run may lack) that none of
+    the reported ``runs`` holds: a misspelled one would otherwise leave the report silently without it."""
+    have = _union(available_namespaces(run.directory) for run in runs)
+    lines = [
+        f"--namespaces {namespace}: no run has keys {namespace}/<layer>/<metric>; the runs have: {', '.join(have)}"
+        for namespace in namespaces
+        if namespace not in DEFAULT_NAMESPACES and all(namespace not in run.curves for run in runs)
+    ]
+    missing = [
+        key for key in final_metrics if key not in DEFAULT_FINAL_METRICS and all(key not in r.final for r in runs)
+    ]
+    if missing:
+        logged = _union(_run_level_keys(run.directory) for run in runs)
+        others = f"the runs logged: {', '.join(logged)}" if logged else "the runs logged no run-level key"
+        lines += [f"--final-metrics {key}: no run logged it; {others}" for key in missing]
+    return lines
+
+
+def _run_level_keys(directory: Path) -> list[str]:
+    """The ``metrics.csv`` columns of a run other than ``epoch``, ``step`` and per-layer keys."""
+    path = directory / "metrics.csv"
+    if not path.is_file():
+        return []
+    with path.open(newline="") as file:
+        header = next(csv.reader(file), [])
+    return [column for column in header if column not in ("epoch", "step") and column.count("/") < 2]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m rank_lightning.analysis.report`` (see the module docstring)."""
     parser = argparse.ArgumentParser(
@@ -486,11 +564,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as error:
         parser.error(str(error))
     show = show_progress(args.quiet)
-    with progress_bar(show) as progress:
-        runs = [
-            load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
-            for label, directory in progress.track(found, description="reading runs")
-        ]
+    try:
+        with progress_bar(show) as progress:
+            runs = [
+                load_run(directory, label=label, namespaces=args.namespaces, final_metrics=args.final_metrics)
+                for label, directory in progress.track(found, description="reading runs")
+            ]
+    except UnreadableCurveFile as error:
+        parser.error(str(error))
     empty = [run for run in runs if not run.curves]
     requested = " ".join(args.namespaces)
     if len(empty) == len(runs):
@@ -509,6 +590,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(runs)} run(s): {_labels([run.label for run in runs])}")
     for line in _skipped(empty, args.namespaces, keep=True):
         print(f"skipped, no keys of {requested}: {line}")
+    for line in _unmatched(runs, args.namespaces, args.final_metrics):
+        print(line)
+    for run in runs:
+        if kept := sorted(p.name for p in (run.directory / FIGURE_DIR).glob("*_curves-v*.json")):
+            print(
+                f"{run.label}: the curves of an earlier run in its folder, kept as {FIGURE_DIR}/{', '.join(kept)}, are "
+                f"not reported (copied into a folder of their own as {FIGURE_DIR}/<namespace>_curves.json, they are)"
+            )
     replaced = [
         f"{run.label} {ns} {run.x_axis(ns)}s {epoch_ranges(points)}"
         for run in runs

@@ -49,7 +49,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import at_least, fresh_directory, print_written, progress_bar, show_progress
 from rank_lightning.functional.jacobian import partial_jacobian
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
 from rank_lightning.plotting import save_figure
@@ -334,11 +334,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Rank before and after common network components on Gaussian inputs (Feng et al. Fig. 3).",
     )
     parser.add_argument("--components", nargs="+", choices=COMPONENTS, default=list(COMPONENTS))
-    parser.add_argument("--channels", type=int, default=16, help="channels C of the C x size x size maps (paper: 128)")
-    parser.add_argument("--size", type=int, default=8, help="spatial side of the maps (paper: 8)")
-    parser.add_argument("--samples", type=int, default=2048, help="samples N of the feature matrices (paper: 5000)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--groups", type=int, default=4, help="GroupNorm groups")
+    parser.add_argument(
+        "--channels", type=at_least(1), default=16, help="channels C of the C x size x size maps (paper: 128)"
+    )
+    parser.add_argument("--size", type=at_least(1), default=8, help="spatial side of the maps (paper: 8)")
+    parser.add_argument(
+        "--samples", type=at_least(1), default=2048, help="samples N of the feature matrices (paper: 5000)"
+    )
+    parser.add_argument("--heads", type=at_least(1), default=4, help="attention heads")
+    parser.add_argument("--groups", type=at_least(1), default=4, help="GroupNorm groups")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

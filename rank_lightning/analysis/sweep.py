@@ -32,10 +32,10 @@ is a view of those runs, written anew on every call (and by ``--aggregate-only``
 that finished with exit status 0, so that it always shows the folder's latest runs; its ``run`` column names the
 version behind each row, and an earlier version stays in its folder, where ``analysis.report`` reads it. The aggregate
 is ``OUT/sweep.csv`` and ``OUT/sweep.md``, one row per grid point, namespace (``weight``: weight matrices, ``rank``:
-activations) and layer with the last monitored epoch's metrics and the run's final ``val/acc``, ``val/loss`` and
-``train/loss_epoch``, and ``OUT/sweep.png``, every selected metric per layer against the x key (the weight decay by
-default; a log axis when the values span a decade, with 0 drawn one decade below the smallest positive value and
-labelled ``0``), one row of panels per combination of the other keys.
+activations) and layer with the last monitored epoch's (or step's) metrics and the run's final ``val/acc``,
+``val/loss`` and ``train/loss_epoch``, and ``OUT/sweep.png``, every selected metric per layer against the x key (the
+weight decay by default; a log axis when the values span a decade, with 0 drawn one decade below the smallest positive
+value and labelled ``0``), one row of panels per combination of the other keys.
 
 Threads: every run gets ``--threads`` CPU threads (``OMP_NUM_THREADS``; by default the value already set in the
 environment, else 1), whatever ``--processes`` is, and its record says how many. The thread count changes the order
@@ -621,6 +621,12 @@ def _panel_lines(
     return lines
 
 
+def last_point(rows: Sequence[Mapping[str, object]]) -> str:
+    """What the rows' values were measured at the last of: ``"epoch"``, ``"step"`` (runs keyed by optimizer step, whose
+    rows hold a ``step``), or ``"epoch or step"``."""
+    return " or ".join(sorted({"epoch" if row.get("step") is None else "step" for row in rows}))
+
+
 def write_figure(
     columns: Sequence[str],
     rows: Sequence[Mapping[str, object]],
@@ -692,7 +698,7 @@ def write_figure(
                     ax.legend(handles, [next(iter(lines)), list(lines)[-1]], fontsize="xx-small")
     zero_note = " (log scale; 0 drawn one decade below the smallest positive value)"
     figure.supxlabel(x + (zero_note if scale == "log" and "0" in tick_labels else ""))
-    figure.suptitle("per layer, at the last monitored epoch of every run")
+    figure.suptitle(f"per layer, at the last monitored {last_point(rows)} of every run")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rank_lightning.analysis.output import fresh_file, print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import at_least, fresh_file, print_written, progress_bar, show_progress
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank, spectrum
 from rank_lightning.functional.theory import gaussian_product_log_singular_ratio, gaussian_product_numerical_rank
 
@@ -223,10 +223,12 @@ def main(argv: Sequence[str] | None = None) -> list[LayerRanks]:
         prog="python -m rank_lightning.analysis.theorem5",
         description="Rank decay of a deep linear Gaussian MLP against Feng et al. Theorem 5.",
     )
-    parser.add_argument("--width", type=int, default=128, help="layer width n (paper: 1000)")
-    parser.add_argument("--depth", type=int, default=50, help="number of layers L (paper: 50)")
-    parser.add_argument("--samples", type=int, default=None, help="Gaussian inputs N for the features (default 2n)")
-    parser.add_argument("--seeds", type=int, default=3, help="number of random networks averaged (paper: 3)")
+    parser.add_argument("--width", type=at_least(2), default=128, help="layer width n (paper: 1000)")
+    parser.add_argument("--depth", type=at_least(1), default=50, help="number of layers L (paper: 50)")
+    parser.add_argument(
+        "--samples", type=at_least(1), default=None, help="Gaussian inputs N for the features (default 2n)"
+    )
+    parser.add_argument("--seeds", type=at_least(1), default=3, help="number of random networks averaged (paper: 3)")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float64", help="precision of the products")
     parser.add_argument(
         "--out",
@@ -235,8 +237,6 @@ def main(argv: Sequence[str] | None = None) -> list[LayerRanks]:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn outside a terminal)")
     args = parser.parse_args(argv)
-    if args.width < 2 or args.depth < 1 or args.seeds < 1:
-        parser.error("--width must be at least 2, --depth and --seeds at least 1")
     try:
         figure = fresh_file(args.out)
     except OSError as error:

@@ -12,7 +12,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
-from rank_lightning.analysis.report import available_namespaces, find_runs, load_run, main
+from rank_lightning.analysis.report import available_namespaces, find_runs, load_run, main, write_figures
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR, write_curve_file
 
@@ -373,3 +373,92 @@ def test_runs_keyed_by_epoch_and_by_step_get_a_figure_for_each_axis(tmp_path):
         ("by_epoch/version_0", "1", ""),
         ("by_step/version_0", "", "6"),
     }
+
+
+def test_a_file_given_as_run_directory_names_the_run_folder(tmp_path, capsys):
+    run = _one_run(tmp_path / "logs")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run / "metrics.csv"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    given = str(run / "metrics.csv")
+    assert f"run directory {given!r} is a file, not a folder: give a run's folder ({str(run)!r} for this file)" in err
+    assert "does not exist" not in err
+
+
+def test_an_unreadable_curve_file_is_one_message_naming_it(tmp_path, capsys):
+    run = _one_run(tmp_path / "logs")
+    curve_file = run / FIGURE_DIR / "weight_curves.json"
+    curve_file.parent.mkdir()
+    curve_file.write_text('{"namespace": "weight", "lay')
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot read the curve file {str(curve_file)!r} (JSONDecodeError: " in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_figures_of_a_namespace_draw_only_the_runs_that_hold_it(tmp_path, monkeypatch):
+    weights, jacobian = _one_run(tmp_path / "logs"), _jacobian_run(tmp_path / "logs" / "feng")
+    runs = [load_run(d, label=label, namespaces=["weight", "jacobian"]) for label, d in find_runs([weights, jacobian])]
+    jobs = []
+    monkeypatch.setattr("rank_lightning.analysis.report.draw_figures", lambda todo, on_figure: jobs.extend(todo) or [])
+    write_figures(runs, tmp_path / "out")
+    drawn = {job.path.name: list(job.args[3]) for job in jobs}
+    assert drawn == {
+        "weight_numerical_rank_vs_epoch.png": ["version_0"],
+        "weight_numerical_rank_vs_depth.png": ["version_0"],
+        "jacobian_rank_vs_epoch.png": ["feng"],
+        "jacobian_rank_vs_depth.png": ["feng"],
+    }
+    depth = next(job for job in jobs if job.path.name == "jacobian_rank_vs_depth.png")
+    assert depth.kwargs["x_labels"] == {"feng": "epoch"}
+
+
+def test_a_run_measuring_fewer_layers_keeps_the_depth_order_of_the_figures(tmp_path, monkeypatch):
+    # "a_last" sorts first and measured the last layer alone; the figures' panels still go input to output.
+    for name, layers in (("a_last", ["a_out"]), ("b_all", DEPTH_ORDER)):
+        history = {0: {layer: {"stable_rank": 1.0} for layer in layers}}
+        path = tmp_path / name / FIGURE_DIR / "weight_curves.json"
+        write_curve_file(path, "weight", layers, ["stable_rank"], history)
+    runs = [load_run(directory, label=label) for label, directory in find_runs([tmp_path])]
+    assert [run.label for run in runs] == ["a_last", "b_all"]
+    jobs = []
+    monkeypatch.setattr("rank_lightning.analysis.report.draw_figures", lambda todo, on_figure: jobs.extend(todo) or [])
+    write_figures(runs, tmp_path / "out")
+    assert {job.path.name: job.args[2] for job in jobs} == {
+        "weight_stable_rank_vs_epoch.png": DEPTH_ORDER,
+        "weight_stable_rank_vs_depth.png": DEPTH_ORDER,
+    }
+
+
+def test_a_requested_namespace_or_final_metric_no_run_has_is_named(tmp_path, capsys):
+    run = _one_run(tmp_path / "logs")
+    argv = [str(run), "--namespaces", "weight", "wieght", "--final-metrics", "val/accc", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--namespaces wieght: no run has keys wieght/<layer>/<metric>; the runs have: weight\n" in out
+    assert "--final-metrics val/accc: no run logged it; the runs logged no run-level key\n" in out
+    assert main([str(run), "--out", str(tmp_path / "defaults")]) == 0
+    assert "no run" not in capsys.readouterr().out
+
+
+def test_a_missing_final_metric_is_named_with_those_the_runs_logged(tmp_path, capsys):
+    _write_csv(tmp_path / "run", [{"epoch": 0, "step": 3, "weight/fc/numerical_rank": 2.0, "val/loss": 0.5}])
+    assert main([str(tmp_path / "run"), "--final-metrics", "val/los", "--out", str(tmp_path / "o")]) == 0
+    assert "--final-metrics val/los: no run logged it; the runs logged: val/loss\n" in capsys.readouterr().out
+
+
+def test_curve_files_an_earlier_run_left_in_the_folder_are_named_not_mixed_in(tmp_path, capsys):
+    run = tmp_path / "version_0"
+    for stem, value in (("weight_curves-v1", 9.0), ("weight_curves", 4.0)):
+        history = {0: {"fc": {"numerical_rank": value}}}
+        write_curve_file(run / FIGURE_DIR / f"{stem}.json", "weight", ["fc"], ["numerical_rank"], history)
+    assert main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert (
+        "version_0: the curves of an earlier run in its folder, kept as rank_curves/weight_curves-v1.json, are not "
+        "reported (copied into a folder of their own as rank_curves/<namespace>_curves.json, they are)\n"
+    ) in capsys.readouterr().out
+    assert [r["weight/numerical_rank"] for r in _read(tmp_path / "out" / "summary.csv")] == ["4.0"]

@@ -157,3 +157,13 @@ def test_progress_only_on_a_terminal_unless_quiet(monkeypatch, terminal, quiet, 
     text = stdout.getvalue()
     assert ("measuring components" in text) is shown
     assert "| relu |" in text
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--heads", "0"), ("--groups", "0"), ("--channels", "0"), ("--size", "-2")]
+)
+def test_a_size_below_one_is_refused_naming_the_option_and_value(option, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([option, value])
+    assert exit_info.value.code == 2
+    assert f"error: argument {option}: {value!r} is not a whole number of at least 1\n" in capsys.readouterr().err

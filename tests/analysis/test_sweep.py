@@ -128,7 +128,8 @@ def test_short_names_fall_back_to_the_whole_key():
 
 def test_check_arguments_rejects_a_key_the_cli_does_not_know():
     check_arguments([str(ZANGRANDO)], {WEIGHT_DECAY_KEY: ["0", "1e-3"], "data.init_args.batch_size": ["32"]})
-    with pytest.raises(ValueError, match="Option 'weight_decy' is not accepted"):
+    unknown = r"ImageClassifier has no option 'weight_decy' \(did you mean 'weight_decay'\?\)"
+    with pytest.raises(ValueError, match=unknown):
         check_arguments([str(ZANGRANDO)], {"model.init_args.weight_decy": ["0"]})
     with pytest.raises(ValueError, match="rejects"):
         check_arguments([str(ZANGRANDO)], {WEIGHT_DECAY_KEY: ["not-a-number"]})
@@ -411,3 +412,10 @@ def test_main_ends_with_a_summary_of_what_it_wrote_and_where(tmp_path, monkeypat
     folders = r"^\s+2 run folders\s+weight_decay=0/version_0, weight_decay=0\.01/version_0$"
     assert re.search(folders, printed, re.M), printed
     assert "1 run(s) failed: weight_decay=1/version_0 (see their .log files)" in printed
+
+
+def test_the_figure_title_names_the_step_for_runs_keyed_by_step():
+    by_epoch, by_step = {"epoch": 3, "layer": "fc"}, {"epoch": None, "step": 40, "layer": "fc"}
+    assert sweep.last_point([by_epoch]) == "epoch"
+    assert sweep.last_point([by_step]) == "step"
+    assert sweep.last_point([by_epoch, {**by_epoch, "step": None}, by_step]) == "epoch or step"

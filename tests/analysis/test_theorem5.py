@@ -87,3 +87,16 @@ def test_a_folder_is_no_figure_and_is_refused_before_the_work(tmp_path, capsys):
     captured = capsys.readouterr()
     assert f"output file {str(tmp_path)!r} is an existing folder" in captured.err
     assert "| layer |" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "minimum"), [("--width", "1", 2), ("--samples", "0", 1), ("--depth", "x", 1)]
+)
+def test_a_bad_size_is_refused_naming_the_option_and_value(option, value, minimum, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([option, value, "--out", str(tmp_path / "t.png")])
+    assert exit_info.value.code == 2
+    assert (
+        f"error: argument {option}: {value!r} is not a whole number of at least {minimum}\n" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "t.png").exists()

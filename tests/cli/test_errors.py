@@ -150,3 +150,69 @@ def test_a_linked_model_setting_on_the_command_line_is_refused(argument, capsys)
     assert exit_info.value.code == 1
     key = argument.split("=")[0]
     assert f"error: {key}: the CLI takes num_classes and input_shape from the datamodule" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            ["--trainer.callbacks.init_args.every_n_epoch=2"],
+            "error: trainer.callbacks: ActivationRankMonitor has no option 'every_n_epoch' (did you mean "
+            "'every_n_epochs'?); its options are: layers, layer_types, every_n_epochs, every_n_train_steps, ",
+        ),
+        (
+            ["--trainer.callbacks.init_args.stage=tset"],
+            "error: trainer.callbacks: ActivationRankMonitor: stage=tset is not valid; expected one of 'val', 'train' "
+            "or None\n",
+        ),
+        (
+            ["--trainer.callbacks.init_args.window_batches=abc"],
+            "error: trainer.callbacks: ActivationRankMonitor: window_batches=abc is not valid; expected int\n",
+        ),
+    ],
+    ids=["misspelled_option", "bad_literal", "bad_int"],
+)
+def test_a_bad_callback_argument_is_one_line_naming_it_and_the_valid_ones(arguments, message, capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    callback = "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitor"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, callback, *arguments, "--print_config"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Union subtypes" not in err
+    assert err.endswith(f"\n({DEBUG_ENV}=1 shows the parser's whole message)\n")
+
+
+def test_a_misspelled_callback_class_names_the_close_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitr"])
+    assert (
+        "error: trainer.callbacks: cannot import 'rank_lightning.callbacks.ActivationRankMonitr' (module "
+        "'rank_lightning.callbacks' has no attribute 'ActivationRankMonitr'); did you mean ActivationRankMonitor"
+    ) in capsys.readouterr().err
+
+
+def test_the_debug_variable_keeps_the_parsers_whole_message(capsys, monkeypatch):
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    callback = "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitor"
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.init_args.every_n_epoch=2"])
+    err = capsys.readouterr().err
+    assert "Option 'every_n_epoch' is not accepted" in err
+    assert "has no option" not in err
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_ckpt_path_that_is_no_checkpoint_is_one_message(subcommand, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    not_a_checkpoint = tmp_path / "config.yaml"
+    not_a_checkpoint.write_text("seed_everything: 0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main([subcommand, "--config", QUICKSTART, "--ckpt_path", str(not_a_checkpoint)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"error: --ckpt_path {str(not_a_checkpoint)!r} is not a checkpoint (a file ModelCheckpoint" in err
+    assert "Traceback" not in err and "weights_only" not in err
+    assert not (tmp_path / "runs").exists()
