@@ -355,7 +355,9 @@ class ActivationStream:
 
     def _hook(self, layer: FeatureLayer, output: Any) -> None:
         name = layer.name
-        if not self._in_batch:
+        if not self._in_batch or _in_backward():
+            # A layer run by the backward pass is activation checkpointing recomputing the outputs of the batch's
+            # forward pass (torch.utils.checkpoint): the same rows again, not another call of the layer.
             return
         if name in self._seen_this_batch:
             # A module called twice per forward (a shared ReLU) would mix two representations.
@@ -734,6 +736,12 @@ def _num_features(activations: Tensor, reduction: str) -> int:
     if reduction == "flatten":
         return activations.shape[1] * activations.shape[2] * activations.shape[3]
     return activations.shape[1]
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass in this thread (where ``torch.utils.checkpoint``
+    recomputes the forward pass of its checkpointed modules, forward hooks included)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _default_warn(layer: str, kind: str, message: str) -> None:

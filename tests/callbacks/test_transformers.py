@@ -653,3 +653,54 @@ def test_the_classes_of_a_hugging_face_classifier_come_from_its_config():
     language_model = ActivationRankMonitor(log_at_init=False)
     _fit(_gpt2(), language_model, _causal_lm_batches(1, 0), _causal_lm_batches(1, 1))
     assert language_model._num_classes is None
+
+
+# -- gradient checkpointing ------------------------------------------------------------------------------------------
+
+
+class CheckpointedBlocks(pl.LightningModule):
+    """Token embeddings through residual MLP blocks, each run under ``torch.utils.checkpoint`` around its ``__call__``
+    (its forward hooks inside the checkpoint, as ``transformers`` 4.x ran its blocks): the backward pass runs every
+    block a second time to recompute its activations."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(16, CLASSES)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        x = self.embed(batch["input_ids"])
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # the recomputation runs the whole block
+            for block in self.blocks:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(x[:, 0])
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return nn.functional.cross_entropy(self(batch), batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_blocks_recomputed_by_gradient_checkpointing_are_measured_once_without_a_warning(use_reentrant):
+    torch.manual_seed(0)
+    module, train = CheckpointedBlocks(use_reentrant), _padded_batches(2, seed=0)
+    paths = ["blocks.0", "blocks.1"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")  # no grad, no backward
+        outputs = _block_outputs(module, paths, train[:1], module)  # the weights of the first step's forward pass
+    monitor = ActivationRankMonitor(every_n_train_steps=1, window_batches=1, log_at_init=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = quiet_trainer([monitor], max_steps=1, limit_val_batches=0)
+        trainer.fit(module, DataLoader(train, batch_size=None))
+    assert not [w for w in caught if "more than once" in str(w.message)]
+    mask = train[0]["attention_mask"].bool()
+    for path in paths:
+        rows = outputs[path][0][mask].double()
+        logged = monitor.curves.history[1][path]
+        assert logged["token/spectrum_rows"] == int(mask.sum())
+        assert logged["token/effective_rank"] == pytest.approx(float(effective_rank(rows)), rel=1e-9)
