@@ -144,6 +144,11 @@ class ActivationStream:
         self._decoder_mask: Tensor | None = None
         self._wrong_masks: Tensor | None = None  # batches whose masks held values other than 0 and 1, on the device
         self._left_padded: dict[bool, bool] = {}  # whether the pass's first batch pads on the left, per decoder flag
+        # Later batches, read at the end of the pass: left-padded batches on the device and the 'cls' layers of each
+        # mask, per decoder flag, and the masks counted in the current batch.
+        self._left_padded_later: dict[bool, Tensor] = {}
+        self._cls_layers: dict[bool, set[str]] = {}
+        self._cls_counted: set[bool] = set()
         self._autocast: dict[str, torch.dtype | None] = {}  # the autocast dtype each layer ran under (None: none)
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
@@ -243,6 +248,7 @@ class ActivationStream:
         self._take = None
         self._groupings = {}
         self._seen_this_batch = set()
+        self._cls_counted = set()
         self._in_batch = True
 
     def _read_mask(
@@ -461,8 +467,10 @@ class ActivationStream:
                 self._warn(name, "decoder mask", message)
             return None
         if cls:
-            if self.batches_seen == 0:  # a pass's first batch only: reading the mask's first column synchronises a GPU
+            if self.batches_seen == 0:  # a pass's first batch: read now, so that the warning comes at once
                 self._check_cls_position(name, mask, decoder)
+            else:  # later batches: counted on the mask's device (reading it would synchronise a GPU), read at the end
+                self._count_left_padding(name, mask, decoder)
             return None
         try:
             # Also fits a mask to tokens cut at the batch's longest sequence (nested tensors padded back).
@@ -479,12 +487,25 @@ class ActivationStream:
             left_padded = mask.ndim == 2 and bool(mask.shape[1]) and not bool(mask[:, 0].bool().all())
             self._left_padded[decoder] = left_padded
         if left_padded:
-            message = (
-                "uses token_reduction='cls', but the attention mask marks the first position of some sequences as "
-                "padding (left padding), whose hidden state is measured there. Pad on the right, or use "
-                "token_reduction='token' or 'mean'."
-            )
-            self._warn(name, "cls padding", message)
+            self._warn(name, "cls padding", _CLS_LEFT_PADDING)
+
+    def _count_left_padding(self, name: str, mask: Tensor, decoder: bool) -> None:
+        """Count, on the mask's device, a batch after the pass's first whose mask pads some sequence on the left;
+        :meth:`compute` warns for the ``"cls"`` layers of that mask."""
+        self._cls_layers.setdefault(decoder, set()).add(name)
+        if decoder in self._cls_counted or mask.ndim != 2 or not mask.shape[1]:
+            return
+        self._cls_counted.add(decoder)
+        left = (~mask[:, 0].bool()).any().to(torch.int64)
+        counted = self._left_padded_later.get(decoder)
+        self._left_padded_later[decoder] = left if counted is None else counted + left.to(counted.device)
+
+    def _warn_left_padding(self) -> None:
+        """Name the ``"cls"`` layers whose masks padded on the left in a batch after the pass's first."""
+        for decoder, count in self._left_padded_later.items():
+            if int(count):
+                for name in sorted(self._cls_layers.get(decoder, ())):
+                    self._warn(name, "cls padding", _CLS_LEFT_PADDING)
 
     def _batch_first(self, name: str, activations: Tensor) -> Tensor | None:
         """``activations`` with the batch first; tokens may come sequence-first, ``(T, B, D)``."""
@@ -593,6 +614,7 @@ class ActivationStream:
                 "tokens where not 0); the token layers may count padding. Pass a boolean or 0 / 1 mask (mask_key)."
             )
             self._warn("", "mask values", message)
+        self._warn_left_padding()
         self.stop()
         if _distributed():
             dist.all_reduce(inputs)
@@ -736,6 +758,12 @@ def _num_features(activations: Tensor, reduction: str) -> int:
     if reduction == "flatten":
         return activations.shape[1] * activations.shape[2] * activations.shape[3]
     return activations.shape[1]
+
+
+_CLS_LEFT_PADDING = (
+    "uses token_reduction='cls', but the attention mask marks the first position of some sequences as padding (left "
+    "padding), whose hidden state is measured there. Pad on the right, or use token_reduction='token' or 'mean'."
+)
 
 
 def _in_backward() -> bool:

@@ -242,6 +242,26 @@ def test_cls_reduction_names_left_padding(left):
         assert "'proj'" in str(named[0].message) and "token_reduction='token'" in str(named[0].message)
 
 
+def test_cls_reduction_names_left_padding_that_only_later_batches_have():
+    """A tokenizer that pads on the left leaves a batch of sequences of one length unpadded: a pass whose first batch
+    is such a batch still names the left padding of the later ones, at its end."""
+    batches = _token_batches()
+    batches[0]["attention_mask"] = torch.ones_like(batches[0]["attention_mask"])
+    for batch in batches[1:]:
+        batch["attention_mask"] = batch["attention_mask"].flip(1)  # the padding first
+    model = _TokenNet().eval()
+    tracker = RankTracker(model, layers=["proj"], num_classes=CLASSES, token_reduction="cls")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), tracker:
+        warnings.simplefilter("always")
+        for batch in batches:
+            with tracker.batch(batch=batch):
+                model(batch["x"])
+        assert not [w for w in caught if "left padding" in str(w.message)]
+        tracker.compute()
+    named = [str(w.message) for w in caught if "left padding" in str(w.message)]
+    assert len(named) == 1 and "'proj'" in named[0] and "token_reduction='token'" in named[0]
+
+
 def test_a_pass_over_a_distributed_sampler_leaves_its_repeated_samples_out():
     # 61 samples on 2 processes: the second process reads 31, its last a repeat of sample 0. Emulated on one process
     # by the sampler's rank argument; the two processes' sums are what one process measures on all 61.
