@@ -1133,9 +1133,12 @@ def _hugging_face_model(module: nn.Module) -> bool:
 
 
 def _decoder_of(module: nn.Module) -> nn.Module | None:
-    """The decoder of a Hugging Face encoder-decoder model (a ``PreTrainedModel`` whose ``config.is_encoder_decoder``
-    is true): its ``get_decoder()``; ``None`` for other modules, and where ``get_decoder()`` gives no submodule of its
-    own (T5's stacks carry their model's flag and give themselves)."""
+    """The decoder of an encoder-decoder model: the ``decoder`` of an ``nn.Transformer``, the ``get_decoder()`` of a
+    Hugging Face encoder-decoder model (a ``PreTrainedModel`` whose ``config.is_encoder_decoder`` is true); ``None``
+    for other modules, and where ``get_decoder()`` gives no submodule of its own (T5's stacks carry their model's flag
+    and give themselves)."""
+    if isinstance(module, nn.Transformer):
+        return module.decoder
     if not _hugging_face_model(module) or not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
         return None
     try:
@@ -1146,9 +1149,9 @@ def _decoder_of(module: nn.Module) -> nn.Module | None:
 
 
 def decoder_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
-    """The names of ``layers`` (``name -> module path``) in the decoder of a Hugging Face encoder-decoder model (T5,
-    BART, Marian, Whisper, ``EncoderDecoderModel``: a ``PreTrainedModel`` whose ``config.is_encoder_decoder`` is true;
-    its decoder is ``get_decoder()``), the decoder itself included.
+    """The names of ``layers`` (``name -> module path``) in the decoder of an encoder-decoder model (``nn.Transformer``;
+    a Hugging Face T5, BART, Marian, Whisper, ``EncoderDecoderModel``: a ``PreTrainedModel`` whose
+    ``config.is_encoder_decoder`` is true, whose decoder is ``get_decoder()``), the decoder itself included.
 
     Their tokens are the target's, not the source's: the batch's ``attention_mask`` (the encoder's) does not belong to
     them, even when source and target are padded to one length. The outermost such model on a layer's path decides;

@@ -2,7 +2,7 @@
 
 :class:`ActivationStream` is the part of activation monitoring that knows nothing of Lightning: forward hooks on the
 chosen layers, the hidden state of each layer's output (:func:`~rank_lightning.layers.hidden_state`), the batch and
-token layout, padded tokens (the batch's attention mask; in the decoder of a Hugging Face encoder-decoder, the
+token layout, padded tokens (the batch's attention mask; in the decoder of an encoder-decoder model, the
 decoder's own: :func:`~rank_lightning.layers.decoder_layers`), how many rows of each batch are measured (at most
 ``max_samples``, never the samples a ``DistributedSampler`` repeats: :mod:`rank_lightning.sampling`), a memory
 budget over all layers, and the collective ``compute`` that every process joins. The Lightning callback
@@ -68,7 +68,7 @@ class ActivationStream:
         spectrum_options: the :class:`~rank_lightning.metrics.ActivationSpectrum` settings every layer shares.
         batch_reader: where labels and the attention mask are in a batch. Under its default mask lookup
             (:attr:`~rank_lightning.layers.BatchReader.default_mask_lookup`) the token layers in the decoder of a
-            Hugging Face encoder-decoder (:func:`~rank_lightning.layers.decoder_layers`, found at :meth:`start`) read
+            encoder-decoder model (:func:`~rank_lightning.layers.decoder_layers`, found at :meth:`start`) read
             the batch's ``decoder_attention_mask``, the others its ``attention_mask``; a batch with an attention mask
             but no decoder mask measures those layers whole, with a warning naming each.
         layouts: ``logged name -> batch_first`` for token layers whose layout is known; others are learnt from a

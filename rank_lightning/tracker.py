@@ -90,7 +90,7 @@ class RankTracker:
         label_key: where :meth:`batch`'s ``batch=`` holds the labels (index or key); default as the callbacks.
         label_fn: ``batch -> labels``, instead of ``label_key``.
         mask_key: where ``batch=`` holds the attention mask (default ``attention_mask`` of dict batches). By default
-            (and with ``"attention_mask"``) the layers in the decoder of a Hugging Face encoder-decoder read the
+            (and with ``"attention_mask"``) the layers in the decoder of an encoder-decoder model read the
             batch's ``decoder_attention_mask`` instead (:func:`~rank_lightning.layers.decoder_layers`); another
             ``mask_key`` names the mask of every layer.
 
@@ -258,7 +258,7 @@ class RankTracker:
             batch: the batch as the loader gave it; labels (and the masks) are read from it when not given, as the
                 callbacks read them (``batch[1]``, or a dict's ``labels``/``label``/``y``/...; ``label_key``).
             mask: ``(B, T)`` attention mask of token inputs (padded positions are not measured).
-            decoder_mask: ``(B, T')`` mask of the target tokens of a Hugging Face encoder-decoder, taken by the
+            decoder_mask: ``(B, T')`` mask of the target tokens of an encoder-decoder model, taken by the
                 layers in its decoder (``decoder_attention_mask`` of ``batch`` when not given); ``mask`` is then the
                 encoder's. With a ``mask_key`` of the tracker's own (other than ``"attention_mask"``), ``mask`` is
                 every layer's and ``decoder_mask`` is not used.

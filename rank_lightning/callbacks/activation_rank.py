@@ -93,7 +93,7 @@ class ActivationRankMonitor(CurveMonitor):
     through :func:`~rank_lightning.layers.hidden_state` (the first tensor of a tuple, ``last_hidden_state`` of a
     mapping or dataclass; ``output_selector`` overrides). Token reductions leave out padded positions: the batch's
     attention mask (``mask_key``; ``attention_mask`` of dict batches by default, and ``decoder_attention_mask`` for
-    the layers in the decoder of a Hugging Face encoder-decoder: :func:`~rank_lightning.layers.decoder_layers`)
+    the layers in the decoder of an encoder-decoder model: :func:`~rank_lightning.layers.decoder_layers`)
     selects the rows of ``token``, weights the ``mean`` and zeroes ``flatten``. A layer whose output is of another
     kind is skipped with a warning, and so is, by name, every chosen layer that is not called in the forward pass of
     the first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children).
@@ -172,8 +172,8 @@ class ActivationRankMonitor(CurveMonitor):
         label_fn: a function ``batch -> labels`` overriding ``label_key``.
         mask_key: where the ``(B, T)`` attention mask (true / 1 at real tokens) is in a batch: an index, a key, a
             function ``batch -> mask``, or ``False`` for none; ``None`` reads ``attention_mask`` from dict batches
-            and no mask otherwise. With ``None`` or ``"attention_mask"`` the layers in the decoder of a Hugging Face
-            encoder-decoder read ``decoder_attention_mask`` instead (without one they are measured whole, with a
+            and no mask otherwise. With ``None`` or ``"attention_mask"`` the layers in the decoder of an
+            encoder-decoder model read ``decoder_attention_mask`` instead (without one they are measured whole, with a
             warning); any other ``mask_key`` names the mask of every layer.
         output_selector: which tensor of a layer's output to measure: an index, a key or attribute name, or a
             function ``output -> Tensor``; ``None`` follows :func:`~rank_lightning.layers.hidden_state`'s rule.

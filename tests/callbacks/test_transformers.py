@@ -507,9 +507,36 @@ def _bart() -> HuggingFaceModule:
     return HuggingFaceModule(BartForConditionalGeneration(config))
 
 
+class TorchSeq2Seq(nn.Module):
+    """``nn.Transformer`` fed a Hugging Face style batch: source ``input_ids`` and ``attention_mask``, target
+    ``labels`` (-100 at padding, also its inputs here) and ``decoder_attention_mask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.transformer = nn.Transformer(16, 2, 2, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.transformer.encoder.use_nested_tensor = False  # padded (B, T, D) outputs, read by the test's own hooks
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, **batch: Tensor) -> Any:
+        target = labels.clamp(min=0)
+        mask = nn.Transformer.generate_square_subsequent_mask(target.shape[1], dtype=torch.bool)
+        hidden = self.transformer(
+            self.embed(input_ids), self.embed(target), tgt_mask=mask, src_key_padding_mask=attention_mask == 0,
+            tgt_key_padding_mask=labels == -100, memory_key_padding_mask=attention_mask == 0,
+        )  # fmt: skip
+        logits = self.head(hidden)
+        return type("Output", (), {"loss": nn.functional.cross_entropy(logits.transpose(1, 2), labels)})
+
+
 SEQ2SEQ = {
     "t5": (_t5, "model.encoder.block", "model.decoder.block"),
     "bart": (_bart, "model.model.encoder.layers", "model.model.decoder.layers"),
+    "nn.Transformer": (
+        lambda: HuggingFaceModule(TorchSeq2Seq()),
+        "model.transformer.encoder.layers",
+        "model.transformer.decoder.layers",
+    ),
 }
 
 
