@@ -27,6 +27,7 @@ from PIL import Image
 from rich.progress import Progress, TaskID
 
 from rank_lightning.analysis.output import fresh_directory, progress_bar
+from rank_lightning.reproduce.training import check_data_dir
 from rank_lightning.validation import check_choice, check_choices
 
 __all__ = [
@@ -105,7 +106,7 @@ class Context:
         directory: the run's folder; the experiment writes into ``directory / name``.
         seed: base seed; experiments derive their seeds from it.
         data_dir: folder holding torchvision's Fashion-MNIST files (``FashionMNIST/raw``), used instead of the
-            bundled digits where an experiment of the papers used Fashion-MNIST; ``None`` uses the digits.
+            bundled digits by every experiment that trains a classifier; ``None`` uses the digits.
         files: the paths written so far.
     """
 
@@ -266,8 +267,12 @@ def run_experiments(
 
     Returns:
         The folder written into and one :class:`ExperimentResult` per experiment, in order.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` holds no ``FashionMNIST/raw`` folder.
     """
     names = check_choices("experiment", list(names), tuple(EXPERIMENTS))
+    data_path = check_data_dir(data_dir)
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; use --device cpu")
@@ -283,7 +288,7 @@ def run_experiments(
                 device=torch_device,
                 directory=directory,
                 seed=seed,
-                data_dir=None if data_dir is None else Path(data_dir),
+                data_dir=data_path,
                 _progress=progress,
                 _task=task,
             )

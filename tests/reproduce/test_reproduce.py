@@ -129,6 +129,31 @@ def test_bad_arguments_are_refused_with_the_valid_choices(argv, message, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_a_data_dir_without_fashion_mnist_is_refused_not_replaced_by_the_digits(tmp_path, capsys):
+    missing = tmp_path / "no_data"
+    with pytest.raises(SystemExit):
+        main(["feng_fig4", "--quick", "--quiet", "--data-dir", str(missing), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"--data-dir: data folder '{missing}' holds no Fashion-MNIST files" in err
+    assert "FashionMNIST/raw" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError, match="holds no Fashion-MNIST files"):
+        run_experiments(["feng_fig4"], tmp_path / "out", quick=True, data_dir=missing)
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_with_other_names_and_an_output_file_are_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["all", "feng_fig1"])
+    assert "'all' runs every experiment and takes no other name; got all feng_fig1" in capsys.readouterr().err
+    taken = tmp_path / "taken.txt"
+    taken.write_text("kept")
+    with pytest.raises(SystemExit):
+        main(["feng_fig1", "--quick", "--out", str(taken)])
+    assert f"--out: output folder '{taken}' is an existing file" in capsys.readouterr().err
+    assert taken.read_text() == "kept"
+
+
 def test_run_experiments_refuses_an_unknown_name(tmp_path):
     with pytest.raises(ValueError, match="valid choices are: daneshmand_fig2"):
         run_experiments(["feng_fig9"], tmp_path)
@@ -137,3 +162,4 @@ def test_run_experiments_refuses_an_unknown_name(tmp_path):
 def test_claim_refuses_an_unknown_verdict():
     with pytest.raises(ValueError, match="reproduced, partly, not"):
         Claim("x", "claim", "paper", "ours", "maybe")
+
