@@ -163,3 +163,13 @@ def test_claim_refuses_an_unknown_verdict():
     with pytest.raises(ValueError, match="reproduced, partly, not"):
         Claim("x", "claim", "paper", "ours", "maybe")
 
+
+def test_an_lr_layer_never_switched_on_is_not_compared_as_an_lr_model(tmp_path, monkeypatch):
+    from rank_lightning.reproduce import sanyal
+
+    # The layer switches on at a training accuracy no network reaches: the "LR model" is the network without it.
+    monkeypatch.setattr(sanyal, "_SWITCH_ON_ACCURACY", 1.01)
+    with pytest.raises(RuntimeError, match=r"never switched on \(training accuracy below 101% in 4 epochs\): "):
+        run_experiments(["sanyal"], tmp_path, quick=True)
+    table = (tmp_path / "sanyal" / "low_dimensional_accuracy.csv").read_text()
+    assert '"LR-Layer, lambda = 1, 1",128,' in table
