@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from rank_lightning.analysis.output import fresh_directory, print_written, show_progress
-from rank_lightning.reproduce.core import EXPERIMENTS, QUICK_NOTE, marked_verdict, run_experiments
+from rank_lightning.reproduce.core import EXPERIMENTS, QUICK_NOTE, check_device, marked_verdict, run_experiments
 from rank_lightning.reproduce.training import check_data_dir
 
 __all__ = ["main"]
@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="smoke-test sizes (well under a minute each); their verdicts cannot confirm the claims",
     )
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)")
     parser.add_argument("--out", default="reproductions", help="output folder (never overwritten)")
     parser.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
     parser.add_argument(
@@ -75,15 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [name for name in names if name not in EXPERIMENTS]
     if unknown:
         parser.error(f"unknown experiment(s) {', '.join(unknown)}; experiments are: all, {', '.join(EXPERIMENTS)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        parser.error(f"experiment(s) named more than once: {', '.join(repeated)}")
     if args.threads < 1:
         parser.error(f"--threads must be positive, got {args.threads}")
     torch.set_num_threads(args.threads)
     try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        parser.error(f"invalid --device {args.device!r}: {error}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device} was asked for but CUDA is not available; use --device cpu")
+        device = check_device(args.device)
+    except ValueError as error:
+        parser.error(f"invalid --device: {error}")
     try:
         data_dir = check_data_dir(args.data_dir)
         fresh_directory(args.out)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from rank_lightning.reproduce import EXPERIMENTS, run_experiments
 from rank_lightning.reproduce.cli import main
@@ -121,6 +122,8 @@ def test_list_names_every_experiment(capsys):
         ([], "name at least one experiment"),
         (["feng_fig1", "--threads", "0"], "--threads must be positive"),
         (["feng_fig1", "--device", "not-a-device"], "invalid --device"),
+        (["feng_fig4", "--device", "meta"], "unsupported device 'meta'; valid device types are: cpu, cuda, mps"),
+        (["feng_fig1", "feng_fig1"], "experiment(s) named more than once: feng_fig1"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_valid_choices(argv, message, capsys):
@@ -173,3 +176,17 @@ def test_an_lr_layer_never_switched_on_is_not_compared_as_an_lr_model(tmp_path, 
         run_experiments(["sanyal"], tmp_path, quick=True)
     table = (tmp_path / "sanyal" / "low_dimensional_accuracy.csv").read_text()
     assert '"LR-Layer, lambda = 1, 1",128,' in table
+
+
+def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, monkeypatch):
+    from rank_lightning.reproduce.core import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device 'cuda:3' does not exist: this machine has 1 CUDA device\(s\)"):
+        run_experiments(["feng_fig4"], tmp_path / "out", quick=True, device="cuda:3")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'mps' was asked for but MPS is not available"):
+        check_device("mps")
+    assert check_device("cpu") == torch.device("cpu")
