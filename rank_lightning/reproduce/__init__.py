@@ -1,4 +1,4 @@
-"""Every claim of the four papers, reproduced by one command: ``python -m rank_lightning.reproduce NAME``.
+"""The four papers' claims, each reproduced by one command: ``python -m rank_lightning.reproduce NAME``.
 
 ``python -m rank_lightning.reproduce --list`` names the experiments; each writes a figure drawn like the paper's, a
 CSV of every number the figure shows, and rows of the summary table (claim, the paper's number, ours, verdict). The

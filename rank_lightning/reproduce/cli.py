@@ -19,8 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from rank_lightning.analysis.output import print_written, show_progress
-from rank_lightning.reproduce.core import EXPERIMENTS, QUICK_NOTE, marked_verdict, run_experiments
+from rank_lightning.analysis.output import fresh_directory, print_written, show_progress
+from rank_lightning.reproduce.core import EXPERIMENTS, QUICK_NOTE, check_device, marked_verdict, run_experiments
+from rank_lightning.reproduce.training import check_data_dir
 
 __all__ = ["main"]
 
@@ -38,11 +39,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="smoke-test sizes (well under a minute each); their verdicts cannot confirm the claims",
     )
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)")
     parser.add_argument("--out", default="reproductions", help="output folder (never overwritten)")
     parser.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
     parser.add_argument(
-        "--data-dir", default=None, help="folder with torchvision's FashionMNIST/raw files (default: bundled digits)"
+        "--data-dir",
+        default=None,
+        help="folder holding torchvision's FashionMNIST/raw files, used by every experiment that trains a classifier "
+        "(default: the bundled digits)",
     )
     parser.add_argument(
         "--threads",
@@ -65,26 +69,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.names:
         parser.error("name at least one experiment, or 'all' (see --list)")
+    if "all" in args.names and args.names != ["all"]:
+        parser.error(f"'all' runs every experiment and takes no other name; got {' '.join(args.names)}")
     names = list(EXPERIMENTS) if args.names == ["all"] else args.names
     unknown = [name for name in names if name not in EXPERIMENTS]
     if unknown:
         parser.error(f"unknown experiment(s) {', '.join(unknown)}; experiments are: all, {', '.join(EXPERIMENTS)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        parser.error(f"experiment(s) named more than once: {', '.join(repeated)}")
     if args.threads < 1:
         parser.error(f"--threads must be positive, got {args.threads}")
     torch.set_num_threads(args.threads)
     try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        parser.error(f"invalid --device {args.device!r}: {error}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device} was asked for but CUDA is not available; use --device cpu")
+        device = check_device(args.device)
+    except ValueError as error:
+        parser.error(f"invalid --device: {error}")
+    try:
+        data_dir = check_data_dir(args.data_dir)
+        fresh_directory(args.out)
+    except (FileNotFoundError, NotADirectoryError) as error:
+        parser.error(f"{'--data-dir' if isinstance(error, FileNotFoundError) else '--out'}: {error}")
     directory, results = run_experiments(
         names,
         args.out,
         quick=args.quick,
         device=device,
         seed=args.seed,
-        data_dir=args.data_dir,
+        data_dir=data_dir,
         show=show_progress(args.quiet),
     )
     if args.quick:

@@ -27,9 +27,11 @@ from PIL import Image
 from rich.progress import Progress, TaskID
 
 from rank_lightning.analysis.output import fresh_directory, progress_bar
+from rank_lightning.reproduce.training import check_data_dir
 from rank_lightning.validation import check_choice, check_choices
 
 __all__ = [
+    "DEVICE_TYPES",
     "EXPERIMENTS",
     "QUICK_NOTE",
     "VERDICTS",
@@ -37,6 +39,7 @@ __all__ = [
     "Context",
     "Experiment",
     "ExperimentResult",
+    "check_device",
     "experiment",
     "marked_verdict",
     "run_experiments",
@@ -105,7 +108,7 @@ class Context:
         directory: the run's folder; the experiment writes into ``directory / name``.
         seed: base seed; experiments derive their seeds from it.
         data_dir: folder holding torchvision's Fashion-MNIST files (``FashionMNIST/raw``), used instead of the
-            bundled digits where an experiment of the papers used Fashion-MNIST; ``None`` uses the digits.
+            bundled digits by every experiment that trains a classifier; ``None`` uses the digits.
         files: the paths written so far.
     """
 
@@ -242,6 +245,33 @@ def write_summary(results: Sequence[ExperimentResult], directory: Path, *, quick
     return [csv_path, md_path]
 
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a :class:`torch.device` the experiments can run on, checked before any work starts.
+
+    Raises:
+        ValueError: not a device string, a type other than :data:`DEVICE_TYPES`, or a CUDA/MPS device this machine
+            does not have; the message names the device and what is available.
+    """
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"invalid device {str(device)!r}: {error}") from None
+    if torch_device.type not in DEVICE_TYPES:
+        raise ValueError(f"unsupported device {str(device)!r}; valid device types are: {', '.join(DEVICE_TYPES)}")
+    if torch_device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; use --device cpu")
+        if torch_device.index is not None and torch_device.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has {count} CUDA device(s)")
+    if torch_device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but MPS is not available; use --device cpu")
+    return torch_device
+
+
 def run_experiments(
     names: Iterable[str],
     out: str | Path,
@@ -266,11 +296,14 @@ def run_experiments(
 
     Returns:
         The folder written into and one :class:`ExperimentResult` per experiment, in order.
+
+    Raises:
+        ValueError: an unknown experiment or a device that cannot be used (:func:`check_device`).
+        FileNotFoundError: ``data_dir`` holds no ``FashionMNIST/raw`` folder.
     """
     names = check_choices("experiment", list(names), tuple(EXPERIMENTS))
-    torch_device = torch.device(device)
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; use --device cpu")
+    data_path = check_data_dir(data_dir)
+    torch_device = check_device(device)
     directory = fresh_directory(out)
     results: list[ExperimentResult] = []
     with progress_bar(show) as progress:
@@ -283,7 +316,7 @@ def run_experiments(
                 device=torch_device,
                 directory=directory,
                 seed=seed,
-                data_dir=None if data_dir is None else Path(data_dir),
+                data_dir=data_path,
                 _progress=progress,
                 _task=task,
             )

@@ -146,6 +146,7 @@ def sanyal(context: Context) -> list[Claim]:
     vr_rows, class_rows, table_rows, robust_rows = [], [], [], []
     names = []
     diverged = []
+    never_on = []
     sweep_rows = []
     for setting in settings:
         name = "without LR-Layer" if setting is None else f"LR-Layer, lambda = {setting[0]:g}, {setting[1]:g}"
@@ -166,6 +167,8 @@ def sanyal(context: Context) -> list[Claim]:
             diverged.append(name)
             continue
         names.append(name)
+        if setting is not None and switched is None:
+            never_on.append(name)
         train_x, test_x = data.x_train.view(-1, *data.image_shape), data.x_test.view(-1, *data.image_shape)
         train_features, test_features = (
             features_of(model.forward_features, train_x),
@@ -195,12 +198,22 @@ def sanyal(context: Context) -> list[Claim]:
     context.save(_vr_figure(vr_rows, class_rows, names, data.name), "sanyal_fig1_3")
     context.save(_table_figure(table_rows, names, dims, data.name), "sanyal_tables3_4")
     context.save(_robust_figure(robust_rows, names, data.name), "sanyal_fig5")
-    if len(names) < 2:
-        raise RuntimeError(f"every LR-Layer setting diverged ({', '.join(diverged)}); no comparison is possible")
-    claims = _claims(names, vr_rows, class_rows, table_rows, robust_rows, data.name, epochs)
-    if diverged:
-        note = f"; diverged and left out: {', '.join(diverged)}"
-        claims = [dataclasses.replace(claim, reason=claim.reason + note) for claim in claims]
+    # A layer never switched on leaves the network without it: comparing it would pass that network off as an LR model.
+    compared = [name for name in names if name not in never_on]
+    if len(compared) < 2:
+        raise RuntimeError(
+            f"no LR-Layer setting can be compared: diverged: {', '.join(diverged) or 'none'}; never switched on "
+            f"(training accuracy below {_SWITCH_ON_ACCURACY:.0%} in {epochs} epochs): {', '.join(never_on) or 'none'}"
+        )
+    claims = _claims(compared, vr_rows, class_rows, table_rows, robust_rows, data.name, epochs)
+    notes = [f"diverged and left out: {', '.join(diverged)}"] if diverged else []
+    if never_on:
+        notes.append(
+            f"LR-Layer never switched on (training accuracy below {_SWITCH_ON_ACCURACY:.0%}) and left out: "
+            + ", ".join(never_on)
+        )
+    if notes:
+        claims = [dataclasses.replace(claim, reason="; ".join([claim.reason, *notes])) for claim in claims]
     return claims
 
 

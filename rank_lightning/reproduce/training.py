@@ -17,7 +17,15 @@ from torch import Tensor, nn
 
 from rank_lightning.data.digits import DigitsDataModule
 
-__all__ = ["Dataset", "Diverged", "accuracy", "features_of", "load_classification", "train_epochs"]
+__all__ = [
+    "Dataset",
+    "Diverged",
+    "accuracy",
+    "check_data_dir",
+    "features_of",
+    "load_classification",
+    "train_epochs",
+]
 
 
 class Diverged(RuntimeError):
@@ -56,8 +64,26 @@ class Dataset:
         )
 
 
+def check_data_dir(data_dir: str | Path | None) -> Path | None:
+    """``data_dir`` as a path, after checking that it holds torchvision's ``FashionMNIST/raw`` folder.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` is given but ``data_dir/FashionMNIST/raw`` is not a folder (a mistyped
+            path would otherwise run every experiment on the digits instead).
+    """
+    if data_dir is None:
+        return None
+    raw = Path(data_dir) / "FashionMNIST" / "raw"
+    if not raw.is_dir():
+        raise FileNotFoundError(
+            f"data folder {str(data_dir)!r} holds no Fashion-MNIST files: {str(raw)!r} is not a folder (torchvision's "
+            "layout: DIR/FashionMNIST/raw/*-ubyte[.gz]); leave the data folder out to use the bundled digits"
+        )
+    return Path(data_dir)
+
+
 def load_classification(data_dir: Path | None = None, *, max_train: int | None = None) -> Dataset:
-    """Fashion-MNIST when its files are in ``data_dir`` (flattened 784-pixel vectors), else the bundled digits.
+    """Fashion-MNIST from ``data_dir`` (flattened 784-pixel vectors), or the bundled digits when it is ``None``.
 
     The digits come from :class:`~rank_lightning.data.DigitsDataModule` without a validation split (1,438 training
     and 359 test images of 64 pixels, normalised by the training pixels' mean and std).
@@ -65,8 +91,11 @@ def load_classification(data_dir: Path | None = None, *, max_train: int | None =
     Args:
         data_dir: folder holding ``FashionMNIST/raw`` (torchvision's layout), or ``None``.
         max_train: keep at most this many training samples, drawn at random (seed 0).
+
+    Raises:
+        FileNotFoundError: ``data_dir`` is given but holds no ``FashionMNIST/raw`` folder (:func:`check_data_dir`).
     """
-    if data_dir is not None and (Path(data_dir) / "FashionMNIST" / "raw").is_dir():
+    if check_data_dir(data_dir) is not None:
         from rank_lightning.data.vision import FashionMNISTDataModule
 
         module = FashionMNISTDataModule(data_dir=data_dir, download=False, flatten=True, val_fraction=0.0)

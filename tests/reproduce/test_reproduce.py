@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from rank_lightning.reproduce import EXPERIMENTS, run_experiments
 from rank_lightning.reproduce.cli import main
@@ -121,12 +122,39 @@ def test_list_names_every_experiment(capsys):
         ([], "name at least one experiment"),
         (["feng_fig1", "--threads", "0"], "--threads must be positive"),
         (["feng_fig1", "--device", "not-a-device"], "invalid --device"),
+        (["feng_fig4", "--device", "meta"], "unsupported device 'meta'; valid device types are: cpu, cuda, mps"),
+        (["feng_fig1", "feng_fig1"], "experiment(s) named more than once: feng_fig1"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_valid_choices(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_data_dir_without_fashion_mnist_is_refused_not_replaced_by_the_digits(tmp_path, capsys):
+    missing = tmp_path / "no_data"
+    with pytest.raises(SystemExit):
+        main(["feng_fig4", "--quick", "--quiet", "--data-dir", str(missing), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"--data-dir: data folder '{missing}' holds no Fashion-MNIST files" in err
+    assert "FashionMNIST/raw" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError, match="holds no Fashion-MNIST files"):
+        run_experiments(["feng_fig4"], tmp_path / "out", quick=True, data_dir=missing)
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_with_other_names_and_an_output_file_are_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["all", "feng_fig1"])
+    assert "'all' runs every experiment and takes no other name; got all feng_fig1" in capsys.readouterr().err
+    taken = tmp_path / "taken.txt"
+    taken.write_text("kept")
+    with pytest.raises(SystemExit):
+        main(["feng_fig1", "--quick", "--out", str(taken)])
+    assert f"--out: output folder '{taken}' is an existing file" in capsys.readouterr().err
+    assert taken.read_text() == "kept"
 
 
 def test_run_experiments_refuses_an_unknown_name(tmp_path):
@@ -137,3 +165,28 @@ def test_run_experiments_refuses_an_unknown_name(tmp_path):
 def test_claim_refuses_an_unknown_verdict():
     with pytest.raises(ValueError, match="reproduced, partly, not"):
         Claim("x", "claim", "paper", "ours", "maybe")
+
+
+def test_an_lr_layer_never_switched_on_is_not_compared_as_an_lr_model(tmp_path, monkeypatch):
+    from rank_lightning.reproduce import sanyal
+
+    # The layer switches on at a training accuracy no network reaches: the "LR model" is the network without it.
+    monkeypatch.setattr(sanyal, "_SWITCH_ON_ACCURACY", 1.01)
+    with pytest.raises(RuntimeError, match=r"never switched on \(training accuracy below 101% in 4 epochs\): "):
+        run_experiments(["sanyal"], tmp_path, quick=True)
+    table = (tmp_path / "sanyal" / "low_dimensional_accuracy.csv").read_text()
+    assert '"LR-Layer, lambda = 1, 1",128,' in table
+
+
+def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, monkeypatch):
+    from rank_lightning.reproduce.core import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device 'cuda:3' does not exist: this machine has 1 CUDA device\(s\)"):
+        run_experiments(["feng_fig4"], tmp_path / "out", quick=True, device="cuda:3")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'mps' was asked for but MPS is not available"):
+        check_device("mps")
+    assert check_device("cpu") == torch.device("cpu")
