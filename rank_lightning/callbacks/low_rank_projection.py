@@ -123,7 +123,16 @@ class LowRankProjection(RankCallback):
         self._last_step = trainer.global_step
         if self.enabled and stepped:
             generator = torch.Generator().manual_seed(self.seed + trainer.global_step)
-            for _, layer in layers:
+            for name, layer in layers:
+                if not bool(torch.isfinite(layer.weight).all()):
+                    # A NaN or Inf (an exploding step, a bad batch upstream) has no rank-k projection: the layer is
+                    # left as it is and the fit goes on, as it would without the LR-Layer's projection.
+                    self.warn_once(
+                        ("nonfinite", name),
+                        f"the weight of the LR-Layer {name!r} holds NaN or Inf values at step {trainer.global_step}; "
+                        "its rank-k projection is skipped while they remain",
+                    )
+                    continue
                 layer.project_(generator)
         uncollected = [name for name, layer in layers if layer.pop_auxiliary_loss() is not None]
         if uncollected:

@@ -194,3 +194,19 @@ def test_a_fit_that_ends_with_the_layers_off_says_so() -> None:
     with pytest.warns(UserWarning, match=r"never switched on: train/acc reached at most 0.5, below the threshold 0.65"):
         quiet_trainer([callback], max_epochs=2).fit(module, _loader())
     assert not callback.enabled
+
+
+def test_a_nan_in_the_lr_layer_skips_its_projection_with_a_warning_and_the_fit_goes_on() -> None:
+    class _Poison(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+            if trainer.current_epoch == 1 and idx == 1:
+                with torch.no_grad():
+                    pl_module.net[0].weight[0, 0] = math.nan
+
+    module = _Scripted([0.9] * 3)
+    callback = LowRankProjection(threshold=0.65)
+    trainer = quiet_trainer([callback, _Poison()], max_epochs=3)
+    with pytest.warns(UserWarning, match=r"LR-Layer .net.2.0. holds NaN or Inf values at step 6; its rank-k proj"):
+        trainer.fit(module, _loader())
+    assert trainer.global_step == 12
+    assert not torch.isfinite(module.net[2][0].weight).all()
