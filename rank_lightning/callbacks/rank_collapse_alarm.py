@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
 from rank_lightning.layers import module_blocks
-from rank_lightning.validation import check_choice, check_names, check_positive
+from rank_lightning.validation import check_choice, check_finite, check_names, check_positive
 
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
 
@@ -115,11 +115,14 @@ class RankCollapseAlarm(RankCallback):
             raise ValueError("keys must name at least one glob pattern of logged keys, got None")
         if min_value is None and min_width_fraction is None and max_drop is None:
             raise ValueError("RankCollapseAlarm needs a rule: set min_value, min_width_fraction or max_drop")
-        if min_value is not None and (isinstance(min_value, bool) or not math.isfinite(min_value)):
-            raise ValueError(f"min_value must be a finite number, got {min_value!r}")
+        check_finite("min_value", min_value, allow_none=True)
         for name, fraction in (("min_width_fraction", min_width_fraction), ("max_drop", max_drop)):
-            if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+            # bool is an int: min_width_fraction=True would be a fraction of 1.
+            valid = isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1
+            if fraction is not None and not valid:
                 raise ValueError(f"{name} must be a fraction in (0, 1], got {fraction!r}")
+        if widths is not None and not isinstance(widths, Mapping):
+            raise ValueError(f"widths must be a mapping {{glob over keys: width}} or None, got {widths!r}")
         for pattern, width in (widths or {}).items():
             check_positive(f"widths[{pattern!r}]", width)
         self.min_value, self.min_width_fraction, self.max_drop = min_value, min_width_fraction, max_drop

@@ -99,7 +99,7 @@ class RankPretraining(RankCallback):
         check_positive_int("num_batches", num_batches)
         check_positive_int("steps", steps)
         check_positive("lr", lr)
-        if not 0 <= momentum < 1:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.layer = layer
         self.num_batches = num_batches

@@ -178,6 +178,9 @@ def test_a_pattern_that_never_matches_is_reported() -> None:
         ({"min_value": math.inf}, "min_value must be a finite number"),
         ({"min_value": 1, "widths": {"rank/*": 0}}, "widths"),
         ({"min_value": 1, "keys": []}, "keys"),
+        ({"min_value": "1"}, "min_value must be a finite number or None, got '1'"),
+        ({"min_width_fraction": True}, r"min_width_fraction must be a fraction in \(0, 1\], got True"),
+        ({"min_value": 1, "widths": [("rank/*", 8)]}, r"widths must be a mapping \{glob over keys: width\} or None"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs: dict, match: str) -> None:

@@ -185,6 +185,8 @@ def test_bad_arguments_raise() -> None:
         RankPretraining(num_batches=0)
     with pytest.raises(ValueError, match="unknown reduction 'pool'"):
         RankPretraining(reduction="pool")
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got '0.9'"):
+        RankPretraining(momentum="0.9")
 
 
 def test_pretraining_under_the_lightning_pytorch_trainer() -> None:
