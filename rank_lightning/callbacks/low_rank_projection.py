@@ -30,7 +30,8 @@ class LowRankProjection(RankCallback):
     would be too early, since Lightning zeroes gradients inside the step's closure, before ``backward``. A batch
     without a step (gradient accumulation) is recognised by an unchanged ``trainer.global_step`` and not projected.
     The Nyström column indices come from a generator seeded with ``seed + global_step``, identical on every DDP rank,
-    so every rank projects its (identical) weights identically.
+    so every rank projects its (identical) weights identically. A layer whose weight holds NaN or Inf is not
+    projected (a warning names it once); the fit goes on.
 
     Args:
         threshold: value of ``monitor`` at which the layers are switched on; ``None`` to use only ``switch_on_epoch``.

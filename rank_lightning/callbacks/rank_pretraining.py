@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,9 @@ class RankPretraining(RankCallback):
     runs once, in ``on_train_start`` (the training dataloader exists from then on), with its own SGD optimizer, so
     the module's optimizer and its state are left alone. The module is in training mode during the ascent. Under DDP
     the ascent gradients are averaged over ranks so that every rank keeps the same weights. Afterwards every
-    submodule has its own train/eval flag back (a frozen BatchNorm stays frozen).
+    submodule has its own train/eval flag back (a frozen BatchNorm stays frozen). An ascent step whose ``r(H)`` or
+    gradient is NaN or Inf (a NaN in a layer before the target, or in the inputs) is skipped, with a warning that
+    counts the skipped steps; the fit goes on.
 
     Deviations from the paper, on by default: the ascent's SGD has momentum (``momentum=0.9``; Alg. 1 takes plain
     gradient steps, ``momentum=0`` restores them), and each step moves along the gradient divided by its global norm
@@ -188,15 +191,33 @@ class RankPretraining(RankCallback):
         """Daneshmand et al. Alg. 1: ``steps`` ascent steps on ``r(H_target)`` for each batch, in training mode."""
         parameters = [p for p in pl_module.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=self.momentum)
+        skipped = 0
         with torch.enable_grad(), train_mode(pl_module):
             for batch in batches:
                 for _ in range(self.steps):
                     optimizer.zero_grad(set_to_none=True)
                     features = self._features(pl_module, [target], batch)[target.name]
-                    (-participation_ratio(features)).backward()
+                    objective = participation_ratio(features)
+                    if objective.requires_grad and bool(torch.isfinite(objective)):
+                        (-objective).backward()
+                    else:
+                        # A NaN or Inf in the features (a layer before the target holds one) gives a NaN r(H) with
+                        # no gradient: NaN gradients, so that every DDP rank (averaging them) skips this step too.
+                        for p in parameters:
+                            p.grad = torch.full_like(p, math.nan)
                     self._prepare_gradients(trainer, parameters)
-                    optimizer.step()
+                    if all(bool(torch.isfinite(p.grad).all()) for p in parameters if p.grad is not None):
+                        optimizer.step()
+                    else:
+                        skipped += 1
         pl_module.zero_grad(set_to_none=True)
+        if skipped:
+            self.warn_once(
+                ("nonfinite",),
+                f"r(H) of {target.name!r} or its gradient was NaN or Inf at {skipped} of "
+                f"{len(batches) * self.steps} ascent steps (a NaN or Inf in the network or the inputs); those steps "
+                "were skipped, leaving the weights as they were",
+            )
         # The ascent's forward passes leave the auxiliary losses of LR-Layers pending: not the first step's.
         collect_auxiliary_losses(pl_module)
 

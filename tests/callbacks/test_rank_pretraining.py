@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import numpy as np
@@ -200,3 +201,24 @@ def test_pretraining_under_the_lightning_pytorch_trainer() -> None:
     trainer.fit(module, _gaussian_loader(2, 32, 16, 3))
     assert list(callback.results) == ["layer1", "layer2", "layer3", "layer4"]
     assert callback.results["layer4"]["r_after"] > callback.results["layer4"]["r_before"]
+
+
+def test_a_nan_before_the_pretrained_layer_skips_the_ascent_with_a_warning() -> None:
+    torch.manual_seed(0)
+    backbone = create_model("mlp", input_shape=(16,), num_classes=3, depth=4, width=16, bias=False)
+    module = _Classifier(backbone)
+    with torch.no_grad():
+        backbone.layers[2].linear.weight[0, 0] = float("nan")
+    before = backbone.layers[0].linear.weight.detach().clone()
+    after: list[torch.Tensor] = []
+
+    class _Probe(pl.Callback):  # the weights after the pre-training, before the first training step
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+            after.append(backbone.layers[0].linear.weight.detach().clone())
+
+    callback = RankPretraining(num_batches=2, steps=3)
+    with pytest.warns(UserWarning, match=r"r\(H\) of 'layer4' or its gradient was NaN or Inf at 6 of 6 ascent steps"):
+        quiet_trainer([callback, _Probe()], max_steps=1).fit(module, _gaussian_loader(2, 32, 16, 3))
+    assert callback.results["layer1"]["r_after"] == callback.results["layer1"]["r_before"]
+    assert math.isnan(callback.results["layer4"]["r_after"])
+    assert torch.equal(after[0], before)
