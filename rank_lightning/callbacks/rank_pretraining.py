@@ -198,13 +198,13 @@ class RankPretraining(RankCallback):
                     optimizer.zero_grad(set_to_none=True)
                     features = self._features(pl_module, [target], batch)[target.name]
                     objective = participation_ratio(features)
-                    if objective.requires_grad and bool(torch.isfinite(objective)):
+                    if bool(torch.isfinite(objective)):
                         (-objective).backward()
                     else:
                         # A NaN or Inf in the features (a layer before the target holds one) gives a NaN r(H) with
-                        # no gradient: NaN gradients, so that every DDP rank (averaging them) skips this step too.
-                        for p in parameters:
-                            p.grad = torch.full_like(p, math.nan)
+                        # no gradient. NaN gradients for the parameters the features depend on, the ones a finite
+                        # r(H) reaches: every DDP rank averages the same gradients, and all of them skip this step.
+                        (features.sum() * math.nan).backward()
                     self._prepare_gradients(trainer, parameters)
                     if all(bool(torch.isfinite(p.grad).all()) for p in parameters if p.grad is not None):
                         optimizer.step()
