@@ -104,6 +104,10 @@ class RankPretraining(RankCallback):
         check_positive("lr", lr)
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if layer is not None and (not isinstance(layer, str) or not layer):
+            raise ValueError(
+                f"layer must be None or a layer name, path or glob pattern (a non-empty string), got {layer!r}"
+            )
         self.layer = layer
         self.num_batches = num_batches
         self.steps = steps

@@ -188,6 +188,8 @@ def test_bad_arguments_raise() -> None:
         RankPretraining(reduction="pool")
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got '0.9'"):
         RankPretraining(momentum="0.9")
+    with pytest.raises(ValueError, match=r"layer must be None or a layer name, path or glob pattern .*, got 3"):
+        RankPretraining(layer=3)
 
 
 def test_pretraining_under_the_lightning_pytorch_trainer() -> None:
