@@ -293,12 +293,14 @@ class _AllBlocksSeen(Exception):
 
 
 def _resolve_layers(
-    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | None
+    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | str | None
 ) -> dict[str, nn.Module]:
     if layers is None:
         if not hasattr(model, "blocks"):
             raise ValueError(f"{type(model).__name__} has no blocks(); pass layers= explicitly (names or modules)")
         layers = model.blocks()
+    if isinstance(layers, str):  # one dotted path, not a sequence of one-character names
+        layers = [layers]
     named = dict(layers) if isinstance(layers, Mapping) else {name: name for name in layers}
     if not named:
         raise ValueError("layers is empty; pass at least one layer name or module")
@@ -327,7 +329,7 @@ def _first_tensor(output: object, name: str) -> Tensor:
 
 
 def capture_block_outputs(
-    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | None = None
+    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | str | None = None
 ) -> Callable[[Tensor], dict[str, Tensor]]:
     """Wrap a model into a function returning the outputs of chosen blocks, for use under ``torch.func`` transforms.
 
@@ -340,8 +342,8 @@ def capture_block_outputs(
 
     Args:
         model: the network.
-        layers: ``{name: dotted path or module}`` or a list of dotted paths (used as names); ``None`` takes
-            ``model.blocks()`` (the backbone interface of ``rank_lightning.models``).
+        layers: ``{name: dotted path or module}``, a list of dotted paths (used as names) or one dotted path;
+            ``None`` takes ``model.blocks()`` (the backbone interface of ``rank_lightning.models``).
 
     Returns:
         ``fn(x) -> {name: output}``, ordered like ``layers``.
@@ -391,7 +393,7 @@ def _check_no_training_batchnorm(model: nn.Module) -> None:
 def partial_jacobian_ranks(
     model: nn.Module,
     inputs: Tensor,
-    layers: Mapping[str, str | nn.Module] | Sequence[str] | None = None,
+    layers: Mapping[str, str | nn.Module] | Sequence[str] | str | None = None,
     patch: Patch | Tensor | None = None,
     *,
     rank_tolerance: float | None = None,

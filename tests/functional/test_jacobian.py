@@ -200,3 +200,14 @@ def test_bad_arguments_are_rejected():
         Patch(10, 10, 4, 4).mask((3, 12, 12))
     with pytest.raises(ValueError, match="expected"):
         partial_jacobian(model.eval(), torch.randn(3, 12, 12), torch.ones(3, 4, 4, dtype=torch.bool))
+
+
+def test_a_single_layer_name_string_is_one_layer_not_its_characters():
+    # "10" must mean the module "10", not the modules "1" and "0".
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)], nn.Linear(4, 2))
+    inputs = torch.randn(2, 4)
+    ranks = partial_jacobian_ranks(model, inputs, "10")
+    assert list(ranks) == ["10"]
+    assert ranks["10"].ranks.tolist() == [2, 2]
+    assert list(capture_block_outputs(model, "10")(inputs[:1])) == ["10"]
