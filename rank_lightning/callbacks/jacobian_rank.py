@@ -71,7 +71,8 @@ class JacobianRankMonitor(CurveMonitor):
         patch: an explicit :class:`~rank_lightning.functional.jacobian.Patch` (any position, channels); exclusive
             with ``patch_size``.
         rank_tolerance: relative tolerance of the numerical rank; ``None`` is
-            ``finfo(float32).eps * min(num_outputs, K)``.
+            ``finfo(float32).eps * min(num_outputs, K)``, at least ``finfo(dtype).eps`` for a model whose weights are
+            bfloat16 or float16 (``precision="bf16-true"``; the Jacobian is computed in the weights' dtype).
         tolerance_size: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P`` in the default tolerance.
         chunk_size: patch directions pushed through the model at once; ``None`` for all ``K`` (bounds memory only).
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` takes

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rank_lightning.functional.spectral import numerical_rank
+from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
 from rank_lightning.layers import eval_mode as switch_to_eval
 
 __all__ = [
@@ -260,7 +260,10 @@ def partial_jacobian_rank(
         inputs: ``(B, ...)`` a few inputs; one Jacobian per row.
         patch: the patch ``P`` (see :func:`partial_jacobian`).
         rank_tolerance: relative tolerance of :func:`~rank_lightning.functional.spectral.numerical_rank`; ``None``
-            takes the default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``tolerance_size="max"``).
+            takes the default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``tolerance_size="max"``);
+            for a Jacobian computed in bfloat16 or float16 (half-precision weights, or autocast), at least
+            ``finfo(dtype).eps`` (:func:`~rank_lightning.functional.spectral.default_rank_tolerance` with
+            ``dtype_eps``), so that rounding noise is not counted as rank.
         tolerance_size: ``"min"`` (Feng et al.: the number of singular values) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
 
@@ -277,8 +280,13 @@ def partial_jacobian_rank(
             jacobian = partial_jacobian(fn, x, patch, chunk_size=chunk_size)
         named = jacobian if isinstance(jacobian, dict) else {None: jacobian}
         for name, matrix in named.items():
+            tolerance = rank_tolerance
+            dtype_eps = float(torch.finfo(matrix.dtype).eps)
+            if tolerance is None and dtype_eps > torch.finfo(torch.float32).eps:
+                # A half-precision Jacobian carries rounding noise far above float32's tolerance.
+                tolerance = default_rank_tolerance(*matrix.shape, tolerance_size=tolerance_size, dtype_eps=dtype_eps)
             per_input.setdefault(name, []).append(
-                numerical_rank(matrix, rank_tolerance=rank_tolerance, tolerance_size=tolerance_size)
+                numerical_rank(matrix, rank_tolerance=tolerance, tolerance_size=tolerance_size)
             )
             shapes[name] = tuple(matrix.shape)
     results = {
@@ -418,7 +426,8 @@ def partial_jacobian_ranks(
         layers: blocks to measure (see :func:`capture_block_outputs`); ``None`` takes ``model.blocks()``.
         patch: the patch ``P`` (see :func:`partial_jacobian`); default: central, :func:`default_patch_size`.
         rank_tolerance: relative tolerance of the numerical rank; ``None`` takes
-            ``finfo(float32).eps * min(num_outputs, K)``.
+            ``finfo(float32).eps * min(num_outputs, K)``, at least ``finfo(dtype).eps`` for a bfloat16 or float16
+            Jacobian (see :func:`partial_jacobian_rank`).
         tolerance_size: ``K`` of the default tolerance: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
         eval_mode: switch the model to eval mode temporarily (True) or require it (False).

@@ -289,3 +289,13 @@ def test_nan_block_logs_nan_with_a_warning_naming_it_and_other_blocks_unaffected
         assert math.isnan(monitor.curves.history[epoch]["conv2"]["rank"])
         assert math.isnan(monitor.curves.history[epoch]["low"]["rank"])
         assert monitor.curves.history[epoch]["conv1"]["rank"] == 12
+
+
+def test_bf16_true_model_keeps_the_rank_of_the_known_rank_block(tmp_path):
+    # Weights in bfloat16: the Jacobian is too; its rounding noise must not lift the rank-3 block to full rank.
+    model = TinyNet()
+    monitor = JacobianRankMonitor(num_inputs=2, verbose=False)
+    trainer = make_trainer(tmp_path, [monitor], precision="bf16-true")
+    trainer.fit(model, make_loader(make_data()), make_loader(make_data(8, seed=2)))
+    assert monitor.curves.history[0]["low"] == {"rank": 3.0, "rank_max": 12.0}
+    assert monitor.curves.history[0]["conv1"]["rank"] == 12.0

@@ -211,3 +211,19 @@ def test_a_single_layer_name_string_is_one_layer_not_its_characters():
     assert list(ranks) == ["10"]
     assert ranks["10"].ranks.tolist() == [2, 2]
     assert list(capture_block_outputs(model, "10")(inputs[:1])) == ["10"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None])
+def test_half_precision_jacobian_keeps_the_rank_of_a_known_rank_block(dtype):
+    # A rank-3 Linear caps the Jacobian rank at 3; bfloat16/float16 rounding must not be counted as rank.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 24, bias=False), nn.Tanh(), nn.Linear(24, 24))
+    with torch.no_grad():
+        model[2].weight.copy_(torch.randn(24, 3) @ torch.randn(3, 32))
+    inputs = torch.randn(2, 16)
+    if dtype is None:  # float32 weights under bfloat16 autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ranks = partial_jacobian_ranks(model, inputs, ["0", "2", "4"])
+    else:
+        ranks = partial_jacobian_ranks(model.to(dtype), inputs.to(dtype), ["0", "2", "4"])
+    assert {name: result.ranks.tolist() for name, result in ranks.items()} == {"0": [16, 16], "2": [3, 3], "4": [3, 3]}
