@@ -387,7 +387,7 @@ def capture_block_outputs(
 
 
 def _check_no_training_batchnorm(model: nn.Module) -> None:
-    """Raise when a BatchNorm of ``model`` is in training mode (its output would depend on the whole batch)."""
+    """Raise when a BatchNorm or a dropout of ``model`` is in training mode (batch-dependent or random output)."""
     training_bn = [
         name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
@@ -395,6 +395,16 @@ def _check_no_training_batchnorm(model: nn.Module) -> None:
         raise ValueError(
             f"BatchNorm layers {training_bn} are in training mode: their output depends on the whole batch and "
             "vmap cannot update running statistics; call model.eval() or pass eval_mode=True"
+        )
+    training_dropout = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    if training_dropout:
+        raise ValueError(
+            f"dropout layers {training_dropout} are in training mode: they would draw a different mask for every "
+            "direction of the Jacobian; call model.eval() or pass eval_mode=True"
         )
 
 
@@ -418,7 +428,8 @@ def partial_jacobian_ranks(
     BatchNorm must use its running statistics: in training mode its output depends on the other samples of the batch
     and ``vmap`` cannot update the running statistics. With ``eval_mode=True`` (default) the model is switched to
     eval mode for the computation (which also disables dropout) and every submodule's training flag is restored
-    afterwards, even on error; with ``eval_mode=False`` a BatchNorm in training mode raises ``ValueError``.
+    afterwards, even on error; with ``eval_mode=False`` a BatchNorm or a dropout in training mode raises
+    ``ValueError``.
 
     Args:
         model: the network; ``inputs`` must be on its device.

@@ -227,3 +227,13 @@ def test_half_precision_jacobian_keeps_the_rank_of_a_known_rank_block(dtype):
     else:
         ranks = partial_jacobian_ranks(model.to(dtype), inputs.to(dtype), ["0", "2", "4"])
     assert {name: result.ranks.tolist() for name, result in ranks.items()} == {"0": [16, 16], "2": [3, 3], "4": [3, 3]}
+
+
+def test_training_dropout_without_eval_switch_is_named():
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3), nn.Dropout(0.0)).train()
+    inputs = torch.randn(2, 6)
+    with pytest.raises(ValueError, match=r"dropout layers \['1'\] are in training mode: .* pass eval_mode=True"):
+        partial_jacobian_ranks(model, inputs, ["2"], eval_mode=False)
+    # With the switch (the default) dropout is off and the rank is that of the Linear maps.
+    assert partial_jacobian_ranks(model, inputs, ["2"])["2"].ranks.tolist() == [3, 3]
+    assert model.training and model[1].training
