@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
 from rank_lightning.layers import eval_mode as switch_to_eval
+from rank_lightning.validation import check_choice, check_positive, check_positive_int
 
 __all__ = [
     "PartialJacobianRank",
@@ -270,6 +271,10 @@ def partial_jacobian_rank(
     Returns:
         A :class:`PartialJacobianRank`, or a dict of them keyed like ``fn``'s output.
     """
+    # Checked before the Jacobians, which can take minutes, rather than after them.
+    check_choice("tolerance_size", tolerance_size, ("min", "max"))
+    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
     if inputs.ndim < 2 or inputs.shape[0] == 0:
         raise ValueError(f"inputs must be a non-empty batch (B, ...), got shape {tuple(inputs.shape)}")
     per_input: dict[str | None, list[Tensor]] = {}

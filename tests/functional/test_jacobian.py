@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -237,3 +239,20 @@ def test_training_dropout_without_eval_switch_is_named():
     # With the switch (the default) dropout is off and the rank is that of the Linear maps.
     assert partial_jacobian_ranks(model, inputs, ["2"])["2"].ranks.tolist() == [3, 3]
     assert model.training and model[1].training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tolerance_size": "mid"}, "unknown tolerance_size 'mid'; valid choices are: min, max"),
+        ({"rank_tolerance": -1.0}, "rank_tolerance must be a positive number or None, got -1.0"),
+        ({"chunk_size": 0}, "chunk_size must be a positive integer or None, got 0"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_forward_pass(kwargs, message):
+    class Forbidden(nn.Module):
+        def forward(self, x):
+            raise AssertionError("the model ran before the settings were checked")
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        partial_jacobian_ranks(Forbidden(), torch.randn(1, 4), [""], **kwargs)
