@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -48,6 +50,11 @@ class JacobianRankMonitor(CurveMonitor):
     mode; the values are the same in all three settings. Under DDP, rank zero computes and broadcasts, so every
     process logs the same numbers (the others wait in the broadcast).
 
+    Non-finite values never stop training: a block whose partial Jacobian holds NaN or Inf at an input (a NaN or Inf
+    in its output or before it) logs NaN for its rank (and for that input's rank), with a warning naming it (once per
+    block); the blocks before it are unaffected. A Jacobian that is exactly zero (behind a layer of dead ReLUs) has
+    rank 0.
+
     Curves (:class:`~rank_lightning.callbacks.curves.LayerCurves`, namespace ``"jacobian"``): the history is
     rewritten to ``<run dir>/rank_curves/jacobian_curves.json`` at every measurement; the figures
     ``jacobian_rank.png`` and ``jacobian_rank_max.png`` (rank against epoch, and rank against depth) are drawn at the
@@ -64,7 +71,8 @@ class JacobianRankMonitor(CurveMonitor):
         patch: an explicit :class:`~rank_lightning.functional.jacobian.Patch` (any position, channels); exclusive
             with ``patch_size``.
         rank_tolerance: relative tolerance of the numerical rank; ``None`` is
-            ``finfo(float32).eps * min(num_outputs, K)``.
+            ``finfo(float32).eps * min(num_outputs, K)``, at least ``finfo(dtype).eps`` for a model whose weights are
+            bfloat16 or float16 (``precision="bf16-true"``; the Jacobian is computed in the weights' dtype).
         tolerance_size: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P`` in the default tolerance.
         chunk_size: patch directions pushed through the model at once; ``None`` for all ``K`` (bounds memory only).
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` takes
@@ -256,8 +264,19 @@ class JacobianRankMonitor(CurveMonitor):
         if self._inputs is None:
             self.warn_once(("no validation data",), "no validation data to take inputs from; nothing measured")
             return None
+        with warnings.catch_warnings():
+            # A non-finite Jacobian is reported below, naming its block, once instead of once per input and epoch.
+            warnings.filterwarnings("ignore", r".* contains NaN or Inf values; the spectrum", RuntimeWarning)
+            results = self.measure(pl_module)
         values = {}
-        for name, result in self.measure(pl_module).items():
+        for name, result in results.items():
+            if math.isnan(result.mean):
+                self.warn_once(
+                    ("not finite", name),
+                    f"the partial Jacobian of block {name!r} holds NaN or Inf values; its rank is logged as NaN "
+                    "while it does",
+                    RuntimeWarning,
+                )
             values[name] = {"rank": result.mean, "rank_max": float(result.max_rank)}
             if self.log_per_input:
                 values[name].update({f"rank_input_{i}": float(r) for i, r in enumerate(result.ranks)})

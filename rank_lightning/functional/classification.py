@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,7 +82,11 @@ def _check_labels(labels: Tensor, num_samples: int) -> Tensor:
 def _check_ks(ks: Sequence[int] | Tensor | None, dim: int) -> list[int]:
     if ks is None:
         return list(range(1, dim + 1))
-    values = sorted({int(k) for k in ks})
+    entries = ks.tolist() if isinstance(ks, Tensor) else list(ks)
+    if not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in entries):
+        # int() would truncate 2.5 to 2 and read True as 1: a different sweep from the one asked for.
+        raise ValueError(f"ks must be integers in [1, {dim}] (the feature width), got {entries}")
+    values = sorted({int(k) for k in entries})
     bad = [k for k in values if not 1 <= k <= dim]
     if bad:
         raise ValueError(f"ks must lie in [1, {dim}] (the feature width), got {bad}")
@@ -138,7 +143,7 @@ def classification_dimension(
 
     Raises:
         ValueError: a ``center`` other than False or True, features that are not a non-empty matrix, a threshold
-            outside ``(0, 1]``, labels of the wrong shape or type, or ``ks`` outside ``[1, d]``.
+            outside ``(0, 1]``, labels of the wrong shape or type, or ``ks`` that are not integers in ``[1, d]``.
     """
     check_choice("center", center, _CENTER_CHOICES)
     if features.ndim != 2 or features.shape[0] == 0:

@@ -24,8 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rank_lightning.functional.spectral import numerical_rank
+from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
 from rank_lightning.layers import eval_mode as switch_to_eval
+from rank_lightning.validation import check_choice, check_positive, check_positive_int
 
 __all__ = [
     "PartialJacobianRank",
@@ -260,13 +261,20 @@ def partial_jacobian_rank(
         inputs: ``(B, ...)`` a few inputs; one Jacobian per row.
         patch: the patch ``P`` (see :func:`partial_jacobian`).
         rank_tolerance: relative tolerance of :func:`~rank_lightning.functional.spectral.numerical_rank`; ``None``
-            takes the default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``tolerance_size="max"``).
+            takes the default ``finfo(float32).eps * min(num_outputs, K)`` (``max`` with ``tolerance_size="max"``);
+            for a Jacobian computed in bfloat16 or float16 (half-precision weights, or autocast), at least
+            ``finfo(dtype).eps`` (:func:`~rank_lightning.functional.spectral.default_rank_tolerance` with
+            ``dtype_eps``), so that rounding noise is not counted as rank.
         tolerance_size: ``"min"`` (Feng et al.: the number of singular values) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
 
     Returns:
         A :class:`PartialJacobianRank`, or a dict of them keyed like ``fn``'s output.
     """
+    # Checked before the Jacobians, which can take minutes, rather than after them.
+    check_choice("tolerance_size", tolerance_size, ("min", "max"))
+    check_positive("rank_tolerance", rank_tolerance, allow_none=True)
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
     if inputs.ndim < 2 or inputs.shape[0] == 0:
         raise ValueError(f"inputs must be a non-empty batch (B, ...), got shape {tuple(inputs.shape)}")
     per_input: dict[str | None, list[Tensor]] = {}
@@ -277,8 +285,13 @@ def partial_jacobian_rank(
             jacobian = partial_jacobian(fn, x, patch, chunk_size=chunk_size)
         named = jacobian if isinstance(jacobian, dict) else {None: jacobian}
         for name, matrix in named.items():
+            tolerance = rank_tolerance
+            dtype_eps = float(torch.finfo(matrix.dtype).eps)
+            if tolerance is None and dtype_eps > torch.finfo(torch.float32).eps:
+                # A half-precision Jacobian carries rounding noise far above float32's tolerance.
+                tolerance = default_rank_tolerance(*matrix.shape, tolerance_size=tolerance_size, dtype_eps=dtype_eps)
             per_input.setdefault(name, []).append(
-                numerical_rank(matrix, rank_tolerance=rank_tolerance, tolerance_size=tolerance_size)
+                numerical_rank(matrix, rank_tolerance=tolerance, tolerance_size=tolerance_size)
             )
             shapes[name] = tuple(matrix.shape)
     results = {
@@ -293,12 +306,14 @@ class _AllBlocksSeen(Exception):
 
 
 def _resolve_layers(
-    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | None
+    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | str | None
 ) -> dict[str, nn.Module]:
     if layers is None:
         if not hasattr(model, "blocks"):
             raise ValueError(f"{type(model).__name__} has no blocks(); pass layers= explicitly (names or modules)")
         layers = model.blocks()
+    if isinstance(layers, str):  # one dotted path, not a sequence of one-character names
+        layers = [layers]
     named = dict(layers) if isinstance(layers, Mapping) else {name: name for name in layers}
     if not named:
         raise ValueError("layers is empty; pass at least one layer name or module")
@@ -327,7 +342,7 @@ def _first_tensor(output: object, name: str) -> Tensor:
 
 
 def capture_block_outputs(
-    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | None = None
+    model: nn.Module, layers: Mapping[str, str | nn.Module] | Sequence[str] | str | None = None
 ) -> Callable[[Tensor], dict[str, Tensor]]:
     """Wrap a model into a function returning the outputs of chosen blocks, for use under ``torch.func`` transforms.
 
@@ -340,8 +355,8 @@ def capture_block_outputs(
 
     Args:
         model: the network.
-        layers: ``{name: dotted path or module}`` or a list of dotted paths (used as names); ``None`` takes
-            ``model.blocks()`` (the backbone interface of ``rank_lightning.models``).
+        layers: ``{name: dotted path or module}``, a list of dotted paths (used as names) or one dotted path;
+            ``None`` takes ``model.blocks()`` (the backbone interface of ``rank_lightning.models``).
 
     Returns:
         ``fn(x) -> {name: output}``, ordered like ``layers``.
@@ -377,7 +392,7 @@ def capture_block_outputs(
 
 
 def _check_no_training_batchnorm(model: nn.Module) -> None:
-    """Raise when a BatchNorm of ``model`` is in training mode (its output would depend on the whole batch)."""
+    """Raise when a BatchNorm or a dropout of ``model`` is in training mode (batch-dependent or random output)."""
     training_bn = [
         name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
@@ -386,12 +401,22 @@ def _check_no_training_batchnorm(model: nn.Module) -> None:
             f"BatchNorm layers {training_bn} are in training mode: their output depends on the whole batch and "
             "vmap cannot update running statistics; call model.eval() or pass eval_mode=True"
         )
+    training_dropout = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    if training_dropout:
+        raise ValueError(
+            f"dropout layers {training_dropout} are in training mode: they would draw a different mask for every "
+            "direction of the Jacobian; call model.eval() or pass eval_mode=True"
+        )
 
 
 def partial_jacobian_ranks(
     model: nn.Module,
     inputs: Tensor,
-    layers: Mapping[str, str | nn.Module] | Sequence[str] | None = None,
+    layers: Mapping[str, str | nn.Module] | Sequence[str] | str | None = None,
     patch: Patch | Tensor | None = None,
     *,
     rank_tolerance: float | None = None,
@@ -408,7 +433,8 @@ def partial_jacobian_ranks(
     BatchNorm must use its running statistics: in training mode its output depends on the other samples of the batch
     and ``vmap`` cannot update the running statistics. With ``eval_mode=True`` (default) the model is switched to
     eval mode for the computation (which also disables dropout) and every submodule's training flag is restored
-    afterwards, even on error; with ``eval_mode=False`` a BatchNorm in training mode raises ``ValueError``.
+    afterwards, even on error; with ``eval_mode=False`` a BatchNorm or a dropout in training mode raises
+    ``ValueError``.
 
     Args:
         model: the network; ``inputs`` must be on its device.
@@ -416,7 +442,8 @@ def partial_jacobian_ranks(
         layers: blocks to measure (see :func:`capture_block_outputs`); ``None`` takes ``model.blocks()``.
         patch: the patch ``P`` (see :func:`partial_jacobian`); default: central, :func:`default_patch_size`.
         rank_tolerance: relative tolerance of the numerical rank; ``None`` takes
-            ``finfo(float32).eps * min(num_outputs, K)``.
+            ``finfo(float32).eps * min(num_outputs, K)``, at least ``finfo(dtype).eps`` for a bfloat16 or float16
+            Jacobian (see :func:`partial_jacobian_rank`).
         tolerance_size: ``K`` of the default tolerance: ``"min"`` (Feng et al.) or ``"max"`` dimension of ``J_P``.
         chunk_size: directions per forward-mode chunk (memory bound).
         eval_mode: switch the model to eval mode temporarily (True) or require it (False).

@@ -268,3 +268,34 @@ def test_feng_digits_config_fit_then_validate(tmp_path, monkeypatch):
     assert 1 <= metrics["clsdim/cls_dim"] <= metrics["clsdim/ambient_dim"] == 128
     assert not math.isnan(float(metrics["jacobian/layer1/rank"]))
     assert metrics["jacobian/backbone.head/rank"] <= 10
+
+
+def test_nan_block_logs_nan_with_a_warning_naming_it_and_other_blocks_unaffected(tmp_path):
+    model, train, val = TinyNet(), make_data(), make_data(8, seed=2)
+    # conv2 gives NaN in eval mode only (training is unaffected); "low" comes after it and inherits the NaN.
+    conv2 = model.get_submodule(BLOCKS["conv2"])
+    conv2.register_forward_hook(lambda module, args, output: output if module.training else output * math.nan)
+    monitor = JacobianRankMonitor(num_inputs=2, verbose=False)
+    with pytest.warns(RuntimeWarning) as record:
+        make_trainer(tmp_path, [monitor], max_epochs=2).fit(model, make_loader(train), make_loader(val))
+    messages = [str(w.message) for w in record if "Jacobian" in str(w.message)]
+    assert messages == [
+        f"JacobianRankMonitor: the partial Jacobian of block {name!r} holds NaN or Inf values; its rank is logged as "
+        "NaN while it does"
+        for name in ("conv2", "low")
+    ]
+    assert not any("input matrix contains NaN" in str(w.message) for w in record)
+    for epoch in (0, 1):
+        assert math.isnan(monitor.curves.history[epoch]["conv2"]["rank"])
+        assert math.isnan(monitor.curves.history[epoch]["low"]["rank"])
+        assert monitor.curves.history[epoch]["conv1"]["rank"] == 12
+
+
+def test_bf16_true_model_keeps_the_rank_of_the_known_rank_block(tmp_path):
+    # Weights in bfloat16: the Jacobian is too; its rounding noise must not lift the rank-3 block to full rank.
+    model = TinyNet()
+    monitor = JacobianRankMonitor(num_inputs=2, verbose=False)
+    trainer = make_trainer(tmp_path, [monitor], precision="bf16-true")
+    trainer.fit(model, make_loader(make_data()), make_loader(make_data(8, seed=2)))
+    assert monitor.curves.history[0]["low"] == {"rank": 3.0, "rank_max": 12.0}
+    assert monitor.curves.history[0]["conv1"]["rank"] == 12.0

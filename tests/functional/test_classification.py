@@ -252,3 +252,15 @@ def test_accuracy_with_a_replaced_logit_matches_a_direct_argmax():
         predicted = replaced.argmax(axis=1)
         assert row["accuracy_fit"] == float((predicted == y).mean())
         assert row["class_accuracy_fit"] == float((predicted[y == i] == i).mean())
+
+
+def test_classification_dimension_rejects_non_integer_ks_instead_of_truncating():
+    features, labels, head = _planted_features(num_samples=50)
+    with pytest.raises(ValueError, match=r"ks must be integers in \[1, 12\] \(the feature width\), got \[2\.5, 5\]"):
+        classification_dimension(features, labels, head, ks=[2.5, 5])
+    with pytest.raises(ValueError, match=r"got \[True, 5\]"):
+        classification_dimension(features, labels, head, ks=[True, 5])
+    # Integer tensors and NumPy integers are integers.
+    by_tensor = classification_dimension(features, labels, head, ks=torch.tensor([2, 5]))
+    by_numpy = classification_dimension(features, labels, head, ks=np.array([2, 5]))
+    assert by_tensor.ks.tolist() == by_numpy.ks.tolist() == [2, 5, 12]

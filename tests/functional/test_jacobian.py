@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -200,3 +202,57 @@ def test_bad_arguments_are_rejected():
         Patch(10, 10, 4, 4).mask((3, 12, 12))
     with pytest.raises(ValueError, match="expected"):
         partial_jacobian(model.eval(), torch.randn(3, 12, 12), torch.ones(3, 4, 4, dtype=torch.bool))
+
+
+def test_a_single_layer_name_string_is_one_layer_not_its_characters():
+    # "10" must mean the module "10", not the modules "1" and "0".
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)], nn.Linear(4, 2))
+    inputs = torch.randn(2, 4)
+    ranks = partial_jacobian_ranks(model, inputs, "10")
+    assert list(ranks) == ["10"]
+    assert ranks["10"].ranks.tolist() == [2, 2]
+    assert list(capture_block_outputs(model, "10")(inputs[:1])) == ["10"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None])
+def test_half_precision_jacobian_keeps_the_rank_of_a_known_rank_block(dtype):
+    # A rank-3 Linear caps the Jacobian rank at 3; bfloat16/float16 rounding must not be counted as rank.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 24, bias=False), nn.Tanh(), nn.Linear(24, 24))
+    with torch.no_grad():
+        model[2].weight.copy_(torch.randn(24, 3) @ torch.randn(3, 32))
+    inputs = torch.randn(2, 16)
+    if dtype is None:  # float32 weights under bfloat16 autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ranks = partial_jacobian_ranks(model, inputs, ["0", "2", "4"])
+    else:
+        ranks = partial_jacobian_ranks(model.to(dtype), inputs.to(dtype), ["0", "2", "4"])
+    assert {name: result.ranks.tolist() for name, result in ranks.items()} == {"0": [16, 16], "2": [3, 3], "4": [3, 3]}
+
+
+def test_training_dropout_without_eval_switch_is_named():
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3), nn.Dropout(0.0)).train()
+    inputs = torch.randn(2, 6)
+    with pytest.raises(ValueError, match=r"dropout layers \['1'\] are in training mode: .* pass eval_mode=True"):
+        partial_jacobian_ranks(model, inputs, ["2"], eval_mode=False)
+    # With the switch (the default) dropout is off and the rank is that of the Linear maps.
+    assert partial_jacobian_ranks(model, inputs, ["2"])["2"].ranks.tolist() == [3, 3]
+    assert model.training and model[1].training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tolerance_size": "mid"}, "unknown tolerance_size 'mid'; valid choices are: min, max"),
+        ({"rank_tolerance": -1.0}, "rank_tolerance must be a positive number or None, got -1.0"),
+        ({"chunk_size": 0}, "chunk_size must be a positive integer or None, got 0"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_forward_pass(kwargs, message):
+    class Forbidden(nn.Module):
+        def forward(self, x):
+            raise AssertionError("the model ran before the settings were checked")
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        partial_jacobian_ranks(Forbidden(), torch.randn(1, 4), [""], **kwargs)
