@@ -223,7 +223,9 @@ def parse_grid(specs: Sequence[str], weight_decays: Sequence[str] | None = None)
     for spec, key, values in entries:
         if not all(values):
             raise ValueError(f"grid specification {spec!r} has an empty value; values are {values}")
-        if len(set(values)) != len(values):
+        # Numbers are compared as numbers: 1e-3 and 0.001 are one point of the grid, which would run twice.
+        compared = [value if _number(value) is None else _number(value) for value in values]
+        if len(set(compared)) != len(compared):
             raise ValueError(f"grid specification {spec!r} repeats a value: {values}")
         if key in grid:
             raise ValueError(f"grid key {key!r} is given twice; keys so far: {', '.join(grid)}")

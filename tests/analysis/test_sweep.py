@@ -90,6 +90,8 @@ def test_parse_grid_keeps_order_and_brackets_and_appends_weight_decays():
         (["=1,2"], None, "is not KEY=V1,V2"),
         (["data.init_args.sigma=0.1,,0.2"], None, "empty value"),
         (["data.init_args.sigma=0.1,0.1"], None, "repeats a value"),
+        (["data.init_args.sigma=0.05,5e-2"], None, r"repeats a value: \['0.05', '5e-2'\]"),
+        ([], ["1e-3", "0.001"], r"repeats a value: \['1e-3', '0.001'\]"),
         ([f"{WEIGHT_DECAY_KEY}=0"], ["1e-3"], "given twice"),
         ([], None, "the grid is empty"),
         # Accepted by the command-line check, then every run of the point failed at its optimizer.
