@@ -22,7 +22,14 @@ from rank_lightning.attacks import (
     kurakin_steps,
     l2_dissimilarity,
 )
-from rank_lightning.callbacks.base import Cadence, RankCallback, loader_list, trainer_fn, validations_per_epoch
+from rank_lightning.callbacks.base import (
+    Cadence,
+    RankCallback,
+    RowQuota,
+    loader_list,
+    trainer_fn,
+    validations_per_epoch,
+)
 from rank_lightning.callbacks.curves import (
     FIGURE_DIR,
     INITIAL_EPOCH,
@@ -34,7 +41,7 @@ from rank_lightning.callbacks.curves import (
 from rank_lightning.files import RunFiles
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure
-from rank_lightning.sampling import own_samples, process_share
+from rank_lightning.sampling import process_share
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
 __all__ = ["AdversarialValidation", "grey_levels"]
@@ -264,9 +271,9 @@ class AdversarialValidation(RankCallback):
         self._feature_layer: FeatureLayer | None = None
         self._pixel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._active: str | None = None
-        self._remaining = 0
-        self._own: list[int | None] = []  # per loader: the samples that are not DistributedSampler repeats
-        self._taken_from: list[int] = []  # per loader: the samples collected
+        self._loaders: list[Any] = []  # the evaluation's loaders, in dataloader_idx order
+        self._quota = RowQuota(0)  # the samples still to collect, of each loader without DistributedSampler repeats
+        self._loader_idx: int | None = None  # the loader the quota reads
         self._inputs: list[Tensor] = []
         self._labels: list[Tensor] = []
 
@@ -381,33 +388,29 @@ class AdversarialValidation(RankCallback):
             self._active = "test" if trainer_fn(trainer) == "test" else "validate"
         self._inputs, self._labels = [], []
         world, rank = max(trainer.world_size, 1), trainer.global_rank
-        limit = process_share(self.max_samples, world, rank)
-        self._remaining = -1 if limit is None else limit
-        loaders = loader_list(trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders)
         # The samples a DistributedSampler repeats at the end of a process's pass over a loader are attacked once.
-        self._own = [own_samples(loader) for loader in loaders]
-        self._taken_from = [0] * len(loaders)
+        self._quota, self._loader_idx = RowQuota(process_share(self.max_samples, world, rank)), None
+        loaders = loader_list(trainer.test_dataloaders if self._active == "test" else trainer.val_dataloaders)
+        self._loaders = loaders
         if self._active is not None:
             kind = "test" if self._active == "test" else "validation"
             pooled = "their samples are pooled into one attacked set (max_samples takes the first in loader order)"
             self.warn_pooled_loaders(len(loaders), kind, pooled)
 
     def _collect(self, batch: Any, dataloader_idx: int) -> None:
-        if self._active is None or self._remaining == 0 or dataloader_idx >= len(self._own):
+        if self._active is None or dataloader_idx >= len(self._loaders):
+            return
+        if dataloader_idx != self._loader_idx:  # Lightning evaluates the loaders one after the other
+            self._quota.enter(self._loaders[dataloader_idx])
+            self._loader_idx = dataloader_idx
+        room = self._quota.room()
+        if room == 0:
             return
         inputs, labels = self.reader.split(batch)
-        take, own = inputs.shape[0], self._own[dataloader_idx]
-        if own is not None:
-            take = min(take, own - self._taken_from[dataloader_idx])
-        if self._remaining > 0:
-            take = min(take, self._remaining)
-        if take <= 0:
-            return
+        take = inputs.shape[0] if room is None else min(inputs.shape[0], room)
         self._inputs.append(inputs[:take].detach().clone())
         self._labels.append(labels[:take].detach().clone())
-        self._taken_from[dataloader_idx] += take
-        if self._remaining > 0:
-            self._remaining -= take
+        self._quota.took(take)
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

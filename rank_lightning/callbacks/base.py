@@ -179,6 +179,11 @@ class RowQuota:
         ]
         return max(min(left), 0) if left else None
 
+    def enter(self, loader: Any) -> None:
+        """Take the next rows from ``loader``, the next loader of the pass (:meth:`batches` calls it; a callback fed
+        by batch hooks calls it when ``dataloader_idx`` changes)."""
+        self._own, self._taken_from_loader = own_samples(loader), 0
+
     def took(self, rows: int) -> None:
         """Count ``rows`` taken from the last batch (``0`` for none)."""
         self.taken += rows
@@ -190,7 +195,7 @@ class RowQuota:
         taken from the batch's start. A loader is left once its rows are taken, the pass once ``limit`` is reached."""
         self.taken = 0
         for loader in loaders:
-            self._own, self._taken_from_loader = own_samples(loader), 0
+            self.enter(loader)
             for batch in loader:
                 if self.room() == 0 and self._started:
                     break
