@@ -26,6 +26,7 @@ from rank_lightning.callbacks.base import (
     Cadence,
     RankCallback,
     RowQuota,
+    fresh_fit,
     loader_list,
     trainer_fn,
     validations_per_epoch,
@@ -294,11 +295,7 @@ class AdversarialValidation(RankCallback):
         """A fresh ``fit`` (no optimizer step taken, no checkpoint to resume) of a callback whose history holds
         evaluations of an earlier fit's model (the same instance given to a new Trainer) starts a new history, as the
         rank monitors start new curves."""
-        fresh = (
-            str(getattr(stage, "value", stage)) == "fit"
-            and getattr(trainer, "global_step", 0) == 0
-            and not getattr(trainer, "ckpt_path", None)
-        )
+        fresh = fresh_fit(trainer, stage)
         trained = [point for points in self.history.values() for point in points if point != self._initial_point]
         if fresh and trained:
             self._restart_history()

@@ -35,6 +35,7 @@ __all__ = [
     "RankCallback",
     "RowQuota",
     "first_val_loader",
+    "fresh_fit",
     "gather_rows",
     "loader_list",
     "trainer_fn",
@@ -364,6 +365,16 @@ def validations_per_epoch(trainer: pl.Trainer) -> float:
     return float(max(1, n // k))
 
 
+def fresh_fit(trainer: pl.Trainer, stage: str) -> bool:
+    """Whether ``stage`` starts a fresh ``fit``: no optimizer step taken and no checkpoint to resume (a callback whose
+    history holds an earlier fit's points then starts a new one)."""
+    return (
+        str(getattr(stage, "value", stage)) == "fit"
+        and getattr(trainer, "global_step", 0) == 0
+        and not getattr(trainer, "ckpt_path", None)
+    )
+
+
 def builds_layers_later(pl_module: Any) -> bool:
     """Whether ``pl_module`` overrides ``configure_model``, where Lightning's sharded strategies have the layers built
     after the callbacks' ``setup`` (either Lightning package)."""
@@ -542,11 +553,7 @@ class CurveMonitor(RankCallback):
         """A fresh ``fit`` (no optimizer step taken, no checkpoint to resume) of a monitor whose curves hold trained
         points of an earlier fit (the same instance given to a second Trainer) starts new curves, with an initial
         point of its own; a ``fit`` that continues (``max_epochs`` raised on the same Trainer) keeps them."""
-        fresh = (
-            str(getattr(stage, "value", stage)) == "fit"
-            and getattr(trainer, "global_step", 0) == 0
-            and not getattr(trainer, "ckpt_path", None)
-        )
+        fresh = fresh_fit(trainer, stage)
         trained = [point for point in self.curves.epochs if point != self.curves.initial_point]
         if fresh and trained:
             self.curves.restart()
