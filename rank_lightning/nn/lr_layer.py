@@ -3,6 +3,7 @@ low-rank affine subspace, and the helpers that place it in a network and collect
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -55,8 +56,8 @@ class LRLayer(nn.Module):
         enabled: whether training forward passes compute the auxiliary loss (off until switch-on).
         aux_loss: the auxiliary loss of the training forward passes not yet collected, or ``None``; of several (a step
             that runs each of several training loaders apart), their mean over the rows of all, as one pass over the
-            concatenated inputs gives. Before switch-on it is a zero connected to the parameters, so that DDP sees a
-            (zero) gradient for them.
+            concatenated inputs gives. Before switch-on, and for a batch of no rows, it is a zero connected to the
+            parameters, so that DDP sees a (zero) gradient for them.
         last_losses: detached ``{"reconstruction": L_c, "norm": L_N}`` of the latest loss (unweighted means over its
             rows).
 
@@ -121,7 +122,8 @@ class LRLayer(nn.Module):
         return (self.weight + self.weight.T) / 2
 
     def _as_matrix(self, x: Tensor) -> Tensor:
-        a = x.reshape(x.shape[0], -1) if self.flatten else x.reshape(-1, x.shape[-1])
+        # The width spelt out: reshape(B, -1) cannot size an empty batch.
+        a = x.reshape(x.shape[0], math.prod(x.shape[1:])) if self.flatten else x.reshape(-1, x.shape[-1])
         if a.shape[1] != self.num_features:
             how = "flattened per sample" if self.flatten else "last dimension"
             raise ValueError(
@@ -140,14 +142,19 @@ class LRLayer(nn.Module):
             self._pending_rows = 0
             return x
         a = self._as_matrix(x)  # (n, m)
+        # (A layer saved whole before _pending_rows existed has none: nothing pending.)
+        rows, earlier = a.shape[0], getattr(self, "_pending_rows", 0) if self.aux_loss is not None else 0
+        if rows == 0:
+            # No rows add nothing to the step's loss; their mean would be NaN, and a NaN weight ends the fit.
+            if not earlier:
+                self.aux_loss, self._pending_rows = (self.weight[0, 0] + self.bias[0]) * 0.0, 0
+            return x
         shifted = a + self.bias  # rows a_i + b
         # Row form of W^T (a_i + b): (a_i + b)^T W.
         reconstruction = (shifted @ self.effective_weight - shifted).square().sum(dim=1).mean()
         norm = (1 - torch.linalg.vector_norm(a, dim=1)).abs().mean()
         loss = self.lambda_1 * reconstruction + self.lambda_2 * norm
         losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
-        # (A layer saved whole before _pending_rows existed has none: nothing pending.)
-        rows, earlier = a.shape[0], getattr(self, "_pending_rows", 0) if self.aux_loss is not None else 0
         if earlier:
             # Another forward pass of the same step (a step that runs each of several training loaders apart): the
             # mean over the rows of both, as one pass over the concatenated inputs gives, none counted twice.

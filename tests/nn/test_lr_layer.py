@@ -242,3 +242,29 @@ def test_forward_passes_of_one_step_count_every_row_once() -> None:
     assert together.item() == pytest.approx(expected, rel=1e-12)
     layer(xb)  # the pending loss was collected: a new step starts
     torch.testing.assert_close(layer.pop_auxiliary_loss(), alone)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 2, 2), (0, 12)])
+def test_an_empty_batch_adds_nothing_to_the_loss(shape: tuple[int, ...]) -> None:
+    # reshape(0, -1) could not size the empty batch, and a mean over no rows was NaN, which reached the weight.
+    layer = _random_layer(12, 3, lambda_1=0.7, lambda_2=1.3)
+    empty = torch.zeros(shape, dtype=torch.float64)
+    assert layer(empty) is empty
+    assert layer.pop_auxiliary_loss().item() == 0.0
+    x = torch.randn(4, 12, dtype=torch.float64)
+    layer(x)
+    alone = layer.aux_loss.detach().clone()
+    layer(empty)  # a second pass of the same step with no rows leaves the pending loss as it was
+    loss = layer.pop_auxiliary_loss()
+    assert loss.item() == pytest.approx(alone.item(), rel=1e-15)
+    loss.backward()
+    assert torch.isfinite(layer.weight.grad).all() and layer.weight.grad.abs().max() > 0
+
+
+def test_tokens_of_an_empty_sequence_add_nothing_to_the_loss() -> None:
+    layer = _random_layer(8, 2, flatten=False)
+    layer(torch.zeros(3, 0, 8, dtype=torch.float64))
+    loss = layer.pop_auxiliary_loss()
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(layer.weight.grad) == 0
