@@ -56,7 +56,8 @@ class LRLayer(nn.Module):
         enabled: whether training forward passes compute the auxiliary loss (off until switch-on).
         aux_loss: the auxiliary loss of the training forward passes not yet collected, or ``None``; of several (a step
             that runs each of several training loaders apart), their mean over the rows of all, as one pass over the
-            concatenated inputs gives. Before switch-on, and for a batch of no rows, it is a zero connected to the
+            concatenated inputs gives; summed over the features in float32 at least (float32 for a float16 or
+            bfloat16 layer). Before switch-on, and for a batch of no rows, it is a zero connected to the
             parameters, so that DDP sees a (zero) gradient for them.
         last_losses: detached ``{"reconstruction": L_c, "norm": L_N}`` of the latest loss (unweighted means over its
             rows).
@@ -150,9 +151,12 @@ class LRLayer(nn.Module):
                 self.aux_loss, self._pending_rows = (self.weight[0, 0] + self.bias[0]) * 0.0, 0
             return x
         shifted = a + self.bias  # rows a_i + b
+        # Sums over the m features in float32 at least: in float16 a sum of squares passes 65504 (inf) at m = 16,384
+        # activations of size 2.
+        work = torch.promote_types(a.dtype, torch.float32)
         # Row form of W^T (a_i + b): (a_i + b)^T W.
-        reconstruction = (shifted @ self.effective_weight - shifted).square().sum(dim=1).mean()
-        norm = (1 - torch.linalg.vector_norm(a, dim=1)).abs().mean()
+        reconstruction = (shifted @ self.effective_weight - shifted).to(work).square().sum(dim=1).mean()
+        norm = (1 - torch.linalg.vector_norm(a, dim=1, dtype=work)).abs().mean()
         loss = self.lambda_1 * reconstruction + self.lambda_2 * norm
         losses = {"reconstruction": reconstruction.detach(), "norm": norm.detach()}
         if earlier:

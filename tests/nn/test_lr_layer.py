@@ -268,3 +268,21 @@ def test_tokens_of_an_empty_sequence_add_nothing_to_the_loss() -> None:
     loss.backward()
     assert loss.item() == 0.0
     assert torch.count_nonzero(layer.weight.grad) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_sums_over_the_features_do_not_overflow(dtype: torch.dtype) -> None:
+    # 64 features of size about 40: the sum of squares, about 1e5, passes float16's largest value 65504.
+    layer = _random_layer(64, 3).to(dtype)
+    torch.manual_seed(1)
+    x = (40 + torch.randn(5, 64)).to(dtype).requires_grad_(True)
+    layer(x)
+    loss = layer.pop_auxiliary_loss()
+    expected = _numpy_loss(
+        x.detach().double().numpy(), layer.weight.detach().double().numpy(), layer.bias.detach().double().numpy(), 1, 1
+    )
+    assert expected > 65504
+    assert loss.item() == pytest.approx(expected, rel=2e-2)  # float16 summed to inf
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
