@@ -22,9 +22,10 @@ class LowRankProjection(RankCallback):
 
     The model trains normally until the switch-on: the first epoch end at which ``trainer.callback_metrics[monitor]``
     reaches ``threshold`` (Sanyal et al.: 65% training accuracy), or the start of epoch ``switch_on_epoch``, whichever
-    comes first. From then on every :class:`~rank_lightning.nn.LRLayer` computes its auxiliary loss (which the
-    LightningModule adds to its loss with :func:`~rank_lightning.nn.collect_auxiliary_losses`), and after every
-    optimizer step each layer's weight is projected, ``W_S <- Pi_k(W)``.
+    comes first; a fit that starts with an LR-Layer already on (weights saved after the switch-on, whose state dict
+    keeps it) starts switched on. From then on every :class:`~rank_lightning.nn.LRLayer` computes its auxiliary loss
+    (which the LightningModule adds to its loss with :func:`~rank_lightning.nn.collect_auxiliary_losses`), and after
+    every optimizer step each layer's weight is projected, ``W_S <- Pi_k(W)``.
 
     The projection runs in ``on_train_batch_end``, the first hook after the optimizer step; ``on_before_zero_grad``
     would be too early, since Lightning zeroes gradients inside the step's closure, before ``backward``. A batch
@@ -107,6 +108,10 @@ class LowRankProjection(RankCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaded_on = [name for name, layer in lr_layers(pl_module) if layer.enabled]
+        if not self.enabled and loaded_on:
+            # Weights saved after the switch-on (their state dict keeps it) continue with the layers on.
+            self._switch_on(trainer, pl_module, f"the LR-Layers {loaded_on} were on in the model's weights")
         self._set_layers(pl_module)
         self._last_step = trainer.global_step
 

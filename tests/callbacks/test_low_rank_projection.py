@@ -210,3 +210,20 @@ def test_a_nan_in_the_lr_layer_skips_its_projection_with_a_warning_and_the_fit_g
         trainer.fit(module, _loader())
     assert trainer.global_step == 12
     assert not torch.isfinite(module.net[2][0].weight).all()
+
+
+def test_a_fresh_fit_of_a_model_saved_switched_on_keeps_its_layers_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The switched-on state travels in the state dict; a new fit (no ckpt_path) switched the layers off again, and
+    # this fit, whose accuracy stays below the threshold, trained and ended without them.
+    trained = _Scripted([0.9])
+    quiet_trainer([LowRankProjection(threshold=0.65)], max_epochs=1).fit(trained, _loader())
+    module = _Scripted([0.0, 0.0])
+    module.load_state_dict(trained.state_dict())
+    assert module.net[2][0].enabled
+    probe = _Probe()
+    _count_projections(module, probe, monkeypatch)
+    callback = LowRankProjection(threshold=0.65)
+    quiet_trainer([callback, probe], max_epochs=2).fit(module, _loader())
+    assert probe.enabled == [True, True]
+    assert probe.projections == [4, 4]
+    assert callback.enabled and callback.switched_on_epoch == 0
