@@ -209,6 +209,9 @@ class RankPretraining(RankCallback):
                         # no gradient. NaN gradients for the parameters the features depend on, the ones a finite
                         # r(H) reaches: every DDP rank averages the same gradients, and all of them skip this step.
                         (features.sum() * math.nan).backward()
+                    # The forward pass leaves the auxiliary losses of LR-Layers pending: dropped at once, since one
+                    # left pending joins the next pass's and keeps that step's graph alive.
+                    collect_auxiliary_losses(pl_module)
                     self._prepare_gradients(trainer, parameters)
                     if all(bool(torch.isfinite(p.grad).all()) for p in parameters if p.grad is not None):
                         optimizer.step()
@@ -222,8 +225,6 @@ class RankPretraining(RankCallback):
                 f"{len(batches) * self.steps} ascent steps (a NaN or Inf in the network or the inputs); those steps "
                 "were skipped, leaving the weights as they were",
             )
-        # The ascent's forward passes leave the auxiliary losses of LR-Layers pending: not the first step's.
-        collect_auxiliary_losses(pl_module)
 
     def _prepare_gradients(self, trainer: pl.Trainer, parameters: Sequence[Tensor]) -> None:
         """Average the gradients over DDP ranks and, with ``normalize_gradient``, divide them by their global norm."""

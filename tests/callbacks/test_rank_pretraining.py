@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from rank_lightning.callbacks import RankPretraining
 from rank_lightning.layers import FeatureLayer, feature_layer
 from rank_lightning.models import create_model
+from rank_lightning.nn import LRLayer, insert_lr_layer
 from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import quiet_trainer
 
@@ -224,3 +225,25 @@ def test_a_nan_before_the_pretrained_layer_skips_the_ascent_with_a_warning() -> 
     assert callback.results["layer1"]["r_after"] == callback.results["layer1"]["r_before"]
     assert math.isnan(callback.results["layer4"]["r_after"])
     assert torch.equal(after[0], before)
+
+
+def test_the_ascent_collects_the_lr_layer_loss_of_every_step() -> None:
+    # An LR-Layer switched on (weights saved after its switch-on) computes its loss in every ascent step. Left pending,
+    # each step's loss was merged into the next, keeping every step's graph, (n, m) activations included, alive until
+    # the ascent ended.
+    class _Plain(_Classifier):
+        def blocks(self) -> dict[str, str]:
+            return {}
+
+    torch.manual_seed(0)
+    module = _Plain(nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)))
+    layer = insert_lr_layer(module.backbone, "2", LRLayer(16, 2))
+    layer.enabled = True
+    pending: list[int] = []
+    layer.register_forward_pre_hook(
+        lambda m, args: (
+            pending.append(m._pending_rows if m.aux_loss is not None else 0) if torch.is_grad_enabled() else None
+        )
+    )
+    _fit(module, [RankPretraining(num_batches=2, steps=3, verbose=False)], _gaussian_loader(batch_size=16))
+    assert pending[:6] == [0] * 6  # the six ascent steps, then the training step
