@@ -225,13 +225,24 @@ def collect_auxiliary_losses(module: nn.Module) -> Tensor:
     return torch.zeros((), device=parameter.device if parameter is not None else None)
 
 
+class _InFront(nn.Sequential):
+    """``nn.Sequential(layer, module)`` that hands every further argument of a call on to ``module``."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        # A plain nn.Sequential takes one input: a module called with more (a transformer block with its attention
+        # mask) raised a TypeError once an LR-Layer stood in front of it.
+        return self[1](self[0](x), *args, **kwargs)
+
+
 def insert_lr_layer(model: nn.Module, before: str, layer: LRLayer) -> LRLayer:
     """Place ``layer`` in front of the submodule ``before`` of ``model``.
 
     The submodule is replaced by ``nn.Sequential(layer, submodule)``: the forward pass and the submodule's output are
     unchanged, the LR-Layer's parameters appear in the state dict as ``<before>.0.weight`` / ``<before>.0.bias`` and
-    the original ones under ``<before>.1.``. A state dict saved from a model with the layer inserted loads into a model
-    built the same way; load weights saved without the layer before inserting it.
+    the original ones under ``<before>.1.``. The LR-Layer sees the first positional argument of a call; any further
+    arguments (a transformer block's attention mask, keyword arguments) go to the submodule unchanged. A state dict
+    saved from a model with the layer inserted loads into a model built the same way; load weights saved without the
+    layer before inserting it.
 
     Args:
         model: the network (any ``nn.Module``, e.g. a backbone or a LightningModule).
@@ -249,5 +260,5 @@ def insert_lr_layer(model: nn.Module, before: str, layer: LRLayer) -> LRLayer:
         raise ValueError(f"unknown submodule {before!r}; submodules are: {', '.join(names)}")
     parent_name, _, child_name = before.rpartition(".")
     parent = model.get_submodule(parent_name)
-    setattr(parent, child_name, nn.Sequential(layer, model.get_submodule(before)))
+    setattr(parent, child_name, _InFront(layer, model.get_submodule(before)))
     return layer

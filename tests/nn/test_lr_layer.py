@@ -157,6 +157,41 @@ def test_insert_keeps_the_forward_and_places_the_layer_before_the_submodule() ->
         insert_lr_layer(model, "head", LRLayer(16, 4))
 
 
+def test_insert_in_front_of_a_module_called_with_further_arguments() -> None:
+    # A transformer block takes its attention mask (GPT-2's blocks, keyword arguments too); the nn.Sequential put in
+    # front of it took one input and raised a TypeError.
+    class _Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+            return self.linear(x) * mask * scale
+
+    class _Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = _Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x, (x > 0).float(), scale=2.0)
+
+    torch.manual_seed(0)
+    model, x = _Model(), torch.randn(3, 5, 4)
+    reference = model(x)
+    layer = insert_lr_layer(model, "block", LRLayer(4, 2, flatten=False))
+    layer.enabled = True
+    torch.testing.assert_close(model(x), reference)
+    assert layer.aux_loss is not None and layer._pending_rows == 15
+    assert set(model.state_dict()) == {
+        "block.0.weight",
+        "block.0.bias",
+        "block.0._extra_state",
+        "block.1.linear.weight",
+        "block.1.linear.bias",
+    }
+
+
 def test_state_dict_round_trip() -> None:
     torch.manual_seed(0)
     model = _backbone()
