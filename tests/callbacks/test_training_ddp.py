@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tests.callbacks.training_ddp_helpers import WORLD_SIZE, fit_several_loaders
+from tests.callbacks.training_ddp_helpers import WORLD_SIZE, fit_several_loaders, fit_steps
 
 
 def _assert_close(ddp: dict, single: dict, rel: float = 1e-9) -> None:
@@ -20,6 +20,38 @@ def _assert_close(ddp: dict, single: dict, rel: float = 1e-9) -> None:
                     assert math.isnan(got), (point, layer, metric)
                 else:
                     assert got == pytest.approx(value, rel=rel, abs=1e-12), (point, layer, metric)
+
+
+def _logged(rows: list[dict[str, str]]) -> dict[tuple[int, str], float]:
+    """The CSV logger's values by (step, key)."""
+    return {
+        (int(row["step"]), key): float(value)
+        for row in rows
+        for key, value in row.items()
+        if value and key.startswith(("rank_train/", "weight/"))
+    }
+
+
+@pytest.mark.slow
+def test_step_windows_and_weights_with_accumulation_on_two_processes(tmp_path):
+    # 84 samples, 16 rows per step of one process and 8 per process on two (the same rows), two batches per optimizer
+    # step: 6 batches and 3 steps per epoch (the last batch of 4 rows, a step of its own). Every 2 steps, windows of 3
+    # batches; the window of step 4 spans the epoch boundary (4 + 16 + 16 rows), max_steps=5 stops inside the window
+    # of step 6, which is dropped.
+    options = {"max_epochs": 2, "max_steps": 5, "accumulate_grad_batches": 2}
+    single = fit_steps(tmp_path / "single", devices=1, num_samples=84, **options)
+    ddp = fit_steps(tmp_path / "ddp", devices=WORLD_SIZE, num_samples=84, **options)
+
+    for curves in ("rank_train_curves", "weight_curves"):
+        assert sorted(single[curves]["history"], key=int) == ["0", "2", "4"]
+        _assert_close(ddp[curves]["history"], single[curves]["history"], rel=1e-12)
+    rows = {step: single["rank_train_curves"]["history"][step]["net.1"]["spectrum_rows"] for step in ("0", "2", "4")}
+    assert rows == {"0": 48, "2": 48, "4": 36}
+    # The loggers receive the same values at the same steps.
+    single_logged, ddp_logged = _logged(single["rows"]), _logged(ddp["rows"])
+    assert {step for step, _ in single_logged} == {0, 2, 4}
+    assert ddp_logged.keys() == single_logged.keys()
+    assert ddp_logged == pytest.approx(single_logged, rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ Kept apart from the test module so that spawned workers import only torch, Light
 
 from __future__ import annotations
 
+import csv
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -13,11 +14,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities import CombinedLoader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.curves import FIGURE_DIR
 from tests.spawned import SpawnedDDP
 
@@ -31,6 +33,69 @@ def _dataset(num_samples: int) -> TensorDataset:
     y = torch.arange(num_samples) % NUM_CLASSES
     x = torch.randn(num_samples, 6, generator=generator, dtype=torch.float64) + nn.functional.one_hot(y, 6)
     return TensorDataset(x, y)
+
+
+class StepNet(pl.LightningModule):
+    """An MLP trained in float64 with plain SGD: one process and two take the same steps up to float64 rounding.
+
+    One process reads ``WORLD_SIZE * BATCH_SIZE`` rows per batch in order; process r of a DDP run reads rows
+    r, r + W, ... (a ``DistributedSampler`` without shuffling), so batch b of every process together holds the rows
+    of batch b of one process, and the mean losses, averaged by DDP, give the same gradients."""
+
+    def __init__(self, num_samples: int) -> None:
+        super().__init__()
+        self.num_samples, self.num_classes = num_samples, NUM_CLASSES
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, NUM_CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        data = _dataset(self.num_samples)
+        world = self.trainer.world_size
+        if world == 1:
+            return DataLoader(data, batch_size=WORLD_SIZE * BATCH_SIZE)
+        sampler = DistributedSampler(data, num_replicas=world, rank=self.global_rank, shuffle=False)
+        return DataLoader(data, batch_size=BATCH_SIZE, sampler=sampler)
+
+
+def fit_steps(root: Path, devices: int, num_samples: int = 80, **options: Any) -> dict[str, Any]:
+    """Fit StepNet with an activation and a weight monitor on a step cadence on ``devices`` spawned CPU processes (one:
+    no DDP); the curve files and the CSV rows rank zero wrote."""
+    torch.manual_seed(0)
+    activations = ActivationRankMonitor(
+        layers=["net.1", "net.3"], every_n_train_steps=2, window_batches=3, max_samples=None, verbose=False
+    )
+    weights = WeightRankMonitor(layers=["net.0", "net.2"], every_n_train_steps=2, verbose=False)
+    strategy = SpawnedDDP(timeout=timedelta(seconds=60)) if devices > 1 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        logger=CSVLogger(root, name="run", version=0),
+        callbacks=[activations, weights],
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **options,
+    )
+    trainer.fit(StepNet(num_samples))
+    log_dir = Path(root, "run", "version_0")
+    with (log_dir / "metrics.csv").open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    curves = {
+        name: json.loads((log_dir / FIGURE_DIR / f"{name}.json").read_text())
+        for name in ("rank_train_curves", "weight_curves")
+    }
+    return {"rows": rows, **curves}
 
 
 class SeveralLoadersNet(pl.LightningModule):
