@@ -17,7 +17,15 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-__all__ = ["combined_parts", "limit_to_own_samples", "own_samples", "process_share", "repeated_samples", "side_loader"]
+__all__ = [
+    "CombinedOwnRows",
+    "combined_parts",
+    "limit_to_own_samples",
+    "own_samples",
+    "process_share",
+    "repeated_samples",
+    "side_loader",
+]
 
 
 def _padding_sampler(loader: Any) -> DistributedSampler | None:
@@ -124,3 +132,69 @@ def combined_parts(loaders: Any, batch: Any) -> list[Any]:
     if isinstance(loaders, (list, tuple)):
         return [part for inner, value in zip(loaders, batch) for part in combined_parts(inner, value)]
     return [batch]
+
+
+def _loader_parts(loaders: Any, batch: Any) -> list[tuple[Any, Any]]:
+    """``(loader, per-loader batch)`` for every loader of the collection ``loaders`` in :func:`combined_parts` order,
+    the batch ``None`` where a ``"max_size"`` batch has none of that loader."""
+    if isinstance(loaders, Mapping):
+        return [pair for key, inner in loaders.items() for pair in _loader_parts(inner, _part(batch, key))]
+    if isinstance(loaders, (list, tuple)):
+        return [pair for index, inner in enumerate(loaders) for pair in _loader_parts(inner, _part(batch, index))]
+    return [(loaders, batch)]
+
+
+def _part(batch: Any, key: Any) -> Any:
+    if batch is None:
+        return None
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    return batch[key] if key < len(batch) else None
+
+
+class CombinedOwnRows:
+    """Which rows of a process's combined batches (Lightning's ``CombinedLoader`` of several loaders, whose per-loader
+    batches a step's forward pass takes concatenated in loader order) are its own, not the samples a
+    ``DistributedSampler`` repeats at the end of the process's pass over one of the loaders (:func:`own_samples`).
+
+    A loader's rows are counted from the start of the process's pass over it; a loader read again within the pass
+    (``"max_size_cycle"``) starts a new pass over its samples, with its repeats at its end again.
+
+    Args:
+        loaders: the collection of loaders (a list, tuple or dict, possibly nested) the batches are combined from.
+    """
+
+    def __init__(self, loaders: Any) -> None:
+        self.loaders = loaders
+        leaves = [loader for loader, _ in _loader_parts(loaders, None)]
+        self._own = [own_samples(loader) for loader in leaves]
+        self._pass = [_samples_per_pass(loader) for loader in leaves]
+        self._read = [0] * len(leaves)
+
+    @property
+    def repeats(self) -> bool:
+        """Whether some loader repeats samples at the end of this process's pass over it."""
+        return any(own is not None for own in self._own)
+
+    def rows(self, batch: Any, batch_size: Any) -> tuple[int, list[int] | None]:
+        """``(rows, own)`` of the combined ``batch``: its rows in all (each per-loader batch's size by ``batch_size``)
+        and the indices of its rows that are this process's own, ``None`` when all are."""
+        total, kept = 0, []
+        for index, (_, part) in enumerate(_loader_parts(self.loaders, batch)):
+            size = (batch_size(part) or 0) if part is not None else 0
+            start, own, per_pass = self._read[index], self._own[index], self._pass[index]
+            self._read[index] += size
+            kept += [total + row for row in range(size) if own is None or (start + row) % per_pass < own]
+            total += size
+        return total, kept if len(kept) < total else None
+
+
+def _samples_per_pass(loader: Any) -> int | None:
+    """The samples one pass of this process over ``loader`` gives, when its sampler repeats any."""
+    sampler = _padding_sampler(loader)
+    if sampler is None:
+        return None
+    samples, batch_size = len(sampler), getattr(loader, "batch_size", None)
+    if getattr(loader, "drop_last", False) and batch_size:
+        samples -= samples % batch_size
+    return samples

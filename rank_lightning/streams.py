@@ -46,7 +46,7 @@ from rank_lightning.layers import (
     several_loaders_advice,
 )
 from rank_lightning.metrics import ActivationSpectrum
-from rank_lightning.sampling import own_samples, process_share
+from rank_lightning.sampling import CombinedOwnRows, own_samples, process_share
 
 __all__ = ["ActivationStream"]
 _KINDS = {4: "conv maps", 3: "tokens"}
@@ -152,7 +152,10 @@ class ActivationStream:
         self._autocast: dict[str, torch.dtype | None] = {}  # the autocast dtype each layer ran under (None: none)
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
+        self._combined_own: dict[int, CombinedOwnRows] = {}  # per loader index: a collection whose loaders repeat
         self._own_rows: int | None = None
+        self._own_indices: list[int] | None = None  # a combined batch's rows that are the process's own (None: all)
+        self._own_index_tensors: dict[torch.device, Tensor] = {}
         self._own_loader = 0
         self._offered_left: int | None = None
         self._name_uncalled = True
@@ -175,7 +178,9 @@ class ActivationStream:
 
         ``loaders`` are the loaders of the pass, in the order of the ``loader`` index given to :meth:`batch_start`:
         the samples a ``DistributedSampler`` repeats at the end of one (:func:`~rank_lightning.sampling.own_samples`)
-        are not measured, so that the processes together measure each sample once. ``name_uncalled=False`` does not
+        are not measured, so that the processes together measure each sample once; a collection of loaders (a list or
+        dict, whose batches are combined) leaves out the repeats of each of its loaders
+        (:class:`~rank_lightning.sampling.CombinedOwnRows`). ``name_uncalled=False`` does not
         warn about layers the pass's first batch did not run (a pass whose forward is not the module's own steps).
         """
         self.stop()
@@ -192,7 +197,9 @@ class ActivationStream:
         reads_decoder_mask = self.batch_reader.default_mask_lookup
         self._decoder_layers = frozenset(decoder_layers(module, self.layers) if reads_decoder_mask else ())
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
-        self._own_left = [own_samples(loader) for loader in loaders]
+        self._own_left = [None if _collection(loader) else own_samples(loader) for loader in loaders]
+        combined = {index: CombinedOwnRows(loader) for index, loader in enumerate(loaders) if _collection(loader)}
+        self._combined_own = {index: rows for index, rows in combined.items() if rows.repeats}
         self._name_uncalled = name_uncalled
         self.active = True
 
@@ -238,11 +245,23 @@ class ActivationStream:
             self._decoder_mask, wrong_decoder = self._read_mask(batch, decoder_mask, self.batch_reader.decoder_mask)
         self._count_wrong_masks(wrong, wrong_decoder)
         self._batch = BatchReader.batch_size(batch) if batch is not None and not combined else None
+        self._own_indices, self._own_index_tensors = None, {}
+        if combined and batch is not None and loader in self._combined_own:
+            self._batch, self._own_indices = self._combined_own[loader].rows(batch, BatchReader.batch_size)
         for known in (labels, self._mask, self._decoder_mask):  # labels tell the batch size even without class metrics
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
                 self._batch = known.shape[0]
         self._own_loader = loader
         self._own_rows = self._count_own(loader) if self._batch is not None else None
+        if self._own_indices is not None:
+            self._own_rows = len(self._own_indices)
+            keep = torch.tensor(self._own_indices, dtype=torch.long)
+            # The labels and masks of the rows measured: the process's own, in order.
+            self._labels = _rows_of(self._labels, keep, self._batch)
+            self._mask, self._decoder_mask = (
+                _rows_of(self._mask, keep, self._batch),
+                _rows_of(self._decoder_mask, keep, self._batch),
+            )
         if self._offered_left is not None and self._batch is not None:
             self._offered_left -= self._batch
         self._take = None
@@ -393,6 +412,8 @@ class ActivationStream:
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return
+        if self._own_indices is not None:  # a combined batch of which some rows are repeats
+            activations = activations[self._own_index_tensor(activations.device)]
         if name not in self._autocast:  # float32 outputs of a bf16 sublayer (a residual stream) carry its rounding
             device = activations.device.type
             self._autocast[name] = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
@@ -407,6 +428,13 @@ class ActivationStream:
         mask = None if mask is None else mask[:take].to(activations.device)
         if self._same_features(name, activations, metric):
             metric.update(activations[:take], labels, mask=mask)
+
+    def _own_index_tensor(self, device: torch.device) -> Tensor:
+        """The indices of the combined batch's own rows on ``device`` (moved once per batch for all layers)."""
+        index = self._own_index_tensors.get(device)
+        if index is None:
+            index = self._own_index_tensors[device] = torch.tensor(self._own_indices, dtype=torch.long, device=device)
+        return index
 
     def _same_features(self, name: str, activations: Tensor, metric: ActivationSpectrum) -> bool:
         """Whether the batch reduces to the layer's features; else a warning says why and the layer skips it."""
@@ -747,6 +775,19 @@ class ActivationStream:
             message = f"was measured on {result.num_samples} rows, fewer than its {d} features: its ranks are at "
             more = "raise max_samples" if self._max_samples_reached else "measure more batches"
             self._warn(name, "rows", message + f"most {cap} ({more} to measure more rows).")
+
+
+def _collection(loader: Any) -> bool:
+    """Whether ``loader`` is a collection of loaders (a list, tuple or mapping), whose batches are combined."""
+    return isinstance(loader, (Mapping, list, tuple))
+
+
+def _rows_of(values: Tensor | None, keep: Tensor, rows: int) -> Tensor | None:
+    """The rows ``keep`` of a batch's labels or mask of ``rows`` rows; anything else unchanged (the reader names
+    it)."""
+    if not isinstance(values, Tensor) or values.ndim == 0 or values.shape[0] != rows:
+        return values
+    return values[keep.to(values.device)]
 
 
 def _num_features(activations: Tensor, reduction: str) -> int:

@@ -85,3 +85,26 @@ def test_combined_parts_follow_the_loaders_collection_and_leave_out_exhausted_on
     # A "max_size" batch holds None for the loaders it has no batch of, nested ones too.
     assert combined_parts(loaders, {"a": None, "b": [(3, 4), None]}) == [(3, 4)]
     assert combined_parts("one loader", (1, 2)) == [(1, 2)]
+
+
+@pytest.mark.parametrize(("mode", "passes_of_b"), [("max_size_cycle", 2), ("max_size", 1)])
+def test_the_own_rows_of_combined_batches_cover_each_loader_once_per_pass(mode, passes_of_b):
+    from pytorch_lightning.utilities import CombinedLoader
+
+    from rank_lightning.sampling import CombinedOwnRows
+
+    counts = Counter()
+    for rank in range(2):
+        # 7 and 3 samples (b's values from 100 on): the second process's last sample of each loader is a repeat.
+        b = _loader(3, 2, rank)
+        b.dataset.tensors = (torch.arange(100, 103),)
+        loaders = {"a": _loader(7, 2, rank), "b": [b]}
+        own = CombinedOwnRows(loaders)
+        assert own.repeats == (rank == 1)
+        for batch, _, _ in CombinedLoader(loaders, mode):
+            rows = torch.cat([part[0] for part in (batch["a"], batch["b"][0]) if part is not None])
+            total, kept = own.rows(batch, lambda part: part[0].shape[0])
+            assert total == len(rows)
+            counts.update(rows.tolist() if kept is None else rows[kept].tolist())
+    # Every sample once per pass over its loader: b, the shorter, is read again under max_size_cycle.
+    assert counts == Counter(list(range(7)) + passes_of_b * list(range(100, 103)))
