@@ -689,10 +689,15 @@ class ActivationStream:
         self, name: str, *, metrics: tuple[str, ...], centered: bool, per_class: bool, when: str
     ) -> dict[str, float]:
         metric = self.metrics[name]
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             # Replaced below by a warning that names the layer.
             warnings.filterwarnings("ignore", message="ActivationSpectrum: .*NaN or Inf", category=RuntimeWarning)
             result = metric.compute()
+        for caught_warning in caught:
+            # The metric's own warnings (rounding limits, unlabelled rows) say which layer they are about.
+            message = str(caught_warning.message).replace("ActivationSpectrum: ", f"layer {name!r}: ", 1)
+            warnings.warn(message, caught_warning.category, stacklevel=3)
         if result.num_nonfinite_batches:
             warnings.warn(
                 f"layer {name!r} gave NaN or Inf activations in {result.num_nonfinite_batches} batch(es) {when}; its "

@@ -463,3 +463,21 @@ def test_a_layer_the_first_batch_does_not_call_is_measured_in_the_batches_that_d
     s = torch.linalg.svdvals(torch.cat(outputs[1:]).double())
     assert values["branch"]["spectrum_rows"] == 32.0 and values["trunk"]["spectrum_rows"] == 48.0
     assert values["branch"]["participation_ratio"] == pytest.approx(float((s**2).sum() ** 2 / (s**4).sum()), rel=1e-12)
+
+
+def test_the_metrics_rounding_warnings_name_the_layer():
+    # Classes of spread 1e-9: the streamed TCV cancels its digits; the metric's warning said "ActivationSpectrum".
+    generator = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, CLASSES, (64,), generator=generator)
+    x = torch.randn(CLASSES, 6, generator=generator, dtype=torch.float64)[labels]
+    x = x + 1e-9 * torch.randn(64, 6, generator=generator, dtype=torch.float64)
+    model = nn.Sequential(nn.Identity())
+    tracker = RankTracker(model, layers=["0"], num_classes=CLASSES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), tracker:
+            with tracker.batch(labels=labels):
+                model(x)
+            tracker.compute()
+    messages = [str(w.message) for w in caught if "total cluster variation" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("layer '0': the total cluster variation"), messages

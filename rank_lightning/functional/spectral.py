@@ -69,6 +69,7 @@ __all__ = [
 ]
 
 _SIZE_CHOICES = ("min", "max")
+_EPS64 = float(torch.finfo(torch.float64).eps)
 _CENTER_CHOICES = (False, True)
 _GRAM_SIDES = ("feature", "sample")
 
@@ -573,7 +574,10 @@ def soft_rank(x: Tensor | Spectrum, *, tau: float = 0.5, center: bool | None = N
     """Soft rank ``rank_tau(X) = #{i : s_i^2 / N >= tau}`` (Daneshmand et al. eq. 3).
 
     ``s_i^2 / N`` are the eigenvalues of the second-moment matrix ``X^T X / N``; the paper uses ``tau = 0.5`` on
-    batch-normalised features, whose second moments are of order one.
+    batch-normalised features, whose second moments are of order one. Values below the resolution of a float64 Gram,
+    ``s_i^2 < d * eps64 * s_1^2`` (README, "What it computes"), are not counted: ``tau`` is absolute, and for
+    activations far from the origin (``s_1^2 / N`` above ``tau / (d * eps64)``, rows of norm about ``1e7``) the Gram's
+    rounding noise would pass it.
 
     Args:
         x: (N, d) matrix or precomputed spectrum.
@@ -588,7 +592,9 @@ def soft_rank(x: Tensor | Spectrum, *, tau: float = 0.5, center: bool | None = N
     s = spec.singular_values
     if not spec.is_finite:
         return _nan_scalar(s.device)
-    return (s.square() / spec.num_samples >= tau).sum()
+    # tau is absolute: far from the origin (s_1^2 / N above tau / (d eps64)) a Gram's rounding noise would pass it.
+    resolved = _relative_squares(s) >= spec.num_features * _EPS64
+    return ((s.square() / spec.num_samples >= tau) & resolved).sum()
 
 
 def participation_ratio(x: Tensor | Spectrum, *, center: bool | None = None) -> Tensor:

@@ -49,7 +49,9 @@ def weight_spectra(
       (:func:`~rank_lightning.functional.spectra_from_grams`), 1.5-1.8x faster on a CPU. Squaring the matrix leaves an
       absolute error of at most about ``sqrt(eps64) * s_1 = 1.5e-8 * s_1`` on any singular value, a relative error of
       about ``eps64 * (s_1 / s_i)^2 / 2``: below ``1e-10`` for a matrix with ``s_min >= 1e-3 * s_1``; values above
-      ``1e-4 * s_1`` keep 8 digits, values below ``1e-7 * s_1`` lose their relative accuracy.
+      ``1e-4 * s_1`` keep 8 digits, values below ``1e-7 * s_1`` lose their relative accuracy. Each matrix is
+      scaled by a power of two near its largest entry first (exact), so that float64 weights of any finite size
+      neither overflow nor underflow in the Gram.
     * ``"auto"``: for matrices stored in float32 or narrower, the Gram route, redone by the exact SVD for every
       matrix whose ``s_min < 1e-3 * s_1`` (where the Gram route's relative error could exceed ``1e-10``); every
       singular value is then within ``1e-10`` relative, or within the SVD's error, whichever is larger. Matrices
@@ -210,7 +212,11 @@ def _jordan_wielandt_svdvals(batch: Tensor) -> Tensor:
 
 def _gram_svdvals(batch: Tensor) -> Tensor:
     # W W^T is the feature Gram of W^T: the smaller of the two Grams gives the same singular values.
+    # Each matrix in units of a power of two near its largest entry (exact): float64 weights beyond 1e154 (or below
+    # 1e-154) would overflow (underflow to zeros) in the Gram, giving NaN (every metric 0) for a finite matrix.
+    exponents = torch.frexp(batch.abs().amax(dim=(1, 2))).exponent
+    batch = torch.ldexp(batch, -exponents.view(-1, 1, 1))
     rows, cols = batch.shape[1:]
     grams = batch @ batch.mT if rows < cols else batch.mT @ batch
     spectra = spectra_from_grams(grams, [max(rows, cols)] * batch.shape[0])
-    return torch.stack([spec.singular_values for spec in spectra])
+    return torch.ldexp(torch.stack([spec.singular_values for spec in spectra]), exponents.view(-1, 1))

@@ -94,6 +94,12 @@ _CENTER_CHOICES = (False, True, "both")
 _SPECTRAL_FAMILIES = tuple(m for m in ACTIVATION_METRICS if m in SPECTRAL_METRICS)
 _CLUSTER_FAMILIES = tuple(m for m in ACTIVATION_METRICS if m not in SPECTRAL_METRICS)
 _FLOAT64_BYTES = 8
+_EPS64 = float(torch.finfo(torch.float64).eps)
+# Entries below this (3e-151) have float64 products below 2^-1000, near the subnormal range (from 2^-1022) where the
+# Gram loses digits.
+_SMALLEST_ENTRY = 2.0**-500
+# The streamed total cluster variation is reported with a warning when its rounding can exceed this relative error.
+_TCV_WARN_RELATIVE = 1e-6
 SPECTRUM_ROWS_KEY = "spectrum_rows"
 """The key :meth:`ActivationSpectrumResult.scalars` adds to every spectral selection: the rows behind the spectrum."""
 
@@ -267,7 +273,10 @@ class ActivationSpectrum(Metric):
     invariant and come from the shifted sums without the cancellation that sums of ``x`` suffer when the activations
     sit far from the origin compared with their spread (at an offset of ``1e6`` and a spread of ``0.1`` the plain
     moments lose every digit); the uncentred spectrum moves the sums back to the origin with exact formulas
-    (:func:`~rank_lightning.functional.streaming.move_reference`). Under DDP each process has its own reference; at
+    (:func:`~rank_lightning.functional.streaming.move_reference`). What the shift cannot remove is the rounding of
+    sums far from the point itself, about ``eps64 * sum ||x - r||^2``: :meth:`compute` warns where it exceeds the
+    Gram's own resolution (a first batch far from the later ones) or ``1e-6`` of the total cluster variation (classes
+    far tighter than their distance from ``r``). Under DDP each process has its own reference; at
     the sync every process moves its sums to the reference of the lowest-ranked process that saw rows before the
     sums are added, so one process and N processes agree to rounding.
     With ``num_classes``, per-class counts and sums give the total cluster variation exactly, and per-class Grams
@@ -1009,6 +1018,15 @@ class ActivationSpectrum(Metric):
             problem = f"{bad} batch(es) of activations contained NaN or Inf" if bad else "no activations were streamed"
             warnings.warn(f"ActivationSpectrum: {problem}; every metric is NaN", RuntimeWarning, stacklevel=2)
             return self._nan_result(n)
+        if self._underflows(n):
+            warnings.warn(
+                "ActivationSpectrum: the activations are too small for float64 second moments (entries of about "
+                f"{self._entry_scale(n):.1e} and below {_SMALLEST_ENTRY:.1e}: their products underflow); every metric "
+                "is NaN. Scale the activations up (the ranks and ratios do not depend on the scale)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return self._nan_result(n)
         # Element-wise work on a few d x d matrices is too small to share between threads (see serial_if_small).
         with serial_if_small(self.feature_sum, self.feature_sum.shape[-1]):
             if self.path == "gram":
@@ -1020,7 +1038,44 @@ class ActivationSpectrum(Metric):
             if self.num_classes and not int(self.class_counts.sum()):
                 # No labelled row, no class to take a ratio of: not reported, like the TCV.
                 estimate = estimate._replace(classwise=None, classwise_source=None)
+            if self.path == "gram":
+                self._warn_far_reference(estimate.spectra, n)
             return self._result(estimate, tcv=self._tcv(n), n=n)
+
+    def _entry_scale(self, n: int) -> float:
+        """The size of the streamed entries around the reference point: the larger of their root mean square and of
+        the largest column mean (a batch whose squares underflowed still shows in its sums)."""
+        d = self.feature_sum.shape[-1]
+        rms = math.sqrt(float(self.sum_squares) / (n * d))
+        return max(rms, float(self.feature_sum.abs().max()) / n)
+
+    def _underflows(self, n: int) -> bool:
+        """Whether the rows are so close to the reference point (to the origin: the point is rounded to float32,
+        which has no number below 1e-45) that their float64 products underflow: the Gram would read as zeros."""
+        scale = self._entry_scale(n)
+        return 0 < scale < _SMALLEST_ENTRY
+
+    def _warn_far_reference(self, spectra: dict[bool, Spectrum], n: int) -> None:
+        """Warn where the Gram's rounding, ``eps64 * Q`` with ``Q = sum ||x - r||^2`` around the reference point,
+        exceeds the resolution ``d * eps64 * s_1^2`` that a Gram of rows near their reference has (README, "What it
+        computes"): the rows lie far from the point their sums were taken around (a first batch far from the later
+        ones, or float64 activations beyond float32's range, where the point is the origin). Singular values below
+        about ``sqrt(eps64 * Q)`` can then be rounding noise (a bound: the rounding usually stays well below it)."""
+        d, total = self.feature_sum.shape[-1], float(self.sum_squares)
+        for centred, spec in spectra.items():
+            top = float(spec.singular_values[0]) if spec.singular_values.numel() else math.nan
+            if not (math.isfinite(top) and total > d * top * top):
+                continue
+            floor = math.sqrt(_EPS64 * total) / top
+            variant = "centred" if centred else "uncentred"
+            warnings.warn(
+                f"ActivationSpectrum: the {variant} spectrum comes from sums around a point far from the activations "
+                f"(the mean of the first batch): singular values below about {floor:.1e} * s_1 can be rounding noise, "
+                f"more than the {math.sqrt(d * _EPS64):.1e} * s_1 of a float64 Gram; feed a first batch "
+                "representative of the data",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @property
     def _centers(self) -> list[bool]:
@@ -1101,7 +1156,21 @@ class ActivationSpectrum(Metric):
         if not labelled or labelled != n:
             return None
         moments = (self.sum_squares, self.class_sums, self.class_counts)
-        return tuple(total_cluster_variation_from_moments(*moments, normalized=norm) for norm in (False, True))
+        tcv = tuple(total_cluster_variation_from_moments(*moments, normalized=norm) for norm in (False, True))
+        # TCV = Q - sum_c ||S_c||^2 / n_c cancels down from Q = sum ||x - r||^2: its rounding is about eps64 * Q.
+        error = _EPS64 * float(self.sum_squares)
+        value = float(tcv[0])
+        if math.isfinite(value) and error > _TCV_WARN_RELATIVE * value:
+            relative = f"{error / value:.1e}" if value > 0 else "inf"
+            warnings.warn(
+                f"ActivationSpectrum: the total cluster variation ({value:.3e}) is {float(self.sum_squares):.3e} "
+                "(the sum of squares around the reference point) minus the classes' share, and may be off by about "
+                f"{error:.1e} ({relative} relative): the classes are tight compared with their distance from the "
+                "reference point (the first batch's mean)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return tcv
 
     def _nan_result(self, n: int) -> ActivationSpectrumResult:
         """Every metric NaN, shaped as a real result would be."""

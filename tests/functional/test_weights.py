@@ -129,3 +129,14 @@ def test_empty_input_and_invalid_arguments():
         weight_spectra([torch.eye(3), torch.ones(2, 3, 3)])
     with pytest.raises(ValueError, match=r"matrices\[0\] must be a non-empty 2-D matrix, got shape \(0, 4\)"):
         weight_spectra([torch.ones(0, 4)])
+
+
+def test_gram_route_keeps_float64_weights_beyond_the_range_of_their_squares():
+    # Entries of 1e160 overflowed the Gram (all NaN), entries of 1e-170 underflowed it (every singular value 0).
+    base = torch.randn(12, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = torch.linalg.svdvals(base)
+    for scale in (1e160, 1e-170, 1.0):
+        gram = weight_spectra([base * scale, base * scale], decomposition="gram")[0]
+        torch.testing.assert_close(gram.singular_values / scale, expected, rtol=1e-13, atol=0)
+    zero = weight_spectra([torch.zeros(4, 3, dtype=torch.float64)], decomposition="gram")[0]
+    assert zero.singular_values.tolist() == [0.0, 0.0, 0.0]

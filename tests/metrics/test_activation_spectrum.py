@@ -1240,3 +1240,65 @@ def test_a_state_saved_with_other_settings_is_refused_and_the_metric_left_as_it_
     restored.load_state_dict(dict(state))
     s = _np_sv(x)
     assert restored.compute().uncentered.participation_ratio == pytest.approx((s**2).sum() ** 2 / (s**4).sum(), 1e-10)
+
+
+def test_soft_rank_leaves_out_the_gram_rounding_of_far_activations() -> None:
+    # Rows 1e8 from the origin: the uncentred Gram's rounding noise, s^2 / N ~ 1e2, passed tau = 0.5 (soft rank 7).
+    g = torch.Generator().manual_seed(21)
+    x = 1e8 + 1e-2 * torch.randn(600, 16, generator=g, dtype=torch.float64)
+    metric = ActivationSpectrum()
+    _stream(metric, x, None, [100] * 6)
+    result = metric.compute()
+    assert int(result.uncentered.soft_rank) == int((_np_sv(x) ** 2 / 600 >= 0.5).sum()) == 1
+    assert int(F.soft_rank(x - 1e8, tau=1e-6)) == 16  # values above the resolution still count
+
+
+def test_activations_below_the_float64_range_of_products_give_nan_with_a_warning() -> None:
+    # Entries of 1e-170 square to 0 in float64: every metric read 0 (a zero matrix), silently.
+    x = 1e-170 * torch.randn(200, 8, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    metric = ActivationSpectrum(num_classes=2, center="both")
+    _stream(metric, x, torch.arange(200) % 2, [100, 100])
+    with pytest.warns(RuntimeWarning, match=r"too small for float64 second moments \(entries of about 1\.\de-17\d"):
+        result = metric.compute()
+    assert math.isnan(float(result.uncentered.numerical_rank)) and math.isnan(float(result.total_cluster_variation))
+    metric = ActivationSpectrum()
+    metric.update(x * 1e30)  # 1e-140: the products are normal numbers, nothing is lost
+    assert int(metric.compute().uncentered.numerical_rank) == 8
+
+
+def test_a_first_batch_far_from_the_others_warns_of_the_centred_spectrum_it_costs() -> None:
+    # One row 1e6 away, then 999 rows: the centred Gram cancels N 1e12 down to 1e-1; its small values came out 3.4x
+    # the exact ones (1.21 for 0.351), above the rounding the README states, without a word.
+    g = torch.Generator().manual_seed(23)
+    x = 1e-2 * torch.randn(1000, 12, generator=g, dtype=torch.float64)
+    x[1:] += 1e6
+    metric = ActivationSpectrum(center=True)
+    _stream(metric, x, None, [1, 999])
+    with pytest.warns(RuntimeWarning, match=r"centred spectrum .* below about 4\.\de-07 \* s_1 can be rounding noise"):
+        metric.compute()
+    metric = ActivationSpectrum(center="both")
+    _stream(metric, x[1:], None, [500, 499])  # a representative first batch: exact, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = metric.compute()
+    np.testing.assert_allclose(result.centered.spectrum.singular_values.numpy(), _np_sv(x[1:], True), rtol=1e-10)
+
+
+def test_total_cluster_variation_of_tight_classes_warns_of_its_rounding() -> None:
+    # Classes of spread 1e-8 around means of order 1: TCV = Q - sum ||S_c||^2 / n_c cancels every digit (0 for 1e-13).
+    g = torch.Generator().manual_seed(24)
+    labels = torch.randint(0, 4, (1000,), generator=g)
+    means = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    for spread, warns in ((1e-8, True), (1e-2, False)):
+        x = means[labels] + spread * torch.randn(1000, 12, generator=g, dtype=torch.float64)
+        metric = ActivationSpectrum(num_classes=4)
+        _stream(metric, x, labels, [100] * 10)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = metric.compute()
+        messages = [str(w.message) for w in caught]
+        assert any("total cluster variation" in m and "may be off by about" in m for m in messages) == warns
+        if not warns:
+            assert float(result.total_cluster_variation) == pytest.approx(
+                float(F.total_cluster_variation(x, labels)), rel=1e-12
+            )
