@@ -36,7 +36,9 @@ from typing import Any, NoReturn
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from rank_lightning.callbacks.curves import run_directory
@@ -201,6 +203,19 @@ class RankCLI(LightningCLI):
             check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
         super()._parse_ckpt_path()
 
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = last_checkpoint(self.trainer, subcommand)
+        elif kwargs.get("ckpt_path") == "best":
+            # Lightning's `best` is the path a ModelCheckpoint holds in memory after a fit of the same process.
+            raise ValueError(
+                "--ckpt_path best names the best checkpoint of a fit run in the same process, which a command never "
+                "has; give the checkpoint's path (configs that monitor val/acc keep the best epoch as "
+                "<run dir>/checkpoints/epoch=<n>-step=<m>.ckpt)"
+            )
+        return kwargs
+
     def _run_subcommand(self, subcommand: str) -> None:
         # The loggers create their versioned directories (and the folders above them: runs/<name>/tensorboard/ for
         # the first run) before the callbacks' and the model's setup, so a setup error would leave an empty
@@ -236,6 +251,38 @@ def check_checkpoint_file(ckpt_path: Any) -> None:
             f"--ckpt_path {str(ckpt_path)!r} is not a checkpoint (a file ModelCheckpoint or torch.save wrote, such as "
             "<run dir>/checkpoints/last.ckpt), or it was cut short"
         )
+
+
+def last_checkpoint(trainer: pl.Trainer, subcommand: str) -> str | None:
+    """What ``--ckpt_path last`` names: the newest ``last*.ckpt`` of the earlier runs of the config.
+
+    Every run with a logger writes into a new versioned folder (``runs/<name>/version_<n>/``), whose ``checkpoints/``
+    is empty when it starts, so Lightning's own ``last`` (the newest ``last*.ckpt`` in the checkpoint folder of the
+    run it starts) never finds one: ``validate`` would measure the untrained model and ``fit`` start from scratch,
+    each after a warning alone. Here ``last`` is the newest ``last*.ckpt`` in the ``checkpoints/`` of every run folder
+    beside the new one. Without a logger, or with a checkpoint callback given its own ``dirpath``, runs share one
+    checkpoint folder, and Lightning's ``last`` is kept.
+
+    Returns:
+        The checkpoint's path; ``"last"`` for Lightning to resolve; ``None`` for a ``fit`` without an earlier
+        checkpoint, which starts from scratch (as Lightning's ``last`` does, so a restarted job may name it from its
+        first run on).
+
+    Raises:
+        ValueError: ``validate`` or ``test`` without an earlier checkpoint, naming the folders looked in.
+    """
+    shared = any(isinstance(c, ModelCheckpoint) and c.dirpath for c in trainer.checkpoint_callbacks)
+    if not trainer.loggers or shared:
+        return "last"
+    runs = run_directory(trainer).parent
+    found = [p for p in runs.glob("*/checkpoints/*.ckpt") if p.stem == "last" or p.stem.startswith("last-")]
+    if found:
+        return str(max(found, key=lambda path: path.stat().st_mtime))
+    where = f"no last*.ckpt in {runs}/*/checkpoints/ (an earlier fit of this config writes one)"
+    if subcommand == "fit":
+        rank_zero_warn(f"--ckpt_path last: {where}; this fit starts from scratch")
+        return None
+    raise ValueError(f"--ckpt_path last: {where}; give the checkpoint's path")
 
 
 def _new_log_directories(trainer: pl.Trainer) -> list[Path]:

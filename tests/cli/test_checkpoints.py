@@ -104,3 +104,54 @@ def test_quickstart_last_ckpt_is_the_last_epoch_when_val_acc_stops_improving(tmp
     assert (last["epoch"], last["global_step"]) == (2, 6)
     [best] = checkpoints.values()
     assert (best["epoch"], best["global_step"]) == (0, 2)
+
+
+FAST = ["--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.enable_model_summary=false"]
+QUICK = ["--config", str(ROOT / "configs/quickstart.yaml"), *FAST, "--trainer.enable_progress_bar=false"]
+NO_BAR = ["--trainer.callbacks=[]", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.filename=last"]
+
+
+def test_ckpt_path_last_reads_the_last_ckpt_of_the_newest_earlier_run(tmp_path, monkeypatch):
+    # Every run writes into a new version_<n>/, so Lightning looked for last.ckpt in the new run's empty folder:
+    # `validate` measured the untrained model, and `fit` started again from epoch 0, each after a warning alone.
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=1"])
+    main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=2"])
+    newest = tmp_path / "runs/quickstart/version_1/checkpoints/last.ckpt"
+    validate = main(["validate", *QUICK, *NO_BAR, "--ckpt_path=last"])
+    assert Path(validate.trainer.ckpt_path).resolve() == newest.resolve()
+    resumed = main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=3", "--ckpt_path=last"])
+    assert Path(resumed.trainer.ckpt_path).resolve() == newest.resolve()
+    assert resumed.trainer.global_step == 6  # two epochs restored, one trained
+    assert torch.load(newest, weights_only=False)["global_step"] == 4  # the earlier run's file is kept as it was
+
+
+def test_ckpt_path_last_without_an_earlier_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK_LIGHTNING_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", *QUICK, *NO_BAR, "--ckpt_path=last"])
+    assert exit_info.value.code == 1
+    assert (
+        f"error: --ckpt_path last: no last*.ckpt in {Path('runs/quickstart')}/*/checkpoints/ (an earlier fit of this "
+        "config writes one); give the checkpoint's path" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "runs").exists()
+    # A fit may name `last` before its first run (a job that is restarted): it starts from scratch.
+    fit = main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=1", "--ckpt_path=last"])
+    assert fit.trainer.ckpt_path is None and fit.trainer.global_step == 2
+
+
+def test_ckpt_path_best_says_to_give_the_path(tmp_path, monkeypatch, capsys):
+    # Lightning answered that the ModelCheckpoint "is not configured to save the best model", which the quickstart's
+    # is: a new process has no best path in memory.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK_LIGHTNING_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--config", str(ROOT / "configs/quickstart.yaml"), *FAST, "--ckpt_path=best"])
+    assert exit_info.value.code == 1
+    assert (
+        "error: --ckpt_path best names the best checkpoint of a fit run in the same process, which a command never "
+        "has; give the checkpoint's path (configs that monitor val/acc keep the best epoch as <run dir>/checkpoints/"
+        "epoch=<n>-step=<m>.ckpt)\n"
+    ) in capsys.readouterr().err
