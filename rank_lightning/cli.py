@@ -173,6 +173,11 @@ def _as_list(shape: Any) -> list[int]:
 class RankCLI(LightningCLI):
     """LightningCLI over the package's modules and datamodules, with account-free default loggers."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's subcommands without ``predict``: no module or datamodule of the package predicts."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
         # As a list: the CLI saves a datamodule's hparams from its YAML dump (lists), and Lightning refuses to merge
