@@ -127,6 +127,22 @@ def class_argument_error(message: str) -> str | None:
     return f"{where}: {' '.join(body)}"
 
 
+def _meant_datamodule(message: str, classes: list[str]) -> str | None:
+    """The datamodule class a bad ``--data`` value (``Given value: ...`` in the parser's ``message``) likely means: the
+    class registered under that name (``mnist``: ``MNISTDataModule``), or the closest class name."""
+    given = re.search(r"^ *Given value: (.+)$", message, re.MULTILINE)
+    if given is None:
+        return None
+    value = given.group(1).strip()
+    if in_dict := re.search(r"'class_path': '([^']+)'", value):  # a config's data: {class_path: ..., init_args: ...}
+        value = in_dict.group(1)
+    if value in list_datamodules():
+        return get_datamodule_class(value).__name__
+    by_lower = {name.lower(): name for name in classes}
+    close = difflib.get_close_matches(value.rpartition(".")[2].lower(), list(by_lower), n=1, cutoff=0.8)
+    return by_lower[close[0]] if close else None
+
+
 class RankArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose error for a bad ``--data`` value also lists the package's datamodules, and whose
     error for a bad option of a class in the config (a misspelled callback argument, a value of the wrong type) is
@@ -135,8 +151,10 @@ class RankArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if message.startswith('Parser key "data"'):
-            names = ", ".join(get_datamodule_class(name).__name__ for name in list_datamodules())
-            message += f"\nvalid --data values: {names}, or the import path of any LightningDataModule"
+            classes = [get_datamodule_class(name).__name__ for name in list_datamodules()]
+            message += f"\nvalid --data values: {', '.join(classes)}, or the import path of any LightningDataModule"
+            if meant := _meant_datamodule(message, classes):
+                message += f"\ndid you mean --data={meant}?"
         elif os.environ.get(DEBUG_ENV, "") in ("", "0") and (short := class_argument_error(message)) is not None:
             message = f"{short}\n({DEBUG_ENV}=1 shows the parser's whole message)"
         super().error(message, ex)

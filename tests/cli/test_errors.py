@@ -230,3 +230,18 @@ def test_predict_is_refused_with_the_valid_subcommands(tmp_path, monkeypatch, ca
     assert re.search(
         r"error: argument subcommand: invalid choice: '?predict'? \(choose from '?fit'?, '?validate'?, '?test'?\)", err
     )
+
+
+@pytest.mark.parametrize(
+    ("argument", "meant"),
+    [
+        ("--data=mnist", "MNISTDataModule"),
+        ("--data=fashion_mnist", "FashionMNISTDataModule"),
+        ("--data=Cifar10DataModule", "CIFAR10DataModule"),
+        ("--data.class_path=rank_lightning.data.DigitsDataModul", "DigitsDataModule"),
+    ],
+)
+def test_a_datamodule_given_by_its_registry_name_or_misspelled_names_the_one_meant(argument, meant, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, argument, "--print_config"])
+    assert capsys.readouterr().err.endswith(f"LightningDataModule\ndid you mean --data={meant}?\n")
