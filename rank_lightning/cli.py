@@ -19,6 +19,7 @@ import contextlib
 import difflib
 import importlib
 import inspect
+import math
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ from typing import Any, NoReturn
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.utilities import rank_zero_warn
@@ -230,6 +232,7 @@ class RankCLI(LightningCLI):
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if kwargs.get("ckpt_path") == "last":
             kwargs["ckpt_path"] = last_checkpoint(self.trainer, subcommand)
+            check_checkpoint_data(kwargs["ckpt_path"], self.datamodule)
         elif kwargs.get("ckpt_path") == "best":
             # Lightning's `best` is the path a ModelCheckpoint holds in memory after a fit of the same process.
             raise ValueError(
@@ -237,6 +240,8 @@ class RankCLI(LightningCLI):
                 "has; give the checkpoint's path (configs that monitor val/acc keep the best epoch as "
                 "<run dir>/checkpoints/epoch=<n>-step=<m>.ckpt)"
             )
+        else:
+            check_checkpoint_data(kwargs.get("ckpt_path"), self.datamodule)
         return kwargs
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -274,6 +279,44 @@ def check_checkpoint_file(ckpt_path: Any) -> None:
             f"--ckpt_path {str(ckpt_path)!r} is not a checkpoint (a file ModelCheckpoint or torch.save wrote, such as "
             "<run dir>/checkpoints/last.ckpt), or it was cut short"
         )
+
+
+def _fits_input(trained: tuple[int, ...], given: tuple[int, ...]) -> bool:
+    """Whether weights trained on inputs of shape ``trained`` take inputs of shape ``given``: a flat input of the same
+    size (an MLP flattens its inputs), or images of the same channel count (a convolution takes any image size)."""
+    if len(trained) == 1 or len(given) == 1:
+        return math.prod(trained) == math.prod(given)
+    return len(trained) == len(given) and trained[0] == given[0]
+
+
+def check_checkpoint_data(ckpt_path: Any, datamodule: Any) -> None:
+    """Refuse a checkpoint whose model was trained for another number of classes, or for inputs its weights cannot
+    take, than the datamodule gives: the CLI builds the model for the datamodule (``num_classes`` and
+    ``input_shape`` are linked), and loading the weights would stop with a traceback about tensor sizes.
+
+    Raises:
+        ValueError: naming the checkpoint, both settings and the datamodule.
+    """
+    if not isinstance(ckpt_path, (str, os.PathLike)) or not Path(ckpt_path).is_file() or datamodule is None:
+        return
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(ckpt_path))
+    except Exception:  # a checkpoint torch reads only in full (weights_only=False) is Lightning's to load and judge
+        return
+    hparams = (checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None) or {}
+    trained = {name: hparams.get(name) for name in _LINKED}
+    given = {name: getattr(datamodule, name, None) for name in _LINKED}
+    if any(value is None for value in (*trained.values(), *given.values())):
+        return
+    if trained["num_classes"] == given["num_classes"] and _fits_input(
+        tuple(trained["input_shape"]), tuple(given["input_shape"])
+    ):
+        return
+    raise ValueError(
+        f"--ckpt_path {str(ckpt_path)!r} holds a model of "
+        f"{', '.join(f'{name}={value!r}' for name, value in trained.items())}, but {type(datamodule).__name__} gives "
+        f"{', '.join(f'{name}={value!r}' for name, value in given.items())}: give the data it was trained on"
+    )
 
 
 def last_checkpoint(trainer: pl.Trainer, subcommand: str) -> str | None:

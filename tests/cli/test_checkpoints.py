@@ -155,3 +155,23 @@ def test_ckpt_path_best_says_to_give_the_path(tmp_path, monkeypatch, capsys):
         "has; give the checkpoint's path (configs that monitor val/acc keep the best epoch as <run dir>/checkpoints/"
         "epoch=<n>-step=<m>.ckpt)\n"
     ) in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_other_data_is_one_message(tmp_path, monkeypatch, capsys):
+    # The model is built for the datamodule given (the CLI links num_classes and input_shape), and loading the
+    # checkpoint's weights into it stopped with a 30-line traceback about tensor sizes.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK_LIGHTNING_DEBUG", raising=False)
+    main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=1"])
+    checkpoint = Path("runs/quickstart/version_0/checkpoints/last.ckpt")
+    other = ["--data=GaussianNoiseDataModule", "--data.init_args.num_classes=5", "--data.init_args.input_shape=[32]"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", *QUICK, *NO_BAR, *other, f"--ckpt_path={checkpoint}"])
+    assert exit_info.value.code == 1
+    assert (
+        f"error: --ckpt_path {str(checkpoint)!r} holds a model of num_classes=10, input_shape=[1, 8, 8], but "
+        "GaussianNoiseDataModule gives num_classes=5, input_shape=(32,): give the data it was trained on\n"
+    ) in capsys.readouterr().err
+    # The same digits served flat fit the MLP's weights as they are.
+    flat = main(["validate", *QUICK, *NO_BAR, "--data.init_args.flatten=true", f"--ckpt_path={checkpoint}"])
+    assert flat.trainer.ckpt_path == str(checkpoint) and "val/acc" in flat.trainer.callback_metrics
