@@ -40,6 +40,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.loggers.logger import DummyLogger
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
@@ -326,8 +327,8 @@ def last_checkpoint(trainer: pl.Trainer, subcommand: str) -> str | None:
     is empty when it starts, so Lightning's own ``last`` (the newest ``last*.ckpt`` in the checkpoint folder of the
     run it starts) never finds one: ``validate`` would measure the untrained model and ``fit`` start from scratch,
     each after a warning alone. Here ``last`` is the newest ``last*.ckpt`` in the ``checkpoints/`` of every run folder
-    beside the new one. Without a logger, or with a checkpoint callback given its own ``dirpath``, runs share one
-    checkpoint folder, and Lightning's ``last`` is kept.
+    beside the new one. Without a logger (as under ``fast_dev_run``), or with a checkpoint callback given its own
+    ``dirpath``, runs share one checkpoint folder, and Lightning's ``last`` is kept.
 
     Returns:
         The checkpoint's path; ``"last"`` for Lightning to resolve; ``None`` for a ``fit`` without an earlier
@@ -338,7 +339,8 @@ def last_checkpoint(trainer: pl.Trainer, subcommand: str) -> str | None:
         ValueError: ``validate`` or ``test`` without an earlier checkpoint, naming the folders looked in.
     """
     shared = any(isinstance(c, ModelCheckpoint) and c.dirpath for c in trainer.checkpoint_callbacks)
-    if not trainer.loggers or shared:
+    # fast_dev_run replaces the loggers by a DummyLogger, without a folder of its own.
+    if shared or not [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]:
         return "last"
     runs = run_directory(trainer).parent
     found = [p for p in runs.glob("*/checkpoints/*.ckpt") if p.stem == "last" or p.stem.startswith("last-")]

@@ -175,3 +175,15 @@ def test_a_checkpoint_of_other_data_is_one_message(tmp_path, monkeypatch, capsys
     # The same digits served flat fit the MLP's weights as they are.
     flat = main(["validate", *QUICK, *NO_BAR, "--data.init_args.flatten=true", f"--ckpt_path={checkpoint}"])
     assert flat.trainer.ckpt_path == str(checkpoint) and "val/acc" in flat.trainer.callback_metrics
+
+
+def test_ckpt_path_last_under_fast_dev_run_looks_in_no_other_folder(tmp_path, monkeypatch):
+    # fast_dev_run replaces the loggers by one without a folder: the run's folder was the working folder, and `last`
+    # was looked for in the folders beside it.
+    other = tmp_path / "other_project" / "checkpoints"
+    other.mkdir(parents=True)
+    (other / "last.ckpt").write_bytes(b"not this one")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    cli = main(["validate", *QUICK, *NO_BAR, "--trainer.fast_dev_run=1", "--ckpt_path=last"])
+    assert cli.trainer.ckpt_path is None
