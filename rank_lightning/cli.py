@@ -19,6 +19,7 @@ import contextlib
 import difflib
 import importlib
 import inspect
+import math
 import os
 import re
 import shutil
@@ -36,7 +37,11 @@ from typing import Any, NoReturn
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.loggers.logger import DummyLogger
+from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from rank_lightning.callbacks.curves import run_directory
@@ -125,6 +130,22 @@ def class_argument_error(message: str) -> str | None:
     return f"{where}: {' '.join(body)}"
 
 
+def _meant_datamodule(message: str, classes: list[str]) -> str | None:
+    """The datamodule class a bad ``--data`` value (``Given value: ...`` in the parser's ``message``) likely means: the
+    class registered under that name (``mnist``: ``MNISTDataModule``), or the closest class name."""
+    given = re.search(r"^ *Given value: (.+)$", message, re.MULTILINE)
+    if given is None:
+        return None
+    value = given.group(1).strip()
+    if in_dict := re.search(r"'class_path': '([^']+)'", value):  # a config's data: {class_path: ..., init_args: ...}
+        value = in_dict.group(1)
+    if value in list_datamodules():
+        return get_datamodule_class(value).__name__
+    by_lower = {name.lower(): name for name in classes}
+    close = difflib.get_close_matches(value.rpartition(".")[2].lower(), list(by_lower), n=1, cutoff=0.8)
+    return by_lower[close[0]] if close else None
+
+
 class RankArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose error for a bad ``--data`` value also lists the package's datamodules, and whose
     error for a bad option of a class in the config (a misspelled callback argument, a value of the wrong type) is
@@ -133,8 +154,10 @@ class RankArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if message.startswith('Parser key "data"'):
-            names = ", ".join(get_datamodule_class(name).__name__ for name in list_datamodules())
-            message += f"\nvalid --data values: {names}, or the import path of any LightningDataModule"
+            classes = [get_datamodule_class(name).__name__ for name in list_datamodules()]
+            message += f"\nvalid --data values: {', '.join(classes)}, or the import path of any LightningDataModule"
+            if meant := _meant_datamodule(message, classes):
+                message += f"\ndid you mean --data={meant}?"
         elif os.environ.get(DEBUG_ENV, "") in ("", "0") and (short := class_argument_error(message)) is not None:
             message = f"{short}\n({DEBUG_ENV}=1 shows the parser's whole message)"
         super().error(message, ex)
@@ -171,6 +194,11 @@ def _as_list(shape: Any) -> list[int]:
 class RankCLI(LightningCLI):
     """LightningCLI over the package's modules and datamodules, with account-free default loggers."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's subcommands without ``predict``: no module or datamodule of the package predicts."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
         # As a list: the CLI saves a datamodule's hparams from its YAML dump (lists), and Lightning refuses to merge
@@ -200,6 +228,22 @@ class RankCLI(LightningCLI):
         if self.config.get("subcommand"):
             check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
         super()._parse_ckpt_path()
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = last_checkpoint(self.trainer, subcommand)
+            check_checkpoint_data(kwargs["ckpt_path"], self.datamodule)
+        elif kwargs.get("ckpt_path") == "best":
+            # Lightning's `best` is the path a ModelCheckpoint holds in memory after a fit of the same process.
+            raise ValueError(
+                "--ckpt_path best names the best checkpoint of a fit run in the same process, which a command never "
+                "has; give the checkpoint's path (configs that monitor val/acc keep the best epoch as "
+                "<run dir>/checkpoints/epoch=<n>-step=<m>.ckpt)"
+            )
+        else:
+            check_checkpoint_data(kwargs.get("ckpt_path"), self.datamodule)
+        return kwargs
 
     def _run_subcommand(self, subcommand: str) -> None:
         # The loggers create their versioned directories (and the folders above them: runs/<name>/tensorboard/ for
@@ -236,6 +280,77 @@ def check_checkpoint_file(ckpt_path: Any) -> None:
             f"--ckpt_path {str(ckpt_path)!r} is not a checkpoint (a file ModelCheckpoint or torch.save wrote, such as "
             "<run dir>/checkpoints/last.ckpt), or it was cut short"
         )
+
+
+def _fits_input(trained: tuple[int, ...], given: tuple[int, ...]) -> bool:
+    """Whether weights trained on inputs of shape ``trained`` take inputs of shape ``given``: a flat input of the same
+    size (an MLP flattens its inputs), or images of the same channel count (a convolution takes any image size)."""
+    if len(trained) == 1 or len(given) == 1:
+        return math.prod(trained) == math.prod(given)
+    return len(trained) == len(given) and trained[0] == given[0]
+
+
+def check_checkpoint_data(ckpt_path: Any, datamodule: Any) -> None:
+    """Refuse a checkpoint whose model was trained for another number of classes, or for inputs its weights cannot
+    take, than the datamodule gives: the CLI builds the model for the datamodule (``num_classes`` and
+    ``input_shape`` are linked), and loading the weights would stop with a traceback about tensor sizes.
+
+    Raises:
+        ValueError: naming the checkpoint, both settings and the datamodule.
+    """
+    if not isinstance(ckpt_path, (str, os.PathLike)) or not Path(ckpt_path).is_file() or datamodule is None:
+        return
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(ckpt_path))
+    except Exception:  # a checkpoint torch reads only in full (weights_only=False) is Lightning's to load and judge
+        return
+    hparams = (checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None) or {}
+    trained = {name: hparams.get(name) for name in _LINKED}
+    given = {name: getattr(datamodule, name, None) for name in _LINKED}
+    if any(value is None for value in (*trained.values(), *given.values())):
+        return
+    if trained["num_classes"] == given["num_classes"] and _fits_input(
+        tuple(trained["input_shape"]), tuple(given["input_shape"])
+    ):
+        return
+    raise ValueError(
+        f"--ckpt_path {str(ckpt_path)!r} holds a model of "
+        f"{', '.join(f'{name}={value!r}' for name, value in trained.items())}, but {type(datamodule).__name__} gives "
+        f"{', '.join(f'{name}={value!r}' for name, value in given.items())}: give the data it was trained on"
+    )
+
+
+def last_checkpoint(trainer: pl.Trainer, subcommand: str) -> str | None:
+    """What ``--ckpt_path last`` names: the newest ``last*.ckpt`` of the earlier runs of the config.
+
+    Every run with a logger writes into a new versioned folder (``runs/<name>/version_<n>/``), whose ``checkpoints/``
+    is empty when it starts, so Lightning's own ``last`` (the newest ``last*.ckpt`` in the checkpoint folder of the
+    run it starts) never finds one: ``validate`` would measure the untrained model and ``fit`` start from scratch,
+    each after a warning alone. Here ``last`` is the newest ``last*.ckpt`` in the ``checkpoints/`` of every run folder
+    beside the new one. Without a logger (as under ``fast_dev_run``), or with a checkpoint callback given its own
+    ``dirpath``, runs share one checkpoint folder, and Lightning's ``last`` is kept.
+
+    Returns:
+        The checkpoint's path; ``"last"`` for Lightning to resolve; ``None`` for a ``fit`` without an earlier
+        checkpoint, which starts from scratch (as Lightning's ``last`` does, so a restarted job may name it from its
+        first run on).
+
+    Raises:
+        ValueError: ``validate`` or ``test`` without an earlier checkpoint, naming the folders looked in.
+    """
+    shared = any(isinstance(c, ModelCheckpoint) and c.dirpath for c in trainer.checkpoint_callbacks)
+    # fast_dev_run replaces the loggers by a DummyLogger, without a folder of its own.
+    if shared or not [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]:
+        return "last"
+    runs = run_directory(trainer).parent
+    found = [p for p in runs.glob("*/checkpoints/*.ckpt") if p.stem == "last" or p.stem.startswith("last-")]
+    if found:
+        return str(max(found, key=lambda path: path.stat().st_mtime))
+    where = f"no last*.ckpt in {runs}/*/checkpoints/ (an earlier fit of this config writes one)"
+    if subcommand == "fit":
+        rank_zero_warn(f"--ckpt_path last: {where}; this fit starts from scratch")
+        return None
+    raise ValueError(f"--ckpt_path last: {where}; give the checkpoint's path")
 
 
 def _new_log_directories(trainer: pl.Trainer) -> list[Path]:

@@ -177,7 +177,8 @@ class TorchvisionDataModule(RankDataModule):
             listing = "; ".join(f"in {folder}/: {', '.join(names)}" for folder, names in folders.items())
             raise FileNotFoundError(
                 f"{self.display_name} not found, missing files {listing}. "
-                f"Set download=True on a machine with internet access, or {self._how_to_get()}"
+                "Set download=True (--data.init_args.download=true) on a machine with internet access, or "
+                f"{self._how_to_get()}"
             )
 
 

@@ -104,3 +104,86 @@ def test_quickstart_last_ckpt_is_the_last_epoch_when_val_acc_stops_improving(tmp
     assert (last["epoch"], last["global_step"]) == (2, 6)
     [best] = checkpoints.values()
     assert (best["epoch"], best["global_step"]) == (0, 2)
+
+
+FAST = ["--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.enable_model_summary=false"]
+QUICK = ["--config", str(ROOT / "configs/quickstart.yaml"), *FAST, "--trainer.enable_progress_bar=false"]
+NO_BAR = ["--trainer.callbacks=[]", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.filename=last"]
+
+
+def test_ckpt_path_last_reads_the_last_ckpt_of_the_newest_earlier_run(tmp_path, monkeypatch):
+    # Every run writes into a new version_<n>/, so Lightning looked for last.ckpt in the new run's empty folder:
+    # `validate` measured the untrained model, and `fit` started again from epoch 0, each after a warning alone.
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=1"])
+    main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=2"])
+    newest = tmp_path / "runs/quickstart/version_1/checkpoints/last.ckpt"
+    validate = main(["validate", *QUICK, *NO_BAR, "--ckpt_path=last"])
+    assert Path(validate.trainer.ckpt_path).resolve() == newest.resolve()
+    resumed = main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=3", "--ckpt_path=last"])
+    assert Path(resumed.trainer.ckpt_path).resolve() == newest.resolve()
+    assert resumed.trainer.global_step == 6  # two epochs restored, one trained
+    assert torch.load(newest, weights_only=False)["global_step"] == 4  # the earlier run's file is kept as it was
+
+
+def test_ckpt_path_last_without_an_earlier_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK_LIGHTNING_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", *QUICK, *NO_BAR, "--ckpt_path=last"])
+    assert exit_info.value.code == 1
+    assert (
+        f"error: --ckpt_path last: no last*.ckpt in {Path('runs/quickstart')}/*/checkpoints/ (an earlier fit of this "
+        "config writes one); give the checkpoint's path" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "runs").exists()
+    # A fit may name `last` before its first run (a job that is restarted): it starts from scratch.
+    fit = main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=1", "--ckpt_path=last"])
+    assert fit.trainer.ckpt_path is None and fit.trainer.global_step == 2
+
+
+def test_ckpt_path_best_says_to_give_the_path(tmp_path, monkeypatch, capsys):
+    # Lightning answered that the ModelCheckpoint "is not configured to save the best model", which the quickstart's
+    # is: a new process has no best path in memory.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK_LIGHTNING_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--config", str(ROOT / "configs/quickstart.yaml"), *FAST, "--ckpt_path=best"])
+    assert exit_info.value.code == 1
+    assert (
+        "error: --ckpt_path best names the best checkpoint of a fit run in the same process, which a command never "
+        "has; give the checkpoint's path (configs that monitor val/acc keep the best epoch as <run dir>/checkpoints/"
+        "epoch=<n>-step=<m>.ckpt)\n"
+    ) in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_other_data_is_one_message(tmp_path, monkeypatch, capsys):
+    # The model is built for the datamodule given (the CLI links num_classes and input_shape), and loading the
+    # checkpoint's weights into it stopped with a 30-line traceback about tensor sizes.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK_LIGHTNING_DEBUG", raising=False)
+    main(["fit", *QUICK, *NO_BAR, "--trainer.max_epochs=1"])
+    checkpoint = Path("runs/quickstart/version_0/checkpoints/last.ckpt")
+    other = ["--data=GaussianNoiseDataModule", "--data.init_args.num_classes=5", "--data.init_args.input_shape=[32]"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", *QUICK, *NO_BAR, *other, f"--ckpt_path={checkpoint}"])
+    assert exit_info.value.code == 1
+    assert (
+        f"error: --ckpt_path {str(checkpoint)!r} holds a model of num_classes=10, input_shape=[1, 8, 8], but "
+        "GaussianNoiseDataModule gives num_classes=5, input_shape=(32,): give the data it was trained on\n"
+    ) in capsys.readouterr().err
+    # The same digits served flat fit the MLP's weights as they are.
+    flat = main(["validate", *QUICK, *NO_BAR, "--data.init_args.flatten=true", f"--ckpt_path={checkpoint}"])
+    assert flat.trainer.ckpt_path == str(checkpoint) and "val/acc" in flat.trainer.callback_metrics
+
+
+def test_ckpt_path_last_under_fast_dev_run_looks_in_no_other_folder(tmp_path, monkeypatch):
+    # fast_dev_run replaces the loggers by one without a folder: the run's folder was the working folder, and `last`
+    # was looked for in the folders beside it.
+    other = tmp_path / "other_project" / "checkpoints"
+    other.mkdir(parents=True)
+    (other / "last.ckpt").write_bytes(b"not this one")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    cli = main(["validate", *QUICK, *NO_BAR, "--trainer.fast_dev_run=1", "--ckpt_path=last"])
+    assert cli.trainer.ckpt_path is None

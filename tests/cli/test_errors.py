@@ -1,6 +1,7 @@
 """CLI errors: the message alone (the traceback on request), valid choices listed, no empty run folder left."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,31 @@ def test_a_ckpt_path_that_is_no_checkpoint_is_one_message(subcommand, tmp_path, 
     assert f"error: --ckpt_path {str(not_a_checkpoint)!r} is not a checkpoint (a file ModelCheckpoint" in err
     assert "Traceback" not in err and "weights_only" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_predict_is_refused_with_the_valid_subcommands(tmp_path, monkeypatch, capsys):
+    # No module or datamodule of the package predicts: `predict` loaded the checkpoint, then stopped on Lightning's
+    # "`predict_dataloader` must be implemented".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", QUICKSTART, "--trainer.logger=false"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        r"error: argument subcommand: invalid choice: '?predict'? \(choose from '?fit'?, '?validate'?, '?test'?\)", err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argument", "meant"),
+    [
+        ("--data=mnist", "MNISTDataModule"),
+        ("--data=fashion_mnist", "FashionMNISTDataModule"),
+        ("--data=Cifar10DataModule", "CIFAR10DataModule"),
+        ("--data.class_path=rank_lightning.data.DigitsDataModul", "DigitsDataModule"),
+    ],
+)
+def test_a_datamodule_given_by_its_registry_name_or_misspelled_names_the_one_meant(argument, meant, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, argument, "--print_config"])
+    assert capsys.readouterr().err.endswith(f"LightningDataModule\ndid you mean --data={meant}?\n")

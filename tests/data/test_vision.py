@@ -288,3 +288,15 @@ def test_zero_val_fraction_validates_on_official_test_split(tmp_path):
     dm = MNISTDataModule(data_dir=tmp_path, val_fraction=0.0)
     dm.setup()
     assert dm.val_set is dm.test_set and len(dm.train_set) == 100
+
+
+def test_missing_files_from_the_cli_name_the_download_option(tmp_path, monkeypatch, capsys):
+    # The message said "Set download=True", which a command line user has to translate into a config key.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "quickstart", "--data=MNISTDataModule", "--trainer.logger=false"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"error: MNIST not found, missing files in {Path('data/MNIST/raw')}/: train-images-idx3-ubyte" in err
+    assert "Set download=True (--data.init_args.download=true) on a machine with internet access, or download" in err
