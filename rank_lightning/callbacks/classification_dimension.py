@@ -7,6 +7,7 @@ import io
 import math
 import operator
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -28,6 +29,7 @@ from rank_lightning.callbacks.base import (
     val_loaders,
 )
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
+from rank_lightning.files import RunFiles
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
 )
@@ -203,7 +205,9 @@ class ClassificationDimension(RankCallback):
     (:func:`~rank_lightning.plotting.classification_dimension_figure`: accuracy against k with the threshold and the
     classification dimension marked, beside the PCA spectrum), and with the independence deficit
     ``independence_deficit.md`` (:func:`~rank_lightning.functional.independence_deficit_markdown`) and
-    ``independence_deficit.csv``. A later evaluation in the same run directory overwrites them. With a
+    ``independence_deficit.csv``. A later evaluation of the same run (the same trainer) overwrites them; a
+    ``clsdim/`` folder that another run left in the run directory (a second trainer writing to the same folder, as
+    without a logger) is first renamed to ``clsdim-v<n>``, with a warning, so that nothing of it is lost. With a
     ``WandbLogger``, the tables ``clsdim/accuracy_vs_k`` (and its line plot ``clsdim/accuracy_vs_k_plot``),
     ``clsdim/independence_deficit`` and the image ``clsdim/figure`` (when the figure is drawn) are logged too. The
     latest result is kept in :attr:`result` and :attr:`deficit` on rank zero.
@@ -308,6 +312,8 @@ class ClassificationDimension(RankCallback):
         self.result: ClassificationDimensionResult | None = None
         self.deficit: Deficit | None = None
         self._head_path: str | None = None
+        self._run_files = RunFiles(type(self).__name__)
+        self._trainer: weakref.ref[pl.Trainer] | None = None  # the run the files belong to
 
     @property
     def head_path(self) -> str | None:
@@ -326,6 +332,12 @@ class ClassificationDimension(RankCallback):
     @override
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._head_path = self.find_head(pl_module)
+        if self._trainer is None or self._trainer() is not trainer:
+            # Another trainer is another run: a clsdim/ folder it finds was written by an earlier one, and is kept.
+            self._run_files = RunFiles(type(self).__name__)
+            resumed = str(getattr(stage, "value", stage)) == "fit" and bool(getattr(trainer, "ckpt_path", None))
+            self._run_files.continues = resumed  # a resumed fit continues its own run
+            self._trainer = weakref.ref(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -500,6 +512,8 @@ class ClassificationDimension(RankCallback):
         path (``None`` when the result has nothing to draw, an older figure then being removed so that none describes
         other data, or when it could not be written). A file that cannot be written or drawn is a warning naming it."""
         kept = "the numbers are in the loggers and in the callback's result"
+        if not self._run_files.claim(directory, "classification-dimension files"):
+            return None  # another run's folder that could not be set aside: left as it is, with a warning
         self.write_file(directory / "accuracy_vs_k.csv", lambda file: file.write(_accuracy_table(result)), kept)
         if deficit is not None:
             markdown = (independence_deficit_markdown(deficit, self.class_names) + "\n").encode()

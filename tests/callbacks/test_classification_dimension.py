@@ -311,10 +311,10 @@ class _NaNNet(TinyNet):
 def test_features_without_principal_directions_are_logged_as_nan(tmp_path, model_cls, cause):
     logger = CSVLogger(tmp_path, name="run")
     directory = Path(logger.log_dir) / CLSDIM_DIR
-    directory.mkdir(parents=True)
-    (directory / "accuracy_vs_k.png").write_bytes(PNG_MAGIC)  # a figure of an earlier evaluation
     callback = ClassificationDimension(independence_deficit=True, deficit_eta=0.1, verbose=False)
     trainer = make_trainer(tmp_path, [callback], logger=logger)
+    trainer.validate(TinyNet(), make_loader(make_data(20, seed=2)))  # an earlier evaluation of the run, drawn
+    assert (directory / "accuracy_vs_k.png").read_bytes()[:8] == PNG_MAGIC
     with pytest.warns(RuntimeWarning) as record:
         trainer.fit(model_cls(), make_loader(make_data()), make_loader(make_data(20, seed=2)))
     messages = [str(w.message) for w in record]
@@ -363,20 +363,34 @@ def test_class_names_given_as_one_string_is_refused() -> None:
 
 def test_files_that_cannot_be_written_are_warnings_and_the_fit_ends_normally(tmp_path, monkeypatch):
     directory = tmp_path / CLSDIM_DIR
-    directory.mkdir()
-    (directory / "accuracy_vs_k.csv").write_text("k,accuracy\n1,0.5\n")  # an earlier run's table
+    callback = ClassificationDimension(independence_deficit=True, verbose=False)
+    trainer = make_trainer(tmp_path, [callback], max_epochs=1)
+    model, val = TinyNet(), make_loader(make_data(30, seed=6))
+    trainer.validate(model, val)  # the run's first files
+    earlier = {p.name: p.read_bytes() for p in directory.iterdir()}
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("rank_lightning.files.os.replace", full_disk)
-    callback = ClassificationDimension(independence_deficit=True, verbose=False)
-    trainer = make_trainer(tmp_path, [callback], max_epochs=1)
     with pytest.warns(RuntimeWarning) as caught:
-        trainer.fit(TinyNet(), make_loader(make_data(), True), make_loader(make_data(30, seed=6)))
+        trainer.fit(model, make_loader(make_data(), True), val)
     assert trainer.state.finished and callback.result.ambient_dim == 12
     unwritten = sorted(path for w in caught for path in re.findall(r"could not write (\S+) \(OSError", str(w.message)))
     names = ["accuracy_vs_k.csv", "accuracy_vs_k.png", "independence_deficit.csv", "independence_deficit.md"]
     assert unwritten == [str(directory / name) for name in names]
-    assert (directory / "accuracy_vs_k.csv").read_text() == "k,accuracy\n1,0.5\n"
-    assert [p.name for p in directory.iterdir()] == ["accuracy_vs_k.csv"]
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == earlier and sorted(earlier) == names
+
+
+def test_another_runs_files_in_the_same_folder_are_kept(tmp_path):
+    train, val = make_loader(make_data(), True), make_loader(make_data(30, seed=6))
+    callback = ClassificationDimension(verbose=False)
+    make_trainer(tmp_path, [callback], max_epochs=1, logger=False).fit(TinyNet(), train, val)
+    first = (tmp_path / CLSDIM_DIR / "accuracy_vs_k.csv").read_bytes()
+    for trainer in (make_trainer(tmp_path, [callback], logger=False), make_trainer(tmp_path, [callback], logger=False)):
+        with pytest.warns(UserWarning, match="clsdim held the classification-dimension files of another run"):
+            torch.manual_seed(1)
+            trainer.validate(TinyNet(), val)  # another model, another table
+    assert (tmp_path / f"{CLSDIM_DIR}-v1" / "accuracy_vs_k.csv").read_bytes() == first
+    assert (tmp_path / f"{CLSDIM_DIR}-v2" / "accuracy_vs_k.csv").read_bytes() != first
+    assert (tmp_path / CLSDIM_DIR / "accuracy_vs_k.png").exists()
