@@ -236,7 +236,12 @@ def test_a_documented_training_command_parses_and_builds(command, tmp_path, monk
     built = [a for i, a in enumerate(arguments[1:]) if "--ckpt_path" not in (a, arguments[i])]
     if not any(a.startswith("--trainer.accelerator") for a in built) and config["trainer"]["accelerator"] == "auto":
         built.append("--trainer.accelerator=cpu")
-    cli = main(built, run=False)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cli = main(built, run=False)
+    except SystemExit:
+        raise AssertionError(f"{where}: {command}: {err.getvalue()[-2000:]}") from None
     assert cli.model is not None and cli.datamodule is not None and cli.trainer is not None
 
 
