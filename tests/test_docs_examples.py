@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from rank_lightning.cli import check_linked_settings, main, resolve_config
+from rank_lightning.layers import select_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -324,3 +325,14 @@ def _anchors(text: str) -> set[str]:
     """GitHub's anchors of the page's headings: lower case, punctuation dropped, spaces to dashes."""
     headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL), re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_the_documented_block_index_pattern_selects_the_blocks_of_a_six_block_model():
+    # docs/transformers.md's one-character index pattern, on a T5-small-sized encoder (6 blocks, fewer than ten).
+    text = " ".join((ROOT / "docs/transformers.md").read_text().split())
+    recipe = re.search(r"one character at a time: `layers=(\[[^`]*\])` selects blocks 0 to 9", text)
+    assert recipe is not None, "the index pattern recipe is gone from docs/transformers.md"
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(6))
+    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"encoder": torch.nn.ModuleDict({"block": blocks})})})
+    chosen = select_layers(model, ast.literal_eval(recipe.group(1)))
+    assert list(chosen.values()) == [f"model.encoder.block.{i}" for i in range(6)]
