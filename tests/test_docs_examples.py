@@ -16,13 +16,12 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import importlib
 import inspect
 import io
 import random
 import re
-import runpy
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -256,13 +255,11 @@ def test_rank_lightning_configs_lists_the_bundled_configs(capsys):
 def _tool_options(words: list[str]) -> tuple[str, str] | None:
     """``(tool, its options text)`` of a ``python -m rank_lightning...`` or ``python benchmarks/...`` command."""
     if words[:2] == ["python", "-m"] and words[2].startswith("rank_lightning"):
+        module = importlib.import_module(words[2])
+        entry = getattr(module, "main", None) or importlib.import_module(f"{words[2]}.__main__").main
         out = io.StringIO()
-        argv, sys.argv = sys.argv, [words[2], "--help"]
-        try:
-            with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-                runpy.run_module(words[2], run_name="__main__", alter_sys=True)
-        finally:
-            sys.argv = argv
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            entry(["--help"])
         return words[2], out.getvalue()
     scripts = [w for w in words[:2] if w.startswith("benchmarks/")]
     return (scripts[0], (ROOT / scripts[0]).read_text()) if scripts else None
