@@ -98,7 +98,8 @@ def _resolve(chain: list[str], namespace: dict, instances: dict, where: str) -> 
     if chain[0] in instances:
         cls, rest = instances[chain[0]], chain[1:]
         if rest and not hasattr(cls, rest[0]):
-            assert re.search(rf"self\.{rest[0]}\b", inspect.getsource(cls)), f"{where}: {cls.__name__} has no {rest[0]}"
+            sources = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith(CHECKED_IMPORTS))
+            assert re.search(rf"self\.{rest[0]}\b", sources), f"{where}: {cls.__name__} has no attribute {rest[0]!r}"
             return None
         obj = cls
     elif chain[0] in namespace:
