@@ -3,7 +3,8 @@
 Python blocks. A block that imports or defines every name it uses is an example to run: it runs as written, in a
 temporary folder. Any other block is a fragment around the reader's own objects (``model``, ``train_loader``): its
 imports of the package, Lightning and torch run (with those of the page's earlier blocks), and every call of what
-they import, or of a method of an object built from it, must name attributes that exist and arguments they take.
+they import, or of a method of an object built from it, must name attributes that exist and arguments they take; so
+must the calls quoted in the prose (`RankPretraining(num_batches=M, steps=T)`).
 
 Command lines. Every ``configs/``, ``scripts/``, ``benchmarks/``, ``tests/`` or ``docs/`` path and every relative
 link exists; every ``train.py`` / ``rank-lightning`` command (bash blocks and inline code) prints its config, names
@@ -334,3 +335,29 @@ def test_the_documented_block_index_pattern_selects_the_blocks_of_a_six_block_mo
     model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"encoder": torch.nn.ModuleDict({"block": blocks})})})
     chosen = select_layers(model, ast.literal_eval(recipe.group(1)))
     assert list(chosen.values()) == [f"model.encoder.block.{i}" for i in range(6)]
+
+
+def test_every_inline_call_of_the_prose_takes_its_arguments():
+    # `WeightRankMonitor(tail_ranks=(1, 10))`, `EarlyStopping(monitor=..., strict=False)`: calls quoted in the prose.
+    import pytorch_lightning as pl
+
+    import rank_lightning.callbacks as callbacks
+    from rank_lightning import functional, nn
+    from rank_lightning.metrics import ActivationSpectrum
+    from rank_lightning.tracker import RankTracker
+
+    namespace = {name: getattr(callbacks, name) for name in callbacks.__all__} | {
+        "EarlyStopping": pl.callbacks.EarlyStopping,
+        "ModelCheckpoint": pl.callbacks.ModelCheckpoint,
+        "ActivationSpectrum": ActivationSpectrum,
+        "RankTracker": RankTracker,
+        "LRLayer": nn.LRLayer,
+        "insert_lr_layer": nn.insert_lr_layer,
+        "functional": functional,
+    }
+    checked = 0
+    for page in PAGES:
+        for span in re.findall(r"`([^`]+\))`", _prose(page)):
+            with contextlib.suppress(SyntaxError):
+                checked += _check_calls(page.name, span, namespace)
+    assert checked >= 20, checked
