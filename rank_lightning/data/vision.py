@@ -23,8 +23,8 @@ from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from rank_lightning.data.base import RankDataModule, register_datamodule, stratified_split
-from rank_lightning.validation import SetupError
+from rank_lightning.data.base import RankDataModule, check_data_dir, register_datamodule, stratified_split
+from rank_lightning.validation import SetupError, check_bool, check_finite
 
 _CIFAR100_LABELS = ("fine", "coarse")
 
@@ -106,8 +106,12 @@ class TorchvisionDataModule(RankDataModule):
         super().__init__(
             batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, drop_last=drop_last
         )
+        check_finite("val_fraction", val_fraction)
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        check_bool("download", download)
+        check_bool("flatten", flatten)
+        check_data_dir(data_dir)
         self.data_dir = Path(data_dir)
         self.download = download
         self.val_fraction = val_fraction
@@ -367,6 +371,7 @@ class CIFAR10DataModule(CIFARDataModule):
             seed=seed,
             drop_last=drop_last,
         )
+        check_bool("augment", augment)
         self.save_hyperparameters()
         self.augment = augment
         self.num_classes = 10
@@ -428,6 +433,7 @@ class CIFAR100DataModule(CIFARDataModule):
             seed=seed,
             drop_last=drop_last,
         )
+        check_bool("augment", augment)
         self.save_hyperparameters()
         self.augment = augment
         self.labels = labels
