@@ -57,8 +57,8 @@ def default_patch_size(height: int, width: int) -> int:
     Returns:
         The side length, at least 1.
     """
-    if height < 1 or width < 1:
-        raise ValueError(f"image size must be positive, got {height} x {width}")
+    check_positive_int("height", height)
+    check_positive_int("width", width)
     return max(1, min(_FENG_PATCH_SIZE, math.ceil(min(height, width) / 4)))
 
 
