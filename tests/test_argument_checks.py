@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rank_lightning import attacks, callbacks, data, functional, metrics, models, modules
+from rank_lightning import nn as nn_
 
 _FLAGS = [
     (callbacks.Cadence, "on_test"),
@@ -94,6 +95,11 @@ _BAD = [
     (lambda: callbacks.ClassificationDimension(class_names=[]), "class_names", "[]"),
     (lambda: callbacks.ClassificationDimension(ks=2.5), "ks", "2.5"),
     (lambda: callbacks.LowDimensionalEvaluation(layer=3), "layer", "3"),
+    (lambda: data.stratified_split(_y.numpy(), ("0.1",), 0), "fractions[0]", "'0.1'"),
+    (lambda: nn_.insert_lr_layer(_model, "1", 3), "layer", "3"),
+    (lambda: functional.Patch(0, 0, 0, 2), "height", "0"),
+    (lambda: functional.Patch("1", 0, 2, 2), "top", "'1'"),
+    (lambda: functional.partial_jacobian(torch.sin, _pixels[0], chunk_size=2.5), "chunk_size", "2.5"),
     (lambda: functional.alpha_req(_x, first_index="2"), "first_index", "'2'"),
     (lambda: functional.alpha_req(_x, last_index=2.5), "last_index", "2.5"),
     (lambda: functional.classwise_variance_ratio(_x, _y, num_classes="3"), "num_classes", "'3'"),

@@ -75,6 +75,8 @@ def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) 
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
+    for index, fraction in enumerate(fractions):
+        check_finite(f"fractions[{index}]", fraction)
     if any(not 0.0 <= f < 1.0 for f in fractions) or sum(fractions) >= 1.0:
         raise ValueError(f"fractions must each lie in [0, 1) and sum to less than 1, got {tuple(fractions)}")
     rng = np.random.default_rng(seed)
