@@ -12,6 +12,7 @@ from torch import nn
 from rank_lightning import attacks, callbacks, data, functional, metrics, models, modules
 from rank_lightning import nn as nn_
 
+_IMAGE = torch.zeros(1, 1, 2, 2, dtype=torch.uint8)
 _FLAGS = [
     (callbacks.Cadence, "on_test"),
     (lambda **kw: callbacks.CurveMonitor("curves", **kw), "log_at_init"),
@@ -35,6 +36,7 @@ _FLAGS = [
     (data.MNISTDataModule, "download"),
     (data.CIFAR10DataModule, "augment"),
     (data.ImageFolderDataModule, "augment"),
+    (lambda **kw: data.PixelDataset(_IMAGE, torch.zeros(1), (0.0,), (1.0,), **kw), "flatten"),
     (modules.RankModule, "decay_norm_and_bias"),
     (modules.AutoEncoder, "bias"),
     (models.MLP, "batch_norm"),

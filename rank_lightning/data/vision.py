@@ -58,8 +58,10 @@ class PixelDataset(Dataset):
         self.targets = targets.long()
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        if augment is not None and not callable(augment):
+            raise ValueError(f"augment must be None or a callable on one image tensor, got {augment!r}")
         self.augment = augment
-        self.flatten = flatten
+        self.flatten = check_bool("flatten", flatten)
 
     def __len__(self) -> int:
         return len(self.images)
