@@ -185,6 +185,10 @@ def _resolve_type(name: str) -> type[nn.Module]:
 def check_layer_types(layer_types: Sequence[LayerType] | LayerType) -> list[LayerType]:
     """Validate a ``layer_types`` setting; dotted paths are imported, bare class names kept as strings."""
     checked: list[LayerType] = []
+    if not isinstance(layer_types, (str, type, Sequence)):
+        raise ValueError(
+            f"layer_types must be None, an nn.Module class, a class name or a list of them, got {layer_types!r}"
+        )
     for entry in [layer_types] if isinstance(layer_types, (str, type)) else layer_types:
         if isinstance(entry, type) and issubclass(entry, nn.Module):
             checked.append(entry)

@@ -1,27 +1,32 @@
 """Argument checks shared by the callbacks, metrics and functions: a bad value raises at once, naming it.
 
 Every message says which argument was wrong, what it got and what it accepts (``every_n_epochs must be a positive
-integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``).
+integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``). A check that passes returns the value
+(``self.lr = check_positive("lr", lr)``), as given or, for a list setting, as a tuple.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 __all__ = [
     "SetupError",
+    "check_bool",
     "check_choice",
     "check_choices",
     "check_finite",
     "check_fraction",
+    "check_int",
     "check_names",
     "check_non_negative",
     "check_non_negative_int",
+    "check_non_negative_ints",
     "check_positive",
     "check_positive_int",
     "check_positive_ints",
@@ -44,26 +49,34 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _require(name: str, value: Any, ok: Callable[[Any], bool], kind: str, allow_none: bool) -> None:
-    if allow_none and value is None:
-        return
-    if not ok(value):
+def _require(name: str, value: T, ok: Callable[[Any], bool], kind: str, allow_none: bool) -> T:
+    if not (allow_none and value is None) and not ok(value):
         raise ValueError(f"{name} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
+    return value
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+def check_bool(name: str, value: T, *, allow_none: bool = False) -> T:
+    """Raise ``ValueError`` unless ``value`` is ``True`` or ``False`` (or ``None`` when ``allow_none``).
+
+    A truthy stand-in is refused: ``"no"`` or ``"false"`` would otherwise switch an option on, ``1`` or ``0`` pass
+    unnoticed for what may be a misplaced count. NumPy's ``bool_`` counts.
+    """
+    return _require(name, value, lambda v: isinstance(v, (bool, np.bool_)), "True or False", allow_none)
+
+
+def check_positive_int(name: str, value: T, *, allow_none: bool = False) -> T:
     """Raise ``ValueError`` unless ``value`` is an ``int >= 1`` (or ``None`` when ``allow_none``)."""
-    _require(name, value, lambda v: _is_int(v) and v >= 1, "a positive integer", allow_none)
+    return _require(name, value, lambda v: _is_int(v) and v >= 1, "a positive integer", allow_none)
 
 
-def check_int(name: str, value: Any) -> None:
+def check_int(name: str, value: T) -> T:
     """Raise ``ValueError`` unless ``value`` is an integer (a seed: any sign; ``bool`` does not count)."""
-    _require(name, value, _is_int, "an integer", False)
+    return _require(name, value, _is_int, "an integer", False)
 
 
-def check_non_negative_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+def check_non_negative_int(name: str, value: T, *, allow_none: bool = False) -> T:
     """Raise ``ValueError`` unless ``value`` is an ``int >= 0`` (or ``None`` when ``allow_none``)."""
-    _require(name, value, lambda v: _is_int(v) and v >= 0, "a non-negative integer", allow_none)
+    return _require(name, value, lambda v: _is_int(v) and v >= 0, "a non-negative integer", allow_none)
 
 
 def _is_finite_real(value: Any) -> bool:
@@ -71,19 +84,19 @@ def _is_finite_real(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
-def check_finite(name: str, value: Any, *, allow_none: bool = False) -> None:
+def check_finite(name: str, value: T, *, allow_none: bool = False) -> T:
     """Raise ``ValueError`` unless ``value`` is a finite real number (or ``None`` when ``allow_none``)."""
-    _require(name, value, _is_finite_real, "a finite number", allow_none)
+    return _require(name, value, _is_finite_real, "a finite number", allow_none)
 
 
-def check_non_negative(name: str, value: Any, *, allow_none: bool = False) -> None:
+def check_non_negative(name: str, value: T, *, allow_none: bool = False) -> T:
     """Raise ``ValueError`` unless ``value`` is a finite real number ``>= 0`` (or ``None`` when ``allow_none``)."""
-    _require(name, value, lambda v: _is_finite_real(v) and v >= 0, "a finite number >= 0", allow_none)
+    return _require(name, value, lambda v: _is_finite_real(v) and v >= 0, "a finite number >= 0", allow_none)
 
 
-def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+def check_positive(name: str, value: T, *, allow_none: bool = False) -> T:
     """Raise ``ValueError`` unless ``value`` is a finite real number ``> 0`` (or ``None`` when ``allow_none``)."""
-    _require(name, value, lambda v: _is_finite_real(v) and v > 0, "a positive number", allow_none)
+    return _require(name, value, lambda v: _is_finite_real(v) and v > 0, "a positive number", allow_none)
 
 
 def check_fraction(name: str, value: Any, *, closed_low: bool = False) -> None:
@@ -106,13 +119,20 @@ def check_choice(name: str, value: T, choices: Collection[Any]) -> T:
     return value
 
 
+def _entries(values: Any) -> tuple[Any, ...] | None:
+    """The entries of a list setting as a tuple; ``None`` for a value that holds no entries (a number)."""
+    return tuple(values) if isinstance(values, Iterable) else None
+
+
 def check_choices(name: str, values: str | Sequence[str], choices: Collection[str]) -> tuple[str, ...]:
     """A non-empty selection from ``choices`` (a single string counts as one entry), without repeats.
 
     Raises:
         ValueError: an empty selection, an unknown entry or a repeated one; the message lists the valid choices.
     """
-    selected = (values,) if isinstance(values, str) else tuple(values)
+    selected = (values,) if isinstance(values, str) else _entries(values)
+    if selected is None:
+        raise ValueError(f"{name} must be a list of names, got {values!r}; valid choices are: {_listing(choices)}")
     if not selected:
         raise ValueError(f"{name} must name at least one of: {_listing(choices)}")
     unknown = [value for value in selected if value not in choices]
@@ -124,18 +144,32 @@ def check_choices(name: str, values: str | Sequence[str], choices: Collection[st
     return selected
 
 
+def _ints(name: str, values: Any, minimum: int, kind: str, allow_empty: bool) -> tuple[int, ...]:
+    selected = (values,) if _is_int(values) else _entries(values)
+    if selected is None or any(not _is_int(value) or value < minimum for value in selected):
+        selected = None
+    if not selected and (selected is None or not allow_empty):
+        listing = "" if allow_empty else "a non-empty list of "
+        raise ValueError(f"{name} must be {listing}{kind} integers, got {values!r}")
+    return tuple(int(value) for value in selected)
+
+
 def check_positive_ints(name: str, values: int | Sequence[int], *, allow_empty: bool = False) -> tuple[int, ...]:
     """A tuple of positive integers (a single integer counts as one entry).
 
     Raises:
         ValueError: an entry that is not a positive integer, or an empty sequence unless ``allow_empty``.
     """
-    selected = (values,) if _is_int(values) else tuple(values)
-    if any(not _is_int(value) or value < 1 for value in selected) or (not selected and not allow_empty):
-        raise ValueError(
-            f"{name} must be {'' if allow_empty else 'a non-empty list of '}positive integers, got {values!r}"
-        )
-    return tuple(int(value) for value in selected)
+    return _ints(name, values, 1, "positive", allow_empty)
+
+
+def check_non_negative_ints(name: str, values: int | Sequence[int], *, allow_empty: bool = False) -> tuple[int, ...]:
+    """A tuple of non-negative integers, such as class indices (a single integer counts as one entry).
+
+    Raises:
+        ValueError: an entry that is not a non-negative integer, or an empty sequence unless ``allow_empty``.
+    """
+    return _ints(name, values, 0, "non-negative", allow_empty)
 
 
 def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -146,7 +180,7 @@ def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...
     """
     if values is None:
         return None
-    selected = (values,) if isinstance(values, str) else tuple(values)
+    selected = (values,) if isinstance(values, str) else _entries(values)
     if not selected or not all(isinstance(value, str) and value for value in selected):
         raise ValueError(f"{name} must be None or a non-empty list of non-empty strings, got {values!r}")
     return selected

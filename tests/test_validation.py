@@ -1,6 +1,7 @@
 """The shared argument checks: every bad value is a ValueError naming it, never a TypeError from a comparison."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -26,3 +27,22 @@ def test_the_finite_number_checks():
         check_finite("threshold", math.inf, allow_none=True)
     with pytest.raises(ValueError, match=r"tau must be a positive number, got True"):
         check_positive("tau", True)
+
+
+def test_a_flag_is_a_bool_and_a_list_setting_a_collection():
+    from rank_lightning.validation import check_bool, check_choices, check_names, check_non_negative_ints
+
+    for good in (True, False, np.bool_(True)):
+        check_bool("verbose", good)
+    check_bool("cifar_stem", None, allow_none=True)
+    for bad in ("no", "False", 1, 0, None, np.int64(1)):
+        with pytest.raises(ValueError, match=rf"verbose must be True or False, got {re.escape(repr(bad))}"):
+            check_bool("verbose", bad)
+    # A number where a list belongs: the value named, not "'int' object is not iterable".
+    with pytest.raises(ValueError, match=r"metrics must be a list of names, got 3; valid choices are: nc1, nc3"):
+        check_choices("metrics", 3, ("nc1", "nc3"))
+    with pytest.raises(ValueError, match=r"layers must be None or a non-empty list of non-empty strings, got 3"):
+        check_names("layers", 3)
+    assert check_non_negative_ints("classes", [0, np.int64(2)]) == (0, 2)
+    with pytest.raises(ValueError, match=r"classes must be a non-empty list of non-negative integers, got \[-1\]"):
+        check_non_negative_ints("classes", [-1])

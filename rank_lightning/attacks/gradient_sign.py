@@ -17,6 +17,7 @@ since gradients are taken with respect to the inputs only.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from torch import nn
 
 from rank_lightning.attacks.pixels import ChannelStats, channel_stats
 from rank_lightning.layers import eval_mode
+from rank_lightning.validation import check_non_negative, check_non_negative_int
 
 ATTACKS = ("fgsm", "iter_fgsm", "iter_ll_fgsm")
 
@@ -173,6 +175,8 @@ def attack(
     Raises:
         ValueError: ``name`` is not one of :data:`ATTACKS`, or any error of the chosen attack.
     """
+    # Checked for every attack: a bad alpha or steps is a mistake even where FGSM takes no steps.
+    _check_steps(alpha, steps)
     if name == "fgsm":
         return fgsm(model, inputs, targets, eps, mean=mean, std=std)
     if name == "iter_fgsm":
@@ -185,9 +189,15 @@ def attack(
 def _check_eps(eps: float) -> None:
     # Pixels lie in [0, 1]: a budget above 1 is grey levels written as pixel units (8 for 8/255), and clipping to the
     # image would make every budget from 1 on the same attack.
-    if not (math.isfinite(eps) and 0 <= eps <= 1):
-        hint = f", did you mean {eps:g}/255?" if math.isfinite(eps) and eps > 1 else ""
+    real = isinstance(eps, numbers.Real) and not isinstance(eps, bool)  # "0.03" or True: the type first
+    if not (real and math.isfinite(eps) and 0 <= eps <= 1):
+        hint = f", did you mean {eps:g}/255?" if real and math.isfinite(eps) and eps > 1 else ""
         raise ValueError(f"eps must lie in [0, 1] in pixel units (8/255 for 8 grey levels); got {eps!r}{hint}")
+
+
+def _check_steps(alpha: float, steps: int | None) -> None:
+    check_non_negative("alpha", alpha)
+    check_non_negative_int("steps", steps, allow_none=True)
 
 
 def _check_gradients_possible(inputs: torch.Tensor) -> None:
@@ -218,12 +228,9 @@ def _sign_gradient_attack(
     least_likely: bool = False,
 ) -> torch.Tensor:
     _check_eps(eps)
-    if not (math.isfinite(alpha) and alpha >= 0):
-        raise ValueError(f"alpha must be a finite step size >= 0 in pixel units; got {alpha!r}")
+    _check_steps(alpha, steps)
     if steps is None:
         steps = kurakin_steps(eps)
-    elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0 or None (Kurakin's default); got {steps!r}")
     _check_gradients_possible(inputs)
     # Under DDP a forward of the wrapper primes gradient synchronisation that an input-only backward never
     # completes; the wrapped module computes the same logits without it.

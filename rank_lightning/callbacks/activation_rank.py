@@ -40,7 +40,15 @@ from rank_lightning.layers import (
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.sampling import side_loader
 from rank_lightning.streams import ActivationStream
-from rank_lightning.validation import check_choice, check_choices, check_names, check_positive, check_positive_int
+from rank_lightning.validation import (
+    check_bool,
+    check_choice,
+    check_choices,
+    check_names,
+    check_positive,
+    check_positive_int,
+    check_positive_ints,
+)
 
 __all__ = ["ACTIVATION_METRICS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor"]
 
@@ -292,6 +300,8 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _configure(self, options: dict[str, Any]) -> None:
         o = options
+        for name in ("on_test", "log_per_class"):
+            check_bool(name, o[name])
         stage = _stage(o["stage"], o["every_n_train_steps"])
         self.namespace = None if o["namespace"] is None else check_namespace(o["namespace"])
         super().__init__(
@@ -315,6 +325,9 @@ class ActivationRankMonitor(CurveMonitor):
         self.token_layout = check_choice("token_layout", o["token_layout"], TOKEN_LAYOUTS)
         self.metrics = check_choices("metrics", o["metrics"], ACTIVATION_METRICS)
         self.center = check_choice("center", o["center"], (False, True))
+        variance_ratio_ks = check_positive_ints("variance_ratio_ks", o["variance_ratio_ks"], allow_empty=True)
+        if "variance_ratio" in self.metrics and not variance_ratio_ks:
+            raise ValueError("metric 'variance_ratio' needs at least one k in variance_ratio_ks")
         self.log_per_class = o["log_per_class"]
         self.output_selector, self.memory_budget_mb = o["output_selector"], o["memory_budget_mb"]
         keys = {key: o[key] for key in ("input_key", "label_key", "label_fn", "mask_key")}
@@ -329,7 +342,7 @@ class ActivationRankMonitor(CurveMonitor):
             "alpha_req_range",
         )
         self.spectrum_options = _spectrum_options(
-            variance_ratio_ks=tuple(o["variance_ratio_ks"]),
+            variance_ratio_ks=variance_ratio_ks,
             classwise="classwise_variance_ratio" in self.metrics,
             max_gram_features=o["max_gram_features"],
             **{key: o[key] for key in spectrum},

@@ -27,7 +27,7 @@ from rank_lightning.figure_workers import figure_workers
 from rank_lightning.files import replace_file, unwritten_warning
 from rank_lightning.plotting import save_figure
 from rank_lightning.sampling import combined_parts, own_samples, side_loader
-from rank_lightning.validation import check_positive_int
+from rank_lightning.validation import check_bool, check_positive_int
 
 __all__ = [
     "Cadence",
@@ -264,6 +264,8 @@ class Cadence:
     window_batches: int = 1
 
     def __post_init__(self) -> None:
+        check_bool("on_validate", self.on_validate)
+        check_bool("on_test", self.on_test)
         check_positive_int("every_n_epochs", self.every_n_epochs, allow_none=True)
         check_positive_int("every_n_train_steps", self.every_n_train_steps, allow_none=True)
         check_positive_int("window_batches", self.window_batches)
@@ -393,7 +395,7 @@ class RankCallback(pl.Callback):
 
     def __init__(self, *, verbose: bool = True) -> None:
         super().__init__()
-        self.verbose = verbose
+        self.verbose = check_bool("verbose", verbose)
         self._warned: set[tuple[str, ...]] = set()
         self._stage_to_prepare: str | None = None
 
@@ -518,6 +520,7 @@ class CurveMonitor(RankCallback):
         super().__init__(verbose=verbose)
         check_positive_int("every_n_epochs", every_n_epochs, allow_none=True)
         check_positive_int("every_n_train_steps", every_n_train_steps, allow_none=True)
+        check_bool("log_at_init", log_at_init)
         if every_n_epochs is not None and every_n_train_steps is not None:
             raise ValueError(
                 f"every_n_epochs={every_n_epochs} and every_n_train_steps={every_n_train_steps} are both set; choose "

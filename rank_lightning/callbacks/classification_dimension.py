@@ -8,7 +8,7 @@ import math
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -50,6 +50,7 @@ from rank_lightning.layers import (
 from rank_lightning.plotting import classification_dimension_figure
 from rank_lightning.sampling import process_share
 from rank_lightning.validation import (
+    check_bool,
     check_choice,
     check_fraction,
     check_positive,
@@ -302,12 +303,16 @@ class ClassificationDimension(RankCallback):
         self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
         self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.cadence = Cadence(every_n_epochs=None, on_validate=True)
-        self.independence_deficit = independence_deficit
+        self.independence_deficit = check_bool("independence_deficit", independence_deficit)
         self.deficit_eta = deficit_eta
         self.deficit_classes = _class_indices(deficit_classes)
         self.deficit_fit_on = check_choice("deficit_fit_on", deficit_fit_on, _FIT_ON)
         if isinstance(class_names, str):  # list("cat") would name the classes "c", "a", "t"
             raise ValueError(f"class_names must be a sequence of names, one per class, got the string {class_names!r}")
+        if class_names is not None and (not isinstance(class_names, Collection) or not class_names):
+            raise ValueError(
+                f"class_names must be None or a non-empty sequence of names, one per class, got {class_names!r}"
+            )
         self.class_names = None if class_names is None else list(class_names)
         self.result: ClassificationDimensionResult | None = None
         self.deficit: Deficit | None = None

@@ -110,7 +110,7 @@ from rank_lightning.plotting import (
     figure_filename,
     layer_curves_figure,
 )
-from rank_lightning.validation import check_choice, check_positive_int
+from rank_lightning.validation import check_bool, check_choice, check_positive_int
 
 __all__ = [
     "FIGURE_DIR",
@@ -484,6 +484,7 @@ class LayerCurves:
         self.x_axis = check_choice("x_axis", x_axis, X_AXES)
         check_positive_int("figures_every_n_epochs", figures_every_n_epochs, allow_none=True)
         check_positive_int("wandb_charts_every_n_epochs", wandb_charts_every_n_epochs)
+        check_bool("wandb_charts", wandb_charts)
         if isinstance(max_depth_curves, bool) or not isinstance(max_depth_curves, int) or max_depth_curves < 2:
             raise ValueError(f"max_depth_curves must be an integer >= 2, got {max_depth_curves!r}")
         self.namespace = namespace

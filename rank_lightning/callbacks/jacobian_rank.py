@@ -16,7 +16,7 @@ from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
 from rank_lightning.layers import BatchReader, check_layer_types, random_state_kept, select_layers
-from rank_lightning.validation import check_choice, check_names, check_positive, check_positive_int
+from rank_lightning.validation import check_bool, check_choice, check_names, check_positive, check_positive_int
 
 __all__ = ["JacobianRankMonitor"]
 
@@ -144,7 +144,7 @@ class JacobianRankMonitor(CurveMonitor):
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, _TOLERANCE_SIZES)
         self.chunk_size = chunk_size
         self.reader = BatchReader(input_key=input_key)
-        self.log_per_input = log_per_input
+        self.log_per_input = check_bool("log_per_input", log_per_input)
         self._layers: dict[str, str] = {}
         self._inputs: Tensor | None = None
 

@@ -93,6 +93,8 @@ class LowDimensionalEvaluation(RankCallback):
         super().__init__(verbose=verbose)
         self.dims = check_positive_ints("dims", dims)
         check_positive_int("max_batches", max_batches, allow_none=True)
+        if layer is not None and (not isinstance(layer, str) or not layer):
+            raise ValueError(f"layer must be None or a non-empty block or module name, got {layer!r}")
         self.layer = layer
         self.every_n_epochs = every_n_epochs
         self.cadence = Cadence(every_n_epochs, on_validate=False)

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback
 from rank_lightning.nn.lr_layer import lr_layers
-from rank_lightning.validation import check_finite, check_non_negative_int
+from rank_lightning.validation import check_bool, check_finite, check_non_negative_int
 
 __all__ = ["LowRankProjection"]
 
@@ -82,6 +82,7 @@ class LowRankProjection(RankCallback):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         check_finite("threshold", threshold, allow_none=True)
+        check_bool("log_losses", log_losses)
         if threshold is not None:
             if "acc" in monitor.lower() and not 0 <= threshold <= 1:
                 hint = f"; did you mean {threshold / 100:g}?" if 1 < threshold <= 100 else ""

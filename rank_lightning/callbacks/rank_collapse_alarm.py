@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
 from rank_lightning.layers import module_blocks
-from rank_lightning.validation import check_choice, check_finite, check_names, check_positive
+from rank_lightning.validation import check_bool, check_choice, check_finite, check_names, check_positive
 
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
 
@@ -128,7 +128,7 @@ class RankCollapseAlarm(RankCallback):
         self.min_value, self.min_width_fraction, self.max_drop = min_value, min_width_fraction, max_drop
         self.action = check_choice("action", action, ACTIONS)
         self.widths = dict(widths or {})
-        self.nan_is_collapse = nan_is_collapse
+        self.nan_is_collapse = check_bool("nan_is_collapse", nan_is_collapse)
         self.alarms: list[str] = []
         self.stopped_epoch: int | None = None
         self._previous: dict[str, float] = {}

@@ -24,7 +24,7 @@ from rank_lightning.layers import (
     train_mode,
 )
 from rank_lightning.nn import collect_auxiliary_losses
-from rank_lightning.validation import check_choice, check_positive, check_positive_int
+from rank_lightning.validation import check_bool, check_choice, check_positive, check_positive_int
 
 __all__ = ["RankPretraining"]
 
@@ -113,7 +113,7 @@ class RankPretraining(RankCallback):
         self.steps = steps
         self.lr = lr
         self.momentum = momentum
-        self.normalize_gradient = normalize_gradient
+        self.normalize_gradient = check_bool("normalize_gradient", normalize_gradient)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.reader = BatchReader(input_key)
         self.done = False

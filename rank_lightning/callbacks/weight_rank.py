@@ -19,6 +19,7 @@ from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance,
 from rank_lightning.functional.weights import DECOMPOSITIONS
 from rank_lightning.layers import check_layer_types, select_layers
 from rank_lightning.validation import (
+    check_bool,
     check_choice,
     check_choices,
     check_names,
@@ -257,13 +258,13 @@ class WeightRankMonitor(CurveMonitor):
         if "tail_error" in self.metrics and not tail_ranks:
             raise ValueError("metric 'tail_error' needs at least one k in tail_ranks")
         self.tail_ranks = tuple(sorted(set(tail_ranks)))
-        check_positive("rank_tolerance", rank_tolerance, allow_none=True)
-        self.rank_tolerance = rank_tolerance
+        self.rank_tolerance = check_positive("rank_tolerance", rank_tolerance, allow_none=True)
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, _TOLERANCE_SIZES)
         self.tolerance_dtype = check_tolerance_dtype(tolerance_dtype, rank_tolerance)
         self.decomposition = check_choice("decomposition", decomposition, DECOMPOSITIONS)
         self.sharding = check_choice("sharding", sharding, SHARDINGS)
-        self.split_fused, self.save_singular_values = split_fused, save_singular_values
+        self.split_fused = check_bool("split_fused", split_fused)
+        self.save_singular_values = check_bool("save_singular_values", save_singular_values)
         self._matrices: list[WeightMatrix] = []
         self._resolved_for: int | None = None
         self._last_monitored_epoch: int | None = None

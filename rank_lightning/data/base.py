@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, TypeVar
 
@@ -11,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from rank_lightning.validation import check_non_negative_int, check_positive_int
+from rank_lightning.validation import check_bool, check_finite, check_non_negative_int, check_positive_int
 
 _REGISTRY: dict[str, type[RankDataModule]] = {}
 _D = TypeVar("_D", bound="type[RankDataModule]")
@@ -74,6 +75,8 @@ def stratified_split(labels: np.ndarray, fractions: Sequence[float], seed: int) 
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
+    for index, fraction in enumerate(fractions):
+        check_finite(f"fractions[{index}]", fraction)
     if any(not 0.0 <= f < 1.0 for f in fractions) or sum(fractions) >= 1.0:
         raise ValueError(f"fractions must each lie in [0, 1) and sum to less than 1, got {tuple(fractions)}")
     rng = np.random.default_rng(seed)
@@ -136,8 +139,16 @@ class EpochShuffleSampler(RandomSampler):
         yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
 
+def check_data_dir(data_dir: object) -> None:
+    """Raise ``ValueError`` unless ``data_dir`` is a path (a string or ``os.PathLike``)."""
+    if not isinstance(data_dir, (str, os.PathLike)):
+        raise ValueError(f"data_dir must be a folder path, got {data_dir!r}")
+
+
 def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
     """Raise ``ValueError`` unless ``0 <= val_fraction``, ``0 < test_fraction`` and their sum is below 1."""
+    check_finite("val_fraction", val_fraction)
+    check_finite("test_fraction", test_fraction)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     if not 0.0 < test_fraction < 1.0:
@@ -188,6 +199,8 @@ class RankDataModule(pl.LightningDataModule):
         check_positive_int("batch_size", batch_size)
         check_non_negative_int("num_workers", num_workers)
         check_non_negative_int("seed", seed)
+        check_bool("pin_memory", pin_memory)
+        check_bool("drop_last", drop_last)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory

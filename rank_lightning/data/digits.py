@@ -8,6 +8,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
 from rank_lightning.data.base import RankDataModule, check_split_fractions, register_datamodule, stratified_split
+from rank_lightning.validation import check_bool
 
 
 @register_datamodule("digits")
@@ -55,6 +56,7 @@ class DigitsDataModule(RankDataModule):
             batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, drop_last=drop_last
         )
         check_split_fractions(val_fraction, test_fraction)
+        check_bool("flatten", flatten)
         self.save_hyperparameters()
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,8 @@ import torch
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from rank_lightning.data.base import RankDataModule, register_datamodule
+from rank_lightning.data.base import RankDataModule, check_data_dir, register_datamodule
+from rank_lightning.validation import check_bool, check_finite, check_positive, check_positive_int
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -94,10 +95,22 @@ class ImageFolderDataModule(RankDataModule):
         super().__init__(
             batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, drop_last=drop_last
         )
+        check_data_dir(data_dir)
+        for name, values in (("mean", mean), ("std", std)):
+            if isinstance(values, str) or not isinstance(values, Collection):
+                raise ValueError(f"{name} must be a list of one value per RGB channel, got {values!r}")
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"mean and std need one value per RGB channel, got {tuple(mean)} and {tuple(std)}")
-        if image_size < 1:
-            raise ValueError(f"image_size must be positive, got {image_size}")
+        for index, (m, s) in enumerate(zip(mean, std, strict=True)):
+            check_finite(f"mean[{index}]", m)
+            check_positive(f"std[{index}]", s)
+        for name, folder in (("train_dir", train_dir), ("val_dir", val_dir), ("test_dir", test_dir)):
+            if folder is not None and (not isinstance(folder, str) or not folder):
+                raise ValueError(f"{name} must be a non-empty folder name, got {folder!r}")
+        check_positive_int("image_size", image_size)
+        check_positive_int("resize_size", resize_size, allow_none=True)
+        check_positive_int("num_classes", num_classes, allow_none=True)
+        check_bool("augment", augment)
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
         self.split_dirs = {"train": train_dir, "val": val_dir, "test": test_dir or val_dir}

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from rank_lightning.data.base import RankDataModule, check_split_fractions, register_datamodule, stratified_split
+from rank_lightning.validation import check_non_negative, check_positive_int, check_positive_ints
 
 _LABEL_MODES = ("random", "balanced")
 
@@ -81,13 +82,10 @@ class GaussianMixtureDataModule(RankDataModule):
         super().__init__(
             batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, drop_last=drop_last
         )
-        if num_classes < 1 or dim < 1 or samples_per_class < 1:
-            raise ValueError(
-                "num_classes, dim and samples_per_class must be positive, "
-                f"got {num_classes}, {dim} and {samples_per_class}"
-            )
-        if sigma < 0 or center_scale < 0:
-            raise ValueError(f"sigma and center_scale must be non-negative, got {sigma} and {center_scale}")
+        for name, count in (("num_classes", num_classes), ("dim", dim), ("samples_per_class", samples_per_class)):
+            check_positive_int(name, count)
+        check_non_negative("sigma", sigma)
+        check_non_negative("center_scale", center_scale)
         check_split_fractions(val_fraction, test_fraction)
         self.save_hyperparameters()
         self.num_classes = num_classes
@@ -165,14 +163,12 @@ class GaussianNoiseDataModule(RankDataModule):
         )
         if labels not in _LABEL_MODES:
             raise ValueError(f"unknown labels {labels!r}; choose one of: {', '.join(_LABEL_MODES)}")
-        if len(input_shape) == 0 or any(s < 1 for s in input_shape):
-            raise ValueError(f"input_shape must be a non-empty shape of positive sizes, got {tuple(input_shape)}")
-        if num_classes < 1 or num_samples < 1:
-            raise ValueError(f"num_classes and num_samples must be positive, got {num_classes} and {num_samples}")
-        check_split_fractions(val_fraction, test_fraction)
         # Saved as a tuple, as the classifier saves the value it is given from this attribute: Lightning merges the two
         # hparams and refuses a list against an equal tuple (the CLI saves both as lists).
-        input_shape = tuple(int(s) for s in input_shape)
+        input_shape = check_positive_ints("input_shape", input_shape)
+        check_positive_int("num_classes", num_classes)
+        check_positive_int("num_samples", num_samples)
+        check_split_fractions(val_fraction, test_fraction)
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.num_samples = num_samples

@@ -23,8 +23,8 @@ from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from rank_lightning.data.base import RankDataModule, register_datamodule, stratified_split
-from rank_lightning.validation import SetupError
+from rank_lightning.data.base import RankDataModule, check_data_dir, register_datamodule, stratified_split
+from rank_lightning.validation import SetupError, check_bool, check_finite
 
 _CIFAR100_LABELS = ("fine", "coarse")
 
@@ -58,8 +58,10 @@ class PixelDataset(Dataset):
         self.targets = targets.long()
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        if augment is not None and not callable(augment):
+            raise ValueError(f"augment must be None or a callable on one image tensor, got {augment!r}")
         self.augment = augment
-        self.flatten = flatten
+        self.flatten = check_bool("flatten", flatten)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -106,8 +108,12 @@ class TorchvisionDataModule(RankDataModule):
         super().__init__(
             batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, drop_last=drop_last
         )
+        check_finite("val_fraction", val_fraction)
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        check_bool("download", download)
+        check_bool("flatten", flatten)
+        check_data_dir(data_dir)
         self.data_dir = Path(data_dir)
         self.download = download
         self.val_fraction = val_fraction
@@ -368,6 +374,7 @@ class CIFAR10DataModule(CIFARDataModule):
             seed=seed,
             drop_last=drop_last,
         )
+        check_bool("augment", augment)
         self.save_hyperparameters()
         self.augment = augment
         self.num_classes = 10
@@ -429,6 +436,7 @@ class CIFAR100DataModule(CIFARDataModule):
             seed=seed,
             drop_last=drop_last,
         )
+        check_bool("augment", augment)
         self.save_hyperparameters()
         self.augment = augment
         self.labels = labels

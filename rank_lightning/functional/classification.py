@@ -21,7 +21,13 @@ from sklearn.linear_model import Lasso
 from torch import Tensor
 
 from rank_lightning.functional.spectral import serial_if_small
-from rank_lightning.validation import check_choice
+from rank_lightning.validation import (
+    check_choice,
+    check_fraction,
+    check_non_negative_ints,
+    check_positive,
+    check_positive_int,
+)
 
 __all__ = [
     "ClassificationDimension",
@@ -148,10 +154,8 @@ def classification_dimension(
     check_choice("center", center, _CENTER_CHOICES)
     if features.ndim != 2 or features.shape[0] == 0:
         raise ValueError(f"features must be a non-empty (N, d) matrix, got shape {tuple(features.shape)}")
-    if not 0 < threshold <= 1:
-        raise ValueError(f"threshold must lie in (0, 1], got {threshold}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    check_fraction("threshold", threshold)
+    check_positive_int("batch_size", batch_size)
     num_samples, dim = features.shape
     labels = _check_labels(labels, num_samples).to(features.device)
     grid = _check_ks(ks, dim)
@@ -298,8 +302,12 @@ def independence_deficit(
         raise ValueError(f"logits must be an (N, C) matrix with C >= 2 classes, got shape {tuple(logits.shape)}")
     if fit_on not in _FIT_ON_CHOICES:
         raise ValueError(f"unknown fit_on {fit_on!r}; valid choices are {_FIT_ON_CHOICES}")
-    if eta <= 0:
-        raise ValueError(f"eta must be positive, got {eta}")
+    check_positive("eta", eta)
+    check_positive_int("max_iter", max_iter)
+    check_positive("tol", tol)
+    if classes is not None:
+        listed = classes.tolist() if isinstance(classes, (Tensor, np.ndarray)) else classes
+        classes = check_non_negative_ints("classes", listed, allow_empty=True)
     if not bool(torch.isfinite(logits.detach()).all()):
         raise ValueError("logits contain NaN or Inf values; the Lasso needs finite logits")
     num_samples, num_classes = logits.shape

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 from torch import Tensor
 
+from rank_lightning.validation import check_non_negative_int, check_positive, check_positive_int
+
 __all__ = ["low_dimensional_accuracy"]
 
 
@@ -57,6 +59,9 @@ def low_dimensional_accuracy(
     from sklearn.preprocessing import StandardScaler
     from sklearn.svm import LinearSVC
 
+    check_positive("c", c)
+    check_positive_int("max_iter", max_iter)
+    check_non_negative_int("random_state", random_state)  # scikit-learn's seeds: 0 to 2**32 - 1
     x_train, y_train = _as_numpy(train_features), _as_numpy(train_labels)
     x_test, y_test = _as_numpy(test_features), _as_numpy(test_labels)
     if x_train.ndim != 2 or x_test.ndim != 2 or x_train.shape[1] != x_test.shape[1]:

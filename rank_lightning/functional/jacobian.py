@@ -26,7 +26,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
 from rank_lightning.layers import eval_mode as switch_to_eval
-from rank_lightning.validation import check_choice, check_positive, check_positive_int
+from rank_lightning.validation import (
+    check_choice,
+    check_non_negative_int,
+    check_non_negative_ints,
+    check_positive,
+    check_positive_int,
+)
 
 __all__ = [
     "PartialJacobianRank",
@@ -57,8 +63,8 @@ def default_patch_size(height: int, width: int) -> int:
     Returns:
         The side length, at least 1.
     """
-    if height < 1 or width < 1:
-        raise ValueError(f"image size must be positive, got {height} x {width}")
+    check_positive_int("height", height)
+    check_positive_int("width", width)
     return max(1, min(_FENG_PATCH_SIZE, math.ceil(min(height, width) / 4)))
 
 
@@ -79,6 +85,14 @@ class Patch:
     height: int
     width: int
     channels: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_non_negative_int("top", self.top)
+        check_non_negative_int("left", self.left)
+        check_positive_int("height", self.height)
+        check_positive_int("width", self.width)
+        if self.channels is not None:  # a list (as YAML gives it) is kept as the tuple it stands for
+            object.__setattr__(self, "channels", check_non_negative_ints("channels", self.channels))
 
     @classmethod
     def central(cls, input_shape: Sequence[int], size: int | None = None) -> Patch:
@@ -220,6 +234,7 @@ def partial_jacobian(
     Raises:
         ValueError: ``x`` is not floating point (integer token ids, which have no derivative).
     """
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
     if not x.is_floating_point():
         raise ValueError(
             f"the inputs are {str(x.dtype).removeprefix('torch.')}, not floating point: a Jacobian with respect to "

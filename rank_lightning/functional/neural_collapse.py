@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from rank_lightning.functional.spectral import default_rank_tolerance
-from rank_lightning.validation import check_choices, check_real
+from rank_lightning.validation import check_choices, check_positive_int, check_real
 
 __all__ = [
     "NC_METRICS",
@@ -542,6 +542,7 @@ def neural_collapse(
     check_real("features", features)
     if labels.dtype.is_floating_point or (labels.numel() and int(labels.min()) < 0):
         raise ValueError("labels must be non-negative integer class indices")
+    check_positive_int("num_classes", num_classes, allow_none=True)
     labels = labels.long()
     classes = int(labels.max()) + 1 if num_classes is None else num_classes
     if labels.numel() and int(labels.max()) >= classes:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from rank_lightning.functional.spectral import serial_if_small
+from rank_lightning.validation import check_bool, check_positive
 
 __all__ = ["PROJECTION_METHODS", "exact_projection", "nystrom_projection", "rank_projection"]
 
@@ -167,8 +168,8 @@ def nystrom_projection(
         raise ValueError(f"num_runs must be a positive integer, got {num_runs!r}")
     if isinstance(oversampling, bool) or not isinstance(oversampling, int) or oversampling < 1:
         raise ValueError(f"oversampling must be a positive integer, got {oversampling!r}")
-    if not jitter > 0:
-        raise ValueError(f"jitter must be positive, got {jitter!r}")
+    check_positive("jitter", jitter)
+    check_bool("truncate", truncate)
     num_columns = min(oversampling * k, w.shape[0])
     factors = [_nystrom_factor(w, k, num_columns, generator, jitter) for _ in range(num_runs)]
     factor = torch.cat(factors, dim=1) / math.sqrt(num_runs)  # (m, <= t k); average = factor @ factor.T

@@ -36,6 +36,7 @@ from torch import Tensor
 from rank_lightning.functional.power_law import PowerLawFit, power_law_alpha, spectral_decay_alpha
 from rank_lightning.functional.reductions import weight_as_matrix
 from rank_lightning.validation import (
+    check_bool,
     check_choice,
     check_positive,
     check_positive_int,
@@ -703,6 +704,8 @@ def alpha_req(
     Returns:
         float64 scalar; NaN when fewer than two ranks remain in the range or for non-finite input.
     """
+    check_positive_int("first_index", first_index)
+    check_positive_int("last_index", last_index, allow_none=True)
     spec = _as_spectrum(x, center)
     s = spec.singular_values
     if not spec.is_finite:
@@ -778,6 +781,7 @@ def classwise_variance_ratio(
 
 
 def _check_labels(labels: Tensor, num_samples: int, num_classes: int | None) -> Tensor:
+    check_positive_int("num_classes", num_classes, allow_none=True)
     if labels.ndim != 1 or labels.shape[0] != num_samples:
         raise ValueError(f"labels must have shape ({num_samples},), got {tuple(labels.shape)}")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
@@ -806,6 +810,7 @@ def total_cluster_variation(
     Returns:
         float64 scalar; NaN for non-finite input (with a ``RuntimeWarning``).
     """
+    check_bool("normalized", normalized)
     _check_matrix(x)
     labels = _check_labels(labels, x.shape[0], num_classes)
     x64 = x.detach().to(torch.float64)
@@ -846,6 +851,7 @@ def total_cluster_variation_from_moments(
     Returns:
         float64 scalar, clamped at 0 against rounding; NaN if any moment is not finite.
     """
+    check_bool("normalized", normalized)
     sums = class_sums.to(torch.float64)
     counts = class_counts.to(torch.float64)
     total_sq = sum_squares.to(torch.float64)
@@ -911,6 +917,8 @@ def spectral_metric_keys(
     ``tail_error_k<k>`` for every ``k`` in ``tail_ranks``, ``alpha`` to ``alpha`` and ``alpha_ks_distance``; the other
     families are their own key.
     """
+    variance_ratio_ks = check_positive_ints("variance_ratio_ks", variance_ratio_ks, allow_empty=True)
+    tail_ranks = check_positive_ints("tail_ranks", tail_ranks, allow_empty=True)
     keys: list[str] = []
     for metric in metrics:
         if metric == "variance_ratio":

@@ -18,7 +18,7 @@ from scipy.special import digamma
 from torch import Tensor
 
 from rank_lightning.functional.spectral import default_rank_tolerance
-from rank_lightning.validation import check_positive
+from rank_lightning.validation import check_positive, check_positive_int
 
 __all__ = [
     "gaussian_product_log_singular_ratio",
@@ -28,8 +28,7 @@ __all__ = [
 
 
 def _indices(n: int, k: int | Tensor | np.ndarray | None) -> np.ndarray:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    check_positive_int("n", n)
     ks = np.arange(1, n + 1) if k is None else np.asarray(k.cpu() if isinstance(k, Tensor) else k, dtype=np.int64)
     if ks.size and (ks.min() < 1 or ks.max() > n):
         raise ValueError(f"k must lie in [1, {n}], got values in [{ks.min()}, {ks.max()}]")
@@ -53,6 +52,7 @@ def gaussian_product_log_singular_ratio(
         float64 tensor shaped like ``k`` (non-positive; 0 at ``k = 1``).
     """
     ks = _indices(n, k)
+    check_positive("depth", depth)
     rate = (digamma((n - ks + 1) / 2) - digamma(n / 2)) / 2
     return torch.from_numpy(np.asarray(depth * rate, dtype=np.float64))
 
@@ -90,5 +90,6 @@ def gaussian_product_numerical_rank(n: int, depth: float, *, rank_tolerance: flo
         The predicted rank, between 1 and ``n``.
     """
     check_positive("rank_tolerance", rank_tolerance, allow_none=True)
+    check_positive_int("n", n)  # before the default tolerance, which is computed from it
     eps = default_rank_tolerance(n, n) if rank_tolerance is None else rank_tolerance
     return int((gaussian_product_log_singular_ratio(n, None, depth) >= np.log(eps)).sum())

@@ -55,6 +55,7 @@ from rank_lightning.functional.streaming import (
     symmetrize_lower,
 )
 from rank_lightning.validation import (
+    check_bool,
     check_choice,
     check_choices,
     check_int,
@@ -387,8 +388,7 @@ class ActivationSpectrum(Metric):
     ) -> None:
         super().__init__(**kwargs)
         check_positive_int("num_classes", num_classes, allow_none=True)
-        self.num_classes = num_classes
-        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.num_classes, self.reduction = num_classes, check_choice("reduction", reduction, REDUCTIONS)
         self.center = check_choice("center", center, _CENTER_CHOICES)
         self.variance_ratio_ks = check_positive_ints("variance_ratio_ks", variance_ratio_ks, allow_empty=True)
         check_positive("soft_rank_tau", soft_rank_tau)
@@ -400,6 +400,7 @@ class ActivationSpectrum(Metric):
         self.alpha_req_range = check_alpha_req_range(alpha_req_range)
         check_positive_int("classwise_k", classwise_k)
         check_choice("classwise_center", classwise_center, (False, True))
+        check_bool("classwise", classwise)
         self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
         self._set_fallback(max_gram_features, max_samples, fallback, memory_budget_mb)
         # Checked here: the seed is first used by a fallback's first draw, possibly hours into the fit.

@@ -10,6 +10,13 @@ from torch import nn
 
 from rank_lightning.models.base import Backbone, register_model
 from rank_lightning.models.pretrained import initialise_backbone
+from rank_lightning.validation import (
+    check_bool,
+    check_finite,
+    check_non_negative_int,
+    check_positive_int,
+    check_positive_ints,
+)
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "identity": nn.Identity}
 
@@ -86,9 +93,13 @@ class MLP(Backbone):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; activations are: {', '.join(ACTIVATIONS)}")
-        if depth < 0 or width < 1 or num_classes < 0:
-            raise ValueError(f"need depth >= 0, width >= 1, num_classes >= 0; got {depth}, {width}, {num_classes}")
-        self.input_shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
+        check_non_negative_int("depth", depth)
+        check_positive_int("width", width)
+        check_non_negative_int("num_classes", num_classes)
+        check_finite("residual_gamma", residual_gamma, allow_none=True)
+        check_bool("batch_norm", batch_norm)
+        check_bool("bias", bias)
+        self.input_shape = check_positive_ints("input_shape", input_shape)
         in_features = math.prod(self.input_shape)
         self.num_classes = num_classes
         self.num_features = width if depth > 0 else in_features

@@ -8,6 +8,7 @@ from torch import nn
 
 from rank_lightning.models.base import Backbone, check_image_sizes, register_model
 from rank_lightning.models.pretrained import initialise_backbone
+from rank_lightning.validation import check_bool
 
 ARCHITECTURES: tuple[str, ...] = ("resnet18", "resnet50")
 
@@ -50,6 +51,7 @@ class ResNet(Backbone):
     ) -> None:
         super().__init__()
         check_image_sizes(num_classes, in_channels, image_size)
+        check_bool("cifar_stem", cifar_stem, allow_none=True)
         if arch not in ARCHITECTURES:
             raise ValueError(f"unknown ResNet architecture {arch!r}; architectures are: {', '.join(ARCHITECTURES)}")
         net: torchvision.models.ResNet = getattr(torchvision.models, arch)(num_classes=max(num_classes, 1))

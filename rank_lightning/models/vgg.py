@@ -8,6 +8,7 @@ from torchvision.models.vgg import cfgs, make_layers
 
 from rank_lightning.models.base import Backbone, check_image_sizes, register_model
 from rank_lightning.models.pretrained import initialise_backbone
+from rank_lightning.validation import check_fraction, check_positive_int
 
 # torchvision's configuration letter and batch-norm flag of each architecture.
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -60,6 +61,9 @@ class VGG(Backbone):
     ) -> None:
         super().__init__()
         check_image_sizes(num_classes, in_channels, image_size)
+        check_positive_int("classifier_width", classifier_width)
+        check_positive_int("pool_size", pool_size)
+        check_fraction("dropout", dropout, closed_low=True)
         if arch not in ARCHITECTURES:
             raise ValueError(f"unknown VGG architecture {arch!r}; architectures are: {', '.join(ARCHITECTURES)}")
         config, batch_norm = ARCHITECTURES[arch]

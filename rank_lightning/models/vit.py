@@ -10,6 +10,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from rank_lightning.models.base import Backbone, check_image_sizes, register_model
 from rank_lightning.models.pretrained import initialise_backbone
+from rank_lightning.validation import check_fraction, check_non_negative_int, check_positive_int
 
 
 class ClassToken(nn.Module):
@@ -61,6 +62,12 @@ class ViT(Backbone):
     ) -> None:
         super().__init__()
         check_image_sizes(num_classes, in_channels, image_size)
+        for name, size in (("patch_size", patch_size), ("num_heads", num_heads), ("hidden_dim", hidden_dim)):
+            check_positive_int(name, size)
+        check_non_negative_int("num_layers", num_layers)
+        check_positive_int("mlp_dim", mlp_dim)
+        check_fraction("dropout", dropout, closed_low=True)
+        check_fraction("attention_dropout", attention_dropout, closed_low=True)
         if image_size % patch_size != 0:
             raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
         if hidden_dim % num_heads != 0:

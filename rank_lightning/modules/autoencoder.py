@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rank_lightning.modules.base import RankModule
+from rank_lightning.validation import check_bool, check_positive_int, check_positive_ints
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "identity": nn.Identity}
 
@@ -25,8 +26,9 @@ class AutoEncoderNet(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; activations are: {', '.join(ACTIVATIONS)}")
-        if not hidden_dims:
-            raise ValueError("hidden_dims must name at least one hidden layer")
+        hidden_dims = check_positive_ints("hidden_dims", hidden_dims)  # at least one hidden layer
+        check_positive_int("input_dim", input_dim)
+        check_bool("bias", bias)
         widths = (input_dim, *hidden_dims)
         self.layers = nn.ModuleList(
             nn.Sequential(nn.Linear(w_in, w_out, bias=bias), ACTIVATIONS[activation]())
@@ -93,9 +95,10 @@ class AutoEncoder(RankModule):
             gamma=gamma,
         )
         self.save_hyperparameters()
-        self.input_shape = tuple(input_shape)
+        self.input_shape = check_positive_ints("input_shape", input_shape)
+        check_positive_int("num_classes", num_classes, allow_none=True)
         self.num_classes = num_classes
-        self.backbone = AutoEncoderNet(math.prod(self.input_shape), tuple(hidden_dims), activation, bias)
+        self.backbone = AutoEncoderNet(math.prod(self.input_shape), hidden_dims, activation, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)

@@ -10,8 +10,14 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from rank_lightning.modules.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+from rank_lightning.modules.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_settings,
+    check_scheduler_settings,
+)
 from rank_lightning.sampling import combined_parts
+from rank_lightning.validation import check_positive_ints
 
 
 def _same_input(ours: tuple[int, ...], theirs: tuple[int, ...]) -> bool:
@@ -49,10 +55,9 @@ class RankModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         # Fail at construction, not at the first optimizer step.
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {optimizer!r}; optimizers are: {', '.join(OPTIMIZERS)}")
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {scheduler!r}; schedulers are: {', '.join(SCHEDULERS)}")
+        check_optimizer_settings(optimizer, lr, weight_decay, momentum, decay_norm_and_bias)
+        check_scheduler_settings(scheduler, step_size, milestones, gamma)
+        milestones = check_positive_ints("milestones", milestones, allow_empty=True)
         self._optim_settings = dict(
             name=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, decay_norm_and_bias=decay_norm_and_bias
         )

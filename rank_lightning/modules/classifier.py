@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from rank_lightning.layers import FeatureLayer, eval_mode, forward_hooks
 from rank_lightning.models import create_model, get_model_factory
 from rank_lightning.modules.base import RankModule
 from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
-from rank_lightning.validation import check_fraction
+from rank_lightning.validation import check_fraction, check_non_negative_int, check_positive_ints
 
 
 def _input_kwargs(backbone: str, input_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -82,7 +83,20 @@ class ImageClassifier(RankModule):
             milestones=milestones,
             gamma=gamma,
         )
-        input_shape = tuple(input_shape)  # saved in one form, given as a list (YAML) or a tuple (the datamodule's)
+        # Saved in one form, given as a list (YAML) or a tuple (the datamodule's).
+        input_shape = check_positive_ints("input_shape", input_shape)
+        check_non_negative_int("num_classes", num_classes)
+        if backbone_kwargs is not None and not isinstance(backbone_kwargs, Mapping):
+            raise ValueError(f"backbone_kwargs must be None or a mapping of backbone settings, got {backbone_kwargs!r}")
+        if lr_layers is not None and (
+            isinstance(lr_layers, (str, Mapping))
+            or not isinstance(lr_layers, Sequence)
+            or not all(isinstance(spec, Mapping) for spec in lr_layers)
+        ):
+            raise ValueError(
+                f"lr_layers must be None or a list of mappings such as {{'before': 'head', 'rank': 8}}, "
+                f"got {lr_layers!r}"
+            )
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)

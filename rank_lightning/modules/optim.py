@@ -13,6 +13,13 @@ import torch
 from torch import nn
 
 from rank_lightning.nn import LRLayer
+from rank_lightning.validation import (
+    check_bool,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+    check_positive_ints,
+)
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("none", "cosine", "step", "multistep")
@@ -44,6 +51,29 @@ def split_decay_parameters(module: nn.Module, *, decay_norm_and_bias: bool = Fal
     return decay, no_decay
 
 
+def check_optimizer_settings(
+    name: str, lr: float, weight_decay: float, momentum: float, decay_norm_and_bias: bool
+) -> None:
+    """Raise ``ValueError`` naming the first bad optimiser setting (an unknown name, an ``lr`` that is not a positive
+    number, a negative or non-finite ``weight_decay`` or ``momentum``, a ``decay_norm_and_bias`` that is not a bool)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; optimizers are: {', '.join(OPTIMIZERS)}")
+    check_positive("lr", lr)
+    check_non_negative("weight_decay", weight_decay)
+    check_non_negative("momentum", momentum)
+    check_bool("decay_norm_and_bias", decay_norm_and_bias)
+
+
+def check_scheduler_settings(name: str, step_size: int, milestones: int | tuple[int, ...], gamma: float) -> None:
+    """Raise ``ValueError`` naming the first bad schedule setting (an unknown name, a ``step_size`` that is not a
+    positive integer, ``milestones`` that are not positive integers, a ``gamma`` that is not a positive number)."""
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; schedulers are: {', '.join(SCHEDULERS)}")
+    check_positive_int("step_size", step_size)
+    check_positive_ints("milestones", milestones, allow_empty=True)
+    check_positive("gamma", gamma)
+
+
 def build_optimizer(
     module: nn.Module,
     *,
@@ -54,12 +84,7 @@ def build_optimizer(
     decay_norm_and_bias: bool = False,
 ) -> torch.optim.Optimizer:
     """Create the optimiser ``name`` over ``module``'s parameters with the decay/no-decay split."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; optimizers are: {', '.join(OPTIMIZERS)}")
-    if lr <= 0:
-        raise ValueError(f"lr must be positive, got {lr}")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    check_optimizer_settings(name, lr, weight_decay, momentum, decay_norm_and_bias)
     decay, no_decay = split_decay_parameters(module, decay_norm_and_bias=decay_norm_and_bias)
     groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
@@ -83,8 +108,7 @@ def build_scheduler(
     gamma: float = 0.1,
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """Create the per-epoch learning-rate schedule ``name`` (``none`` returns ``None``)."""
-    if name not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r}; schedulers are: {', '.join(SCHEDULERS)}")
+    check_scheduler_settings(name, step_size, milestones, gamma)
     if name == "none":
         return None
     if name == "cosine":

@@ -255,6 +255,8 @@ def insert_lr_layer(model: nn.Module, before: str, layer: LRLayer) -> LRLayer:
     Raises:
         ValueError: if ``before`` names no submodule of ``model``.
     """
+    if not isinstance(layer, LRLayer):
+        raise ValueError(f"layer must be an LRLayer, got {layer!r}")
     names = [name for name, _ in model.named_modules() if name]
     if before not in names:
         raise ValueError(f"unknown submodule {before!r}; submodules are: {', '.join(names)}")

@@ -101,5 +101,5 @@ def test_depth_zero_is_a_linear_classifier_on_the_flattened_input():
 
 
 def test_invalid_sizes_are_rejected():
-    with pytest.raises(ValueError, match="depth >= 0"):
+    with pytest.raises(ValueError, match="depth must be a non-negative integer, got -1"):
         MLP(depth=-1)
