@@ -685,10 +685,13 @@ class ActivationStream:
     ) -> None:
         """Warn when activations computed in half precision (outputs in bf16 / fp16, or float32 outputs of layers run
         under autocast) get the float32 tolerance, under which their rounding noise counts as rank."""
-        if "numerical_rank" not in metrics or metric.rank_tolerance is not None or metric.tolerance_dtype is not None:
+        chosen = metric.tolerance_dtype
+        if "numerical_rank" not in metrics or metric.rank_tolerance is not None or chosen not in (None, "input"):
             return
         eps = float(metric.input_eps)
         if eps > torch.finfo(torch.float32).eps:
+            if chosen == "input":
+                return  # their own dtype's tolerance
             dtype = "bfloat16" if eps == torch.finfo(torch.bfloat16).eps else "float16"
             where, advice = f"were computed in {dtype}", "tolerance_dtype='input'"
         elif autocast in (torch.bfloat16, torch.float16):
@@ -697,6 +700,8 @@ class ActivationStream:
             advice = f"tolerance_dtype=torch.{dtype}"
         else:
             return
+        if chosen == "input":
+            where += ", so tolerance_dtype='input' found float32 outputs"
         message = (
             f"the monitored activations {where}, but numerical_rank takes the float32 tolerance, under which their "
             f"rounding noise counts as rank. Set {advice} for the tolerance of {dtype} (tolerance_dtype=torch.float32 "

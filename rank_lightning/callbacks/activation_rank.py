@@ -157,7 +157,8 @@ class ActivationRankMonitor(CurveMonitor):
             float32 activations), a ``torch.dtype`` (``torch.bfloat16`` for a model computed in bf16, where a float32
             tolerance counts rounding noise as rank), or ``"input"`` for the lowest precision the hooked outputs
             arrived in. Under ``precision="bf16-mixed"`` that is bf16 only for layers that return bf16 themselves (a
-            ``Linear``); blocks that add to a float32 residual stream (GPT-2's) return float32: name the dtype.
+            ``Linear``); blocks that add to a float32 residual stream (GPT-2's) return float32: name the dtype
+            (a warning says so when ``"input"`` finds float32 outputs of layers run under autocast).
         gram_precision: precision of each batch's Gram product before it is added into the float64 sums:
             ``"float64"``, ``"float32"``, ``"tf32"`` or ``"auto"`` (per device, see
             :class:`~rank_lightning.metrics.ActivationSpectrum`).
