@@ -315,9 +315,10 @@ class ActivationStream:
             return
         for name, path in self.layers.items() if self._name_uncalled else ():
             if name not in self._seen_this_batch:
+                skipped = ", or output_selector returned None for its calls," if callable(self.output_selector) else ""
                 message = (
-                    f"({path}) was not called in the forward pass of the pass's first monitored batch; it is measured "
-                    "in the batches that call it only, and not logged if none does. Name a module that runs "
+                    f"({path}) was not called{skipped} in the forward pass of the pass's first monitored batch; it is "
+                    "measured in the batches that call it only, and not logged if none does. Name a module that runs "
                     "(layers=[...])."
                 )
                 self._warn(name, "not called", message)
@@ -365,6 +366,12 @@ class ActivationStream:
             # A layer run by the backward pass is activation checkpointing recomputing the outputs of the batch's
             # forward pass (torch.utils.checkpoint): the same rows again, not another call of the layer.
             return
+        try:
+            activations = hidden_state(output, self.output_selector)
+        except ValueError as error:
+            raise ValueError(f"layer {name!r}: {error}") from error
+        if activations is None and callable(self.output_selector):
+            return  # the selector skips this call (another call of the layer in this batch may be the measured one)
         if name in self._seen_this_batch:
             # A module called twice per forward (a shared ReLU) would mix two representations.
             message = (
@@ -377,10 +384,6 @@ class ActivationStream:
             self._warn(name, "reuse", message)
             return
         self._seen_this_batch.add(name)
-        try:
-            activations = hidden_state(output, self.output_selector)
-        except ValueError as error:
-            raise ValueError(f"layer {name!r}: {error}") from error
         if not isinstance(activations, Tensor) or activations.ndim not in (2, 3, 4):
             shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(output).__name__
             message = "not (B, d) features, (B, T, D) tokens or (B, C, H, W) conv maps; it is skipped."
