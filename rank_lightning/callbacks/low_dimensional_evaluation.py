@@ -4,7 +4,7 @@ layer's features."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -27,6 +27,7 @@ from rank_lightning.layers import (
     capture_features,
     eval_mode,
     feature_layer,
+    forward_batch,
     random_state_kept,
 )
 from rank_lightning.sampling import limit_to_own_samples, side_loader
@@ -64,7 +65,8 @@ class LowDimensionalEvaluation(RankCallback):
         reduction: how conv or token features become one embedding per input: ``"flatten"`` (Sanyal et al.'s
             choice), ``"mean"`` or ``"cls"`` (``"channel"`` and ``"token"``, one row per position, are refused).
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
-            ``batch[0]`` or the usual keys of a dict batch.
+            ``batch[0]``, and for dict batches the rule of :func:`~rank_lightning.layers.forward_batch`
+            (``forward(**entries)``, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
         verbose: report the accuracies at the end of fit (rank zero, at INFO level).
 
@@ -173,13 +175,17 @@ class LowDimensionalEvaluation(RankCallback):
         features, labels = [], []
         # The samples a DistributedSampler repeats at the end of a process's pass are taken once.
         left = limit_to_own_samples(None, loader)
+        call: str | None = None  # how forward() takes a dict batch, learnt at the first one
         with torch.no_grad(), eval_mode(pl_module), capture_features(pl_module, [layer]) as captured:
             for index, batch in enumerate(loader):
                 # A process with nothing left to take still runs one batch: its (0, d) features join the gather.
                 if (self.max_batches is not None and index >= self.max_batches) or (left == 0 and features):
                     break
-                inputs, targets = self.reader.split(step_inputs(trainer, batch))
-                pl_module(inputs)
+                batch = step_inputs(trainer, batch)
+                targets = cast(Tensor, self.reader.labels(batch, required=True))
+                # As the steps pass it: a dict batch by its entries (Hugging Face style), by itself, or its inputs.
+                captured.pop(layer.name, None)
+                call = forward_batch(pl_module, batch, self.reader, call, ran=lambda: layer.name in captured)
                 take = targets.shape[0] if left is None else min(targets.shape[0], left)
                 features.append(reduce_activations(captured[layer.name], self.reduction)[:take].float())
                 labels.append(targets[:take])

@@ -159,3 +159,31 @@ def test_reductions_with_several_rows_per_input_are_refused(reduction: str) -> N
     with pytest.raises(ValueError, match=rf"reduction '{reduction}' gives one row per position.*flatten, cls, mean"):
         LowDimensionalEvaluation(reduction=reduction)
     assert LowDimensionalEvaluation(reduction="mean").reduction == "mean"
+
+
+class _DictBatches(_Digits):
+    """Dict batches whose entries ``forward`` takes by name, as a Hugging Face model in a LightningModule does."""
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(pixels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(**batch), batch["labels"])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(**batch)
+
+
+def test_dict_batches_reach_forward_as_the_steps_pass_them() -> None:
+    torch.manual_seed(0)
+    train, val = _digits_loaders()
+    as_dicts = [DataLoader([{"pixels": x, "labels": y} for x, y in d], batch_size=None) for d in (train, val)]
+    as_tuples = [DataLoader([(b["pixels"], b["labels"]) for b in d], batch_size=None) for d in as_dicts]
+    results = []
+    for module_cls, loaders in ((_Digits, as_tuples), (_DictBatches, as_dicts)):
+        torch.manual_seed(0)
+        module = module_cls()
+        callback = LowDimensionalEvaluation(dims=(3, 10), layer="features", max_batches=4, verbose=False)
+        quiet_trainer([callback], max_epochs=1).fit(module, *loaders)
+        results.append(callback.results)
+    assert results[1] == results[0] and set(results[0]) == {3, 10}
