@@ -64,6 +64,8 @@ class LowDimensionalEvaluation(RankCallback):
         max_batches: at most this many batches per dataloader (all by default).
         reduction: how conv or token features become one embedding per input: ``"flatten"`` (Sanyal et al.'s
             choice), ``"mean"`` or ``"cls"`` (``"channel"`` and ``"token"``, one row per position, are refused).
+            Token features leave out the padding of a dict batch's ``attention_mask``: ``"mean"`` averages the real
+            tokens, ``"flatten"`` zeroes the padded positions.
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
             ``batch[0]``, and for dict batches the rule of :func:`~rank_lightning.layers.forward_batch`
             (``forward(**entries)``, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
@@ -169,6 +171,20 @@ class LowDimensionalEvaluation(RankCallback):
         self.results = low_dimensional_accuracy(train_x, train_y, val_x, val_y, dims)
         return self.results
 
+    def _rows(self, activations: Tensor, batch: Any, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """One embedding per input, and the labels of those kept. Tokens ``(B, T, D)`` leave out the padded positions of
+        the batch's attention mask (:meth:`~rank_lightning.layers.BatchReader.mask`, when it is ``(B, T)``):
+        ``"mean"`` averages the real tokens (an input without one is dropped, with its label), ``"flatten"`` zeroes
+        the padded positions, ``"cls"`` takes the first token."""
+        mask = self.reader.mask(batch) if activations.ndim == 3 else None
+        if mask is None or tuple(mask.shape) != tuple(activations.shape[:2]):
+            return reduce_activations(activations, self.reduction), targets
+        mask = mask.to(activations.device)
+        rows = reduce_activations(activations, self.reduction, mask=mask)
+        if self.reduction == "mean":
+            targets = targets[mask.any(dim=1).to(targets.device)]
+        return rows, targets
+
     def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
         """``(features (N, d), labels (N,))`` of ``loader``, gathered from every rank, on the CPU."""
         layer = self._layer or feature_layer(pl_module, self.layer)
@@ -186,8 +202,9 @@ class LowDimensionalEvaluation(RankCallback):
                 # As the steps pass it: a dict batch by its entries (Hugging Face style), by itself, or its inputs.
                 captured.pop(layer.name, None)
                 call = forward_batch(pl_module, batch, self.reader, call, ran=lambda: layer.name in captured)
+                rows, targets = self._rows(captured[layer.name], batch, targets)
                 take = targets.shape[0] if left is None else min(targets.shape[0], left)
-                features.append(reduce_activations(captured[layer.name], self.reduction)[:take].float())
+                features.append(rows[:take].float())
                 labels.append(targets[:take])
                 left = None if left is None else left - take
         x, y = torch.cat(features), torch.cat(labels)
