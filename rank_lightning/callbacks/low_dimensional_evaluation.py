@@ -30,7 +30,7 @@ from rank_lightning.layers import (
     forward_batch,
     random_state_kept,
 )
-from rank_lightning.sampling import limit_to_own_samples, side_loader
+from rank_lightning.sampling import limit_to_own_samples, readable_beside, side_loader
 from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
 
 __all__ = ["LowDimensionalEvaluation"]
@@ -51,7 +51,9 @@ class LowDimensionalEvaluation(RankCallback):
     end of fit and, with ``every_n_epochs``, after every n-th validation epoch of fit
     (:class:`~rank_lightning.callbacks.base.Cadence`). Under DDP the features of all ranks are gathered first (every
     rank needs the same number of batches, which Lightning's distributed sampler ensures), so every rank computes and
-    logs the same numbers.
+    logs the same numbers. A training loader that a pass of its own would take the fit's batches from (a one-pass
+    iterator such as a generator, or a resumable iterable that is not a ``DataLoader``:
+    :func:`~rank_lightning.sampling.readable_beside`) is never read: a warning says so and nothing is evaluated.
 
     Args:
         dims: embedding dimensions ``m'``; dimensions above ``min(N, d)`` of the collected training features are
@@ -139,6 +141,14 @@ class LowDimensionalEvaluation(RankCallback):
         loaders = val_loaders(trainer)
         if trainer.train_dataloader is None or not loaders:
             self.warn_once(("no data",), "needs training and validation data; nothing evaluated")
+            return {}
+        if not readable_beside(trainer.train_dataloader):
+            message = (
+                "the training loader is a one-pass iterator (a generator) or a resumable iterable that is not a "
+                "DataLoader: a pass of its own would take the fit's batches, so nothing evaluated. Pass a DataLoader "
+                "(of an IterableDataset for a stream)."
+            )
+            self.warn_once(("one-pass",), message)
             return {}
         pooled = "their samples are pooled into one scored set (the features of every loader together, max_batches "
         pooled += "of each)"

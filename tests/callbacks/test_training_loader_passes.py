@@ -208,3 +208,14 @@ def test_a_resumed_fit_continues_a_resumable_iterable_where_its_checkpoint_left_
         trainer.fit(model, _ResumableBatches(), ckpt_path=checkpoint.best_model_path or checkpoint.last_model_path)
     assert model.seen == _every_batch(24)[3:]
     assert monitor.curves.epochs == [4, 6]
+
+
+def test_low_dimensional_evaluation_leaves_a_generator_of_training_batches_to_the_fit(tmp_path) -> None:
+    model = _Recorder()
+    callback = LowDimensionalEvaluation(layer="act", dims=[2], every_n_epochs=1, verbose=False)
+    batches = iter(DataLoader(_dataset(), batch_size=4))
+    trainer = quiet_trainer([callback], max_epochs=1, limit_train_batches=8, val_check_interval=4)
+    with pytest.warns(UserWarning, match=r"the training loader is a one-pass iterator .* nothing evaluated"):
+        trainer.fit(model, batches, DataLoader(_dataset(), batch_size=8))
+    assert model.seen == _every_batch(32)
+    assert callback.results == {}
