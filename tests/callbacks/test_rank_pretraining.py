@@ -224,3 +224,12 @@ def test_a_nan_before_the_pretrained_layer_skips_the_ascent_with_a_warning() -> 
     assert callback.results["layer1"]["r_after"] == callback.results["layer1"]["r_before"]
     assert math.isnan(callback.results["layer4"]["r_after"])
     assert torch.equal(after[0], before)
+
+
+def test_a_generator_of_training_batches_is_refused_before_it_loses_a_batch() -> None:
+    torch.manual_seed(0)
+    module = _Classifier(create_model("mlp", input_shape=(16,), num_classes=3, depth=3, width=16))
+    batches = iter(_gaussian_loader(4, 32, 16, 3))
+    with pytest.raises(ValueError, match=r"RankPretraining reads 2 training batches before the fit, .* one-pass"):
+        _fit(module, [RankPretraining(num_batches=2, steps=1)], batches)
+    assert len(list(batches)) == 4  # the callback took none
