@@ -12,7 +12,7 @@ they are the last samples of the processes that read them: each process measures
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
@@ -23,6 +23,7 @@ __all__ = [
     "limit_to_own_samples",
     "own_samples",
     "process_share",
+    "readable_beside",
     "repeated_samples",
     "side_loader",
 ]
@@ -119,6 +120,21 @@ def side_loader(loader: Any) -> Any:
     if loader.batch_sampler is None:  # batching off: one sample at a time
         return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **workers)
     return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **workers)
+
+
+def readable_beside(loader: Any) -> bool:
+    """Whether a pass over :func:`side_loader` of ``loader`` leaves the batches of a loop iterating ``loader`` alone:
+    true for a ``DataLoader`` and for iterables that give a fresh iterator each time (a list of batches); false for a
+    one-pass iterator (a generator, ``iter(loader)``), whose batches a pass would take from the loop, and for a
+    resumable iterable that is not a ``DataLoader`` (one with ``state_dict``), which cannot be copied and whose next
+    iterator starts where a checkpoint left it. Collections of loaders are readable when each of them is."""
+    if isinstance(loader, Mapping):
+        return all(readable_beside(inner) for inner in loader.values())
+    if isinstance(loader, (list, tuple)):
+        return all(readable_beside(inner) for inner in loader)
+    if isinstance(loader, DataLoader):
+        return True
+    return not isinstance(loader, Iterator) and not callable(getattr(loader, "state_dict", None))
 
 
 def combined_parts(loaders: Any, batch: Any) -> list[Any]:

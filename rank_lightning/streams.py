@@ -334,9 +334,10 @@ class ActivationStream:
             return
         for name, path in self.layers.items() if self._name_uncalled else ():
             if name not in self._seen_this_batch:
+                skipped = ", or output_selector returned None for its calls," if callable(self.output_selector) else ""
                 message = (
-                    f"({path}) was not called in the forward pass of the pass's first monitored batch; it is measured "
-                    "in the batches that call it only, and not logged if none does. Name a module that runs "
+                    f"({path}) was not called{skipped} in the forward pass of the pass's first monitored batch; it is "
+                    "measured in the batches that call it only, and not logged if none does. Name a module that runs "
                     "(layers=[...])."
                 )
                 self._warn(name, "not called", message)
@@ -384,6 +385,12 @@ class ActivationStream:
             # A layer run by the backward pass is activation checkpointing recomputing the outputs of the batch's
             # forward pass (torch.utils.checkpoint): the same rows again, not another call of the layer.
             return
+        try:
+            activations = hidden_state(output, self.output_selector)
+        except ValueError as error:
+            raise ValueError(f"layer {name!r}: {error}") from error
+        if activations is None and callable(self.output_selector):
+            return  # the selector skips this call (another call of the layer in this batch may be the measured one)
         if name in self._seen_this_batch:
             # A module called twice per forward (a shared ReLU) would mix two representations.
             message = (
@@ -396,10 +403,6 @@ class ActivationStream:
             self._warn(name, "reuse", message)
             return
         self._seen_this_batch.add(name)
-        try:
-            activations = hidden_state(output, self.output_selector)
-        except ValueError as error:
-            raise ValueError(f"layer {name!r}: {error}") from error
         if not isinstance(activations, Tensor) or activations.ndim not in (2, 3, 4):
             shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(output).__name__
             message = "not (B, d) features, (B, T, D) tokens or (B, C, H, W) conv maps; it is skipped."
@@ -718,10 +721,13 @@ class ActivationStream:
     ) -> None:
         """Warn when activations computed in half precision (outputs in bf16 / fp16, or float32 outputs of layers run
         under autocast) get the float32 tolerance, under which their rounding noise counts as rank."""
-        if "numerical_rank" not in metrics or metric.rank_tolerance is not None or metric.tolerance_dtype is not None:
+        chosen = metric.tolerance_dtype
+        if "numerical_rank" not in metrics or metric.rank_tolerance is not None or chosen not in (None, "input"):
             return
         eps = float(metric.input_eps)
         if eps > torch.finfo(torch.float32).eps:
+            if chosen == "input":
+                return  # their own dtype's tolerance
             dtype = "bfloat16" if eps == torch.finfo(torch.bfloat16).eps else "float16"
             where, advice = f"were computed in {dtype}", "tolerance_dtype='input'"
         elif autocast in (torch.bfloat16, torch.float16):
@@ -730,6 +736,8 @@ class ActivationStream:
             advice = f"tolerance_dtype=torch.{dtype}"
         else:
             return
+        if chosen == "input":
+            where += ", so tolerance_dtype='input' found float32 outputs"
         message = (
             f"the monitored activations {where}, but numerical_rank takes the float32 tolerance, under which their "
             f"rounding noise counts as rank. Set {advice} for the tolerance of {dtype} (tolerance_dtype=torch.float32 "

@@ -38,7 +38,7 @@ from rank_lightning.layers import (
     train_mode,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
-from rank_lightning.sampling import side_loader
+from rank_lightning.sampling import readable_beside, side_loader
 from rank_lightning.streams import ActivationStream
 from rank_lightning.validation import (
     check_bool,
@@ -116,7 +116,10 @@ class ActivationRankMonitor(CurveMonitor):
     combines in the fit's mode) give each step's batches of every loader, whose inputs (``input_key`` of each) run in
     one ``forward`` call, concatenated in loader order; the labels are read from the combined batch, as in the
     monitored passes (``label_fn``, e.g. ``lambda batch: torch.cat([part[1] for part in batch.values()])``). It is
-    recorded as epoch ``-1`` and sent to the loggers at step 0.
+    recorded as epoch ``-1`` and sent to the loggers at step 0. A loader that cannot be read beside the fit (a
+    one-pass iterator such as a generator, or a resumable iterable that is not a ``DataLoader``:
+    :func:`~rank_lightning.sampling.readable_beside`) gives no initial point, with a warning, and is never read
+    before training.
 
     Memory: the float64 states of all monitored layers together stay within ``memory_budget_mb`` on each device
     (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch. A layer whose
@@ -162,7 +165,8 @@ class ActivationRankMonitor(CurveMonitor):
             float32 activations), a ``torch.dtype`` (``torch.bfloat16`` for a model computed in bf16, where a float32
             tolerance counts rounding noise as rank), or ``"input"`` for the lowest precision the hooked outputs
             arrived in. Under ``precision="bf16-mixed"`` that is bf16 only for layers that return bf16 themselves (a
-            ``Linear``); blocks that add to a float32 residual stream (GPT-2's) return float32: name the dtype.
+            ``Linear``); blocks that add to a float32 residual stream (GPT-2's) return float32: name the dtype
+            (a warning says so when ``"input"`` finds float32 outputs of layers run under autocast).
         gram_precision: precision of each batch's Gram product before it is added into the float64 sums:
             ``"float64"``, ``"float32"``, ``"tf32"`` or ``"auto"`` (per device, see
             :class:`~rank_lightning.metrics.ActivationSpectrum`).
@@ -665,6 +669,8 @@ class ActivationRankMonitor(CurveMonitor):
         if not loaders or self._stream is None:
             return
         initial = self.initial_point_due(trainer)
+        if not self._readable(loaders, initial):
+            return
         if not initial:
             # One batch before training all the same: the layers' states are planned now (a memory budget they
             # exceed raises now, a layer that never runs is named now), not at the first monitored batch, which may
@@ -701,6 +707,22 @@ class ActivationRankMonitor(CurveMonitor):
         values = self._pass_values(trainer, pl_module, initial=True)
         if values:
             self.curves.record_initial(trainer, values)
+
+    def _readable(self, loaders: list[tuple[Any, float]], initial: bool) -> bool:
+        """Whether the initial pass may read ``loaders`` without taking batches from the fit: a one-pass iterator (a
+        generator) would lose them, a resumable iterable would give them from where a resumed fit continues. A warning
+        says why there is no initial point."""
+        if all(readable_beside(_loader_of(loader)) for loader, _ in loaders):
+            return True
+        if initial:
+            message = (
+                f"no initial point: the {'training' if self.stage == 'train' else 'validation'} loader is a one-pass "
+                "iterator (a generator) or a resumable iterable that is not a DataLoader, whose batches a pass before "
+                "training would take from the fit. Pass a DataLoader (of an IterableDataset for a stream) to measure "
+                "the untrained model."
+            )
+            self.warn_once(("init",), message)
+        return False
 
     def _initial_pass(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list[tuple[Any, float]]

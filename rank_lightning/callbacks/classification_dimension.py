@@ -218,7 +218,8 @@ class ClassificationDimension(RankCallback):
     cause, ``clsdim/cls_dim`` and ``clsdim/acc_at_cls_dim`` are logged as NaN (``clsdim/full_acc`` too for
     non-finite features), the accuracy table holds NaN, and the figure is not drawn (a previous one is removed).
     Logits with NaN or Inf values likewise skip the independence deficit, whose numbers are then logged as NaN. Such
-    data never stops the run.
+    data never stops the run, nor does a head whose outputs are not one row of logits per sample ``(B, C)`` (one that
+    scores every token of ``(B, T, d)`` features): a warning names it, and nothing is evaluated.
 
     Args:
         threshold: fraction of the full accuracy to keep (Feng et al.: 0.95).
@@ -384,8 +385,8 @@ class ClassificationDimension(RankCallback):
         with forward_hooks(pl_module, layers, lambda layer, value: captured.setdefault(layer.name, value)):
             with eval_mode(pl_module), torch.no_grad(), random_state_kept(pl_module, [loader]):
                 for batch in loader:
-                    x, _ = self.reader.split(step_inputs(pl_module.trainer, batch))
-                    pl_module(x)
+                    # As the evaluation runs it (a dict batch by its entries, Hugging Face style).
+                    forward_batch(pl_module, step_inputs(pl_module.trainer, batch), self.reader, ran=lambda: captured)
                     break
         features, logits = captured.get("features"), captured.get("logits")
         if self.ks is not None and isinstance(features, Tensor) and features.ndim >= 2:
@@ -407,13 +408,13 @@ class ClassificationDimension(RankCallback):
         samples a ``DistributedSampler`` repeats are read once: :class:`~rank_lightning.callbacks.base.RowQuota`)."""
         path = self._head_path or self.find_head(pl_module)
         limit = process_share(self.max_samples, trainer.world_size, trainer.global_rank)
-        head = FeatureLayer("head", path, "input")
+        layers = [FeatureLayer("head", path, "input"), FeatureLayer("logits", path, "output")]
         captured: dict[str, Tensor] = {}
         features: list[Tensor] = []
         labels: list[Tensor] = []
         quota = RowQuota(limit)
         self._call = None  # learnt again for this module and loader
-        hooks = forward_hooks(pl_module, [head], first_call_keeper(self, path, captured))
+        hooks = forward_hooks(pl_module, layers, first_call_keeper(self, path, captured))
         with hooks, eval_mode(pl_module), torch.no_grad():
             # A process with nothing to take still runs one batch: its (0, d) features join the gather.
             for batch, room in quota.batches(loaders):
@@ -423,6 +424,8 @@ class ClassificationDimension(RankCallback):
                 self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
+                if not self._per_sample_logits(path, captured, y.shape[0]):
+                    return torch.empty(0), torch.empty(0, dtype=torch.long)
                 take = y.shape[0] if room is None else min(y.shape[0], room)
                 features.append(captured["head"][:take].detach())
                 labels.append(y[:take].to(pl_module.device))
@@ -430,6 +433,22 @@ class ClassificationDimension(RankCallback):
         if not features:
             return torch.empty(0), torch.empty(0, dtype=torch.long)
         return torch.cat(features), torch.cat(labels).long()
+
+    def _per_sample_logits(self, path: str, captured: dict[str, Tensor], rows: int) -> bool:
+        """Whether the head gave one row of logits per sample, ``(B, C)``, which its accuracy is read from; a warning
+        names the head when not (a head applied to every token of ``(B, T, d)`` features gives ``(B, T, C)``)."""
+        logits = captured.get("logits")
+        if isinstance(logits, Tensor) and logits.ndim == 2 and logits.shape[0] == rows:
+            return True
+        shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        self.warn_once(
+            ("logits",),
+            f"the outputs of {path!r} have shape {shape}, not (B, C) logits of the batch's {rows} samples: the "
+            "classification dimension needs a head that gives one prediction per sample, so nothing is evaluated. "
+            "Name such a head with head=...; a model whose head scores every token and keeps one afterwards (as "
+            "GPT2ForSequenceClassification does) has none.",
+        )
+        return False
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ layer's features."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -27,9 +27,10 @@ from rank_lightning.layers import (
     capture_features,
     eval_mode,
     feature_layer,
+    forward_batch,
     random_state_kept,
 )
-from rank_lightning.sampling import limit_to_own_samples, side_loader
+from rank_lightning.sampling import limit_to_own_samples, readable_beside, side_loader
 from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
 
 __all__ = ["LowDimensionalEvaluation"]
@@ -50,7 +51,9 @@ class LowDimensionalEvaluation(RankCallback):
     end of fit and, with ``every_n_epochs``, after every n-th validation epoch of fit
     (:class:`~rank_lightning.callbacks.base.Cadence`). Under DDP the features of all ranks are gathered first (every
     rank needs the same number of batches, which Lightning's distributed sampler ensures), so every rank computes and
-    logs the same numbers.
+    logs the same numbers. A training loader that a pass of its own would take the fit's batches from (a one-pass
+    iterator such as a generator, or a resumable iterable that is not a ``DataLoader``:
+    :func:`~rank_lightning.sampling.readable_beside`) is never read: a warning says so and nothing is evaluated.
 
     Args:
         dims: embedding dimensions ``m'``; dimensions above ``min(N, d)`` of the collected training features are
@@ -63,8 +66,11 @@ class LowDimensionalEvaluation(RankCallback):
         max_batches: at most this many batches per dataloader (all by default).
         reduction: how conv or token features become one embedding per input: ``"flatten"`` (Sanyal et al.'s
             choice), ``"mean"`` or ``"cls"`` (``"channel"`` and ``"token"``, one row per position, are refused).
+            Token features leave out the padding of a dict batch's ``attention_mask``: ``"mean"`` averages the real
+            tokens, ``"flatten"`` zeroes the padded positions.
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
-            ``batch[0]`` or the usual keys of a dict batch.
+            ``batch[0]``, and for dict batches the rule of :func:`~rank_lightning.layers.forward_batch`
+            (``forward(**entries)``, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
         verbose: report the accuracies at the end of fit (rank zero, at INFO level).
 
@@ -138,6 +144,14 @@ class LowDimensionalEvaluation(RankCallback):
         if trainer.train_dataloader is None or not loaders:
             self.warn_once(("no data",), "needs training and validation data; nothing evaluated")
             return {}
+        if not readable_beside(trainer.train_dataloader):
+            message = (
+                "the training loader is a one-pass iterator (a generator) or a resumable iterable that is not a "
+                "DataLoader: a pass of its own would take the fit's batches, so nothing evaluated. Pass a DataLoader "
+                "(of an IterableDataset for a stream)."
+            )
+            self.warn_once(("one-pass",), message)
+            return {}
         pooled = "their samples are pooled into one scored set (the features of every loader together, max_batches "
         pooled += "of each)"
         self.warn_pooled_loaders(len(loaders), "validation", pooled)
@@ -169,21 +183,40 @@ class LowDimensionalEvaluation(RankCallback):
         self.results = low_dimensional_accuracy(train_x, train_y, val_x, val_y, dims)
         return self.results
 
+    def _rows(self, activations: Tensor, batch: Any, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """One embedding per input, and the labels of those kept. Tokens ``(B, T, D)`` leave out the padded positions of
+        the batch's attention mask (:meth:`~rank_lightning.layers.BatchReader.mask`, when it is ``(B, T)``):
+        ``"mean"`` averages the real tokens (an input without one is dropped, with its label), ``"flatten"`` zeroes
+        the padded positions, ``"cls"`` takes the first token."""
+        mask = self.reader.mask(batch) if activations.ndim == 3 else None
+        if mask is None or tuple(mask.shape) != tuple(activations.shape[:2]):
+            return reduce_activations(activations, self.reduction), targets
+        mask = mask.to(activations.device)
+        rows = reduce_activations(activations, self.reduction, mask=mask)
+        if self.reduction == "mean":
+            targets = targets[mask.any(dim=1).to(targets.device)]
+        return rows, targets
+
     def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:
         """``(features (N, d), labels (N,))`` of ``loader``, gathered from every rank, on the CPU."""
         layer = self._layer or feature_layer(pl_module, self.layer)
         features, labels = [], []
         # The samples a DistributedSampler repeats at the end of a process's pass are taken once.
         left = limit_to_own_samples(None, loader)
+        call: str | None = None  # how forward() takes a dict batch, learnt at the first one
         with torch.no_grad(), eval_mode(pl_module), capture_features(pl_module, [layer]) as captured:
             for index, batch in enumerate(loader):
                 # A process with nothing left to take still runs one batch: its (0, d) features join the gather.
                 if (self.max_batches is not None and index >= self.max_batches) or (left == 0 and features):
                     break
-                inputs, targets = self.reader.split(step_inputs(trainer, batch))
-                pl_module(inputs)
+                batch = step_inputs(trainer, batch)
+                targets = cast(Tensor, self.reader.labels(batch, required=True))
+                # As the steps pass it: a dict batch by its entries (Hugging Face style), by itself, or its inputs.
+                captured.pop(layer.name, None)
+                call = forward_batch(pl_module, batch, self.reader, call, ran=lambda: layer.name in captured)
+                rows, targets = self._rows(captured[layer.name], batch, targets)
                 take = targets.shape[0] if left is None else min(targets.shape[0], left)
-                features.append(reduce_activations(captured[layer.name], self.reduction)[:take].float())
+                features.append(rows[:take].float())
                 labels.append(targets[:take])
                 left = None if left is None else left - take
         x, y = torch.cat(features), torch.cat(labels)

@@ -24,6 +24,7 @@ from rank_lightning.layers import (
     train_mode,
 )
 from rank_lightning.nn import collect_auxiliary_losses
+from rank_lightning.sampling import readable_beside
 from rank_lightning.validation import check_bool, check_choice, check_positive, check_positive_int
 
 __all__ = ["RankPretraining"]
@@ -61,8 +62,10 @@ class RankPretraining(RankCallback):
             exactly one module; default: the last block of ``pl_module.blocks()`` (the last hidden layer), else the
             input of the last ``nn.Linear``.
         num_batches: M, the number of minibatches (taken in order from the training dataloader, restarting it if it
-            has fewer batches). With several training loaders (a list or dict), a minibatch is a step's batch of
-            every loader (combined in the fit's ``CombinedLoader`` mode), their inputs concatenated in loader order.
+            has fewer batches; a one-pass iterator, such as a generator, is refused with a ``ValueError``: its
+            batches would be taken from the fit). With several training loaders (a list or dict), a minibatch is a
+            step's batch of every loader (combined in the fit's ``CombinedLoader`` mode), their inputs concatenated
+            in loader order.
         steps: T, gradient-ascent steps per minibatch (Daneshmand et al. Fig. 6: 25 or 75 iterations in total).
         lr: learning rate of the ascent. With ``normalize_gradient`` the gradient has unit norm, so a step is ``lr``
             long without momentum; with ``momentum`` the steps add up along a steady direction, to at most
@@ -154,6 +157,12 @@ class RankPretraining(RankCallback):
         inputs concatenated in loader order (:class:`~rank_lightning.callbacks.base.TrainingBatches`)."""
         if trainer.train_dataloader is None:
             raise RuntimeError("RankPretraining needs a training dataloader")
+        if not readable_beside(trainer.train_dataloader):
+            raise ValueError(
+                f"RankPretraining reads {self.num_batches} training batches before the fit, but the training loader "
+                "is a one-pass iterator (a generator) or a resumable iterable that is not a DataLoader: those batches "
+                "would be taken from the fit. Pass a DataLoader (of an IterableDataset for a stream)."
+            )
         loader = TrainingBatches(trainer)
         batches: list[Tensor] = []
         while len(batches) < self.num_batches:

@@ -198,6 +198,38 @@ def test_cls_dim_calls_a_forward_that_takes_the_dict_batch_with_the_batch(tmp_pa
     torch.testing.assert_close(callback.result.accuracies, expected.accuracies)
 
 
+class _WholeBatchTrained(_WholeBatch):
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch), batch["digit"])
+
+
+def test_the_early_check_of_ks_runs_a_forward_that_takes_the_dict_batch(tmp_path):
+    model, data = _WholeBatchTrained(), make_data(30, seed=12)
+    callback = ClassificationDimension(label_key="digit", ks=[1, 2], verbose=False)
+    make_trainer(tmp_path, [callback]).fit(model, make_loader(DictBatches(data)), make_loader(DictBatches(data)))
+    assert callback.result.ks.tolist() == [1, 2, 12]  # the full width d too
+    with pytest.raises(ValueError, match=r"ks must lie in \[1, 12\] \(the feature width\), got \[13\]"):
+        callback = ClassificationDimension(label_key="digit", ks=[13], verbose=False)
+        make_trainer(tmp_path, [callback]).fit(model, make_loader(DictBatches(data)), make_loader(DictBatches(data)))
+
+
+class _HeadOnEveryToken(TinyNet):
+    """A head applied to every position of ``(B, T, d)`` features (as a causal LM's sequence classifier scores every
+    token, then keeps the last real one): its outputs are not one row of logits per sample."""
+
+    def forward(self, x):
+        tokens = self.features(x)[:, None].expand(-1, 3, -1)
+        return self.head(tokens)[:, -1]
+
+
+def test_a_head_without_one_row_of_logits_per_sample_is_named_and_nothing_is_logged(tmp_path):
+    callback = ClassificationDimension(verbose=False)
+    trainer = make_trainer(tmp_path, [callback])
+    with pytest.warns(UserWarning, match=r"outputs of 'head' have shape \(16, 3, 5\), not \(B, C\) logits"):
+        trainer.validate(_HeadOnEveryToken(), make_loader(make_data(20, seed=12)))
+    assert callback.result is None and not any(key.startswith("clsdim/") for key in trainer.callback_metrics)
+
+
 def test_cls_dim_without_labels_names_where_it_looked(tmp_path):
     model, val = DictTinyNet(), make_data(8, seed=12)
     callback = ClassificationDimension(input_key="pixels", verbose=False)

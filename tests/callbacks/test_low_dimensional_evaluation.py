@@ -159,3 +159,79 @@ def test_reductions_with_several_rows_per_input_are_refused(reduction: str) -> N
     with pytest.raises(ValueError, match=rf"reduction '{reduction}' gives one row per position.*flatten, cls, mean"):
         LowDimensionalEvaluation(reduction=reduction)
     assert LowDimensionalEvaluation(reduction="mean").reduction == "mean"
+
+
+class _DictBatches(_Digits):
+    """Dict batches whose entries ``forward`` takes by name, as a Hugging Face model in a LightningModule does."""
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(pixels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(**batch), batch["labels"])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(**batch)
+
+
+def test_dict_batches_reach_forward_as_the_steps_pass_them() -> None:
+    torch.manual_seed(0)
+    train, val = _digits_loaders()
+    as_dicts = [DataLoader([{"pixels": x, "labels": y} for x, y in d], batch_size=None) for d in (train, val)]
+    as_tuples = [DataLoader([(b["pixels"], b["labels"]) for b in d], batch_size=None) for d in as_dicts]
+    results = []
+    for module_cls, loaders in ((_Digits, as_tuples), (_DictBatches, as_dicts)):
+        torch.manual_seed(0)
+        module = module_cls()
+        callback = LowDimensionalEvaluation(dims=(3, 10), layer="features", max_batches=4, verbose=False)
+        quiet_trainer([callback], max_epochs=1).fit(module, *loaders)
+        results.append(callback.results)
+    assert results[1] == results[0] and set(results[0]) == {3, 10}
+
+
+class _Tokens(pl.LightningModule):
+    """Token features ``(B, T, D)`` of dict batches with right padding, classified from their masked mean (a learning
+    rate of 0: the features are those of the initial weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix = nn.Embedding(20, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: Any = None) -> torch.Tensor:
+        tokens = self.mix(self.embed(input_ids))
+        mask = attention_mask[..., None].float()
+        return self.head((tokens * mask).sum(1) / mask.sum(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(**batch), batch["labels"])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(**batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _token_loader(padding: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        mask = (torch.arange(6)[None] < torch.randint(2, 7, (16, 1), generator=generator)).long()
+        ids = torch.randint(1, 20, (16, 6), generator=generator).masked_fill(mask == 0, padding)
+        batches.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 2, (16,), generator=generator)}
+        )
+    return DataLoader(batches, batch_size=None)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "flatten"])
+def test_token_features_leave_out_the_padding_of_the_attention_mask(reduction: str) -> None:
+    """Batches whose real tokens are the same but whose padded positions hold other tokens give the same results."""
+    results = []
+    for padding in (0, 7):
+        torch.manual_seed(0)
+        callback = LowDimensionalEvaluation(dims=(2, 4), layer="mix", reduction=reduction, verbose=False)
+        quiet_trainer([callback], max_epochs=1).fit(_Tokens(), _token_loader(padding), _token_loader(padding))
+        results.append(callback.results)
+    assert set(results[0]) == {2, 4} and results[1] == results[0]

@@ -131,6 +131,7 @@ class _ResidualNet(_LowRank):
     ("options", "advice"),
     [
         ({}, "tolerance_dtype=torch.bfloat16"),
+        ({"tolerance_dtype": "input"}, "so tolerance_dtype='input' found float32 outputs, but"),
         ({"tolerance_dtype": torch.float32}, None),
         ({"rank_tolerance": 1e-3}, None),
     ],

@@ -247,3 +247,12 @@ def test_the_ascent_collects_the_lr_layer_loss_of_every_step() -> None:
     )
     _fit(module, [RankPretraining(num_batches=2, steps=3, verbose=False)], _gaussian_loader(batch_size=16))
     assert pending[:6] == [0] * 6  # the six ascent steps, then the training step
+
+
+def test_a_generator_of_training_batches_is_refused_before_it_loses_a_batch() -> None:
+    torch.manual_seed(0)
+    module = _Classifier(create_model("mlp", input_shape=(16,), num_classes=3, depth=3, width=16))
+    batches = iter(_gaussian_loader(4, 32, 16, 3))
+    with pytest.raises(ValueError, match=r"RankPretraining reads 2 training batches before the fit, .* one-pass"):
+        _fit(module, [RankPretraining(num_batches=2, steps=1)], batches)
+    assert len(list(batches)) == 4  # the callback took none

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -151,3 +153,69 @@ def test_passes_over_a_persistent_validation_loader_leave_its_workers_random_sta
 
     plain = validated([])
     assert torch.equal(validated([ActivationRankMonitor(layers=["act"], verbose=False)]), plain)
+
+
+def _every_batch(stop: int, size: int = 4) -> list[list[int]]:
+    return [list(range(start, start + size)) for start in range(0, stop, size)]
+
+
+def test_a_generator_of_training_batches_is_left_to_the_fit_and_the_missing_initial_point_is_named(tmp_path) -> None:
+    """A one-pass iterator cannot be read beside the loop: every batch it gives is one the fit would not train on."""
+    model = _Recorder()
+    monitor = ActivationRankMonitor(layers=["act"], every_n_train_steps=2, window_batches=2, verbose=False)
+    batches = iter(DataLoader(_dataset(), batch_size=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([monitor], max_steps=6, max_epochs=1, default_root_dir=tmp_path).fit(model, batches)
+    assert model.seen == _every_batch(24)
+    assert monitor.curves.epochs == [2, 4, 6]
+    named = [str(w.message) for w in caught if "no initial point" in str(w.message)]
+    assert len(named) == 1 and "one-pass iterator" in named[0] and "DataLoader" in named[0], named
+
+
+class _ResumableBatches:
+    """Batches resumed where a checkpoint left them, as Lightning resumes any iterable with ``state_dict``."""
+
+    def __init__(self) -> None:
+        self.batches, self.position, self.start = list(DataLoader(_dataset(), batch_size=4)), 0, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        self.position, self.start = self.start, 0
+        while self.position < len(self.batches):
+            self.position += 1
+            yield self.batches[self.position - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["position"]
+
+
+@pytest.mark.parametrize("log_at_init", [True, False])
+def test_a_resumed_fit_continues_a_resumable_iterable_where_its_checkpoint_left_it(tmp_path, log_at_init) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    options = dict(max_steps=3, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
+    quiet_trainer([checkpoint], **options).fit(_Recorder(), _ResumableBatches())
+    model = _Recorder()
+    monitor = ActivationRankMonitor(layers=["act"], every_n_train_steps=2, log_at_init=log_at_init, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = quiet_trainer([monitor], **(options | {"max_steps": 6, "enable_checkpointing": False}))
+        trainer.fit(model, _ResumableBatches(), ckpt_path=checkpoint.best_model_path or checkpoint.last_model_path)
+    assert model.seen == _every_batch(24)[3:]
+    assert monitor.curves.epochs == [4, 6]
+
+
+def test_low_dimensional_evaluation_leaves_a_generator_of_training_batches_to_the_fit(tmp_path) -> None:
+    model = _Recorder()
+    callback = LowDimensionalEvaluation(layer="act", dims=[2], every_n_epochs=1, verbose=False)
+    batches = iter(DataLoader(_dataset(), batch_size=4))
+    trainer = quiet_trainer([callback], max_epochs=1, limit_train_batches=8, val_check_interval=4)
+    with pytest.warns(UserWarning, match=r"the training loader is a one-pass iterator .* nothing evaluated"):
+        trainer.fit(model, batches, DataLoader(_dataset(), batch_size=8))
+    assert model.seen == _every_batch(32)
+    assert callback.results == {}

@@ -268,6 +268,47 @@ def test_a_failing_output_selector_names_the_layer():
         _fit(_gpt2(), monitor, _causal_lm_batches(1, seed=0), _causal_lm_batches(1, seed=1))
 
 
+class _SharedBlock(nn.Module):
+    """A block run twice per forward pass (encoder and decoder sharing weights), telling its calls apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor, decoding: bool) -> tuple[Tensor, bool]:
+        return torch.tanh(self.linear(x)), decoding
+
+
+class _SharedBlockModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _SharedBlock()
+
+    def forward(self, x: Tensor) -> Tensor:
+        encoded, _ = self.block(x, False)
+        return self.block(2 * encoded + 1, True)[0]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+def test_a_selector_that_returns_none_skips_that_call_and_measures_the_other_call_of_the_layer():
+    torch.manual_seed(0)
+    module, inputs = _SharedBlockModule(), torch.randn(16, 6)
+    selector = lambda out: out[0] if out[1] else None  # noqa: E731 - the decoder's call only
+    monitor = ActivationRankMonitor(layers=["block"], output_selector=selector, verbose=False)
+    trainer = quiet_trainer([monitor])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(module, DataLoader(list(zip(inputs, torch.zeros(16))), batch_size=8), verbose=False)
+    assert [str(w.message) for w in caught if "rank_lightning" in w.filename] == []
+    with torch.no_grad():
+        decoded = torch.tanh(module.block.linear(2 * torch.tanh(module.block.linear(inputs)) + 1))
+    assert float(trainer.callback_metrics["rank/block/spectrum_rows"]) == 16
+    expected = float(effective_rank(decoded.double()))
+    assert float(trainer.callback_metrics["rank/block/effective_rank"]) == pytest.approx(expected, rel=1e-9)
+
+
 def test_a_mask_key_that_finds_nothing_stops_the_first_monitored_batch():
     torch.manual_seed(0)
     monitor = ActivationRankMonitor(mask_key="padding_mask", log_at_init=False)
