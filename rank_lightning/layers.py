@@ -23,6 +23,7 @@ labels and attention mask of a batch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import importlib
 import inspect
@@ -234,6 +235,29 @@ def _by_name(paths: Iterable[str], pattern: str) -> dict[str, str]:
     return {eager_name(path): path for path in paths}
 
 
+NAMES_SHOWN = 40
+"""How many names an error message lists in full; a longer list is cut to the closest and the top-level names."""
+
+
+def describe_names(kind: str, names: Sequence[str], pattern: str | None = None) -> str:
+    """``"<kind>s are: a, b, c"`` for an error message, bounded on a large model.
+
+    Up to :data:`NAMES_SHOWN` names are all listed. Beyond that the message gives the names closest to ``pattern``
+    (:func:`difflib.get_close_matches`), the names at the top levels (the :data:`NAMES_SHOWN` shallowest, level by
+    level, in model order) and ``"... and N more"``.
+    """
+    names = list(dict.fromkeys(names))
+    if len(names) <= NAMES_SHOWN:
+        return f"{kind}s are: {', '.join(names)}"
+    # The shallowest names first, filling the list level by level; shown in model order.
+    shallow = set(sorted(names, key=lambda name: name.count("."))[:NAMES_SHOWN])
+    top = [name for name in names if name in shallow]
+    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.6) if pattern else []
+    closest = f"the closest {kind}s are: {', '.join(close)}; " if close else ""
+    more = len(names) - len(top)
+    return f"{closest}{kind}s at the top levels are: {', '.join(top)} ... and {more} more"
+
+
 def match_layer_names(
     module: nn.Module,
     patterns: Sequence[str],
@@ -259,7 +283,7 @@ def match_layer_names(
         kind: word used in error messages ("layer", "weight layer").
 
     Raises:
-        ValueError: a pattern that matches nothing; the message lists the valid names.
+        ValueError: a pattern that matches nothing; the message lists the valid names (see :func:`describe_names`).
     """
     all_modules = dict(module.named_modules())
     blocks = blocks or {}
@@ -282,10 +306,10 @@ def match_layer_names(
         elif expand_containers and pattern in named_modules:
             matches = [name for name in candidates if name.startswith(named_modules[pattern] + ".")]
         else:
-            raise ValueError(f"unknown {kind} {pattern!r}; {kind}s are: {', '.join(valid)}")
+            raise ValueError(f"unknown {kind} {pattern!r}; {describe_names(kind, valid, pattern)}")
         if not matches:
             raise ValueError(
-                f"{kind} {pattern!r} matches nothing that can be monitored; {kind}s are: {', '.join(valid)}"
+                f"{kind} {pattern!r} matches nothing that can be monitored; {describe_names(kind, valid, pattern)}"
             )
         selected.update(matches)
     order = {name: i for i, name in enumerate(all_modules)}
@@ -465,7 +489,7 @@ def _expand_to_candidates(paths: Iterable[str], candidates: Mapping[str, nn.Modu
         inside = [path] if path in candidates else [c for c in candidates if c.startswith(path + ".")]
         if not inside:
             raise ValueError(
-                f"{kind} {path!r} holds nothing that can be monitored; {kind}s are: {', '.join(candidates)}"
+                f"{kind} {path!r} holds nothing that can be monitored; {describe_names(kind, list(candidates), path)}"
             )
         selected.update(inside)
     return [name for name in candidates if name in selected]
@@ -522,7 +546,7 @@ def select_layers(
     if not chosen:
         raise ValueError(
             f"{type(module).__name__} has no {kind} to monitor by default; name them with layers=[...] "
-            f"(module names: {', '.join(candidates) or 'none'})"
+            f"({describe_names('module name', list(candidates)) if candidates else 'module names: none'})"
         )
     for name in chosen:
         if "/" in name:

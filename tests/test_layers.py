@@ -800,3 +800,39 @@ def test_metrics_of_the_module_are_no_layers():
     with pytest.raises(ValueError, match=r"their types are: Linear, ReLU, Sequential$"):
         select_layers(_WithMetrics(), None, ["MulticlassAccuracy"])
     assert select_layers(_WithMetrics(), ["*"]) == {"net": "net", "net.0": "net.0", "net.1": "net.1"}
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(4), nn.LayerNorm(4)
+        self.attn = nn.Sequential(nn.Linear(4, 12), nn.Linear(4, 4))
+        self.mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+class _GPT48(nn.Module):
+    """GPT-2-shaped: 48 blocks, 484 module names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(10, 4)
+        self.h = nn.ModuleList(_GPTBlock() for _ in range(48))
+        self.ln_f = nn.LayerNorm(4)
+        self.lm_head = nn.Linear(4, 10)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "start"),
+    [
+        ("h.48.mlp", "unknown layer 'h.48.mlp'; the closest layers are: h.8.mlp, h.4.mlp, h.47.mlp,"),
+        ("h.4?.mpl*", "layer 'h.4?.mpl*' matches nothing that can be monitored; the closest layers are: h.4.mlp,"),
+    ],
+)
+def test_a_bad_pattern_on_a_large_model_gives_a_bounded_message(pattern, start):
+    with pytest.raises(ValueError) as error:
+        select_layers(_GPT48(), [pattern])
+    message = str(error.value)
+    assert message.startswith(start)
+    top = ", ".join(["wte", "h", *(f"h.{i}" for i in range(36)), "ln_f", "lm_head"])
+    assert message.endswith(f"; layers at the top levels are: {top} ... and 444 more")
+    assert len(message) < 500
