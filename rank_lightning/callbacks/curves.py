@@ -937,10 +937,17 @@ class LayerCurves:
             return bool(kept)
         self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
         if trainer.is_global_zero:
+            # ``epoch`` is where measuring restarts, not the checkpoint's epoch or step.
+            which = (
+                f"{self.x_axis} {epoch_ranges(rewound)} is"
+                if len(rewound) == 1
+                else f"{self.x_axis}s {epoch_ranges(rewound)} are"
+            )
+            their = "its" if len(rewound) == 1 else "their"
             warnings.warn(
-                f"LayerCurves({self.namespace!r}): this fit resumed at {self.x_axis} {epoch} from a checkpoint older "
-                f"than the recorded curves; {self.x_axis}s {epoch_ranges(rewound)} are trained again and their values "
-                f"are replaced. The previous values are kept under 'superseded' in {self.curve_path(trainer)} and in "
+                f"LayerCurves({self.namespace!r}): this fit resumed from a checkpoint older than the recorded curves "
+                f"and measures again from {self.x_axis} {epoch} on; {which} trained again and {their} values are "
+                f"replaced. The previous values are kept under 'superseded' in {self.curve_path(trainer)} and in "
                 "checkpoints.",
                 UserWarning,
                 stacklevel=3,

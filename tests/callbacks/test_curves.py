@@ -510,7 +510,9 @@ def test_a_fit_resumed_from_an_older_checkpoint_reports_the_rewind_and_keeps_the
 
     # Resumed after epoch 1 into the same run directory: epochs 2 and 3 are trained again.
     resumed = _Offset(200.0)
-    with pytest.warns(UserWarning, match=r"resumed at epoch 2 .* epochs 2-3 are trained again") as caught:
+    with pytest.warns(
+        UserWarning, match=r"measures again from epoch 2 on; epochs 2-3 are trained again and their values are replaced"
+    ) as caught:
         _trainer(tmp_path, resumed, max_epochs=4, logger=False).fit(
             _Net(), _loader(), _loader(), ckpt_path=tmp_path / "ckpt" / "epoch=1.ckpt"
         )
@@ -778,14 +780,18 @@ def test_resuming_twice_from_an_older_checkpoint_keeps_every_superseded_run(tmp_
 
     # Resumed at epoch 2 (after epoch 1): measured epoch 3 of the first run is superseded, named at epoch 2.
     second = _EveryOtherEpochResumable(200.0)
-    with pytest.warns(UserWarning, match=r"resumed at epoch 2 .* epochs 3 are trained again"):
+    with pytest.warns(
+        UserWarning, match=r"measures again from epoch 2 on; epoch 3 is trained again and its values are replaced"
+    ):
         _trainer(tmp_path, second, max_epochs=6, **options).fit(_Net(), _loader(), _loader(), ckpt_path=checkpoint)
     assert values(read_curve_file(curve_file)["history"]) == {1: 101.0, 3: 203.0, 5: 205.0}
 
     # Resumed there again, stopping at epoch 2 before anything is measured: the second run's epochs 3 and 5 are
     # superseded at once (file and figures agree), and the first run's superseded block is kept.
     third = _EveryOtherEpochResumable(300.0)
-    with pytest.warns(UserWarning, match=r"resumed at epoch 2 .* epochs 3, 5 are trained again"):
+    with pytest.warns(
+        UserWarning, match=r"measures again from epoch 2 on; epochs 3, 5 are trained again and their values"
+    ):
         _trainer(tmp_path, third, max_epochs=3, **options).fit(_Net(), _loader(), _loader(), ckpt_path=checkpoint)
     content = read_curve_file(curve_file)
     assert values(content["history"]) == {1: 101.0}
