@@ -193,6 +193,21 @@ def check_real(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be real, got {x.dtype}; the spectra here are of real activations and weights")
 
 
+_FEATURE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_dtype(name: str, value: T, *, allow_none: bool = True) -> T:
+    """Return ``value`` if it is a ``torch.dtype`` (or ``None`` with ``allow_none``); otherwise raise ``ValueError``
+    naming it and the valid dtypes (a dtype name such as ``"float64"`` is refused, not looked up)."""
+    if not (isinstance(value, torch.dtype) or (allow_none and value is None)):
+        valid = ", ".join(str(dtype) for dtype in _FEATURE_DTYPES)
+        raise ValueError(
+            f"{name} must be {'None or ' if allow_none else ''}a torch.dtype, got {value!r}; valid dtypes are: "
+            f"{valid} (or an integer torch dtype)"
+        )
+    return value
+
+
 def check_tolerance_dtype(value: Any, rank_tolerance: float | None) -> str | torch.dtype | None:
     """``None``, ``"input"`` or a floating ``torch.dtype`` (a dtype name is turned into the dtype): the
     ``tolerance_dtype`` of a monitor, whose epsilon the default rank tolerance takes.

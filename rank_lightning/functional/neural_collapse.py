@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from rank_lightning.functional.spectral import default_rank_tolerance
-from rank_lightning.validation import check_choices, check_positive_int, check_real
+from rank_lightning.validation import check_choices, check_dtype, check_positive_int, check_real
 
 __all__ = [
     "NC_METRICS",
@@ -209,7 +209,11 @@ def between_class_directions(
         global_mean: ``(d,)`` mean over all samples.
         dtype: the dtype the features were computed in (before any conversion to float64); ``None`` for float64.
         counts: the rows of each class in ``means`` (bfloat16 and float16 only).
+
+    Raises:
+        ValueError: ``dtype`` is neither ``None`` nor a ``torch.dtype`` (a dtype name such as ``"float64"``).
     """
+    check_dtype("dtype", dtype)
     centred = means - global_mean  # (C, d)
     if not bool(torch.isfinite(centred).all()):
         empty = centred.new_zeros(centred.shape[1], 0)

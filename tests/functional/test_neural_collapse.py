@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -269,3 +270,20 @@ def test_complex_features_or_head_weight_are_refused_naming_them() -> None:
         neural_collapse(torch.randn(12, 4, dtype=torch.complex64), labels)
     with pytest.raises(ValueError, match=r"head_weight must be real, got torch\.complex64"):
         neural_collapse(torch.randn(12, 4), labels, head_weight=torch.randn(3, 4, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("dtype", ["float64", 64, np.float32])
+def test_a_dtype_that_is_no_torch_dtype_is_refused_by_name(dtype) -> None:
+    x, y = (torch.from_numpy(a) for a in _data())
+    counts = torch.bincount(y, minlength=4)
+    sums = torch.zeros(4, x.shape[1], dtype=torch.float64).index_add_(0, y, x)
+    message = (
+        f"dtype must be None or a torch.dtype, got {dtype!r}; valid dtypes are: torch.float64, torch.float32, "
+        "torch.bfloat16, torch.float16 (or an integer torch dtype)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _from_class_grams(x, y, counts, sums, 4, dtype=dtype)
+    # Means that are not finite return before the cut-off is computed: the dtype is checked all the same.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        between_class_directions(torch.full((2, 3), math.nan), torch.zeros(3), dtype=dtype)
+    assert _from_class_grams(x, y, counts, sums, 4, dtype=torch.float32).num_samples == 115
