@@ -29,7 +29,14 @@ from rank_lightning.layers import (
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.streams import ActivationStream
-from rank_lightning.validation import check_choice, check_choices, check_names, check_positive, check_positive_int
+from rank_lightning.validation import (
+    check_choice,
+    check_choices,
+    check_metric_ks,
+    check_names,
+    check_positive,
+    check_positive_int,
+)
 
 __all__ = ["TOKEN_LAYOUTS", "RankTracker"]
 
@@ -89,7 +96,8 @@ class RankTracker:
             :func:`~rank_lightning.layers.hidden_state`).
         label_key: where :meth:`batch`'s ``batch=`` holds the labels (index or key); default as the callbacks.
         label_fn: ``batch -> labels``, instead of ``label_key``.
-        mask_key: where ``batch=`` holds the attention mask (default ``attention_mask`` of dict batches). By default
+        mask_key: where ``batch=`` holds the attention mask: an index, a key, a function ``batch -> mask``, or
+            ``False`` for none (default ``attention_mask`` of dict batches). By default
             (and with ``"attention_mask"``) the layers in the decoder of an encoder-decoder model read the
             batch's ``decoder_attention_mask`` instead (:func:`~rank_lightning.layers.decoder_layers`); another
             ``mask_key`` names the mask of every layer.
@@ -125,7 +133,7 @@ class RankTracker:
         output_selector: OutputSelector | None = None,
         label_key: int | str | None = None,
         label_fn: Callable[[Any], Tensor] | None = None,
-        mask_key: int | str | None = None,
+        mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
     ) -> None:
         for name, value in (("max_samples", max_samples), ("num_classes", num_classes), ("num_batches", num_batches)):
             check_positive_int(name, value, allow_none=True)
@@ -143,7 +151,7 @@ class RankTracker:
         spectrum_options = dict(
             center=center,
             alpha_req_range=alpha_req_range,
-            variance_ratio_ks=tuple(variance_ratio_ks),
+            variance_ratio_ks=check_metric_ks("variance_ratio_ks", variance_ratio_ks, "variance_ratio", self.metrics),
             soft_rank_tau=soft_rank_tau,
             rank_tolerance=rank_tolerance,
             tolerance_size=tolerance_size,

@@ -163,6 +163,19 @@ def check_positive_ints(name: str, values: int | Sequence[int], *, allow_empty: 
     return _ints(name, values, 1, "positive", allow_empty)
 
 
+def check_metric_ks(name: str, values: int | Sequence[int], metric: str, metrics: Collection[str]) -> tuple[int, ...]:
+    """The positive integers ``values`` (:func:`check_positive_ints`), which may be empty only when ``metric``, which
+    logs one value per entry, is not among ``metrics`` (``variance_ratio`` and its ``variance_ratio_ks``).
+
+    Raises:
+        ValueError: an entry that is not a positive integer, or no entry for a chosen ``metric``.
+    """
+    ks = check_positive_ints(name, values, allow_empty=True)
+    if metric in metrics and not ks:
+        raise ValueError(f"metric {metric!r} needs at least one k in {name}")
+    return ks
+
+
 def check_non_negative_ints(name: str, values: int | Sequence[int], *, allow_empty: bool = False) -> tuple[int, ...]:
     """A tuple of non-negative integers, such as class indices (a single integer counts as one entry).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from pathlib import Path
@@ -152,6 +153,26 @@ def test_bad_settings_name_the_value_and_the_choices():
         RankTracker(model, layers=["fc1"], center="both")
     with pytest.raises(ValueError, match=r"alpha_req_range must be a pair"):
         RankTracker(model, layers=["fc1"], alpha_req_range=11)
+
+
+def test_variance_ratio_needs_a_k_as_in_the_monitor():
+    # Before, the tracker took variance_ratio_ks=[] and returned no VR_k although 'variance_ratio' was asked for.
+    model = _model()
+    with pytest.raises(ValueError, match=r"^metric 'variance_ratio' needs at least one k in variance_ratio_ks$"):
+        RankTracker(model, layers=["fc1"], metrics=["numerical_rank", "variance_ratio"], variance_ratio_ks=[])
+    tracker = RankTracker(model, layers=["fc1"], metrics=["numerical_rank"], variance_ratio_ks=[])
+    assert tracker.stream.spectrum_options["variance_ratio_ks"] == ()
+    assert RankTracker(model, layers=["fc1"], variance_ratio_ks=5).stream.spectrum_options["variance_ratio_ks"] == (5,)
+
+
+def test_mask_key_takes_what_the_monitor_takes():
+    # The hint said int | str | None although a function batch -> mask and False (no mask) are accepted.
+    hint = inspect.signature(RankTracker).parameters["mask_key"].annotation
+    assert hint == "int | str | Callable[[Any], Tensor | None] | Literal[False] | None"
+    assert hint == inspect.signature(ActivationRankMonitor).parameters["mask_key"].annotation
+    model = _model()
+    assert RankTracker(model, layers=["fc1"], mask_key=False).stream.batch_reader.mask_key is False
+    assert RankTracker(model, layers=["fc1"], mask_key=len).stream.batch_reader.mask_key is len
 
 
 def test_alpha_req_over_a_chosen_range():

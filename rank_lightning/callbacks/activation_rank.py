@@ -44,10 +44,10 @@ from rank_lightning.validation import (
     check_bool,
     check_choice,
     check_choices,
+    check_metric_ks,
     check_names,
     check_positive,
     check_positive_int,
-    check_positive_ints,
 )
 
 __all__ = ["ACTIVATION_METRICS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor"]
@@ -329,9 +329,7 @@ class ActivationRankMonitor(CurveMonitor):
         self.token_layout = check_choice("token_layout", o["token_layout"], TOKEN_LAYOUTS)
         self.metrics = check_choices("metrics", o["metrics"], ACTIVATION_METRICS)
         self.center = check_choice("center", o["center"], (False, True))
-        variance_ratio_ks = check_positive_ints("variance_ratio_ks", o["variance_ratio_ks"], allow_empty=True)
-        if "variance_ratio" in self.metrics and not variance_ratio_ks:
-            raise ValueError("metric 'variance_ratio' needs at least one k in variance_ratio_ks")
+        variance_ratio_ks = check_metric_ks("variance_ratio_ks", o["variance_ratio_ks"], "variance_ratio", self.metrics)
         self.log_per_class = o["log_per_class"]
         self.output_selector, self.memory_budget_mb = o["output_selector"], o["memory_budget_mb"]
         keys = {key: o[key] for key in ("input_key", "label_key", "label_fn", "mask_key")}
