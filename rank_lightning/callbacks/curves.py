@@ -937,22 +937,21 @@ class LayerCurves:
             return bool(kept)
         self._superseded.append({"resumed_at": epoch, "history": dict(sorted(rewound.items()))})
         if trainer.is_global_zero:
-            # ``epoch`` is where measuring restarts, not the checkpoint's epoch or step.
-            which = (
-                f"{self.x_axis} {epoch_ranges(rewound)} is"
-                if len(rewound) == 1
-                else f"{self.x_axis}s {epoch_ranges(rewound)} are"
-            )
-            their = "its" if len(rewound) == 1 else "their"
-            warnings.warn(
-                f"LayerCurves({self.namespace!r}): this fit resumed from a checkpoint older than the recorded curves "
-                f"and measures again from {self.x_axis} {epoch} on; {which} trained again and {their} values are "
-                f"replaced. The previous values are kept under 'superseded' in {self.curve_path(trainer)} and in "
-                "checkpoints.",
-                UserWarning,
-                stacklevel=3,
-            )
+            self._warn_superseded(trainer, epoch, rewound)
         return True
+
+    def _warn_superseded(self, trainer: Any, epoch: int, rewound: History) -> None:
+        # ``epoch`` is where measuring restarts, not the checkpoint's epoch or step.
+        one = len(rewound) == 1
+        which = f"{self.x_axis} {epoch_ranges(rewound)} is" if one else f"{self.x_axis}s {epoch_ranges(rewound)} are"
+        warnings.warn(
+            f"LayerCurves({self.namespace!r}): this fit resumed from a checkpoint older than the recorded curves "
+            f"and measures again from {self.x_axis} {epoch} on; {which} trained again and {'its' if one else 'their'} "
+            f"values are replaced. The previous values are kept under 'superseded' in {self.curve_path(trainer)} and "
+            "in checkpoints.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _found_elsewhere(self, trainer: Any) -> tuple[list[History], list[list[dict[str, Any]]]]:
         """The histories and superseded blocks held before loading and, on rank zero, in the run's curve file."""
