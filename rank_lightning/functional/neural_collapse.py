@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rank_lightning.functional.spectral import default_rank_tolerance
+from rank_lightning.functional.spectral import default_rank_tolerance, moment_difference_error, warn_moment_rounding
 from rank_lightning.validation import check_choices, check_positive_int, check_real
 
 __all__ = [
@@ -493,7 +493,9 @@ def neural_collapse_from_moments(
     ``Sigma_W`` is :func:`within_class_scatter_from_moments` ``/ N`` and ``V_c`` is
     :func:`class_scatter_from_moments` ``/ n_c``: differences of moments, which lose about
     ``log10(||mu||^2 / spread^2)`` digits when the features sit far from the origin;
-    :func:`neural_collapse_from_residuals` does not.
+    :func:`neural_collapse_from_residuals` does not. A ``RuntimeWarning`` names NC1 or the CDNV, with the size of its
+    possible error, when that rounding (about ``eps_float64 * sum_i ||h_i||^2`` for ``N Sigma_W`` along a direction,
+    ``eps_float64 * sum_{i in c} ||h_i||^2`` for a class scatter) can exceed 1e-6 of its value.
 
     Args:
         class_counts: ``(C,)`` samples per class.
@@ -512,7 +514,44 @@ def neural_collapse_from_moments(
     scatter = class_scatter_from_moments(class_sum_squares, class_counts, class_sums)[present]
     variances = scatter / class_counts.to(torch.float64)[present]
     head = _head_rows(head_weight, present, class_counts.shape[0])
-    return _assemble(means, global_mean, projected, basis, variances, head, math.nan, num_samples)
+    result = _assemble(means, global_mean, projected, basis, variances, head, math.nan, num_samples)
+    _warn_moment_rounding(result, gram, class_sum_squares[present], class_counts[present], means, basis)
+    return result
+
+
+def _warn_moment_rounding(
+    result: NeuralCollapse,
+    gram: Tensor,
+    class_sum_squares: Tensor,
+    counts: Tensor,
+    means: Tensor,
+    basis: BetweenClassDirections,
+) -> None:
+    """Warn for NC1 and the CDNV of :func:`neural_collapse_from_moments` when the moment differences behind them can
+    be off by more than 1e-6 relative (the rule of the streamed total cluster variation).
+
+    ``u_k^T (X^T X - sum_c S_c S_c^T / n_c) u_k`` carries about ``eps_float64 * sum_i ||h_i||^2``, and the class
+    scatter ``sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c`` about ``eps_float64 * sum_{i in c} ||h_i||^2``.
+    """
+    n = counts.to(torch.float64)
+    why = (
+        ": the classes are tight compared with their distance from the origin; neural_collapse_from_residuals "
+        "(two passes, NeuralCollapseStatistics) does not lose these digits"
+    )
+    if basis.singular_values.numel():
+        error = moment_difference_error(float(gram.to(torch.float64).diagonal().sum()) / float(n.sum()))
+        how = " comes from the moment difference X^T X - sum_c S_c S_c^T / n_c"
+        nc1_error = error * float(basis.singular_values.square().reciprocal().sum())
+        warn_moment_rounding("neural_collapse_from_moments: NC1", result.nc1, nc1_error, how=how, why=why, stacklevel=3)
+    classes = means.shape[0]
+    if classes >= 2:
+        errors = torch.tensor([moment_difference_error(float(q)) for q in class_sum_squares.to(torch.float64)]) / n
+        i, j = torch.triu_indices(classes, classes, offset=1)
+        distance = (means[i] - means[j]).square().sum(dim=1).cpu()
+        cdnv_error = float(((errors[i] + errors[j]) / (2 * distance)).mean())
+        how = " comes from the moment differences sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c"
+        statistic = "neural_collapse_from_moments: CDNV"
+        warn_moment_rounding(statistic, result.cdnv, cdnv_error, how=how, why=why, stacklevel=3)
 
 
 def neural_collapse(

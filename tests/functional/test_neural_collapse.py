@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -269,3 +270,24 @@ def test_complex_features_or_head_weight_are_refused_naming_them() -> None:
         neural_collapse(torch.randn(12, 4, dtype=torch.complex64), labels)
     with pytest.raises(ValueError, match=r"head_weight must be real, got torch\.complex64"):
         neural_collapse(torch.randn(12, 4), labels, head_weight=torch.randn(3, 4, dtype=torch.complex64))
+
+
+def test_one_pass_moments_of_tight_classes_warn_of_their_rounding() -> None:
+    # Classes of spread 1e-8 around means 2 apart: X^T X - sum_c S_c S_c^T / n_c cancels every digit of Sigma_W.
+    for spread, warns in ((1e-8, True), (1e-2, False)):
+        x, y = _data(spread=spread, seed=3)
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        counts = torch.bincount(yt, minlength=4)
+        sums = torch.zeros(4, x.shape[1], dtype=torch.float64).index_add_(0, yt, xt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _from_class_grams(xt, yt, counts, sums, 4)
+        messages = [str(w.message) for w in caught]
+        for statistic in ("NC1", "CDNV"):
+            named = [m for m in messages if m.startswith(f"neural_collapse_from_moments: {statistic} (")]
+            assert len(named) == int(warns), messages
+            assert all("may be off by about" in m and "neural_collapse_from_residuals" in m for m in named)
+        if not warns:
+            expected = neural_collapse(xt, yt)
+            assert result.nc1 == pytest.approx(expected.nc1, rel=1e-9)
+            assert result.cdnv == pytest.approx(expected.cdnv, rel=1e-9)
