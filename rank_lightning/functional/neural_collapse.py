@@ -45,7 +45,7 @@ Entry points: :func:`neural_collapse` (raw features, the reference), :func:`neur
 of first and second moments: class counts, class sums, the Gram ``X^T X = sum_c X_c^T X_c`` and the per-class
 ``sum ||h||^2``; no NC4, and ``Sigma_W`` comes from a difference of moments, which loses digits when the features
 sit far from the origin compared with their spread) and :func:`neural_collapse_from_residuals` (two passes: the
-class sums first, then the residuals around the class means, exact at any offset, and NC4).
+class sums first, then the residuals around the class means, free of moment differences at any offset, and NC4).
 """
 
 from __future__ import annotations
@@ -454,7 +454,10 @@ def neural_collapse_from_residuals(
     Pass one sums ``class_counts`` and ``class_sums``; from them :func:`class_means` and
     :func:`between_class_directions` give the means and the directions ``u_k``, and pass two sums
     :func:`residual_moments` (and the NC4 agreements). Every input is a sum, so the result is exact for any number of
-    batches and processes, and no moment difference loses digits.
+    batches and processes, and no moment difference loses digits. What is left is the rounding of the float64 class
+    means, about ``eps_float64 * ||mu_c||``: it moves NC1 and the CDNV by about ``(eps_float64 * ||mu_c|| / spread)^2``
+    relative, and a ``RuntimeWarning`` names the statistic and the size of its possible error when that can exceed
+    1e-6 (classes some 1e-13 as wide as their distance from the origin).
 
     Args:
         class_counts: ``(C,)`` samples per class.
@@ -476,7 +479,23 @@ def neural_collapse_from_residuals(
     variances = class_scatter.to(torch.float64)[present] / counts
     agree = math.nan if agreements is None else float(agreements) / max(num_samples, 1)
     head = _head_rows(head_weight, present, class_counts.shape[0])
-    return _assemble(means, global_mean, projected, basis, variances, head, agree, num_samples)
+    result = _assemble(means, global_mean, projected, basis, variances, head, agree, num_samples)
+    # The residuals are exact around the means as computed, but a mean summed from n_c rows in float64 is off by up to
+    # about sqrt(n_c) eps64 ||mu_c|| (measured: less), which adds n_c ||delta_c||^2 to the class scatter: nothing for
+    # features of any offset in float32, the whole scatter for classes 1e-14 as wide as their distance from the origin.
+    eps = _dtype_eps(None)
+    scatter_errors = counts.pow(1.5) * (eps * means.norm(dim=1)).square()
+    _warn_rounding(
+        result,
+        "neural collapse",
+        scatter_errors,
+        float(scatter_errors.sum()),
+        means,
+        basis,
+        how=" comes from residuals around class means that float64 sums round to about eps_float64 * ||mu_c||",
+        why=": the classes are tight compared with their distance from the origin",
+    )
+    return result
 
 
 def neural_collapse_from_moments(
@@ -515,43 +534,58 @@ def neural_collapse_from_moments(
     variances = scatter / class_counts.to(torch.float64)[present]
     head = _head_rows(head_weight, present, class_counts.shape[0])
     result = _assemble(means, global_mean, projected, basis, variances, head, math.nan, num_samples)
-    _warn_moment_rounding(result, gram, class_sum_squares[present], class_counts[present], means, basis)
+    # u_k^T (X^T X - sum_c S_c S_c^T / n_c) u_k carries about eps64 * sum_i ||h_i||^2, and the class scatter
+    # sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c about eps64 * sum_{i in c} ||h_i||^2: a V_c error of that over n_c.
+    scatter_errors = torch.tensor([moment_difference_error(float(q)) for q in class_sum_squares.to(torch.float64)])
+    _warn_rounding(
+        result,
+        "neural_collapse_from_moments",
+        scatter_errors[present.cpu()],
+        moment_difference_error(float(gram.to(torch.float64).diagonal().sum())),
+        means,
+        basis,
+        how=" comes from moment differences (X^T X - sum_c S_c S_c^T / n_c)",
+        why=": the classes are tight compared with their distance from the origin; neural_collapse_from_residuals "
+        "(two passes, NeuralCollapseStatistics) does not lose these digits",
+    )
     return result
 
 
-def _warn_moment_rounding(
+def _warn_rounding(
     result: NeuralCollapse,
-    gram: Tensor,
-    class_sum_squares: Tensor,
-    counts: Tensor,
+    source: str,
+    scatter_errors: Tensor,
+    projected_error: float,
     means: Tensor,
     basis: BetweenClassDirections,
+    *,
+    how: str,
+    why: str,
 ) -> None:
-    """Warn for NC1 and the CDNV of :func:`neural_collapse_from_moments` when the moment differences behind them can
-    be off by more than 1e-6 relative (the rule of the streamed total cluster variation).
+    """Warn for NC1 and the CDNV when the rounding of the sums behind them can exceed 1e-6 of their value (the rule of
+    the streamed total cluster variation, :func:`~rank_lightning.functional.spectral.warn_moment_rounding`).
 
-    ``u_k^T (X^T X - sum_c S_c S_c^T / n_c) u_k`` carries about ``eps_float64 * sum_i ||h_i||^2``, and the class
-    scatter ``sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c`` about ``eps_float64 * sum_{i in c} ||h_i||^2``.
+    Args:
+        result: the metrics.
+        source: the route, which starts the message.
+        scatter_errors: ``(C,)`` the possible error of each class scatter ``sum_{i in c} ||h_i - mu_c||^2``.
+        projected_error: that of ``N u_k^T Sigma_W u_k`` along any direction.
+        means: ``(C, d)`` the class means.
+        basis: the directions of NC1.
+        how: how the statistics were taken, after their value in the message.
+        why: the cause, at the end of the message.
     """
-    n = counts.to(torch.float64)
-    why = (
-        ": the classes are tight compared with their distance from the origin; neural_collapse_from_residuals "
-        "(two passes, NeuralCollapseStatistics) does not lose these digits"
-    )
+    counts_sum = max(result.num_samples, 1)
     if basis.singular_values.numel():
-        error = moment_difference_error(float(gram.to(torch.float64).diagonal().sum()) / float(n.sum()))
-        how = " comes from the moment difference X^T X - sum_c S_c S_c^T / n_c"
-        nc1_error = error * float(basis.singular_values.square().reciprocal().sum())
-        warn_moment_rounding("neural_collapse_from_moments: NC1", result.nc1, nc1_error, how=how, why=why, stacklevel=3)
+        nc1_error = projected_error / counts_sum * float(basis.singular_values.square().reciprocal().sum())
+        warn_moment_rounding(f"{source}: NC1", result.nc1, nc1_error, how=how, why=why, stacklevel=3)
     classes = means.shape[0]
     if classes >= 2:
-        errors = torch.tensor([moment_difference_error(float(q)) for q in class_sum_squares.to(torch.float64)]) / n
         i, j = torch.triu_indices(classes, classes, offset=1)
+        errors = scatter_errors.to(torch.float64).cpu()
         distance = (means[i] - means[j]).square().sum(dim=1).cpu()
         cdnv_error = float(((errors[i] + errors[j]) / (2 * distance)).mean())
-        how = " comes from the moment differences sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c"
-        statistic = "neural_collapse_from_moments: CDNV"
-        warn_moment_rounding(statistic, result.cdnv, cdnv_error, how=how, why=why, stacklevel=3)
+        warn_moment_rounding(f"{source}: CDNV", result.cdnv, cdnv_error, how=how, why=why, stacklevel=3)
 
 
 def neural_collapse(
