@@ -536,11 +536,11 @@ def neural_collapse_from_moments(
     result = _assemble(means, global_mean, projected, basis, variances, head, math.nan, num_samples)
     # u_k^T (X^T X - sum_c S_c S_c^T / n_c) u_k carries about eps64 * sum_i ||h_i||^2, and the class scatter
     # sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c about eps64 * sum_{i in c} ||h_i||^2: a V_c error of that over n_c.
-    scatter_errors = torch.tensor([moment_difference_error(float(q)) for q in class_sum_squares.to(torch.float64)])
+    scatter_errors = moment_difference_error(class_sum_squares.to(torch.float64))
     _warn_rounding(
         result,
         "neural_collapse_from_moments",
-        scatter_errors[present.cpu()],
+        scatter_errors[present.to(scatter_errors.device)],
         moment_difference_error(float(gram.to(torch.float64).diagonal().sum())),
         means,
         basis,
@@ -581,9 +581,9 @@ def _warn_rounding(
         warn_moment_rounding(f"{source}: NC1", result.nc1, nc1_error, how=how, why=why, stacklevel=3)
     classes = means.shape[0]
     if classes >= 2:
-        i, j = torch.triu_indices(classes, classes, offset=1)
-        errors = scatter_errors.to(torch.float64).cpu()
-        distance = (means[i] - means[j]).square().sum(dim=1).cpu()
+        i, j = torch.triu_indices(classes, classes, offset=1, device=means.device)
+        errors = scatter_errors.to(means.device, torch.float64)
+        distance = (means[i] - means[j]).square().sum(dim=1)
         cdnv_error = float(((errors[i] + errors[j]) / (2 * distance)).mean())
         warn_moment_rounding(f"{source}: CDNV", result.cdnv, cdnv_error, how=how, why=why, stacklevel=3)
 

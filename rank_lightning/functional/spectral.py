@@ -833,7 +833,7 @@ MOMENT_ROUNDING_WARN_RELATIVE = 1e-6
 """A statistic taken as a difference of float64 moment sums warns when its rounding can exceed this relative error."""
 
 
-def moment_difference_error(sum_squares: float) -> float:
+def moment_difference_error(sum_squares: float | Tensor) -> float | Tensor:
     """The rounding of ``Q - B`` for float64 sums ``0 <= B <= Q = sum ||x_i - r||^2``: about ``eps_float64 * Q``.
 
     What is left after the difference (a total cluster variation, a within-class scatter) carries this absolute error
