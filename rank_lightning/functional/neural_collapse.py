@@ -45,7 +45,7 @@ Entry points: :func:`neural_collapse` (raw features, the reference), :func:`neur
 of first and second moments: class counts, class sums, the Gram ``X^T X = sum_c X_c^T X_c`` and the per-class
 ``sum ||h||^2``; no NC4, and ``Sigma_W`` comes from a difference of moments, which loses digits when the features
 sit far from the origin compared with their spread) and :func:`neural_collapse_from_residuals` (two passes: the
-class sums first, then the residuals around the class means, exact at any offset, and NC4).
+class sums first, then the residuals around the class means, free of moment differences at any offset, and NC4).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rank_lightning.functional.spectral import default_rank_tolerance
+from rank_lightning.functional.spectral import default_rank_tolerance, moment_difference_error, warn_moment_rounding
 from rank_lightning.validation import check_choices, check_dtype, check_positive_int, check_real
 
 __all__ = [
@@ -458,7 +458,10 @@ def neural_collapse_from_residuals(
     Pass one sums ``class_counts`` and ``class_sums``; from them :func:`class_means` and
     :func:`between_class_directions` give the means and the directions ``u_k``, and pass two sums
     :func:`residual_moments` (and the NC4 agreements). Every input is a sum, so the result is exact for any number of
-    batches and processes, and no moment difference loses digits.
+    batches and processes, and no moment difference loses digits. What is left is the rounding of the float64 class
+    means, about ``eps_float64 * ||mu_c||``: it moves NC1 and the CDNV by about ``(eps_float64 * ||mu_c|| / spread)^2``
+    relative, and a ``RuntimeWarning`` names the statistic and the size of its possible error when that can exceed
+    1e-6 (classes some 1e-13 as wide as their distance from the origin).
 
     Args:
         class_counts: ``(C,)`` samples per class.
@@ -480,7 +483,23 @@ def neural_collapse_from_residuals(
     variances = class_scatter.to(torch.float64)[present] / counts
     agree = math.nan if agreements is None else float(agreements) / max(num_samples, 1)
     head = _head_rows(head_weight, present, class_counts.shape[0])
-    return _assemble(means, global_mean, projected, basis, variances, head, agree, num_samples)
+    result = _assemble(means, global_mean, projected, basis, variances, head, agree, num_samples)
+    # The residuals are exact around the means as computed, but a mean summed from n_c rows in float64 is off by up to
+    # about sqrt(n_c) eps64 ||mu_c|| (measured: less), which adds n_c ||delta_c||^2 to the class scatter: nothing for
+    # features of any offset in float32, the whole scatter for classes 1e-14 as wide as their distance from the origin.
+    eps = _dtype_eps(None)
+    scatter_errors = counts.pow(1.5) * (eps * means.norm(dim=1)).square()
+    _warn_rounding(
+        result,
+        "neural collapse",
+        scatter_errors,
+        float(scatter_errors.sum()),
+        means,
+        basis,
+        how=" comes from residuals around class means that float64 sums round to about eps_float64 * ||mu_c||",
+        why=": the classes are tight compared with their distance from the origin",
+    )
+    return result
 
 
 def neural_collapse_from_moments(
@@ -497,7 +516,9 @@ def neural_collapse_from_moments(
     ``Sigma_W`` is :func:`within_class_scatter_from_moments` ``/ N`` and ``V_c`` is
     :func:`class_scatter_from_moments` ``/ n_c``: differences of moments, which lose about
     ``log10(||mu||^2 / spread^2)`` digits when the features sit far from the origin;
-    :func:`neural_collapse_from_residuals` does not.
+    :func:`neural_collapse_from_residuals` does not. A ``RuntimeWarning`` names NC1 or the CDNV, with the size of its
+    possible error, when that rounding (about ``eps_float64 * sum_i ||h_i||^2`` for ``N Sigma_W`` along a direction,
+    ``eps_float64 * sum_{i in c} ||h_i||^2`` for a class scatter) can exceed 1e-6 of its value.
 
     Args:
         class_counts: ``(C,)`` samples per class.
@@ -516,7 +537,59 @@ def neural_collapse_from_moments(
     scatter = class_scatter_from_moments(class_sum_squares, class_counts, class_sums)[present]
     variances = scatter / class_counts.to(torch.float64)[present]
     head = _head_rows(head_weight, present, class_counts.shape[0])
-    return _assemble(means, global_mean, projected, basis, variances, head, math.nan, num_samples)
+    result = _assemble(means, global_mean, projected, basis, variances, head, math.nan, num_samples)
+    # u_k^T (X^T X - sum_c S_c S_c^T / n_c) u_k carries about eps64 * sum_i ||h_i||^2, and the class scatter
+    # sum_{i in c} ||h_i||^2 - ||S_c||^2 / n_c about eps64 * sum_{i in c} ||h_i||^2: a V_c error of that over n_c.
+    scatter_errors = moment_difference_error(class_sum_squares.to(torch.float64))
+    _warn_rounding(
+        result,
+        "neural_collapse_from_moments",
+        scatter_errors[present.to(scatter_errors.device)],
+        moment_difference_error(float(gram.to(torch.float64).diagonal().sum())),
+        means,
+        basis,
+        how=" comes from moment differences (X^T X - sum_c S_c S_c^T / n_c)",
+        why=": the classes are tight compared with their distance from the origin; neural_collapse_from_residuals "
+        "(two passes, NeuralCollapseStatistics) does not lose these digits",
+    )
+    return result
+
+
+def _warn_rounding(
+    result: NeuralCollapse,
+    source: str,
+    scatter_errors: Tensor,
+    projected_error: float,
+    means: Tensor,
+    basis: BetweenClassDirections,
+    *,
+    how: str,
+    why: str,
+) -> None:
+    """Warn for NC1 and the CDNV when the rounding of the sums behind them can exceed 1e-6 of their value (the rule of
+    the streamed total cluster variation, :func:`~rank_lightning.functional.spectral.warn_moment_rounding`).
+
+    Args:
+        result: the metrics.
+        source: the route, which starts the message.
+        scatter_errors: ``(C,)`` the possible error of each class scatter ``sum_{i in c} ||h_i - mu_c||^2``.
+        projected_error: that of ``N u_k^T Sigma_W u_k`` along any direction.
+        means: ``(C, d)`` the class means.
+        basis: the directions of NC1.
+        how: how the statistics were taken, after their value in the message.
+        why: the cause, at the end of the message.
+    """
+    counts_sum = max(result.num_samples, 1)
+    if basis.singular_values.numel():
+        nc1_error = projected_error / counts_sum * float(basis.singular_values.square().reciprocal().sum())
+        warn_moment_rounding(f"{source}: NC1", result.nc1, nc1_error, how=how, why=why, stacklevel=3)
+    classes = means.shape[0]
+    if classes >= 2:
+        i, j = torch.triu_indices(classes, classes, offset=1, device=means.device)
+        errors = scatter_errors.to(means.device, torch.float64)
+        distance = (means[i] - means[j]).square().sum(dim=1)
+        cdnv_error = float(((errors[i] + errors[j]) / (2 * distance)).mean())
+        warn_moment_rounding(f"{source}: CDNV", result.cdnv, cdnv_error, how=how, why=why, stacklevel=3)
 
 
 def neural_collapse(

@@ -829,6 +829,36 @@ def total_cluster_variation(
     return tcv / (x64 - x64.mean(dim=0)).square().sum()
 
 
+MOMENT_ROUNDING_WARN_RELATIVE = 1e-6
+"""A statistic taken as a difference of float64 moment sums warns when its rounding can exceed this relative error."""
+
+
+def moment_difference_error(sum_squares: float | Tensor) -> float | Tensor:
+    """The rounding of ``Q - B`` for float64 sums ``0 <= B <= Q = sum ||x_i - r||^2``: about ``eps_float64 * Q``.
+
+    What is left after the difference (a total cluster variation, a within-class scatter) carries this absolute error
+    whatever its own size, so it has no digit left when the classes are ``1e-8`` as wide as their distance from ``r``.
+    """
+    return _EPS64 * sum_squares
+
+
+def warn_moment_rounding(statistic: str, value: float, error: float, *, how: str, why: str, stacklevel: int) -> bool:
+    """Warn (``RuntimeWarning``) when ``error`` exceeds :data:`MOMENT_ROUNDING_WARN_RELATIVE` of a finite ``value``.
+
+    The message reads ``"<statistic> (<value>)<how>, and may be off by about <error> (<relative> relative)<why>"``.
+    Returns whether it warned.
+    """
+    if not (math.isfinite(value) and math.isfinite(error) and error > MOMENT_ROUNDING_WARN_RELATIVE * abs(value)):
+        return False
+    relative = f"{error / abs(value):.1e}" if value else "inf"
+    warnings.warn(
+        f"{statistic} ({value:.3e}){how}, and may be off by about {error:.1e} ({relative} relative){why}",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return True
+
+
 def total_cluster_variation_from_moments(
     sum_squares: Tensor,
     class_sums: Tensor,

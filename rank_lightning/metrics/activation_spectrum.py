@@ -29,10 +29,12 @@ from rank_lightning.functional.spectral import (
     Spectrum,
     check_alpha_req_range,
     default_rank_tolerance,
+    moment_difference_error,
     serial_if_small,
     spectrum_from_gram,
     summarize,
     total_cluster_variation_from_moments,
+    warn_moment_rounding,
 )
 from rank_lightning.functional.streaming import (
     GRAM_PRECISIONS,
@@ -99,8 +101,6 @@ _EPS64 = float(torch.finfo(torch.float64).eps)
 # Entries below this (3e-151) have float64 products below 2^-1000, near the subnormal range (from 2^-1022) where the
 # Gram loses digits.
 _SMALLEST_ENTRY = 2.0**-500
-# The streamed total cluster variation is reported with a warning when its rounding can exceed this relative error.
-_TCV_WARN_RELATIVE = 1e-6
 SPECTRUM_ROWS_KEY = "spectrum_rows"
 """The key :meth:`ActivationSpectrumResult.scalars` adds to every spectral selection: the rows behind the spectrum."""
 
@@ -1159,18 +1159,16 @@ class ActivationSpectrum(Metric):
         moments = (self.sum_squares, self.class_sums, self.class_counts)
         tcv = tuple(total_cluster_variation_from_moments(*moments, normalized=norm) for norm in (False, True))
         # TCV = Q - sum_c ||S_c||^2 / n_c cancels down from Q = sum ||x - r||^2: its rounding is about eps64 * Q.
-        error = _EPS64 * float(self.sum_squares)
-        value = float(tcv[0])
-        if math.isfinite(value) and error > _TCV_WARN_RELATIVE * value:
-            relative = f"{error / value:.1e}" if value > 0 else "inf"
-            warnings.warn(
-                f"ActivationSpectrum: the total cluster variation ({value:.3e}) is {float(self.sum_squares):.3e} "
-                "(the sum of squares around the reference point) minus the classes' share, and may be off by about "
-                f"{error:.1e} ({relative} relative): the classes are tight compared with their distance from the "
-                "reference point (the first batch's mean)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        q = float(self.sum_squares)
+        warn_moment_rounding(
+            "ActivationSpectrum: the total cluster variation",
+            float(tcv[0]),
+            moment_difference_error(q),
+            how=f" is {q:.3e} (the sum of squares around the reference point) minus the classes' share",
+            why=": the classes are tight compared with their distance from the reference point (the first batch's "
+            "mean)",
+            stacklevel=3,
+        )
         return tcv
 
     def _nan_result(self, n: int) -> ActivationSpectrumResult:

@@ -38,9 +38,9 @@ class NeuralCollapseStatistics(Metric):
     """Stream features, labels and the head's logits into the sums behind NC1-NC4 and the CDNV, exactly under DDP.
 
     NC4 compares the head with the nearest-class-centre rule, which needs the class means before the first sample is
-    classified, and NC1 is computed best from residuals around the means (no moment difference, exact at any
-    offset). So the metric takes two passes over the same samples
-    (:func:`~rank_lightning.functional.neural_collapse_from_residuals`):
+    classified, and NC1 is computed best from residuals around the means (no moment difference at any offset; what is
+    left is the rounding of the float64 means, warned of when it matters). So the metric takes two passes over the
+    same samples (:func:`~rank_lightning.functional.neural_collapse_from_residuals`):
 
     1. :meth:`update` adds class counts and class sums (:func:`~rank_lightning.functional.row_moments`, float64);
     2. :meth:`start_second_pass` all-reduces them (every process must call it) and fixes the class means and the

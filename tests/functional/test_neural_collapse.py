@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -287,3 +288,24 @@ def test_a_dtype_that_is_no_torch_dtype_is_refused_by_name(dtype) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         between_class_directions(torch.full((2, 3), math.nan), torch.zeros(3), dtype=dtype)
     assert _from_class_grams(x, y, counts, sums, 4, dtype=torch.float32).num_samples == 115
+
+
+def test_one_pass_moments_of_tight_classes_warn_of_their_rounding() -> None:
+    # Classes of spread 1e-8 around means 2 apart: X^T X - sum_c S_c S_c^T / n_c cancels every digit of Sigma_W.
+    for spread, warns in ((1e-8, True), (1e-2, False)):
+        x, y = _data(spread=spread, seed=3)
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        counts = torch.bincount(yt, minlength=4)
+        sums = torch.zeros(4, x.shape[1], dtype=torch.float64).index_add_(0, yt, xt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _from_class_grams(xt, yt, counts, sums, 4)
+        messages = [str(w.message) for w in caught]
+        for statistic in ("NC1", "CDNV"):
+            named = [m for m in messages if m.startswith(f"neural_collapse_from_moments: {statistic} (")]
+            assert len(named) == int(warns), messages
+            assert all("may be off by about" in m and "neural_collapse_from_residuals" in m for m in named)
+        if not warns:
+            expected = neural_collapse(xt, yt)
+            assert result.nc1 == pytest.approx(expected.nc1, rel=1e-9)
+            assert result.cdnv == pytest.approx(expected.cdnv, rel=1e-9)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,33 @@ def test_a_state_of_another_shape_is_refused_and_the_metric_left_as_it_was() -> 
     restored.start_second_pass()
     restored.update(x, y)
     assert restored.compute().nc1 == pytest.approx(neural_collapse(x, y).nc1, rel=1e-10)
+
+
+def test_classes_tight_against_their_distance_from_the_origin_warn_of_the_rounded_means() -> None:
+    # A float64 class mean 1e6 from the origin is off by about eps64 * 1e6 = 2e-10: for a spread 1e-8 that moves the
+    # residual scatter, hence NC1 and the CDNV, by about 1e-4 (measured 4e-5 to 7e-5); a spread 1e-2 loses nothing.
+    g = torch.Generator().manual_seed(5)
+    y = torch.arange(4).repeat_interleave(60)
+    means = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    for offset, spread, warns in ((1e6, 1e-8, True), (1e3, 1e-2, False)):
+        x = means[y] + spread * torch.randn(240, 8, generator=g, dtype=torch.float64) + offset
+        halves = [NeuralCollapseStatistics(4, 8), NeuralCollapseStatistics(4, 8)]
+        for metric, xs, ys in zip(halves, x.split(120), y.split(120)):
+            for xb, yb in zip(xs.split(25), ys.split(25)):
+                metric.update(xb, yb)
+        halves[0].merge_state(halves[1])
+        halves[0].start_second_pass()
+        for xb, yb in zip(x.split(25), y.split(25)):
+            halves[0].update(xb, yb)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = halves[0].compute()
+        messages = [str(w.message) for w in caught]
+        for statistic in ("NC1", "CDNV"):
+            named = [m for m in messages if m.startswith(f"neural collapse: {statistic} (")]
+            assert len(named) == int(warns), messages
+            assert all("may be off by about" in m and "residuals around class means" in m for m in named)
+        if not warns:
+            expected = neural_collapse(x, y)
+            assert result.nc1 == pytest.approx(expected.nc1, rel=1e-9)
+            assert result.cdnv == pytest.approx(expected.cdnv, rel=1e-9)
