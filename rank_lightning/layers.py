@@ -623,7 +623,7 @@ def _default_head(module: nn.Module) -> str:
         return linears[-1]
     raise ValueError(
         f"{type(module).__name__} has no head_path and no nn.Linear; name the head with head=... "
-        f"(modules: {', '.join(names) or 'none'})"
+        f"({describe_names('module name', names) if names else 'it has no submodules'})"
     )
 
 
@@ -670,7 +670,7 @@ def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool
         paths = [name for name, _ in module.named_modules() if name]
         raise ValueError(
             f"{type(module).__name__} has no blocks() and no nn.Linear layer; name the layer explicitly, "
-            f"submodules are: {', '.join(paths)}"
+            f"{describe_names('submodule', paths) if paths else 'it has no submodules'}"
         )
     return FeatureLayer(f"{linears[-1]}_input", linears[-1], "input")
 

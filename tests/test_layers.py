@@ -12,6 +12,7 @@ from rank_lightning.layers import (
     capture_features,
     check_layer_types,
     check_output_selector,
+    classifier_head,
     compiled_modules,
     decoder_layers,
     default_layers,
@@ -836,3 +837,21 @@ def test_a_bad_pattern_on_a_large_model_gives_a_bounded_message(pattern, start):
     top = ", ".join(["wte", "h", *(f"h.{i}" for i in range(36)), "ln_f", "lm_head"])
     assert message.endswith(f"; layers at the top levels are: {top} ... and 444 more")
     assert len(message) < 500
+
+
+class _Conv48(nn.Module):
+    """48 conv blocks and no nn.Linear: no default feature layer and no default head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU()) for _ in range(48))
+
+
+def test_no_default_layer_or_head_of_a_large_model_gives_a_bounded_message() -> None:
+    with pytest.raises(ValueError, match=r"name the layer explicitly, submodules at the top levels are: h, h\.0,") as e:
+        feature_layer(_Conv48())
+    assert str(e.value).endswith("... and 105 more") and len(str(e.value)) < 500
+    with pytest.raises(ValueError, match=r"name the head with head=\.\.\. \(module names at the top levels are: h,"):
+        classifier_head(_Conv48())
+    with pytest.raises(ValueError, match=r"submodules are: 0, 1$"):
+        feature_layer(nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU()))

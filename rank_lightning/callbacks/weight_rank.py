@@ -22,9 +22,9 @@ from rank_lightning.validation import (
     check_bool,
     check_choice,
     check_choices,
+    check_metric_ks,
     check_names,
     check_positive,
-    check_positive_ints,
     check_tolerance_dtype,
 )
 from rank_lightning.weight_matrices import (
@@ -254,9 +254,7 @@ class WeightRankMonitor(CurveMonitor):
         self.layers = check_names("layers", layers)
         self.layer_types = None if layer_types is None else check_layer_types(layer_types)
         self.metrics = check_choices("metrics", metrics, WEIGHT_METRICS)
-        tail_ranks = check_positive_ints("tail_ranks", tail_ranks, allow_empty=True)
-        if "tail_error" in self.metrics and not tail_ranks:
-            raise ValueError("metric 'tail_error' needs at least one k in tail_ranks")
+        tail_ranks = check_metric_ks("tail_ranks", tail_ranks, "tail_error", self.metrics)
         self.tail_ranks = tuple(sorted(set(tail_ranks)))
         self.rank_tolerance = check_positive("rank_tolerance", rank_tolerance, allow_none=True)
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, _TOLERANCE_SIZES)
