@@ -18,6 +18,8 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 __all__ = [
+    "READABLE_ADVICE",
+    "UNREADABLE_LOADER",
     "CombinedOwnRows",
     "combined_parts",
     "limit_to_own_samples",
@@ -122,6 +124,13 @@ def side_loader(loader: Any) -> Any:
     return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **workers)
 
 
+UNREADABLE_LOADER = "a one-pass iterator (a generator) or a resumable iterable that is not a DataLoader"
+"""What :func:`readable_beside` refuses, in words, for the messages of the callbacks that would read such a loader."""
+
+READABLE_ADVICE = "Pass a DataLoader (of an IterableDataset for a stream)"
+"""What to pass instead of such a loader."""
+
+
 def readable_beside(loader: Any) -> bool:
     """Whether a pass over :func:`side_loader` of ``loader`` leaves the batches of a loop iterating ``loader`` alone:
     true for a ``DataLoader`` and for iterables that give a fresh iterator each time (a list of batches); false for a
@@ -141,13 +150,7 @@ def combined_parts(loaders: Any, batch: Any) -> list[Any]:
     """The per-loader batches of a ``batch`` that Lightning's ``CombinedLoader`` made of the collection ``loaders`` (a
     list, tuple or dict, possibly nested), in the order of their flattening (a dict's values in order), without the
     loaders a ``"max_size"`` batch has none of; ``[batch]`` when ``loaders`` is one loader."""
-    if batch is None:
-        return []
-    if isinstance(loaders, Mapping):
-        return [part for key, inner in loaders.items() for part in combined_parts(inner, batch[key])]
-    if isinstance(loaders, (list, tuple)):
-        return [part for inner, value in zip(loaders, batch) for part in combined_parts(inner, value)]
-    return [batch]
+    return [part for _, part in _loader_parts(loaders, batch) if part is not None]
 
 
 def _loader_parts(loaders: Any, batch: Any) -> list[tuple[Any, Any]]:

@@ -38,7 +38,7 @@ from rank_lightning.layers import (
     train_mode,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
-from rank_lightning.sampling import readable_beside, side_loader
+from rank_lightning.sampling import READABLE_ADVICE, UNREADABLE_LOADER, readable_beside, side_loader
 from rank_lightning.streams import ActivationStream
 from rank_lightning.validation import (
     check_bool,
@@ -714,10 +714,9 @@ class ActivationRankMonitor(CurveMonitor):
             return True
         if initial:
             message = (
-                f"no initial point: the {'training' if self.stage == 'train' else 'validation'} loader is a one-pass "
-                "iterator (a generator) or a resumable iterable that is not a DataLoader, whose batches a pass before "
-                "training would take from the fit. Pass a DataLoader (of an IterableDataset for a stream) to measure "
-                "the untrained model."
+                f"no initial point: the {'training' if self.stage == 'train' else 'validation'} loader is "
+                f"{UNREADABLE_LOADER}, whose batches a pass before training would take from the fit. "
+                f"{READABLE_ADVICE} to measure the untrained model."
             )
             self.warn_once(("init",), message)
         return False

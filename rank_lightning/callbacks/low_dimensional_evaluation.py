@@ -30,7 +30,13 @@ from rank_lightning.layers import (
     forward_batch,
     random_state_kept,
 )
-from rank_lightning.sampling import limit_to_own_samples, readable_beside, side_loader
+from rank_lightning.sampling import (
+    READABLE_ADVICE,
+    UNREADABLE_LOADER,
+    limit_to_own_samples,
+    readable_beside,
+    side_loader,
+)
 from rank_lightning.validation import check_choice, check_positive_int, check_positive_ints
 
 __all__ = ["LowDimensionalEvaluation"]
@@ -146,9 +152,8 @@ class LowDimensionalEvaluation(RankCallback):
             return {}
         if not readable_beside(trainer.train_dataloader):
             message = (
-                "the training loader is a one-pass iterator (a generator) or a resumable iterable that is not a "
-                "DataLoader: a pass of its own would take the fit's batches, so nothing evaluated. Pass a DataLoader "
-                "(of an IterableDataset for a stream)."
+                f"the training loader is {UNREADABLE_LOADER}: a pass of its own would take the fit's batches, so "
+                f"nothing evaluated. {READABLE_ADVICE}."
             )
             self.warn_once(("one-pass",), message)
             return {}

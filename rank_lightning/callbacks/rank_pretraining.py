@@ -24,7 +24,7 @@ from rank_lightning.layers import (
     train_mode,
 )
 from rank_lightning.nn import collect_auxiliary_losses
-from rank_lightning.sampling import readable_beside
+from rank_lightning.sampling import READABLE_ADVICE, UNREADABLE_LOADER, readable_beside
 from rank_lightning.validation import check_bool, check_choice, check_positive, check_positive_int
 
 __all__ = ["RankPretraining"]
@@ -160,8 +160,7 @@ class RankPretraining(RankCallback):
         if not readable_beside(trainer.train_dataloader):
             raise ValueError(
                 f"RankPretraining reads {self.num_batches} training batches before the fit, but the training loader "
-                "is a one-pass iterator (a generator) or a resumable iterable that is not a DataLoader: those batches "
-                "would be taken from the fit. Pass a DataLoader (of an IterableDataset for a stream)."
+                f"is {UNREADABLE_LOADER}: those batches would be taken from the fit. {READABLE_ADVICE}."
             )
         loader = TrainingBatches(trainer)
         batches: list[Tensor] = []
