@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -14,9 +15,11 @@ from typing_extensions import override
 
 from rank_lightning import streams
 from rank_lightning.callbacks.base import (
+    STEP_HISTORY,
     CurveMonitor,
     TrainingBatches,
     loader_list,
+    repeating_steps,
     several_training_loaders,
     step_inputs,
     step_precision,
@@ -140,8 +143,11 @@ class ActivationRankMonitor(CurveMonitor):
         every_n_epochs: monitor every this many epochs (default ``1`` without ``every_n_train_steps``).
         every_n_train_steps: monitor every this many optimizer steps instead (see Timing); setting both is an error.
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
-            ``accumulate_grad_batches``. A window that streams fewer (the fit resumed inside it, or an epoch's short
-            last accumulation brought it within ``window_batches`` of the previous one) is named in a warning.
+            ``accumulate_grad_batches`` (not checked under manual optimization, whose steps per batch are known once
+            seen). A window that streams fewer (the fit resumed inside it, or an epoch's short last accumulation
+            brought it within ``window_batches`` of the previous one; under manual optimization, a window planned
+            before the steps of the batches were seen, or one whose batches took fewer steps than planned, which
+            starts again rather than stream more) is named in a warning.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
             ``None`` is ``"train"`` with ``every_n_train_steps`` (which needs it) and ``"val"`` otherwise.
         namespace: first part of the logged keys and of the curve file and figure names; ``None`` for ``"rank"``
@@ -298,9 +304,12 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
-        # Step cadence under manual optimization: the optimizer steps the last training batch that took any took.
+        # Step cadence under manual optimization: the optimizer steps each recent training batch took, and the steps
+        # the batches to come are expected to take (repeating_steps).
         self._step_at_batch_start = 0
-        self._manual_steps_per_batch: int | None = None
+        self._manual_steps: deque[int] = deque(maxlen=STEP_HISTORY)
+        self._manual_pattern: list[int] | None = None
+        self._restarted_window: int | None = None  # the step of a window started again (its batches took fewer steps)
 
     def _configure(self, options: dict[str, Any]) -> None:
         o = options
@@ -377,7 +386,7 @@ class ActivationRankMonitor(CurveMonitor):
 
     @override
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.cadence.check_window(trainer)
+        self.cadence.check_window(trainer, pl_module.automatic_optimization)
         self.select(pl_module)
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         self._num_classes = self.num_classes or _num_classes_of(pl_module, trainer)
@@ -506,7 +515,14 @@ class ActivationRankMonitor(CurveMonitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_batch_start = trainer.global_step
-        steps_per_batch = None if pl_module.automatic_optimization else self._manual_steps_per_batch
+        steps_per_batch = None if pl_module.automatic_optimization else self._manual_pattern
+        target, window = self._target_step, self.cadence.window_batches
+        if target is not None and self._monitoring("train") and self._stream.batches_seen >= window:
+            # The window's batches took fewer optimizer steps than planned (under manual optimization, a batch that
+            # broke the pattern, such as a step skipped): a window never streams more than window_batches batches, so
+            # it starts again over the batches still to come before its step.
+            self._stop()
+            self._restarted_window = target
         idle = self._stream is not None and not self._stream.active
         if idle and self.cadence.window_opens(trainer, batch_idx, steps_per_batch):
             self._target_step = self.cadence.next_step(trainer)
@@ -521,8 +537,9 @@ class ActivationRankMonitor(CurveMonitor):
         if self.cadence.by_step:
             # The last window's values stayed one batch (every callback's batch end saw them once); a new one may come.
             self.curves.clear_stale_metrics(trainer)
-            if not pl_module.automatic_optimization and trainer.global_step > self._step_at_batch_start:
-                self._manual_steps_per_batch = trainer.global_step - self._step_at_batch_start
+            if not pl_module.automatic_optimization:
+                self._manual_steps.append(trainer.global_step - self._step_at_batch_start)
+                self._manual_pattern = repeating_steps(self._manual_steps)
         if not self._monitoring("train"):
             return
         self._stream.batch_end()
@@ -534,23 +551,35 @@ class ActivationRankMonitor(CurveMonitor):
     def _warn_short_window(self, trainer: pl.Trainer) -> None:
         """Name a step window that streamed fewer than ``window_batches`` batches: one opened after the fit resumed
         inside it, one that an epoch's short last accumulation brought closer to the previous window, or under manual
-        optimization the first window (planned before a batch's steps were seen) and windows longer than the batches
-        between two measurements."""
+        optimization the first window (planned before a batch's steps were seen), windows longer than the batches
+        between two measurements, and windows started again because their batches took fewer steps than planned."""
         streamed, window = self._stream.batches_seen, self.cadence.window_batches
         if streamed >= window:
+            return
+        if self._restarted_window == self._target_step:
+            message = (
+                f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
+                "batches: its batches took fewer optimizer steps than planned (under manual optimization, a batch "
+                "that stepped no optimizer, such as a step skipped on a non-finite loss, or steps that follow no "
+                "repeating pattern), so it started again over the batches still to come before its step, never "
+                "streaming more than window_batches. Its values stand on fewer rows (logged as spectrum_rows)."
+            )
+            self.warn_once(("restarted window",), message)
             return
         message = (
             f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
             "batches: it opened after the fit resumed inside it, or an epoch's short last accumulation brought it "
             "within window_batches of the previous window. Its values stand on fewer rows (logged as spectrum_rows)."
         )
-        steps = self._manual_steps_per_batch
-        if steps is not None and steps > 1:
+        pattern = self._manual_pattern
+        if pattern is not None and pattern != [1]:
+            every, rate = self.cadence.every_n_train_steps, sum(pattern) / len(pattern)
+            took = f"each batch took {pattern[0]}" if len(set(pattern)) == 1 else f"the batches took {pattern}"
             message += (
-                f" Under manual optimization each batch took {steps} optimizer steps (trainer.global_step counts "
-                f"every optimizer.step()): every_n_train_steps={self.cadence.every_n_train_steps} spans "
-                f"{-(-self.cadence.every_n_train_steps // steps)} batch(es), and the first window is planned before "
-                f"the steps of a batch are seen. Choose every_n_train_steps >= window_batches x {steps}."
+                f" Under manual optimization {took} optimizer steps, repeating (trainer.global_step counts every "
+                f"optimizer.step()): every_n_train_steps={every} spans {every / rate:.3g} batch(es), and the first "
+                f"windows are planned before the steps of the batches are seen. Choose every_n_train_steps >= "
+                f"window_batches x {rate:.3g}."
             )
         self.warn_once(("short window",), message)
 
@@ -637,6 +666,8 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._manual_steps.clear()  # the steps of this fit's batches
+        self._manual_pattern = self._restarted_window = None
         self._initial_point(trainer, pl_module)
         self._resume_inside_epoch(trainer, pl_module)
 

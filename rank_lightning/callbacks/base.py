@@ -38,6 +38,7 @@ __all__ = [
     "fresh_fit",
     "gather_rows",
     "loader_list",
+    "repeating_steps",
     "trainer_fn",
     "val_loaders",
     "validations_per_epoch",
@@ -230,6 +231,31 @@ def _steps_before(batches: int, num_batches: float, accumulate: int, step_on_las
     return epochs * (per_epoch // accumulate + partial) + rest // accumulate
 
 
+STEP_HISTORY = 256
+"""Batches whose optimizer steps :func:`repeating_steps` reads under manual optimization."""
+
+
+def repeating_steps(history: Sequence[int], evidence: int = 32) -> list[int] | None:
+    """The optimizer steps the training batches to come will take under manual optimization, one entry per batch,
+    repeating, from the steps ``history`` of the batches seen (oldest first): the shortest pattern of ``p`` batches
+    holding a step that the last ``max(2p, evidence)`` batches repeat, so that an optimizer stepped every k-th batch
+    gives ``[0, ..., 0, 1]`` in the phase of the batches to come and two optimizers stepped every batch ``[2]``. Where
+    a batch within the last ``evidence`` broke every such pattern (a step skipped, an epoch's end), the shortest one
+    the last ``2p`` batches repeat; without one (too few batches seen), every batch takes the steps of the last batch
+    that took any. ``None`` when no batch took a step (the steps are not known yet)."""
+    history = list(history)
+    n = len(history)
+    last = next((steps for steps in reversed(history) if steps), None)
+    if last is None:
+        return None
+    for needed in (evidence, 0):
+        for p in range(1, n // 2 + 1):
+            recent = history[n - min(n, max(2 * p, needed)) :]
+            if any(recent[-p:]) and recent[p:] == recent[:-p]:
+                return recent[-p:]
+    return [last]
+
+
 @dataclass(frozen=True)
 class Cadence:
     """When a measurement is due: the one rule every rank callback follows.
@@ -284,16 +310,18 @@ class Cadence:
             return self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0
         return (fn == "validate" and self.on_validate) or (fn == "test" and self.on_test)
 
-    def check_window(self, trainer: pl.Trainer) -> None:
+    def check_window(self, trainer: pl.Trainer, automatic_optimization: bool = True) -> None:
         """Raise when ``window_batches`` exceeds the batches between two step measurements with full
         accumulations: ``every_n_train_steps * accumulate_grad_batches``. (An epoch's shorter last accumulation can
         bring two measurements closer; then the later window opens once the earlier has closed, and streams fewer
-        batches.)
+        batches.) Nothing is checked under manual optimization, where the module steps its optimizers itself (every
+        k-th batch, or several per batch), so that the batches between two measurements are known only once seen: a
+        longer window is cut to them, with a warning.
 
         Raises:
             ValueError: naming both numbers and ``accumulate_grad_batches``.
         """
-        if not self.by_step:
+        if not self.by_step or not automatic_optimization:
             return
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         period = self.every_n_train_steps * accumulate
@@ -309,7 +337,9 @@ class Cadence:
         n = self.every_n_train_steps or 1
         return (trainer.global_step // n + 1) * n
 
-    def window_opens(self, trainer: pl.Trainer, batch_idx: int, steps_per_batch: int | None = None) -> bool:
+    def window_opens(
+        self, trainer: pl.Trainer, batch_idx: int, steps_per_batch: int | Sequence[int] | None = None
+    ) -> bool:
         """Whether training batch ``batch_idx`` is among the last ``window_batches`` before :meth:`next_step`: whether
         the optimizer steps taken within the ``window_batches`` batches from it on reach that step
         (``steps_per_batch``: see :meth:`steps_taken_within`)."""
@@ -319,7 +349,9 @@ class Cadence:
         return self.steps_taken_within(trainer, batch_idx, self.window_batches, steps_per_batch) >= steps_needed
 
     @staticmethod
-    def steps_taken_within(trainer: pl.Trainer, batch_idx: int, count: int, steps_per_batch: int | None = None) -> int:
+    def steps_taken_within(
+        trainer: pl.Trainer, batch_idx: int, count: int, steps_per_batch: int | Sequence[int] | None = None
+    ) -> int:
         """The optimizer steps Lightning takes within the ``count`` training batches from ``batch_idx`` (of the current
         epoch) on, continuing into the next epochs: each right after the batch that ends its accumulation.
 
@@ -327,12 +359,16 @@ class Cadence:
         ``accumulate_grad_batches``-th batch of an epoch, and after the epoch's last batch (the
         ``num_training_batches``-th) unless the strategy accumulates gradients itself. With
         ``num_training_batches`` unknown (``inf``) the epoch's end cannot be foreseen: every step is taken as full.
-        Under manual optimization ``trainer.global_step`` counts every ``optimizer.step()`` of a batch (two for a
-        module with two optimizers): there ``steps_per_batch``, the steps a batch was seen to take, gives
-        ``count * steps_per_batch``.
+        Under manual optimization ``trainer.global_step`` counts every ``optimizer.step()`` the module calls (two per
+        batch for a module with two optimizers, none in a batch that accumulates gradients): there ``steps_per_batch``
+        gives the steps of each batch from ``batch_idx`` on, repeating (:func:`repeating_steps`; an int for every
+        batch alike).
         """
+        if isinstance(steps_per_batch, int):
+            steps_per_batch = [steps_per_batch]
         if steps_per_batch is not None:
-            return count * steps_per_batch
+            rounds, rest = divmod(count, len(steps_per_batch))
+            return rounds * sum(steps_per_batch) + sum(steps_per_batch[:rest])
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         num_batches = float(getattr(trainer, "num_training_batches", math.inf))
         step_on_last = not getattr(getattr(trainer, "strategy", None), "handles_gradient_accumulation", False)
