@@ -304,12 +304,17 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
-        # Step cadence under manual optimization: the optimizer steps each recent training batch took, and the steps
-        # the batches to come are expected to take (repeating_steps).
         self._step_at_batch_start = 0
         self._manual_steps: deque[int] = deque(maxlen=STEP_HISTORY)
+        self._reset_manual_steps()
+
+    def _reset_manual_steps(self) -> None:
+        """Step cadence under manual optimization: forget the optimizer steps each recent training batch took, the
+        steps the batches to come are expected to take (:func:`repeating_steps`) and the step of a window started
+        again (its batches took fewer steps than planned)."""
+        self._manual_steps.clear()
         self._manual_pattern: list[int] | None = None
-        self._restarted_window: int | None = None  # the step of a window started again (its batches took fewer steps)
+        self._restarted_window: int | None = None
 
     def _configure(self, options: dict[str, Any]) -> None:
         o = options
@@ -666,8 +671,7 @@ class ActivationRankMonitor(CurveMonitor):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._manual_steps.clear()  # the steps of this fit's batches
-        self._manual_pattern = self._restarted_window = None
+        self._reset_manual_steps()  # the steps of this fit's batches
         self._initial_point(trainer, pl_module)
         self._resume_inside_epoch(trainer, pl_module)
 
