@@ -197,6 +197,11 @@ class WeightMatrix:
             return tensor
         return lora_weight(self.lora, tensor, update=self.lora_update, name=self.name)
 
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of :meth:`stored`, without computing a LoRA layer's weight."""
+        tensor = getattr(self.module, self.attribute)
+        return tensor.dtype if self.lora is None or not self.lora_update else _update_dtype(self.lora, tensor)
+
     def row_dims(self, ndim: int) -> tuple[int, ...]:
         """Dimensions of the stored tensor that index the matrix rows (the others index its columns or experts)."""
         first = 0 if self.expert is None else 1
@@ -419,6 +424,17 @@ def _carried_adapters(layer: nn.Module) -> list[str]:
     return [name for name in ([active] if isinstance(active, str) else active) if name in adapters]
 
 
+def _update_dtype(layer: nn.Module, base: Tensor) -> torch.dtype:
+    """The dtype of a LoRA layer's update: that of its ``B`` factors (``get_delta_weight``'s), promoted over the
+    adapters it carries (the first adapter's when it carries none; the base weight's without adapters)."""
+    adapters = _carried_adapters(layer) or _lora_adapters(layer)[:1]
+    dtypes = [layer.lora_B[adapter].weight.dtype for adapter in adapters]  # type: ignore[index]
+    dtype = dtypes[0] if dtypes else base.dtype
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
 def lora_weight(layer: nn.Module, base: Tensor, *, update: bool = False, name: str = "") -> Tensor:
     """The weight a LoRA layer applies, in the layout of its stored base weight ``base``; with ``update``, the update
     of its adapters alone (zeros when none is applied).
@@ -448,8 +464,7 @@ def lora_weight(layer: nn.Module, base: Tensor, *, update: bool = False, name: s
                 )
         if update:
             if not deltas:
-                dtype = layer.lora_B[_lora_adapters(layer)[0]].weight.dtype if _lora_adapters(layer) else base.dtype
-                return torch.zeros(base.shape, dtype=dtype, device=base.device)
+                return torch.zeros(base.shape, dtype=_update_dtype(layer, base), device=base.device)
             total = deltas[0]
             for delta in deltas[1:]:
                 total = total + delta

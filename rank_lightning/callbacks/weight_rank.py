@@ -418,7 +418,7 @@ class WeightRankMonitor(CurveMonitor):
         return {name: self._metrics_of(spec, dtypes[name]) for name, spec in spectra.items()}
 
     def _stored_dtypes(self) -> dict[str, torch.dtype]:
-        return {matrix.name: matrix.stored().dtype for matrix in self._matrices}
+        return {matrix.name: matrix.stored_dtype() for matrix in self._matrices}
 
     def _metrics_of(self, spec: Spectrum, dtype: torch.dtype) -> dict[str, float]:
         summary = summarize(

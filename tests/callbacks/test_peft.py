@@ -157,3 +157,23 @@ def test_activation_layers_chosen_by_type_are_the_lora_layers_not_their_parts():
     assert not [name for name in linears if "lora_" in name or "base_layer" in name]
     explicit = [f"{layer}.attention.self.query.base_layer", f"{layer}.attention.self.query.lora_A.default"]
     assert list(ActivationRankMonitor(layers=explicit).select(module)) == explicit
+
+
+def test_a_lora_layer_is_computed_once_per_measurement_a_bounded_amount_at_a_time(monkeypatch):
+    module = LanguageModel(gpt2(init_lora_weights=False))
+    monitor = WeightRankMonitor(verbose=False)
+    expected = monitor.measure(module)
+    calls = []
+    lora_linear = peft.tuners.lora.layer.Linear
+    delta = lora_linear.get_delta_weight
+    monkeypatch.setattr(lora_linear, "get_delta_weight", lambda layer, name: calls.append(name) or delta(layer, name))
+    monkeypatch.setattr("rank_lightning.distributed._LORA_BYTES", 1, raising=False)  # one computed weight at a time
+    assert monitor.measure(module) == expected
+    assert len(calls) == 2 * 6  # 6 LoRA layers (c_attn, attn.c_proj, mlp.c_proj of 2 blocks): weight, update
+
+
+def test_a_sharded_base_weight_is_an_error_naming_the_lora_layer():
+    model = gpt2()
+    model.base_model.model.transformer.h[0].attn.c_proj.base_layer.weight.ds_shape = (EMBED, EMBED)  # a ZeRO-3 mark
+    with pytest.raises(RuntimeError, match=rf"base weight of LoRA layer '{BLOCK}.attn.c_proj' is held as a Parameter"):
+        WeightRankMonitor(verbose=False).spectra(LanguageModel(model))
