@@ -393,15 +393,15 @@ def lora_unread_reason(layer: nn.Module) -> str | None:
     """
     base = getattr(layer, "base_layer", None)
     if not callable(getattr(layer, "get_delta_weight", None)) or not isinstance(base, nn.Module):
-        return "it computes no update weight (get_delta_weight)"
+        return "no update weight is computed for it (get_delta_weight)"
     if hasattr(base, "base_layer"):
-        return "its base layer is itself an adapter layer"
+        return "the base layer is itself an adapter layer"
     if not (isinstance(base, _LAYER_TYPES) and not isinstance(base, nn.MultiheadAttention)) and not is_conv1d(base):
-        return f"its base layer is a {type(base).__name__}, not a Linear, Conv or Conv1D"
+        return f"the base layer is a {type(base).__name__}, not a Linear, Conv or Conv1D"
     weight = getattr(base, "weight", None)
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
         kind = type(weight).__name__ if not isinstance(weight, Tensor) else str(weight.dtype).removeprefix("torch.")
-        return f"its base weight is not a floating-point tensor ({kind}; a quantized weight)"
+        return f"the base weight is not a floating-point tensor ({kind}; a quantized weight)"
     adapters = _lora_adapters(layer)
     variants = [name for name in adapters if name in (getattr(layer, "lora_variant", None) or {})]
     variants += [name for name in adapters if (getattr(layer, "use_dora", None) or {}).get(name, False)]
@@ -470,7 +470,7 @@ def lora_weight(layer: nn.Module, base: Tensor, *, update: bool = False, name: s
                 total = total + delta
             return total
         weight = base.detach()
-        merged = [name for name in getattr(layer, "merged_adapters", []) if name in _lora_adapters(layer)]
+        merged = [adapter for adapter in getattr(layer, "merged_adapters", []) if adapter in _lora_adapters(layer)]
         if merged and not carried:  # disabled adapters: the forward pass takes the merged updates out again
             deltas = [-layer.get_delta_weight(adapter) for adapter in reversed(merged)]  # type: ignore[operator]
         elif merged:
