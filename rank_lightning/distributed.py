@@ -295,10 +295,14 @@ def weight_matrix_spectra(
     owners = _fsdp_owners(root)
     spectra: dict[int, Spectrum] = {}
     plain: list[int] = []
+    lora: list[int] = []
     jobs: list[_GramJob] = []
     gathers: dict[int, tuple[str, nn.Module | None]] = {}
     with torch.no_grad():
         for index, matrix in enumerate(matrices):
+            if matrix.lora is not None:  # computed from weights held in full (a sharded one raises when computed)
+                lora.append(index)
+                continue
             tensor, owner = matrix.stored(), owners.get(id(matrix.module))
             layout = shard_layout(tensor, owner)
             plan = _dtensor_plan(matrix, tensor, decomposition, sharding) if layout == "dtensor" else None
@@ -312,6 +316,7 @@ def weight_matrix_spectra(
                 gathers[index] = (layout, owner)
         weights = [matrices[i].from_stored(matrices[i].stored()) for i in plain]
         spectra.update(zip(plain, weight_spectra(weights, decomposition=decomposition)))
+        spectra.update(_lora_spectra(matrices, lora, decomposition))
         if jobs:
             spectra.update(_summed_gram_spectra(matrices, jobs, decomposition))
         if any(layout == "fsdp" for layout, _ in gathers.values()):
@@ -321,6 +326,35 @@ def weight_matrix_spectra(
             read = _gather_spectra([matrices[i] for i in group], layout, owner, decomposition)
             spectra.update(zip(group, read))
     return [spectra[i] for i in range(len(matrices))]
+
+
+_LORA_BYTES = 2**30
+"""Bytes of the LoRA weights computed at once: every adapted layer's ``W + (alpha / r) B A`` at once would take about
+the memory of the model's weights again."""
+
+
+def _lora_spectra(matrices: Sequence[WeightMatrix], indices: list[int], decomposition: str) -> dict[int, Spectrum]:
+    """Spectra of the matrices of LoRA layers, whose weights are computed (:meth:`WeightMatrix.stored`) about
+    :data:`_LORA_BYTES` at a time, each layer's once for all its parts (q, k and v of a ``c_attn``)."""
+    spectra: dict[int, Spectrum] = {}
+    start = 0
+    while start < len(indices):
+        computed: dict[tuple[int, bool], Tensor] = {}
+        chunk: list[int] = []
+        size = 0
+        for index in indices[start:]:
+            matrix = matrices[index]
+            key = (id(matrix.lora), matrix.lora_update)
+            if key not in computed:
+                if size >= _LORA_BYTES:
+                    break
+                computed[key] = matrix.stored()
+                size += computed[key].numel() * computed[key].element_size()
+            chunk.append(index)
+        weights = [matrices[i].from_stored(computed[id(matrices[i].lora), matrices[i].lora_update]) for i in chunk]
+        spectra.update(zip(chunk, weight_spectra(weights, decomposition=decomposition)))
+        start += len(chunk)
+    return spectra
 
 
 def _summed_gram_spectra(matrices: Sequence[WeightMatrix], jobs: list[_GramJob], decomposition: str) -> dict:

@@ -8,7 +8,8 @@ Every callback that hooks or reads a model goes through this module, so they all
   ``*`` and ``?`` match dots too: ``"encoder.block.*"`` is every block and every module inside them (for the blocks
   alone, match the index, ``"encoder.block.?"`` for blocks 0 to 9, or name the blocks' class in ``layer_types``);
 * module types (``layer_types``): classes (``nn.Conv2d``), class names (``"Conv2d"``, matched against the class and
-  its bases) or dotted import paths (``"torch.nn.Linear"``).
+  its bases) or dotted import paths (``"torch.nn.Linear"``); an adapter layer of ``peft`` (LoRA) is also of the
+  type of the layer it wraps.
 
 An unknown name raises ``ValueError`` listing the valid names (block names first, then module names). When no layer is
 named, :func:`default_layers` finds the repeated blocks of a model (or its hidden activations).
@@ -208,7 +209,24 @@ def _type_name(wanted: LayerType) -> str:
     return wanted if isinstance(wanted, str) else wanted.__name__
 
 
+def _adapter_base_layer(module: nn.Module) -> nn.Module | None:
+    """The layer that an adapter layer of ``peft`` (a ``BaseTunerLayer``: LoRA, ...) wraps as its ``base_layer``;
+    ``None`` for other modules. Recognised by class name and defining package, so ``peft`` is never imported here."""
+    classes = type(module).__mro__
+    if not any(cls.__name__ == "BaseTunerLayer" and cls.__module__.split(".")[0] == "peft" for cls in classes):
+        return None
+    base = module
+    while isinstance(getattr(base, "base_layer", None), nn.Module):
+        base = base.base_layer
+    return base if base is not module else None
+
+
 def _is_of_type(module: nn.Module, wanted: LayerType) -> bool:
+    """Whether ``module`` is of type ``wanted``, or wraps a layer of that type as a ``peft`` adapter layer does (a
+    LoRA-adapted ``nn.Linear`` is a Linear)."""
+    base = _adapter_base_layer(module)
+    if base is not None and _is_of_type(base, wanted):
+        return True
     if isinstance(wanted, str):
         return any(cls.__name__ == wanted for cls in type(module).__mro__)
     return isinstance(module, wanted)
@@ -511,7 +529,8 @@ def select_layers(
         module: the model (a LightningModule or a network).
         layers: block names, module names or glob patterns (see the module docstring); ``None`` for the default.
         layer_types: keep only layers of these types (already checked by :func:`check_layer_types`); without
-            ``layers``, every candidate of these types.
+            ``layers``, every candidate of these types, where a ``peft`` adapter layer (LoRA) is one layer, of its
+            base layer's type, and its parts are not chosen.
         candidates: ``name -> module`` of what may be chosen; ``None`` for every submodule.
         default: the choice when neither ``layers`` nor ``layer_types`` is given.
         leaves: a chosen container that is not a candidate stands for the candidates inside it (weight layers:
@@ -529,8 +548,11 @@ def select_layers(
         candidates = dict(candidates)
     blocks = module_blocks(module) or {}
     if layers is None and layer_types is not None:
-        # A type alone asks for every layer of that type, not for the default layers that happen to have it.
-        chosen = {eager_name(name): name for name in match_layer_types(list(candidates), modules, layer_types)}
+        # A type alone asks for every layer of that type, not for the default layers that happen to have it; a peft
+        # adapter layer is one layer of its base layer's type, not its parts (base_layer, lora_A, lora_B).
+        adapters = {name for name, layer in modules.items() if _adapter_base_layer(layer) is not None}
+        typed = [name for name in candidates if not _inside_adapter(name, adapters)]
+        chosen = {eager_name(name): name for name in match_layer_types(typed, modules, layer_types)}
     elif layers is None:
         chosen = dict(default(module))
     else:
@@ -561,6 +583,13 @@ def _is_metric(module: nn.Module) -> bool:
         cls.__name__ in ("Metric", "MetricCollection") and cls.__module__.startswith("torchmetrics")
         for cls in type(module).__mro__
     )
+
+
+def _inside_adapter(name: str, adapters: set[str]) -> bool:
+    """Whether the module at ``name`` lies inside one of the ``peft`` adapter layers at ``adapters`` (its
+    ``base_layer``, ``lora_A``, ...)."""
+    parts = name.split(".")
+    return bool(adapters) and any(".".join(parts[:i]) in adapters for i in range(1, len(parts)))
 
 
 def _inside_metric(name: str, modules: dict[str, nn.Module]) -> bool:

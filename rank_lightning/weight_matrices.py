@@ -37,6 +37,18 @@ measured on its own, named ``<layer>.<e>.<projection>``:
 A 3-D parameter in no layout named here (another parameter of an experts layer, or the expert stack of a layer that
 declares no layout, such as Llama 4's) is not measured: :func:`unread_stacks` names it, and the monitor warns.
 
+A LoRA layer of ``peft`` (:func:`is_lora_layer`) wraps its base layer (``<layer>.base_layer``) and adds the update
+``(alpha / r) B A`` of its adapters (the Linears ``<layer>.lora_A.<adapter>`` ``(r, in)`` and
+``<layer>.lora_B.<adapter>`` ``(out, r)``). It is read as one layer, named ``<layer>`` as in the model without peft:
+its matrices are those of the base layer (a ``c_attn`` split into q, k and v), each holding the weight the layer
+applies, the stored base weight plus the update of every active adapter (``peft``'s ``get_delta_weight``, added as
+``merge`` adds it, so the spectra are those of the merged model); and, with ``lora_update=True``, the update alone,
+``<matrix>.lora_update`` (``<layer>.q_proj.lora_update``, ...: rank at most ``r``). A merged layer's base weight holds
+its update already; a layer whose adapters are disabled applies its base weight alone. The base layer and the
+adapters' factors are not read on their own. A LoRA layer whose applied weight is not ``W + (alpha / r) B A``
+(DoRA and other variants, a base layer other than Linear, Conv or ``Conv1D``, a quantized base weight) is not read
+as one layer (:func:`lora_unread_reason` says why): its base layer and factors are read as the layers they are.
+
 Every decision that depends on a shape (whether a ``c_attn`` holds two or three parts, which parameters are 3-D
 stacks, how many experts a stack holds) takes the shape of the whole parameter, not of the piece a sharding strategy
 leaves on this process (:func:`parameter_shape`): a ``DTensor``'s global shape, DeepSpeed ZeRO-3's ``ds_shape``, and
@@ -49,8 +61,9 @@ the matrix is read, from the whole tensor then in hand (:meth:`WeightMatrix.row_
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import weight_as_matrix
@@ -62,8 +75,11 @@ __all__ = [
     "ParameterShapes",
     "WeightMatrix",
     "is_conv1d",
+    "is_lora_layer",
     "is_weight_layer",
     "logged_name",
+    "lora_unread_reason",
+    "lora_weight",
     "matrices_of",
     "parameter_shape",
     "unread_stacks",
@@ -126,12 +142,14 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def is_weight_layer(module: nn.Module, *, shapes: ParameterShapes | None = None) -> bool:
-    """Whether a weight monitor reads ``module``: Linear, Conv1d/2d/3d, MultiheadAttention, ``Conv1D``, or a layer
-    holding 3-D parameters of its own (expert stacks; :func:`unread_stacks` names those it cannot read), judged by
-    the full shapes (``shapes``: :func:`parameter_shape`)."""
+    """Whether a weight monitor reads ``module``: Linear, Conv1d/2d/3d, MultiheadAttention, ``Conv1D``, a LoRA layer
+    of ``peft`` that is read as one layer (:func:`lora_unread_reason`), or a layer holding 3-D parameters of its own
+    (expert stacks; :func:`unread_stacks` names those it cannot read), judged by the full shapes (``shapes``:
+    :func:`parameter_shape`)."""
     return (
         isinstance(module, _LAYER_TYPES)
         or is_conv1d(module)
+        or (is_lora_layer(module) and lora_unread_reason(module) is None)
         or bool(_stacks(module, shapes))
         or bool(_unknown_stacks(module, shapes))
     )
@@ -157,6 +175,9 @@ class WeightMatrix:
             tensor's shape when it is read (:meth:`row_range`), never from a shard's.
         expert: index into the first dimension of a stored ``(E, ., .)`` expert stack; ``None`` for a layer's own
             weight.
+        lora: the ``peft`` LoRA layer whose base layer is ``module``: the stored tensor is then the weight the LoRA
+            layer applies (base weight plus its adapters' update, :func:`lora_weight`); ``None`` for other layers.
+        lora_update: with ``lora``, the stored tensor is the adapters' update alone.
     """
 
     name: str
@@ -165,10 +186,21 @@ class WeightMatrix:
     transpose: bool = False
     part: tuple[int, int] | None = None
     expert: int | None = None
+    lora: nn.Module | None = None
+    lora_update: bool = False
 
     def stored(self) -> Tensor:
-        """The tensor as the module holds it now (possibly a shard or a DTensor under a sharding strategy)."""
-        return getattr(self.module, self.attribute)
+        """The tensor as the module holds it now (possibly a shard or a DTensor under a sharding strategy); for a LoRA
+        layer, the weight it applies (or its update) in the layout of the stored base weight."""
+        tensor = getattr(self.module, self.attribute)
+        if self.lora is None:
+            return tensor
+        return lora_weight(self.lora, tensor, update=self.lora_update, name=self.name)
+
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of :meth:`stored`, without computing a LoRA layer's weight."""
+        tensor = getattr(self.module, self.attribute)
+        return tensor.dtype if self.lora is None or not self.lora_update else _update_dtype(self.lora, tensor)
 
     def row_dims(self, ndim: int) -> tuple[int, ...]:
         """Dimensions of the stored tensor that index the matrix rows (the others index its columns or experts)."""
@@ -340,8 +372,121 @@ def _experts(name: str, module: nn.Module, split_fused: bool, shapes: ParameterS
     return matrices
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a LoRA layer of ``peft`` (a ``LoraLayer``: ``base_layer``, ``lora_A``, ``lora_B``).
+
+    Recognised by class name and defining package, so ``peft`` is never imported here.
+    """
+    return any(cls.__name__ == "LoraLayer" and cls.__module__.split(".")[0] == "peft" for cls in type(module).__mro__)
+
+
+def _lora_adapters(layer: nn.Module) -> list[str]:
+    """The adapters of a LoRA layer that hold an ``A`` and ``B`` (not those of its other kinds, such as embeddings)."""
+    return [name for name in getattr(layer, "lora_A", {}) if name in getattr(layer, "lora_B", {})]
+
+
+def lora_unread_reason(layer: nn.Module) -> str | None:
+    """Why the LoRA layer ``layer`` is not read as one layer of weight ``W + (alpha / r) B A``; ``None`` when it is.
+
+    It is read when its base layer is a Linear, Conv1d/2d/3d or ``transformers``' ``Conv1D`` holding a floating-point
+    weight, and none of its adapters is a variant whose applied weight takes another form (DoRA's, for example).
+    """
+    base = getattr(layer, "base_layer", None)
+    if not callable(getattr(layer, "get_delta_weight", None)) or not isinstance(base, nn.Module):
+        return "no update weight is computed for it (get_delta_weight)"
+    if hasattr(base, "base_layer"):
+        return "the base layer is itself an adapter layer"
+    if not (isinstance(base, _LAYER_TYPES) and not isinstance(base, nn.MultiheadAttention)) and not is_conv1d(base):
+        return f"the base layer is a {type(base).__name__}, not a Linear, Conv or Conv1D"
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        kind = type(weight).__name__ if not isinstance(weight, Tensor) else str(weight.dtype).removeprefix("torch.")
+        return f"the base weight is not a floating-point tensor ({kind}; a quantized weight)"
+    adapters = _lora_adapters(layer)
+    variants = [name for name in adapters if name in (getattr(layer, "lora_variant", None) or {})]
+    variants += [name for name in adapters if (getattr(layer, "use_dora", None) or {}).get(name, False)]
+    if variants:
+        return f"adapter {variants[0]!r} is a LoRA variant (DoRA or another), whose weight is not W + (alpha / r) B A"
+    return None
+
+
+def _carried_adapters(layer: nn.Module) -> list[str]:
+    """The adapters whose update the weight that ``layer`` applies carries, as its forward pass decides: none while
+    adapters are disabled, the merged ones when some are merged (the forward pass is then the base layer's), else
+    every active adapter."""
+    adapters = _lora_adapters(layer)
+    if getattr(layer, "disable_adapters", False):
+        return []
+    merged = [name for name in getattr(layer, "merged_adapters", []) if name in adapters]
+    if merged:
+        return merged
+    active = getattr(layer, "active_adapters", None) or []
+    return [name for name in ([active] if isinstance(active, str) else active) if name in adapters]
+
+
+def _update_dtype(layer: nn.Module, base: Tensor) -> torch.dtype:
+    """The dtype of a LoRA layer's update: that of its ``B`` factors (``get_delta_weight``'s), promoted over the
+    adapters it carries (the first adapter's when it carries none; the base weight's without adapters)."""
+    adapters = _carried_adapters(layer) or _lora_adapters(layer)[:1]
+    dtypes = [layer.lora_B[adapter].weight.dtype for adapter in adapters]  # type: ignore[index]
+    dtype = dtypes[0] if dtypes else base.dtype
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
+def lora_weight(layer: nn.Module, base: Tensor, *, update: bool = False, name: str = "") -> Tensor:
+    """The weight a LoRA layer applies, in the layout of its stored base weight ``base``; with ``update``, the update
+    of its adapters alone (zeros when none is applied).
+
+    The updates come from ``peft``'s ``get_delta_weight`` (``(alpha / r) B A``, transposed for a ``fan_in_fan_out``
+    layer) and are added to the stored weight one adapter at a time, as ``merge`` adds them. A merged layer applies
+    its stored weight, which holds the merged updates; one whose adapters are disabled applies its weight without them.
+
+    Raises:
+        RuntimeError: ``base`` is held sharded (the effective weight is read from weights held in full), or an
+            update's shape is not that of ``base``.
+    """
+    sharded = type(base) not in (Tensor, nn.Parameter) or hasattr(base, "ds_shape")
+    if sharded or getattr(base, "_fsdp_flattened", False):
+        raise RuntimeError(
+            f"the base weight of LoRA layer {name!r} is held as a {type(base).__name__} piece of a sharded weight; "
+            "the weight of a LoRA layer is read where its base weight is held in full (single device, DDP)"
+        )
+    with torch.no_grad():
+        carried = _carried_adapters(layer)
+        deltas = [layer.get_delta_weight(adapter) for adapter in carried]  # type: ignore[operator]
+        for adapter, delta in zip(carried, deltas):
+            if delta.shape != base.shape:
+                raise RuntimeError(
+                    f"the update of adapter {adapter!r} of LoRA layer {name!r} has shape {tuple(delta.shape)}, not "
+                    f"that of its base weight {tuple(base.shape)} (fan_in_fan_out set for the wrong layout?)"
+                )
+        if update:
+            if not deltas:
+                return torch.zeros(base.shape, dtype=_update_dtype(layer, base), device=base.device)
+            total = deltas[0]
+            for delta in deltas[1:]:
+                total = total + delta
+            return total
+        weight = base.detach()
+        merged = [adapter for adapter in getattr(layer, "merged_adapters", []) if adapter in _lora_adapters(layer)]
+        if merged and not carried:  # disabled adapters: the forward pass takes the merged updates out again
+            deltas = [-layer.get_delta_weight(adapter) for adapter in reversed(merged)]  # type: ignore[operator]
+        elif merged:
+            return weight
+        for delta in deltas:
+            weight = (weight + delta).to(base.dtype)
+        return weight
+
+
 def matrices_of(
-    path: str, module: nn.Module, *, split_fused: bool = True, shapes: ParameterShapes | None = None
+    path: str,
+    module: nn.Module,
+    *,
+    split_fused: bool = True,
+    shapes: ParameterShapes | None = None,
+    lora_update: bool = True,
 ) -> list[WeightMatrix]:
     """The matrices of one layer, named after its module ``path`` (wrapper segments of FSDP removed).
 
@@ -352,6 +497,8 @@ def matrices_of(
             (module docstring).
         shapes: full shapes of parameters that FSDP1 holds as flat slices (:func:`parameter_shape`); needed only
             for a ``c_attn`` or an experts layer so held, whose matrices depend on the full shape.
+        lora_update: for a LoRA layer, also its adapters' update, ``<matrix>.lora_update`` for each of its matrices
+            (module docstring).
 
     Returns:
         The matrices in the order of the forward pass; none for a layer whose 3-D parameters are in no known layout
@@ -362,6 +509,12 @@ def matrices_of(
             this process cannot know (an FSDP1 flat slice not in ``shapes``; the message says what to do).
     """
     name = logged_name(path)
+    if is_lora_layer(module) and lora_unread_reason(module) is None:
+        base = matrices_of(path, module.base_layer, split_fused=split_fused, shapes=shapes)  # type: ignore[arg-type]
+        matrices = [replace(matrix, lora=module) for matrix in base]
+        if lora_update:
+            matrices += [replace(m, name=f"{m.name}.lora_update", lora=module, lora_update=True) for m in base]
+        return matrices
     if isinstance(module, nn.MultiheadAttention):
         return _attention(name, module, split_fused)
     if is_conv1d(module):

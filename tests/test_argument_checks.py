@@ -21,6 +21,7 @@ _FLAGS = [
     (callbacks.ActivationRankMonitor, "log_per_class"),
     (callbacks.WeightRankMonitor, "save_singular_values"),
     (callbacks.WeightRankMonitor, "split_fused"),
+    (callbacks.WeightRankMonitor, "lora_update"),
     (callbacks.NeuralCollapseMonitor, "on_validate"),
     (callbacks.JacobianRankMonitor, "log_per_input"),
     (lambda **kw: callbacks.LayerCurves("curves", **kw), "wandb_charts"),

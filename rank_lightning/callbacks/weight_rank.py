@@ -30,8 +30,10 @@ from rank_lightning.validation import (
 from rank_lightning.weight_matrices import (
     ParameterShapes,
     WeightMatrix,
+    is_lora_layer,
     is_weight_layer,
     logged_name,
+    lora_unread_reason,
     matrices_of,
     parameter_shape,
     unread_stacks,
@@ -73,6 +75,16 @@ def _strategy_root(module: nn.Module) -> nn.Module:
     return wrapped if isinstance(wrapped, nn.Module) else module
 
 
+def _outer_layer(name: str, layers: set[str]) -> str | None:
+    """The member of ``layers`` that holds the module ``name`` (``name`` itself excluded); ``None`` if none does."""
+    parts = name.split(".")
+    for end in range(1, len(parts)):
+        outer = ".".join(parts[:end])
+        if outer in layers:
+            return outer
+    return None
+
+
 class WeightRankMonitor(CurveMonitor):
     """Log the numerical, stable and effective rank, spectral norm and tail errors of every layer's weight matrix.
 
@@ -97,6 +109,12 @@ class WeightRankMonitor(CurveMonitor):
       ``<name>.<e>.down_proj``. The experts of all layers go through the batched decompositions below together. A
       3-D parameter in no layout the monitor knows (a stack of a layer that declares none, such as Llama 4's, or
       another 3-D parameter of an experts layer) is not measured, and a warning names it once.
+    * LoRA (``peft``): a LoRA layer is one layer, named as in the model without peft (``...attn.c_attn``, its
+      ``base_layer`` and ``lora_A`` / ``lora_B`` factors are not layers of their own), whose matrices are those of
+      its base layer (``c_attn`` split as above) holding the weight it applies, ``W + (alpha / r) B A`` summed over
+      its active adapters (the spectra of the merged model, ``merge_and_unload()``), and with ``lora_update``, the
+      update ``(alpha / r) B A`` alone, ``<matrix>.lora_update``. A LoRA layer whose weight takes another form (DoRA,
+      a quantized or non-Linear base) is read as its parts, with a warning naming it once.
 
     Sharded weights (``ModelParallelStrategy`` / FSDP2 ``DTensor``, ``FSDPStrategy``, ``DeepSpeedStrategy`` ZeRO-3)
     are never analysed piece by piece: the Gram of a matrix split by rows is the sum of its pieces' Grams (one
@@ -160,6 +178,9 @@ class WeightRankMonitor(CurveMonitor):
             ``gate_up_proj`` as ``<name>.<e>.gate_proj`` and ``.up_proj``; ``False``: as one matrix
             (``<name>.in_proj`` for ``nn.MultiheadAttention``, ``<name>`` for ``c_attn``,
             ``<name>.<e>.gate_up_proj`` for experts).
+        lora_update: for every LoRA layer of ``peft``, also measure the update ``(alpha / r) B A`` of its active
+            adapters on its own, ``<matrix>.lora_update`` beside each of its matrices (rank at most ``r``; all zeros,
+            numerical rank 0, while ``B`` is at its zero initialisation). ``False``: the applied weights alone.
         sharding: how weights sharded by a strategy are read, exactly either way
             (:data:`~rank_lightning.distributed.SHARDINGS`): ``"auto"`` (default) sums the pieces' Grams where that
             Gram is the smaller one and gathers one layer at a time otherwise; ``"gram"`` sums Grams wherever the
@@ -234,6 +255,7 @@ class WeightRankMonitor(CurveMonitor):
         tolerance_dtype: str | torch.dtype | None = None,
         decomposition: Literal["auto", "svd", "gram"] = "auto",
         split_fused: bool = True,
+        lora_update: bool = True,
         sharding: Literal["auto", "gram", "gather"] = "auto",
         save_singular_values: bool = False,
         log_at_init: bool = True,
@@ -262,6 +284,7 @@ class WeightRankMonitor(CurveMonitor):
         self.decomposition = check_choice("decomposition", decomposition, DECOMPOSITIONS)
         self.sharding = check_choice("sharding", sharding, SHARDINGS)
         self.split_fused = check_bool("split_fused", split_fused)
+        self.lora_update = check_bool("lora_update", lora_update)
         self.save_singular_values = check_bool("save_singular_values", save_singular_values)
         self._matrices: list[WeightMatrix] = []
         self._resolved_for: int | None = None
@@ -297,7 +320,14 @@ class WeightRankMonitor(CurveMonitor):
                 (``use_orig_params=True``) whose wrapped unit is not found (the message says what to do).
         """
         shapes = fsdp_parameter_shapes(_strategy_root(module))
-        candidates = {name: m for name, m in module.named_modules() if name and is_weight_layer(m, shapes=shapes)}
+        modules = dict(module.named_modules())
+        lora = {name for name, m in modules.items() if name and is_lora_layer(m)}
+        read = {name for name in lora if lora_unread_reason(modules[name]) is None}
+        candidates = {
+            name: m
+            for name, m in modules.items()
+            if name and is_weight_layer(m, shapes=shapes) and _outer_layer(name, read) is None
+        }
         if not candidates:
             raise ValueError(
                 f"{type(module).__name__} has no Linear, Conv, MultiheadAttention, Conv1D or expert layer to monitor"
@@ -311,9 +341,12 @@ class WeightRankMonitor(CurveMonitor):
             leaves=True,
         )
         matrices: dict[str, WeightMatrix] = {}
+        parts = {outer: None for outer in (_outer_layer(path, lora - read) for path in chosen.values()) if outer}
+        self._warn_lora_parts({path: modules[path] for path in parts})
         for path in chosen.values():
             self._warn_unread(path, candidates[path], shapes)
-            for matrix in matrices_of(path, candidates[path], split_fused=self.split_fused, shapes=shapes):
+            split, update = self.split_fused, self.lora_update
+            for matrix in matrices_of(path, candidates[path], split_fused=split, shapes=shapes, lora_update=update):
                 # An attention's out_proj is also a Linear of its own; keep it once.
                 matrices.setdefault(matrix.name, matrix)
         if not matrices:
@@ -333,6 +366,23 @@ class WeightRankMonitor(CurveMonitor):
                 "use_experts_implementation declares their layout (gate_up_proj, up_proj, down_proj; is_transposed)."
             )
             self.warn_once(("unread", name), message)
+
+    def _warn_lora_parts(self, layers: dict[str, nn.Module]) -> None:
+        """Name (once, up to ten per warning) the LoRA layers that are read as their parts, and why."""
+        by_reason: dict[str, list[str]] = {}
+        for path, layer in layers.items():
+            if ("lora parts", path) not in self._warned:
+                self._warned.add(("lora parts", path))
+                by_reason.setdefault(str(lora_unread_reason(layer)), []).append(logged_name(path))
+        for reason, names in by_reason.items():
+            shown = ", ".join(map(repr, names[:10])) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            message = (
+                f"LoRA layer{'s' if len(names) > 1 else ''} {shown} {'are' if len(names) > 1 else 'is'} measured as "
+                f"{'their' if len(names) > 1 else 'its'} parts, since {reason}: base_layer is the base weight without "
+                "the adapters' update, lora_A and lora_B are the update's factors (LoRA layers are measured as their "
+                "weight W + (alpha / r) B A where it is that)."
+            )
+            warnings.warn(f"{type(self).__name__}: {message}", UserWarning, stacklevel=3)
 
     def spectra(self, module: nn.Module) -> dict[str, Spectrum]:
         """Float64 spectra of the monitored matrices of ``module``, one batched decomposition per distinct shape.
@@ -368,7 +418,7 @@ class WeightRankMonitor(CurveMonitor):
         return {name: self._metrics_of(spec, dtypes[name]) for name, spec in spectra.items()}
 
     def _stored_dtypes(self) -> dict[str, torch.dtype]:
-        return {matrix.name: matrix.stored().dtype for matrix in self._matrices}
+        return {matrix.name: matrix.stored_dtype() for matrix in self._matrices}
 
     def _metrics_of(self, spec: Spectrum, dtype: torch.dtype) -> dict[str, float]:
         summary = summarize(
