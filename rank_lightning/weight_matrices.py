@@ -72,6 +72,7 @@ from rank_lightning.layers import eager_name
 __all__ = [
     "FUSED_PARTS",
     "GATE_UP_PARTS",
+    "LORA_UPDATE_SUFFIX",
     "ParameterShapes",
     "WeightMatrix",
     "is_conv1d",
@@ -90,6 +91,9 @@ FUSED_PARTS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
 GATE_UP_PARTS: tuple[str, ...] = ("gate_proj", "up_proj")
 """Suffixes of the parts of an expert's fused ``gate_up_proj``, in their order inside the fused weight."""
+
+LORA_UPDATE_SUFFIX = ".lora_update"
+"""Ending of the name of a LoRA layer's update matrix, ``<matrix>.lora_update`` (see :func:`matrices_of`)."""
 
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 _EXPERT_STACKS: tuple[str, ...] = ("gate_up_proj", "up_proj", "down_proj")
@@ -513,7 +517,7 @@ def matrices_of(
         base = matrices_of(path, module.base_layer, split_fused=split_fused, shapes=shapes)  # type: ignore[arg-type]
         matrices = [replace(matrix, lora=module) for matrix in base]
         if lora_update:
-            matrices += [replace(m, name=f"{m.name}.lora_update", lora=module, lora_update=True) for m in base]
+            matrices += [replace(m, name=m.name + LORA_UPDATE_SUFFIX, lora=module, lora_update=True) for m in base]
         return matrices
     if isinstance(module, nn.MultiheadAttention):
         return _attention(name, module, split_fused)

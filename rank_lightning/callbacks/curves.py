@@ -315,7 +315,7 @@ def _start_figure_workers(trainer: Any, curves: LayerCurves) -> None:
     already are kept, so matplotlib's import is done in them while the model trains."""
     others = (getattr(callback, "curves", None) for callback in getattr(trainer, "callbacks", None) or [])
     run = {id(c): c for c in (curves, *others) if isinstance(c, LayerCurves)}
-    start_figure_workers(sum(len(c.drawn_metrics) for c in run.values()))
+    start_figure_workers(sum(len(c.drawn_metrics) * len(c.figure_layer_groups()) for c in run.values()))
 
 
 def _to_float(value: Any) -> float:
@@ -492,6 +492,10 @@ class LayerCurves:
         self.wandb_charts = wandb_charts
         self.wandb_charts_every_n_epochs = wandb_charts_every_n_epochs
         self.max_depth_curves = max_depth_curves
+        self.separate_suffixes: tuple[str, ...] = ()
+        """Layer-name endings whose layers get figures of their own (see :meth:`figure_layer_groups`): matrices of
+        another kind than their neighbours in depth, such as ``WeightRankMonitor``'s LoRA updates, whose values would
+        zig-zag through the depth panel."""
         self._x_axis_at_start = self.x_axis
         self._logged_keys: set[str] = set()
         self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
@@ -818,8 +822,7 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        drawn = self.drawn_metrics
-        jobs = self._figure_jobs(self.figure_dir(trainer), drawn)
+        jobs, drawn = self._figure_jobs(self.figure_dir(trainer), self.drawn_metrics)
         try:
             results = draw_figures(jobs)
         except Exception as error:  # the workers' setting or machinery: draw here instead, never fail the run
@@ -843,18 +846,32 @@ class LayerCurves:
                 paths.append(result)
         return paths
 
-    def _figure_jobs(self, directory: Path, metrics: Sequence[str]) -> list[FigureJob]:
-        """One :func:`~rank_lightning.plotting.layer_curves_figure` per metric, into ``directory``."""
+    def figure_layer_groups(self) -> list[tuple[str, list[str]]]:
+        """The layers drawn together, ``(suffix, layers)`` in depth order: every layer whose name ends in none of
+        :attr:`separate_suffixes` (suffix ``""``), then, for each of those suffixes, the layers ending in it."""
+        groups = {suffix: [] for suffix in ("", *self.separate_suffixes)}
+        for layer in self._layers:
+            groups[next((s for s in self.separate_suffixes if layer.endswith(s)), "")].append(layer)
+        return [(suffix, layers) for suffix, layers in groups.items() if layers]
+
+    def _figure_jobs(self, directory: Path, metrics: Sequence[str]) -> tuple[list[FigureJob], list[str]]:
+        """One :func:`~rank_lightning.plotting.layer_curves_figure` per metric and group of
+        :meth:`figure_layer_groups` (``{namespace}_{metric}{suffix}.png``), into ``directory``; and each one's
+        metric."""
         options = {"max_depth_curves": self.max_depth_curves, "x_label": self.x_axis, "caption": self.caption()}
-        return [
-            FigureJob(
-                directory / f"{figure_filename(self.namespace, metric)}.png",
-                layer_curves_figure,
-                (self.namespace, metric, self._layers, self._history),
-                {**options, "reference": self._references.get(metric)},
-            )
-            for metric in metrics
-        ]
+        jobs, drawn = [], []
+        for metric in metrics:
+            for suffix, layers in self.figure_layer_groups():
+                jobs.append(
+                    FigureJob(
+                        directory / f"{figure_filename(self.namespace, metric + suffix)}.png",
+                        layer_curves_figure,
+                        (self.namespace, metric, layers, self._history),
+                        {**options, "reference": self._references.get(metric)},
+                    )
+                )
+                drawn.append(metric)
+        return jobs, drawn
 
     def state_dict(self) -> dict[str, Any]:
         """Namespace, layer order, history, facts and superseded values, for checkpoints."""

@@ -28,6 +28,7 @@ from rank_lightning.validation import (
     check_tolerance_dtype,
 )
 from rank_lightning.weight_matrices import (
+    LORA_UPDATE_SUFFIX,
     ParameterShapes,
     WeightMatrix,
     is_lora_layer,
@@ -285,12 +286,11 @@ class WeightRankMonitor(CurveMonitor):
         self.sharding = check_choice("sharding", sharding, SHARDINGS)
         self.split_fused = check_bool("split_fused", split_fused)
         self.lora_update = check_bool("lora_update", lora_update)
+        self.curves.separate_suffixes = (LORA_UPDATE_SUFFIX,) if lora_update else ()  # their own figures
         self.save_singular_values = check_bool("save_singular_values", save_singular_values)
         self._matrices: list[WeightMatrix] = []
         self._resolved_for: int | None = None
-        self._last_monitored_epoch: int | None = None
-        self._last_monitored_step: int | None = None
-        self._step_at_batch_start: int | None = None
+        self._last_monitored_epoch = self._last_monitored_step = self._step_at_batch_start = None
 
     @property
     @override

@@ -830,3 +830,23 @@ def test_a_wandb_chart_longer_than_a_table_keeps_every_layer_to_its_last_point(t
     # The depth chart alike: 3 of the 7 epochs, each a line over the 3 layers.
     expected = [[depth, f"epoch {e}", 10.0 * depth + e] for e in (0, 3, 6) for depth in range(3)]
     assert depth_table["data"] == expected
+
+
+def test_layers_of_a_separate_suffix_get_figures_of_their_own(tmp_path, monkeypatch):
+    drawn = []
+    original = curves_module.layer_curves_figure
+
+    def spy(namespace, metric, layers, *args, **kwargs):
+        drawn.append((metric, list(layers)))
+        return original(namespace, metric, layers, *args, **kwargs)
+
+    monkeypatch.setattr(curves_module, "layer_curves_figure", spy)
+    curves = WeightRankMonitor().curves  # LoRA updates (lora_update=True, the default) are drawn apart
+    assert WeightRankMonitor(lora_update=False).curves.separate_suffixes == ()
+    layers = ["a", "a.lora_update", "b", "b.lora_update"]
+    for epoch in range(2):
+        curves.record(epoch, {layer: {"numerical_rank": float(len(layer))} for layer in layers})
+    assert curves.figure_layer_groups() == [("", ["a", "b"]), (".lora_update", ["a.lora_update", "b.lora_update"])]
+    paths = curves.write_figures(SimpleNamespace(is_global_zero=True, loggers=[], default_root_dir=str(tmp_path)))
+    assert sorted(path.name for path in paths) == ["weight_numerical_rank.lora_update.png", "weight_numerical_rank.png"]
+    assert sorted(drawn) == [("numerical_rank", ["a", "b"]), ("numerical_rank", ["a.lora_update", "b.lora_update"])]
