@@ -28,6 +28,7 @@ import fnmatch
 import importlib
 import inspect
 import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ __all__ = [
     "hidden_state",
     "match_layer_names",
     "match_layer_types",
+    "measuring_without_grad",
     "module_blocks",
     "random_state_kept",
     "select_layers",
@@ -956,6 +958,24 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+# torch.utils.checkpoint (use_reentrant=True) when no input of a checkpointed call requires grad.
+_CHECKPOINT_WITHOUT_GRAD = "None of the inputs have requires_grad=True"
+
+
+@contextmanager
+def measuring_without_grad() -> Iterator[None]:
+    """``torch.no_grad()`` for a forward pass made only to read activations (an initial point before training).
+
+    A model that checkpoints its blocks in training mode (``torch.utils.checkpoint(..., use_reentrant=True)``, as
+    ``model.gradient_checkpointing_enable()`` of ``transformers`` 4.x does) warns in such a pass that "Gradients will be
+    None": true of a pass that computes no gradient, and no sign of a problem with the fit's own steps. That warning is
+    left out for the block; every other one is given as usual.
+    """
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CHECKPOINT_WITHOUT_GRAD, category=UserWarning)
+        yield
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from rank_lightning.layers import (
     check_layer_types,
     eval_mode,
     forward_batch,
+    measuring_without_grad,
     module_blocks,
     random_state_kept,
     select_layers,
@@ -737,7 +738,7 @@ class ActivationRankMonitor(CurveMonitor):
         def ran() -> int:
             return 0 if stream is None else stream.layers_run_in_batch
 
-        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
+        with measuring_without_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
                     # A loader of unknown length stops once max_samples is offered (on every process at the same

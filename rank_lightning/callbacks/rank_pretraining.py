@@ -20,6 +20,7 @@ from rank_lightning.layers import (
     buffers_kept,
     capture_features,
     feature_layer,
+    measuring_without_grad,
     module_blocks,
     train_mode,
 )
@@ -188,7 +189,7 @@ class RankPretraining(RankCallback):
         """Mean ``r(H)`` of each layer over ``batches`` (and over the processes' batches under DDP, so that every
         process reports the same numbers), in training mode, leaving weights and buffers unchanged."""
         totals = dict.fromkeys((layer.name for layer in layers), 0.0)
-        with torch.no_grad(), train_mode(pl_module), buffers_kept(pl_module):
+        with measuring_without_grad(), train_mode(pl_module), buffers_kept(pl_module):
             for batch in batches:
                 for name, features in self._features(pl_module, layers, batch).items():
                     totals[name] += float(participation_ratio(features))

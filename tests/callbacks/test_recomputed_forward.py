@@ -1,0 +1,96 @@
+"""Forward passes that run a module more than once: activation checkpointing (``torch.utils.checkpoint``), whose
+backward pass runs the checkpointed blocks again, and modules called several times in one forward pass."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor, RankPretraining
+from rank_lightning.callbacks.curves import LayerCurves
+from tests.callbacks.trainer_helpers import quiet_trainer
+
+FEATURES, CLASSES = 6, 3
+
+
+@pytest.fixture(autouse=True)
+def _quick_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Runs write their curve files under ``tmp_path`` and draw no figures (not what these tests are about)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LayerCurves, "write_figures", lambda self, *args, **kwargs: [])
+
+
+class Blocks(pl.LightningModule):
+    """An input layer, then residual MLP blocks, each run under ``torch.utils.checkpoint`` (``use_reentrant``) or
+    plainly (``None``)."""
+
+    def __init__(self, use_reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(FEATURES, FEATURES)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(FEATURES, CLASSES)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            plain = self.use_reentrant is None
+            x = x + (block(x) if plain else checkpoint(block, x, use_reentrant=self.use_reentrant))
+        return self.head(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader(rows: int = 48, batch_size: int = 8) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(rows, FEATURES, generator=generator), torch.randint(0, CLASSES, (rows,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def _fit(use_reentrant: bool | None, **options: Any) -> tuple[dict, list[str]]:
+    """The curve history of a step-cadence fit and the messages of the warnings it gave."""
+    monitor = ActivationRankMonitor(layers=["blocks.0", "blocks.1", "blocks.0.0"], num_classes=CLASSES, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([monitor], max_epochs=1).fit(Blocks(use_reentrant), _loader())
+    return monitor.curves.history, [str(warning.message) for warning in caught]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_blocks_give_the_numbers_of_the_plain_run_and_no_gradient_warning(use_reentrant):
+    # The initial point runs the training forward pass without gradients, where a reentrant checkpoint would say that
+    # "Gradients will be None": not a problem of the fit, whose own forward passes have gradients.
+    options = dict(every_n_train_steps=2, window_batches=2, max_samples=None)
+    plain, _ = _fit(None, **options)
+    history, messages = _fit(use_reentrant, **options)
+    assert not [message for message in messages if "requires_grad" in message or "more than once" in message]
+    assert list(history) == [0, 2, 4, 6]
+    assert history == plain
+    assert history[2]["blocks.1"]["spectrum_rows"] == 16  # the two batches of the window, once each
+
+
+def test_rank_pretraining_measures_checkpointed_blocks_without_a_gradient_warning():
+    # r(H) before and after the ascent is measured without gradients, in training mode: the reentrant checkpoint's
+    # "Gradients will be None" is true of that measurement only. The ascent itself runs the checkpoints with gradients.
+    results = {}
+    for use_reentrant in (None, True):
+        callback = RankPretraining(layer="blocks.1", num_batches=2, steps=2, verbose=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_trainer([callback], max_steps=1).fit(Blocks(use_reentrant), _loader())
+        assert not [warning for warning in caught if "requires_grad" in str(warning.message)]
+        results[use_reentrant] = callback.results
+    assert results[True] == results[None]
+    assert results[True]["blocks.1"]["r_after"] != results[True]["blocks.1"]["r_before"]
