@@ -909,9 +909,14 @@ def forward_hooks(
 
 
 @contextmanager
-def capture_features(module: nn.Module, layers: Sequence[FeatureLayer]) -> Iterator[dict[str, Tensor]]:
+def capture_features(
+    module: nn.Module, layers: Sequence[FeatureLayer], *, on_repeat: Callable[[FeatureLayer], None] | None = None
+) -> Iterator[dict[str, Tensor]]:
     """Hook ``layers`` of ``module`` for the duration of the block; yields ``{layer name: latest features}``.
 
+    With ``on_repeat``, a layer's first call is kept instead, until the caller takes it out of the dict (before each
+    forward pass), and ``on_repeat(layer)`` is called for each later call: a layer that runs more than once in one
+    forward pass (a shared module, a second view of the batch) is read at its first call, as the monitors read it.
     The captured tensors are not detached, so gradients can flow from them into the network.
     """
     captured: dict[str, Tensor] = {}
@@ -919,6 +924,9 @@ def capture_features(module: nn.Module, layers: Sequence[FeatureLayer]) -> Itera
     def store(layer: FeatureLayer, value: Any) -> None:
         if not isinstance(value, Tensor):
             raise TypeError(f"layer {layer.name!r} produced a {type(value).__name__}, expected a tensor")
+        if on_repeat is not None and layer.name in captured:
+            on_repeat(layer)
+            return
         captured[layer.name] = value
 
     with forward_hooks(module, layers, store):

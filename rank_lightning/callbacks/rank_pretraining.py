@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import RankCallback, TrainingBatches
+from rank_lightning.callbacks.base import RankCallback, TrainingBatches, repeated_layer_warner
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.functional.spectral import participation_ratio
 from rank_lightning.layers import (
@@ -179,7 +179,7 @@ class RankPretraining(RankCallback):
     def _features(
         self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], inputs: Tensor
     ) -> dict[str, Tensor]:
-        with capture_features(pl_module, layers) as captured:
+        with capture_features(pl_module, layers, on_repeat=repeated_layer_warner(self)) as captured:
             pl_module(inputs)
         return {name: reduce_activations(value, self.reduction) for name, value in captured.items()}
 

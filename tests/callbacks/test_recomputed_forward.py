@@ -13,7 +13,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from rank_lightning.callbacks import ActivationRankMonitor, RankPretraining
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    AdversarialValidation,
+    LowDimensionalEvaluation,
+    RankPretraining,
+)
 from rank_lightning.callbacks.curves import LayerCurves
 from tests.callbacks.trainer_helpers import quiet_trainer
 
@@ -55,7 +60,7 @@ class Blocks(pl.LightningModule):
 
 def _loader(rows: int = 48, batch_size: int = 8) -> DataLoader:
     generator = torch.Generator().manual_seed(1)
-    x, y = torch.randn(rows, FEATURES, generator=generator), torch.randint(0, CLASSES, (rows,), generator=generator)
+    x, y = torch.rand(rows, FEATURES, generator=generator), torch.randint(0, CLASSES, (rows,), generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
@@ -94,3 +99,46 @@ def test_rank_pretraining_measures_checkpointed_blocks_without_a_gradient_warnin
         results[use_reentrant] = callback.results
     assert results[True] == results[None]
     assert results[True]["blocks.1"]["r_after"] != results[True]["blocks.1"]["r_before"]
+
+
+class SecondView(Blocks):
+    """Blocks whose second block also runs, after the forward pass's own call, on a second view of the batch (zeros)
+    when ``twice``; validated on the training data."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__(None)
+        self.twice = twice
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)
+        if self.twice:
+            self.blocks[1](torch.zeros_like(self.embed(x)))
+        return logits
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self(batch[0])
+
+
+READERS = {
+    "LowDimensionalEvaluation": lambda: LowDimensionalEvaluation(layer="blocks.1", dims=(2, 4), verbose=False),
+    "RankPretraining": lambda: RankPretraining(layer="blocks.1", num_batches=2, steps=2, verbose=False),
+    "AdversarialValidation": lambda: AdversarialValidation(
+        layer="blocks.1", eps=[8 / 255], attacks=["fgsm"], max_samples=16, verbose=False
+    ),
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_layer_called_twice_per_forward_pass_is_read_at_its_first_call_with_a_warning(reader):
+    results = {}
+    for twice in (False, True):
+        callback = READERS[reader]()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = quiet_trainer([callback], max_epochs=1, inference_mode=False)
+            trainer.fit(SecondView(twice), _loader(), _loader(rows=16))
+        repeated = [str(w.message) for w in caught if "more than once per forward pass" in str(w.message)]
+        assert len(repeated) == twice
+        results[twice] = getattr(callback, "results", None) or callback.history
+    assert "'blocks.1'" in repeated[0] and "only its first call" in repeated[0]
+    assert results[True] == results[False]
