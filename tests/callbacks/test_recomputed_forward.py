@@ -20,6 +20,7 @@ from rank_lightning.callbacks import (
     RankPretraining,
 )
 from rank_lightning.callbacks.curves import LayerCurves
+from rank_lightning.tracker import RankTracker
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 FEATURES, CLASSES = 6, 3
@@ -142,3 +143,28 @@ def test_a_layer_called_twice_per_forward_pass_is_read_at_its_first_call_with_a_
         results[twice] = getattr(callback, "results", None) or callback.history
     assert "'blocks.1'" in repeated[0] and "only its first call" in repeated[0]
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_tracked_model_run_under_checkpoint_counts_each_forward_pass_as_one_batch(use_reentrant):
+    # The backward pass calls the checkpointed model again, its root hooks included: not a batch of the pass, which
+    # would shift how max_samples is spread over the num_batches batches.
+    def measure(checkpointed: bool) -> dict:
+        torch.manual_seed(0)
+        stem, model, head = (
+            nn.Linear(FEATURES, FEATURES),
+            nn.Sequential(nn.Linear(FEATURES, 12), nn.Tanh()),
+            nn.Linear(12, 3),
+        )
+        tracker = RankTracker(model, layers=["1"], max_samples=20, num_batches=5)
+        with tracker:
+            for x, y in _loader(rows=40):
+                h = stem(x)
+                out = checkpoint(model, h, use_reentrant=use_reentrant) if checkpointed else model(h)
+                nn.functional.cross_entropy(head(out), y).backward()
+            assert tracker.stream.batches_seen == 5
+            return tracker.compute()
+
+    plain = measure(False)
+    assert measure(True) == plain
+    assert plain["1"]["spectrum_rows"] == 20
