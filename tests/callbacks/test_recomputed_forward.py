@@ -20,6 +20,7 @@ from rank_lightning.callbacks import (
     RankPretraining,
 )
 from rank_lightning.callbacks.curves import LayerCurves
+from rank_lightning.functional.jacobian import partial_jacobian_ranks
 from rank_lightning.tracker import RankTracker
 from tests.callbacks.trainer_helpers import quiet_trainer
 
@@ -168,3 +169,14 @@ def test_a_tracked_model_run_under_checkpoint_counts_each_forward_pass_as_one_ba
     plain = measure(False)
     assert measure(True) == plain
     assert plain["1"]["spectrum_rows"] == 20
+
+
+def test_a_jacobian_through_a_reentrant_checkpoint_names_the_checkpoint_and_the_fix():
+    # Forward-mode Jacobians (torch.func.jvp under vmap) cannot run a reentrant checkpoint's autograd.Function; the
+    # error says which setting of the model is the cause, where torch's own names setup_context.
+    inputs = next(iter(_loader(rows=2, batch_size=2)))[0]
+    for use_reentrant in (None, False):
+        ranks = partial_jacobian_ranks(Blocks(use_reentrant), inputs, layers=["blocks.1"])["blocks.1"].ranks
+        assert ranks.tolist() == [FEATURES, FEATURES]
+    with pytest.raises(RuntimeError, match=r"use_reentrant=True.*use_reentrant=False, or only in training mode"):
+        partial_jacobian_ranks(Blocks(True), inputs, layers=["blocks.1"])
