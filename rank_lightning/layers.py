@@ -29,6 +29,7 @@ import fnmatch
 import importlib
 import inspect
 import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ __all__ = [
     "hidden_state",
     "match_layer_names",
     "match_layer_types",
+    "measuring_without_grad",
     "module_blocks",
     "random_state_kept",
     "select_layers",
@@ -936,9 +938,14 @@ def forward_hooks(
 
 
 @contextmanager
-def capture_features(module: nn.Module, layers: Sequence[FeatureLayer]) -> Iterator[dict[str, Tensor]]:
+def capture_features(
+    module: nn.Module, layers: Sequence[FeatureLayer], *, on_repeat: Callable[[FeatureLayer], None] | None = None
+) -> Iterator[dict[str, Tensor]]:
     """Hook ``layers`` of ``module`` for the duration of the block; yields ``{layer name: latest features}``.
 
+    With ``on_repeat``, a layer's first call is kept instead, until the caller takes it out of the dict (before each
+    forward pass), and ``on_repeat(layer)`` is called for each later call: a layer that runs more than once in one
+    forward pass (a shared module, a second view of the batch) is read at its first call, as the monitors read it.
     The captured tensors are not detached, so gradients can flow from them into the network.
     """
     captured: dict[str, Tensor] = {}
@@ -946,6 +953,9 @@ def capture_features(module: nn.Module, layers: Sequence[FeatureLayer]) -> Itera
     def store(layer: FeatureLayer, value: Any) -> None:
         if not isinstance(value, Tensor):
             raise TypeError(f"layer {layer.name!r} produced a {type(value).__name__}, expected a tensor")
+        if on_repeat is not None and layer.name in captured:
+            on_repeat(layer)
+            return
         captured[layer.name] = value
 
     with forward_hooks(module, layers, store):
@@ -985,6 +995,24 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+# torch.utils.checkpoint (use_reentrant=True) when no input of a checkpointed call requires grad.
+_CHECKPOINT_WITHOUT_GRAD = "None of the inputs have requires_grad=True"
+
+
+@contextmanager
+def measuring_without_grad() -> Iterator[None]:
+    """``torch.no_grad()`` for a forward pass made only to read activations (an initial point before training).
+
+    A model that checkpoints its blocks in training mode (``torch.utils.checkpoint(..., use_reentrant=True)``, as
+    ``model.gradient_checkpointing_enable()`` of ``transformers`` 4.x does) warns in such a pass that "Gradients will be
+    None": true of a pass that computes no gradient, and no sign of a problem with the fit's own steps. That warning is
+    left out for the block; every other one is given as usual.
+    """
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CHECKPOINT_WITHOUT_GRAD, category=UserWarning)
+        yield
 
 
 @contextmanager

@@ -48,7 +48,7 @@ from rank_lightning.layers import (
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import CombinedOwnRows, own_samples, process_share
 
-__all__ = ["ActivationStream"]
+__all__ = ["ActivationStream", "in_backward"]
 _KINDS = {4: "conv maps", 3: "tokens"}
 _MIB = 2**20
 _FLOAT64_BYTES = 8
@@ -381,7 +381,7 @@ class ActivationStream:
 
     def _hook(self, layer: FeatureLayer, output: Any) -> None:
         name = layer.name
-        if not self._in_batch or _in_backward():
+        if not self._in_batch or in_backward():
             # A layer run by the backward pass is activation checkpointing recomputing the outputs of the batch's
             # forward pass (torch.utils.checkpoint): the same rows again, not another call of the layer.
             return
@@ -820,9 +820,11 @@ _CLS_LEFT_PADDING = (
 )
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass in this thread (where ``torch.utils.checkpoint``
-    recomputes the forward pass of its checkpointed modules, forward hooks included)."""
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass in this thread, where ``torch.utils.checkpoint`` (and
+    the activation checkpointing built on it: ``transformers``, FSDP's ``checkpoint_wrapper``) recomputes the forward
+    pass of its checkpointed modules, hooks included. The test that ``torch.utils.module_tracker.ModuleTracker`` makes
+    to tell the backward pass from the forward pass."""
     return torch._C._current_graph_task_id() != -1
 
 

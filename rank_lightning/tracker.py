@@ -28,7 +28,7 @@ from rank_lightning.layers import (
     token_layouts,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
-from rank_lightning.streams import ActivationStream
+from rank_lightning.streams import ActivationStream, in_backward
 from rank_lightning.validation import (
     check_choice,
     check_choices,
@@ -283,12 +283,14 @@ class RankTracker:
 
     def _implicit_batch_start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # A forward pass outside batch() is one batch: the first positional input (a tensor: no labels), or the
-        # keyword inputs (``model(**batch)``: labels and attention mask read from them as from a dict batch).
-        if not self._explicit_batch and self.stream.active:
+        # keyword inputs (``model(**batch)``: labels and attention mask read from them as from a dict batch). A call
+        # made by the backward pass is activation checkpointing recomputing a forward pass (``checkpoint(model, x)``):
+        # no batch of its own.
+        if not self._explicit_batch and self.stream.active and not in_backward():
             self.stream.batch_start(args[0] if args else dict(kwargs))
 
     def _implicit_batch_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._explicit_batch and self.stream.active:
+        if not self._explicit_batch and self.stream.active and not in_backward():
             self.stream.batch_end()
 
     # -- the values -------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from rank_lightning.layers import (
     check_layer_types,
     eval_mode,
     forward_batch,
+    measuring_without_grad,
     module_blocks,
     random_state_kept,
     select_layers,
@@ -107,7 +108,12 @@ class ActivationRankMonitor(CurveMonitor):
     the layers in the decoder of an encoder-decoder model: :func:`~rank_lightning.layers.decoder_layers`)
     selects the rows of ``token``, weights the ``mean`` and zeroes ``flatten``. A layer whose output is of another
     kind is skipped with a warning, and so is, by name, every chosen layer that is not called in the forward pass of
-    the first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children).
+    the first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children). A layer
+    called more than once per batch (a module shared by several places of the forward pass, an ALBERT-style block
+    applied N times, a second view of the batch) is measured at its first call of each batch only, with a warning
+    naming it. Calls made by the backward pass, where activation checkpointing (``torch.utils.checkpoint``,
+    ``gradient_checkpointing_enable()``) runs checkpointed modules again, are not calls of the batch: each batch's
+    rows are measured once, as without checkpointing.
 
     Initial point: with ``log_at_init`` (default), a fresh ``fit`` measures the untrained model before the first
     training step, over the batches a monitored epoch streams: one pass of every validation loader within
@@ -772,7 +778,7 @@ class ActivationRankMonitor(CurveMonitor):
         def ran() -> int:
             return 0 if stream is None else stream.layers_run_in_batch
 
-        with torch.no_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
+        with measuring_without_grad(), mode(pl_module), buffers_kept(pl_module), kept, precision:
             for number, (loader, batches) in enumerate(loaders):
                 for index, batch in enumerate(loader):
                     # A loader of unknown length stops once max_samples is offered (on every process at the same

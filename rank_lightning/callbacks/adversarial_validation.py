@@ -28,6 +28,7 @@ from rank_lightning.callbacks.base import (
     RowQuota,
     fresh_fit,
     loader_list,
+    repeated_layer_warner,
     trainer_fn,
     validations_per_epoch,
 )
@@ -512,7 +513,7 @@ class AdversarialValidation(RankCallback):
 
     def _forward(self, pl_module: pl.LightningModule, x: Tensor) -> tuple[Tensor, Tensor | None]:
         layers = [] if self._feature_layer is None else [self._feature_layer]
-        with torch.no_grad(), capture_features(pl_module, layers) as captured:
+        with torch.no_grad(), capture_features(pl_module, layers, on_repeat=repeated_layer_warner(self)) as captured:
             logits = pl_module(x)
         return logits, (captured[layers[0].name] if layers else None)
 

@@ -87,6 +87,21 @@ def repeated_head_warning(path: str) -> str:
     )
 
 
+def repeated_layer_warner(callback: RankCallback) -> Callable[[Any], None]:
+    """An ``on_repeat`` of :func:`~rank_lightning.layers.capture_features`: a warning (once) that the callback's layer
+    runs more than once per forward pass and that its first call is the one read."""
+
+    def warn(layer: Any) -> None:
+        message = (
+            f"the layer {layer.path!r} runs more than once per forward pass (a shared module, a second view of the "
+            "batch): only its first call of each forward pass is read. Name a layer that runs once per forward pass "
+            "(layer=...)."
+        )
+        callback.warn_once(("repeated layer",), message)
+
+    return warn
+
+
 def first_call_keeper(callback: RankCallback, path: str, captured: dict[str, Tensor]) -> Callable[[Any, Tensor], None]:
     """A forward-hook handler (:func:`~rank_lightning.layers.forward_hooks`) that keeps, in ``captured[layer.name]``,
     each watched value of the head ``path`` from its first call of a forward pass (clear ``captured`` before each);

@@ -16,6 +16,7 @@ from rank_lightning.callbacks.base import (
     RankCallback,
     gather_rows,
     loader_list,
+    repeated_layer_warner,
     step_inputs,
     val_loaders,
 )
@@ -209,7 +210,11 @@ class LowDimensionalEvaluation(RankCallback):
         # The samples a DistributedSampler repeats at the end of a process's pass are taken once.
         left = limit_to_own_samples(None, loader)
         call: str | None = None  # how forward() takes a dict batch, learnt at the first one
-        with torch.no_grad(), eval_mode(pl_module), capture_features(pl_module, [layer]) as captured:
+        with (
+            torch.no_grad(),
+            eval_mode(pl_module),
+            capture_features(pl_module, [layer], on_repeat=repeated_layer_warner(self)) as captured,
+        ):
             for index, batch in enumerate(loader):
                 # A process with nothing left to take still runs one batch: its (0, d) features join the gather.
                 if (self.max_batches is not None and index >= self.max_batches) or (left == 0 and features):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import RankCallback, TrainingBatches
+from rank_lightning.callbacks.base import RankCallback, TrainingBatches, repeated_layer_warner
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.functional.spectral import participation_ratio
 from rank_lightning.layers import (
@@ -20,6 +20,7 @@ from rank_lightning.layers import (
     buffers_kept,
     capture_features,
     feature_layer,
+    measuring_without_grad,
     module_blocks,
     train_mode,
 )
@@ -178,7 +179,7 @@ class RankPretraining(RankCallback):
     def _features(
         self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], inputs: Tensor
     ) -> dict[str, Tensor]:
-        with capture_features(pl_module, layers) as captured:
+        with capture_features(pl_module, layers, on_repeat=repeated_layer_warner(self)) as captured:
             pl_module(inputs)
         return {name: reduce_activations(value, self.reduction) for name, value in captured.items()}
 
@@ -188,7 +189,7 @@ class RankPretraining(RankCallback):
         """Mean ``r(H)`` of each layer over ``batches`` (and over the processes' batches under DDP, so that every
         process reports the same numbers), in training mode, leaving weights and buffers unchanged."""
         totals = dict.fromkeys((layer.name for layer in layers), 0.0)
-        with torch.no_grad(), train_mode(pl_module), buffers_kept(pl_module):
+        with measuring_without_grad(), train_mode(pl_module), buffers_kept(pl_module):
             for batch in batches:
                 for name, features in self._features(pl_module, layers, batch).items():
                     totals[name] += float(participation_ratio(features))

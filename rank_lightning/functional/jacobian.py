@@ -204,6 +204,10 @@ def _forward_mode_context() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
+# torch.func's error for an autograd.Function without setup_context, such as the reentrant checkpoint's.
+_UNTRANSFORMABLE_FUNCTION = "autograd.Function with functorch transforms"
+
+
 def partial_jacobian(
     fn: Callable[[Tensor], JacobianOutput],
     x: Tensor,
@@ -252,7 +256,17 @@ def partial_jacobian(
 
     eye = torch.eye(indices.numel(), dtype=x.dtype, device=x.device)
     with _forward_mode_context():
-        columns = torch.func.vmap(column, chunk_size=chunk_size)(eye)
+        try:
+            columns = torch.func.vmap(column, chunk_size=chunk_size)(eye)
+        except RuntimeError as error:
+            if _UNTRANSFORMABLE_FUNCTION not in str(error):
+                raise
+            raise RuntimeError(
+                "the model (fn) runs an autograd.Function that the forward-mode Jacobian (torch.func.jvp under "
+                "vmap) cannot run: torch.utils.checkpoint(..., use_reentrant=True) is one. Checkpoint with "
+                "use_reentrant=False, or only in training mode (if self.training: ...), as transformers' gradient "
+                "checkpointing does (partial_jacobian_ranks and JacobianRankMonitor run the model in eval mode)."
+            ) from error
     if isinstance(columns, dict):
         return {name: _flatten_columns(value) for name, value in columns.items()}
     if not isinstance(columns, Tensor):
