@@ -114,3 +114,19 @@ def test_a_validation_that_scales_its_batch_size_is_recorded_at_the_last_trained
     results = trainer.validate(model, datamodule=data, verbose=False)
     assert monitor.curves.epochs == [-1, 0, 1]
     assert results[0]["rank/layer1/stable_rank"] == pytest.approx(fitted[1]["layer1"]["stable_rank"], rel=1e-12)
+
+
+def test_the_learning_rate_lr_find_suggests_is_the_one_the_fit_trains_with(tmp_path: Path) -> None:
+    # Tuner.lr_find sets model.lr and model.hparams.lr; the optimizer must be built with it, not with the lr given to
+    # the constructor (hparams.lr, saved in checkpoints, would name a learning rate the fit never used).
+    model, data = _model(0), _Data()
+    trainer = quiet_trainer([_monitor()], max_epochs=4, default_root_dir=tmp_path)
+    finder = Tuner(trainer).lr_find(model, datamodule=data, num_training=20)
+    suggestion = finder.suggestion()
+    assert suggestion is not None and suggestion != 0.01
+    assert model.hparams.lr == suggestion
+    trainer.fit(model, datamodule=data)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == suggestion
+    assert model.lr == suggestion
+    with pytest.raises(ValueError, match=r"lr must be a positive number, got -0\.1"):
+        model.lr = -0.1
