@@ -343,6 +343,8 @@ class AdversarialValidation(RankCallback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if self.tuner_restores(trainer, checkpoint):
+            return
         # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
         epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
         self._checkpoint_point = None if epoch is None or step is None else (int(epoch), int(step))

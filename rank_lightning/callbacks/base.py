@@ -8,6 +8,7 @@ the figures at the end of fit.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -40,6 +41,7 @@ __all__ = [
     "loader_list",
     "repeating_steps",
     "trainer_fn",
+    "tuner_checkpoint",
     "val_loaders",
     "validations_per_epoch",
 ]
@@ -418,13 +420,27 @@ def validations_per_epoch(trainer: pl.Trainer) -> float:
     return float(max(1, n // k))
 
 
+_TUNER_CHECKPOINT = re.compile(r"\.(lr_find|scale_batch_size)_[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}\.ckpt")
+
+
+def tuner_checkpoint(path: Any) -> bool:
+    """Whether ``path`` is the checkpoint that Lightning's learning-rate or batch-size finder (``Tuner.lr_find``,
+    ``Tuner.scale_batch_size`` and their callbacks, in either Lightning package) saves before its trial fits and
+    restores after them: ``.lr_find_<uuid>.ckpt`` or ``.scale_batch_size_<uuid>.ckpt``, deleted once restored. The
+    trials run without the user's callbacks, so what it holds of them is what they hold still; its path stays in
+    ``trainer.ckpt_path`` until the next run restores (or not) a checkpoint of its own."""
+    return bool(path) and _TUNER_CHECKPOINT.fullmatch(Path(str(path)).name) is not None
+
+
 def fresh_fit(trainer: pl.Trainer, stage: str) -> bool:
     """Whether ``stage`` starts a fresh ``fit``: no optimizer step taken and no checkpoint to resume (a callback whose
-    history holds an earlier fit's points then starts a new one)."""
+    history holds an earlier fit's points then starts a new one). The checkpoint a tuner restored after its trials
+    (:func:`tuner_checkpoint`) is none to resume."""
+    ckpt_path = getattr(trainer, "ckpt_path", None)
     return (
         str(getattr(stage, "value", stage)) == "fit"
         and getattr(trainer, "global_step", 0) == 0
-        and not getattr(trainer, "ckpt_path", None)
+        and (not ckpt_path or tuner_checkpoint(ckpt_path))
     )
 
 
@@ -483,6 +499,19 @@ class RankCallback(pl.Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._prepare_if_waiting(trainer, pl_module)
+
+    def tuner_restores(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+        """Whether ``checkpoint``, being loaded, is the one a tuner restores after its trial fits
+        (:func:`tuner_checkpoint`); then this callback's state is taken out of it (from ``on_load_checkpoint``, before
+        Lightning hands it to ``load_state_dict``): the state this callback holds still, as the trials ran without it,
+        whose loading would make the fit that follows a resumed one (a rewind to look for, the files of an earlier run
+        in the run directory taken for its own and overwritten)."""
+        if not tuner_checkpoint(getattr(trainer, "ckpt_path", None)):
+            return False
+        states = checkpoint.get("callbacks")
+        if isinstance(states, dict):
+            states.pop(self.state_key, None)
+        return True
 
     def warn_pooled_loaders(self, count: int, kind: str, pooled: str) -> None:
         """Say once that the ``count`` validation (or test: ``kind``) dataloaders are measured together, not per loader;
@@ -744,6 +773,8 @@ class CurveMonitor(RankCallback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if self.tuner_restores(trainer, checkpoint):
+            return
         # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
         self.curves.note_checkpoint(checkpoint.get("epoch"), checkpoint.get("global_step"))
         self._adopt_saved_state(checkpoint)

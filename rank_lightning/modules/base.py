@@ -17,7 +17,7 @@ from rank_lightning.modules.optim import (
     check_scheduler_settings,
 )
 from rank_lightning.sampling import combined_parts
-from rank_lightning.validation import check_positive_ints
+from rank_lightning.validation import check_positive, check_positive_ints
 
 
 def _same_input(ours: tuple[int, ...], theirs: tuple[int, ...]) -> bool:
@@ -62,6 +62,21 @@ class RankModule(pl.LightningModule):
             name=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, decay_norm_and_bias=decay_norm_and_bias
         )
         self._sched_settings = dict(name=scheduler, step_size=step_size, milestones=tuple(milestones), gamma=gamma)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate :meth:`configure_optimizers` builds the optimizer with. Setting it, as Lightning's
+        learning-rate finder does with its suggestion (``Tuner.lr_find``, which also sets ``hparams.lr``), sets the
+        learning rate of the fits that follow.
+
+        Raises:
+            ValueError: on setting a value that is not a positive number.
+        """
+        return self._optim_settings["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._optim_settings["lr"] = check_positive("lr", value)
 
     def setup(self, stage: str) -> None:
         """Compare the settings that describe the data with the trainer's datamodule, if it has them.
