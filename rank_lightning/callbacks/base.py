@@ -595,7 +595,9 @@ class CurveMonitor(RankCallback):
             return
         interval = getattr(trainer, "val_check_interval", None)
         several = "more than once" if math.isinf(per_epoch) else f"{per_epoch:g} times"
-        if self.curves.epochs:  # resumed from a checkpoint whose curves are keyed by epoch
+        if any(point != self.curves.initial_point for point in self.curves.epochs):
+            # Resumed from a checkpoint whose curves are keyed by epoch. (An untrained model's point alone, which a
+            # trainer.validate before the fit records, moves to step 0.)
             message = (
                 f"validation runs {several} per training epoch (val_check_interval={interval!r}) but the curves "
                 "loaded from the checkpoint are keyed by epoch: in the curve file and the figures each measurement "

@@ -634,20 +634,24 @@ class LayerCurves:
     def key_by_step(self) -> None:
         """Key the history by optimizer step from now on (``x_axis="step"``), for an epoch-cadence monitor whose fit
         validates several times per epoch: keyed by epoch, each measurement would replace the one before it in the
-        same epoch.
+        same epoch. An untrained model's point (epoch ``-1``, recorded by a ``trainer.validate`` before the fit) moves
+        to step ``0``, the initial point of a step axis.
 
         Raises:
-            RuntimeError: the history already holds values keyed by epoch.
+            RuntimeError: the history already holds values of trained epochs.
         """
         if self.x_axis == "step":
             return
-        if self._history:
+        trained = [epoch for epoch in self._history if epoch != INITIAL_EPOCH]
+        if trained:
             raise RuntimeError(
-                f"LayerCurves({self.namespace!r}) holds {len(self._history)} point(s) keyed by epoch; it cannot be "
+                f"LayerCurves({self.namespace!r}) holds {len(trained)} trained point(s) keyed by epoch; it cannot be "
                 "keyed by step from now on"
             )
         self.x_axis = "step"
         self._facts["x_axis"] = "step"
+        if INITIAL_EPOCH in self._history:
+            self._history[0] = self._history.pop(INITIAL_EPOCH)
 
     @property
     def initial_point(self) -> int:
