@@ -131,7 +131,8 @@ class AdversarialValidation(RankCallback):
     until ``max_samples`` are held by all processes together (process ``r`` of ``W`` keeps at most
     ``max_samples // W``, plus one if ``r < max_samples % W``); the attacks run in ``on_validation_epoch_end``, in
     chunks of ``batch_size``. Several dataloaders are pooled: their samples, in loader order, make one attacked set,
-    with a warning (with ``max_samples``, a first loader that holds as many fills it alone).
+    with a warning (with ``max_samples``, a first loader that holds as many fills it alone). A fit with
+    ``limit_val_batches=0`` runs no validation, so nothing is attacked in it: a warning says so when it starts.
 
     Budgets are in pixel units: the attacks un-normalise the inputs with the per-channel ``mean`` and ``std``,
     perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
@@ -336,6 +337,13 @@ class AdversarialValidation(RankCallback):
         self.info(
             f"validation runs {several} per training epoch (val_check_interval={interval!r}): the evaluations are "
             "keyed by optimizer step, not by epoch"
+        )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self.warn_without_validation(
+            trainer, "no input is attacked in it; allow some validation batches (limit_val_batches > 0)."
         )
 
     @override

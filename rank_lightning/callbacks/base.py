@@ -446,6 +446,14 @@ class RankCallback(pl.Callback):
         )
         self.warn_once(("pooled loaders", kind), message)
 
+    def warn_without_validation(self, trainer: pl.Trainer, consequence: str) -> None:
+        """Warn once, for a callback that measures in validation runs, when ``limit_val_batches=0`` turns validation
+        off: ``"limit_val_batches=0: this fit runs no validation, so <consequence>"``."""
+        limit = getattr(trainer, "limit_val_batches", None)
+        if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:
+            message = f"limit_val_batches={limit!r}: this fit runs no validation, so {consequence}"
+            self.warn_once(("no validation",), message)
+
     def info(self, message: str) -> None:
         """Print ``"<ClassName>: <message>"`` on rank zero when ``verbose``."""
         if self.verbose:
@@ -633,13 +641,9 @@ class CurveMonitor(RankCallback):
 
     def _check_validation_runs(self, trainer: pl.Trainer) -> None:
         """Warn when ``limit_val_batches=0`` turns validation off, so that a monitor measuring there never measures."""
-        limit = getattr(trainer, "limit_val_batches", None)
-        if self.measures_validation_only() and isinstance(limit, (int, float)) and limit == 0:
-            message = (
-                f"limit_val_batches={limit!r}: this fit runs no validation, so this monitor measures nothing in it; "
-                "allow some validation batches, or measure the training batches (stage='train') where offered."
-            )
-            self.warn_once(("no validation",), message)
+        if self.measures_validation_only():
+            advice = "allow some validation batches, or measure the training batches (stage='train') where offered."
+            self.warn_without_validation(trainer, f"this monitor measures nothing in it; {advice}")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

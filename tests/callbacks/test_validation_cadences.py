@@ -6,9 +6,10 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 from torch import nn
 
-from rank_lightning.callbacks import ActivationRankMonitor, NeuralCollapseMonitor
+from rank_lightning.callbacks import ActivationRankMonitor, AdversarialValidation, NeuralCollapseMonitor
 from rank_lightning.callbacks.curves import read_curve_file
 from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
@@ -41,3 +42,13 @@ def test_validating_before_a_fit_that_validates_within_epochs_keys_the_curves_by
     assert len(ratios) == 4  # no validation replaced the one before it
     logged = [step for step, metrics in logger.calls if "rank/net.0/participation_ratio" in metrics]
     assert logged == [0, 4, 8, 12, 16]
+
+
+def test_adversarial_validation_names_a_fit_without_validation(tmp_path: Path) -> None:
+    callback = AdversarialValidation(eps=(0.1,), attacks=("fgsm",), verbose=False)
+    trainer = quiet_trainer([callback], max_epochs=1, limit_val_batches=0, default_root_dir=tmp_path)
+    message = r"AdversarialValidation: limit_val_batches=0: this fit runs no validation, so no input is attacked in it"
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(_model(), small_loader(), small_loader())
+    assert callback.history == {"validate": {}, "test": {}}
+    assert not (tmp_path / "rank_curves").exists()
