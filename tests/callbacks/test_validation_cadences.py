@@ -7,10 +7,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from rank_lightning.callbacks import ActivationRankMonitor, AdversarialValidation, NeuralCollapseMonitor
 from rank_lightning.callbacks.curves import read_curve_file
+from rank_lightning.functional import participation_ratio
 from tests.callbacks.recording_logger import RecordingLogger
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
@@ -52,3 +55,38 @@ def test_adversarial_validation_names_a_fit_without_validation(tmp_path: Path) -
         trainer.fit(_model(), small_loader(), small_loader())
     assert callback.history == {"validate": {}, "test": {}}
     assert not (tmp_path / "rank_curves").exists()
+
+
+def test_validating_after_fit_keeps_the_fits_point_of_other_weights(tmp_path: Path) -> None:
+    # val_check_interval=0.75 of 8 batches: one validation per epoch, after its 6th batch (optimizer step 6, then 14),
+    # so the curves are keyed by epoch; the fit ends at step 16, with weights no validation of it measured.
+    monitor = ActivationRankMonitor(layers=["net.0"], log_at_init=False, verbose=False)
+    trainer = quiet_trainer([monitor], max_epochs=2, val_check_interval=0.75, default_root_dir=tmp_path)
+    model, val = _model(), small_loader(24, seed=1)
+    trainer.fit(model, small_loader(64), val)
+    fitted = monitor.curves.history
+    assert sorted(fitted) == [0, 1]
+    message = r"measures the weights of optimizer step 16, but epoch 1, .* holds the fit's measurement at step 14"
+    with pytest.warns(UserWarning, match=message):
+        (results,) = trainer.validate(model, val, verbose=False)
+    assert monitor.curves.history == fitted  # the fit's measurement of epoch 1 is not replaced
+    assert read_curve_file(monitor.curves.curve_path(trainer))["history"] == fitted
+    with torch.no_grad():  # what trainer.validate returns: the final weights' numbers
+        rows = torch.cat([model.net[0](x) for x, _ in val]).double()
+    assert results["rank/net.0/participation_ratio"] == pytest.approx(float(participation_ratio(rows)), rel=1e-9)
+    assert results["rank/net.0/participation_ratio"] != fitted[1]["net.0"]["participation_ratio"]
+
+
+def test_validating_a_checkpoint_of_other_weights_keeps_the_fits_point(tmp_path: Path) -> None:
+    monitor = ActivationRankMonitor(layers=["net.0"], log_at_init=False, verbose=False)
+    # Saved at the end of each epoch (step 8, then 16), after the validation inside it (step 6, then 14).
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", save_on_train_epoch_end=True)
+    options = dict(max_epochs=2, val_check_interval=0.75, enable_checkpointing=True, default_root_dir=tmp_path)
+    val = small_loader(24, seed=1)
+    quiet_trainer([monitor, checkpoint], **options).fit(_model(), small_loader(64), val)
+    validated = ActivationRankMonitor(layers=["net.0"], log_at_init=False, verbose=False)
+    trainer = quiet_trainer([validated], default_root_dir=tmp_path / "validate")
+    with pytest.warns(UserWarning, match=r"weights of optimizer step 16, but epoch 1, .* measurement at step 14"):
+        (results,) = trainer.validate(_model(), val, ckpt_path=tmp_path / "ckpt" / "last.ckpt", verbose=False)
+    assert validated.curves.history == monitor.curves.history
+    assert "rank/net.0/participation_ratio" in results
