@@ -3,6 +3,7 @@ only, limited or off, and ``trainer.validate`` around ``fit``."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, AdversarialValidation, NeuralCollapseMonitor
 from rank_lightning.callbacks.curves import read_curve_file
@@ -90,3 +92,26 @@ def test_validating_a_checkpoint_of_other_weights_keeps_the_fits_point(tmp_path:
         (results,) = trainer.validate(_model(), val, ckpt_path=tmp_path / "ckpt" / "last.ckpt", verbose=False)
     assert validated.curves.history == monitor.curves.history
     assert "rank/net.0/participation_ratio" in results
+
+
+def _pixels(rows: int, seed: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x, y = torch.rand(rows, 5, generator=generator), torch.randint(0, 3, (rows,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_adversarial_validation_after_fit_keeps_the_fits_evaluation_of_other_weights(tmp_path: Path) -> None:
+    callback = AdversarialValidation(eps=(0.1,), attacks=("fgsm",), verbose=False)
+    options = dict(max_epochs=2, val_check_interval=0.75, inference_mode=False, default_root_dir=tmp_path)
+    trainer = quiet_trainer([callback], **options)
+    model, val = _model(), _pixels(24, seed=1)
+    trainer.fit(model, _pixels(64, seed=0), val)
+    fitted = {point: dict(values) for point, values in callback.history["validate"].items()}
+    assert sorted(fitted) == [0, 1]  # after optimizer steps 6 and 14; the fit ends at step 16
+    message = r"AdversarialValidation: .* weights of optimizer step 16, but epoch 1, .* evaluation at step 14"
+    with pytest.warns(UserWarning, match=message):
+        (results,) = trainer.validate(model, val, verbose=False)
+    assert callback.history["validate"] == fitted
+    saved = json.loads((tmp_path / "rank_curves" / "adversarial.json").read_text())
+    assert saved["1"]["step"] == 14 and saved["1"]["adv/clean_acc"] == fitted[1]["clean_acc"]
+    assert "adv/clean_acc" in results
