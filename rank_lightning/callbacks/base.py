@@ -627,9 +627,12 @@ class CurveMonitor(RankCallback):
         return self.measures_each_validation()
 
     def _check_validation_cadence(self, trainer: pl.Trainer) -> None:
-        """Warn when validation epochs and ``every_n_epochs`` meet less often than ``every_n_epochs`` says."""
+        """Warn when validation epochs and ``every_n_epochs`` meet less often than ``every_n_epochs`` says. The default,
+        ``every_n_epochs=1``, measures every validation, whatever epochs validate: no warning."""
         every, val_every = self.cadence.every_n_epochs, getattr(trainer, "check_val_every_n_epoch", None)
-        if not self.measures_validation_only() or not every or not isinstance(val_every, int) or every % val_every == 0:
+        if not self.measures_validation_only() or not every or every == 1 or not isinstance(val_every, int):
+            return
+        if every % val_every == 0:
             return
         both = every * val_every // math.gcd(every, val_every)
         message = (

@@ -13,7 +13,12 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from rank_lightning.callbacks import ActivationRankMonitor, AdversarialValidation, NeuralCollapseMonitor
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    AdversarialValidation,
+    JacobianRankMonitor,
+    NeuralCollapseMonitor,
+)
 from rank_lightning.callbacks.curves import read_curve_file
 from rank_lightning.functional import participation_ratio
 from tests.callbacks.recording_logger import RecordingLogger
@@ -115,3 +120,16 @@ def test_adversarial_validation_after_fit_keeps_the_fits_evaluation_of_other_wei
     saved = json.loads((tmp_path / "rank_curves" / "adversarial.json").read_text())
     assert saved["1"]["step"] == 14 and saved["1"]["adv/clean_acc"] == fitted[1]["clean_acc"]
     assert "adv/clean_acc" in results
+
+
+def test_the_default_cadence_measures_every_validation_of_sparse_validation_without_a_warning(tmp_path: Path) -> None:
+    monitors = [
+        ActivationRankMonitor(layers=["net.0"], log_at_init=False, verbose=False),
+        NeuralCollapseMonitor(verbose=False),
+        JacobianRankMonitor(verbose=False),
+    ]
+    trainer = quiet_trainer(monitors, max_epochs=4, check_val_every_n_epoch=2, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*check_val_every_n_epoch.*")
+        trainer.fit(_model(), small_loader(), small_loader(24, seed=1))
+    assert [monitor.curves.epochs for monitor in monitors] == [[1, 3]] * 3  # every validation, once
