@@ -593,6 +593,7 @@ class CurveMonitor(RankCallback):
         the one before it in the curve file and the figures; then settle a resumed fit's rewound epochs
         (:meth:`LayerCurves.settle_resume`). Subclasses call it before their initial point."""
         self._key_curves_by_step(trainer)
+        self._check_validation_between_steps(trainer)
         # A resumed fit's rewound epochs, now: an epoch Lightning resumes at the end of a checkpoint's batch starts
         # without on_train_epoch_start.
         self.curves.settle_resume(trainer)
@@ -619,6 +620,23 @@ class CurveMonitor(RankCallback):
             f"validation runs {several} per training epoch (val_check_interval={interval!r}): the curves are keyed "
             "by optimizer step, not by epoch"
         )
+
+    def _check_validation_between_steps(self, trainer: pl.Trainer) -> None:
+        """Warn when, on a step axis, validation runs every k training batches with k below ``accumulate_grad_batches``:
+        the validations between two optimizer steps are recorded at the same step, each replacing the one before."""
+        every = getattr(trainer, "val_check_batch", None)
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        if not self.measures_each_validation() or self.curves.x_axis != "step" or not isinstance(every, int):
+            return
+        if every >= accumulate:
+            return
+        message = (
+            f"validation runs every {every} training batches, fewer than the accumulate_grad_batches={accumulate} "
+            "of one optimizer step: the validations between two optimizer steps measure the weights of the same step, "
+            "and in the curve file and the figures each replaces the one before it (the loggers keep every one, at "
+            f"that step). Validate every multiple of {accumulate} training batches (val_check_interval)."
+        )
+        self.warn_once(("validation between steps",), message)
 
     def measures_validation_only(self) -> bool:
         """Whether this monitor measures only in the epochs of a ``fit`` that run validation, so that its

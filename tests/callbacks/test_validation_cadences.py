@@ -133,3 +133,17 @@ def test_the_default_cadence_measures_every_validation_of_sparse_validation_with
         warnings.filterwarnings("error", message=".*check_val_every_n_epoch.*")
         trainer.fit(_model(), small_loader(), small_loader(24, seed=1))
     assert [monitor.curves.epochs for monitor in monitors] == [[1, 3]] * 3  # every validation, once
+
+
+def test_validation_more_frequent_than_optimizer_steps_is_named(tmp_path: Path) -> None:
+    monitor = ActivationRankMonitor(layers=["net.0"], verbose=False)
+    options = dict(max_epochs=1, val_check_interval=0.25, accumulate_grad_batches=4, default_root_dir=tmp_path)
+    trainer = quiet_trainer([monitor], **options)
+    message = (
+        r"ActivationRankMonitor: validation runs every 2 training batches, fewer than the accumulate_grad_batches=4 "
+        r"of one optimizer step: .* Validate every multiple of 4 training batches"
+    )
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(_model(), small_loader(64), small_loader(24, seed=1))
+    # Validation after batches 2, 4, 6 and 8: optimizer steps 0, 1, 1 and 2, each kept once.
+    assert monitor.curves.x_axis == "step" and monitor.curves.epochs == [0, 1, 2]
