@@ -132,7 +132,8 @@ class AdversarialValidation(RankCallback):
     until ``max_samples`` are held by all processes together (process ``r`` of ``W`` keeps at most
     ``max_samples // W``, plus one if ``r < max_samples % W``); the attacks run in ``on_validation_epoch_end``, in
     chunks of ``batch_size``. Several dataloaders are pooled: their samples, in loader order, make one attacked set,
-    with a warning (with ``max_samples``, a first loader that holds as many fills it alone).
+    with a warning (with ``max_samples``, a first loader that holds as many fills it alone). A fit with
+    ``limit_val_batches=0`` runs no validation, so nothing is attacked in it: a warning says so when it starts.
 
     Budgets are in pixel units: the attacks un-normalise the inputs with the per-channel ``mean`` and ``std``,
     perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
@@ -164,7 +165,9 @@ class AdversarialValidation(RankCallback):
     when validation runs several times per epoch (``val_check_interval`` below an epoch; keyed by epoch, each
     evaluation would replace the one before it in the same epoch); ``trainer.validate`` / ``trainer.test`` of the
     weights a fit left at the last epoch that fit trained, of a checkpoint at its epoch, of an untrained model at
-    epoch ``-1``. A fresh ``fit`` (the same instance given to a new Trainer) starts a new history.
+    epoch ``-1``; one of other weights than the fit evaluated at that epoch (the fit validated inside it and took more
+    steps after it) is logged but kept out of the history, with a warning. A fresh ``fit`` (the same instance given to
+    a new Trainer) starts a new history.
 
     Args:
         eps: L-infinity budgets in pixel units, numbers or fractions such as ``"8/255"``, each in [0, 1]; ``0``
@@ -306,6 +309,7 @@ class AdversarialValidation(RankCallback):
     def _restart_history(self) -> None:
         self.history: dict[str, dict[int, dict[str, float]]] = {"validate": {}, "test": {}}
         self._when: dict[str, dict[int, dict[str, int]]] = {"validate": {}, "test": {}}  # epoch and step of each point
+        self._fit_steps: dict[int, int] = {}  # the optimizer step of each evaluation a fit recorded on an epoch axis
         self.x_axis = "epoch"  # what the history is keyed by: "step" when validation runs several times per epoch
         self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
 
@@ -337,6 +341,13 @@ class AdversarialValidation(RankCallback):
         self.info(
             f"validation runs {several} per training epoch (val_check_interval={interval!r}): the evaluations are "
             "keyed by optimizer step, not by epoch"
+        )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self.warn_without_validation(
+            trainer, "no input is attacked in it; allow some validation batches (limit_val_batches > 0)."
         )
 
     @override
@@ -443,6 +454,7 @@ class AdversarialValidation(RankCallback):
             "history": {stage: dict(epochs) for stage, epochs in self.history.items()},
             "when": {stage: dict(points) for stage, points in self._when.items()},
             "x_axis": self.x_axis,
+            "fit_steps": dict(self._fit_steps),
         }
 
     @override
@@ -452,6 +464,7 @@ class AdversarialValidation(RankCallback):
         for stage, points in state_dict.get("when", {}).items():
             self._when[stage] = {int(point): dict(when) for point, when in points.items()}
         self.x_axis = state_dict.get("x_axis", "epoch")  # checkpoints of earlier versions are keyed by epoch
+        self._fit_steps = {int(point): int(step) for point, step in state_dict.get("fit_steps", {}).items()}
         self._run_files.continues = True  # the JSON files found are this run's
 
     # -- what ------------------------------------------------------------------------------------------------------
@@ -477,10 +490,34 @@ class AdversarialValidation(RankCallback):
         log_rank_equal(pl_module, self._namespaced(stage, values))
         at = trainer.global_step if self.x_axis == "step" else trainer.current_epoch
         point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+        if trainer_fn(trainer) == "fit":
+            if self.x_axis == "epoch":
+                self._fit_steps[point] = int(trainer.global_step)
+        elif stage == "validate" and self._holds_other_weights(trainer, point):
+            return
         self.history[stage][point] = values
         self._when[stage][point] = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step)}
         if trainer.is_global_zero:
             self._write(trainer, stage)
+
+    def _holds_other_weights(self, trainer: pl.Trainer, point: int) -> bool:
+        """Whether a ``trainer.validate`` would replace, at the epoch ``point``, the fit's evaluation of other weights
+        (the fit validated inside that epoch and took more optimizer steps after it): its values are then logged (and
+        returned) but kept out of the history, with a warning."""
+        recorded = self._fit_steps.get(point)
+        if self.x_axis != "epoch" or recorded is None or point not in self.history["validate"]:
+            return False
+        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+        now = loaded[1] if loaded is not None and loaded[1] > 0 else int(trainer.global_step)
+        if now == recorded:
+            return False
+        message = (
+            f"this evaluation attacks the weights of optimizer step {now}, but epoch {point}, where the history (keyed "
+            f"by epoch) puts it, holds the fit's evaluation at step {recorded}: its values are logged (and returned "
+            "by trainer.validate) but kept out of adversarial.json and the figure, which keep the fit's."
+        )
+        self.warn_once(("other weights", str(point), str(now)), message)
+        return True
 
     def _attack_sums(self, pl_module: pl.LightningModule, inputs: Tensor | None, labels: Tensor | None) -> Tensor:
         """Sums of this process, float64: ``[n, correct, ||f(x_d)||^2 of the correct ones, then per attack and eps:

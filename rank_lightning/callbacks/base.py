@@ -526,6 +526,14 @@ class RankCallback(pl.Callback):
         )
         self.warn_once(("pooled loaders", kind), message)
 
+    def warn_without_validation(self, trainer: pl.Trainer, consequence: str) -> None:
+        """Warn once, for a callback that measures in validation runs, when ``limit_val_batches=0`` turns validation
+        off: ``"limit_val_batches=0: this fit runs no validation, so <consequence>"``."""
+        limit = getattr(trainer, "limit_val_batches", None)
+        if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:
+            message = f"limit_val_batches={limit!r}: this fit runs no validation, so {consequence}"
+            self.warn_once(("no validation",), message)
+
     def info(self, message: str) -> None:
         """Print ``"<ClassName>: <message>"`` on rank zero when ``verbose``."""
         if self.verbose:
@@ -665,6 +673,7 @@ class CurveMonitor(RankCallback):
         the one before it in the curve file and the figures; then settle a resumed fit's rewound epochs
         (:meth:`LayerCurves.settle_resume`). Subclasses call it before their initial point."""
         self._key_curves_by_step(trainer)
+        self._check_validation_between_steps(trainer)
         # A resumed fit's rewound epochs, now: an epoch Lightning resumes at the end of a checkpoint's batch starts
         # without on_train_epoch_start.
         self.curves.settle_resume(trainer)
@@ -675,7 +684,9 @@ class CurveMonitor(RankCallback):
             return
         interval = getattr(trainer, "val_check_interval", None)
         several = "more than once" if math.isinf(per_epoch) else f"{per_epoch:g} times"
-        if self.curves.epochs:  # resumed from a checkpoint whose curves are keyed by epoch
+        if any(point != self.curves.initial_point for point in self.curves.epochs):
+            # Resumed from a checkpoint whose curves are keyed by epoch. (An untrained model's point alone, which a
+            # trainer.validate before the fit records, moves to step 0.)
             message = (
                 f"validation runs {several} per training epoch (val_check_interval={interval!r}) but the curves "
                 "loaded from the checkpoint are keyed by epoch: in the curve file and the figures each measurement "
@@ -690,6 +701,23 @@ class CurveMonitor(RankCallback):
             "by optimizer step, not by epoch"
         )
 
+    def _check_validation_between_steps(self, trainer: pl.Trainer) -> None:
+        """Warn when, on a step axis, validation runs every k training batches with k below ``accumulate_grad_batches``:
+        the validations between two optimizer steps are recorded at the same step, each replacing the one before."""
+        every = getattr(trainer, "val_check_batch", None)
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        if not self.measures_each_validation() or self.curves.x_axis != "step" or not isinstance(every, int):
+            return
+        if every >= accumulate:
+            return
+        message = (
+            f"validation runs every {every} training batches, fewer than the accumulate_grad_batches={accumulate} "
+            "of one optimizer step: the validations between two optimizer steps measure the weights of the same step, "
+            "and in the curve file and the figures each replaces the one before it (the loggers keep every one, at "
+            f"that step). Validate every multiple of {accumulate} training batches (val_check_interval)."
+        )
+        self.warn_once(("validation between steps",), message)
+
     def measures_validation_only(self) -> bool:
         """Whether this monitor measures only in the epochs of a ``fit`` that run validation, so that its
         ``every_n_epochs`` meets ``check_val_every_n_epoch``: :meth:`measures_each_validation` by default; a monitor
@@ -697,9 +725,12 @@ class CurveMonitor(RankCallback):
         return self.measures_each_validation()
 
     def _check_validation_cadence(self, trainer: pl.Trainer) -> None:
-        """Warn when validation epochs and ``every_n_epochs`` meet less often than ``every_n_epochs`` says."""
+        """Warn when validation epochs and ``every_n_epochs`` meet less often than ``every_n_epochs`` says. The default,
+        ``every_n_epochs=1``, measures every validation, whatever epochs validate: no warning."""
         every, val_every = self.cadence.every_n_epochs, getattr(trainer, "check_val_every_n_epoch", None)
-        if not self.measures_validation_only() or not every or not isinstance(val_every, int) or every % val_every == 0:
+        if not self.measures_validation_only() or not every or every == 1 or not isinstance(val_every, int):
+            return
+        if every % val_every == 0:
             return
         both = every * val_every // math.gcd(every, val_every)
         message = (
@@ -711,13 +742,9 @@ class CurveMonitor(RankCallback):
 
     def _check_validation_runs(self, trainer: pl.Trainer) -> None:
         """Warn when ``limit_val_batches=0`` turns validation off, so that a monitor measuring there never measures."""
-        limit = getattr(trainer, "limit_val_batches", None)
-        if self.measures_validation_only() and isinstance(limit, (int, float)) and limit == 0:
-            message = (
-                f"limit_val_batches={limit!r}: this fit runs no validation, so this monitor measures nothing in it; "
-                "allow some validation batches, or measure the training batches (stage='train') where offered."
-            )
-            self.warn_once(("no validation",), message)
+        if self.measures_validation_only():
+            advice = "allow some validation batches, or measure the training batches (stage='train') where offered."
+            self.warn_without_validation(trainer, f"this monitor measures nothing in it; {advice}")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

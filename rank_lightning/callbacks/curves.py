@@ -501,6 +501,7 @@ class LayerCurves:
         self._published = False  # whether callback_metrics may hold keys of this object (clear_stale_metrics)
         self._references: dict[str, Reference] = {}
         self._unwritten: set[tuple[str, str]] = set()  # (path, error) of the curve files warned about
+        self._warned_other_weights: set[tuple[int, int]] = set()  # (epoch, step) of the evaluations kept out
         self.restart()
 
     def restart(self) -> None:
@@ -513,6 +514,9 @@ class LayerCurves:
         self._layers: list[str] = []
         self._metrics: list[str] = []
         self._checkpoint_point: tuple[int, int] | None = None
+        # The optimizer step of each point a fit recorded on an epoch axis: an evaluation after it of other weights
+        # (a validation inside the last epoch, then more steps) must not replace the fit's measurement.
+        self._steps: dict[int, int] = {}
         self._facts: dict[str, Any] = {} if self.x_axis == "epoch" else {"x_axis": self.x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
@@ -638,20 +642,24 @@ class LayerCurves:
     def key_by_step(self) -> None:
         """Key the history by optimizer step from now on (``x_axis="step"``), for an epoch-cadence monitor whose fit
         validates several times per epoch: keyed by epoch, each measurement would replace the one before it in the
-        same epoch.
+        same epoch. An untrained model's point (epoch ``-1``, recorded by a ``trainer.validate`` before the fit) moves
+        to step ``0``, the initial point of a step axis.
 
         Raises:
-            RuntimeError: the history already holds values keyed by epoch.
+            RuntimeError: the history already holds values of trained epochs.
         """
         if self.x_axis == "step":
             return
-        if self._history:
+        trained = [epoch for epoch in self._history if epoch != INITIAL_EPOCH]
+        if trained:
             raise RuntimeError(
-                f"LayerCurves({self.namespace!r}) holds {len(self._history)} point(s) keyed by epoch; it cannot be "
+                f"LayerCurves({self.namespace!r}) holds {len(trained)} trained point(s) keyed by epoch; it cannot be "
                 "keyed by step from now on"
             )
         self.x_axis = "step"
         self._facts["x_axis"] = "step"
+        if INITIAL_EPOCH in self._history:
+            self._history[0] = self._history.pop(INITIAL_EPOCH)
 
     @property
     def initial_point(self) -> int:
@@ -667,7 +675,10 @@ class LayerCurves:
         evaluation of a checkpoint (``trainer.validate(ckpt_path=...)``) is recorded at the checkpoint's epoch (or
         step), where its ``fit`` recorded the same weights (:meth:`note_checkpoint`); one of the weights a ``fit``
         left (``trainer.validate(model)`` after it) at the last epoch that fit trained (or its step), not at
-        ``trainer.current_epoch``, which by then counts one epoch more.
+        ``trainer.current_epoch``, which by then counts one epoch more. On an epoch axis, where the fit measured that
+        epoch at another optimizer step (a validation inside the epoch, then more steps), the evaluation is of other
+        weights: its values are logged (``trainer.validate`` returns them) but kept out of the history, which keeps
+        the fit's, with a warning naming both steps.
 
         Call it on every rank, with the same values (they are written without synchronisation). Calls during the sanity
         check are ignored: Lightning discards
@@ -685,8 +696,13 @@ class LayerCurves:
         if self._rewind_check and _fitting(trainer):
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
-        scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
+        point = self._evaluated_point(trainer, at)
+        if self._holds_other_weights(trainer, pl_module, point, values):
+            return
+        scalars = self._scalars(self.record(point, values))
         if _fitting(trainer):
+            if self.x_axis == "epoch":
+                self._steps[point] = int(getattr(trainer, "global_step", 0))
             publish_scalars(trainer, scalars, step=self.logger_step(trainer))
         else:
             # One evaluation run: the per-key cost does not matter, and values logged through the module are also in
@@ -718,6 +734,33 @@ class LayerCurves:
 
     def _evaluated_point(self, trainer: Any, at: int) -> int:
         return evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+
+    def _holds_other_weights(
+        self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
+    ) -> bool:
+        """Whether an evaluation outside ``fit`` would replace, at the epoch ``point``, the fit's measurement of other
+        weights (the fit validated inside that epoch and took more optimizer steps after it). Its values are then
+        logged through the module (``trainer.validate`` returns them) but kept out of the history, with a warning."""
+        recorded = self._steps.get(point)
+        if _fitting(trainer) or self.x_axis != "epoch" or recorded is None or point not in self._history:
+            return False
+        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+        now = loaded[1] if loaded is not None and loaded[1] > 0 else int(getattr(trainer, "global_step", 0))
+        if now == recorded:
+            return False
+        floats = {layer: {metric: _to_float(value) for metric, value in row.items()} for layer, row in values.items()}
+        log_rank_equal(pl_module, self._scalars(floats))
+        if getattr(trainer, "is_global_zero", True) and (point, now) not in self._warned_other_weights:
+            self._warned_other_weights.add((point, now))
+            warnings.warn(
+                f"LayerCurves({self.namespace!r}): this evaluation measures the weights of optimizer step {now}, but "
+                f"epoch {point}, where the curves (keyed by epoch) put it, holds the fit's measurement at step "
+                f"{recorded}: its values are logged (and returned by trainer.validate) but kept out of the curves, "
+                "which keep the fit's.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return True
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the
@@ -874,7 +917,8 @@ class LayerCurves:
         return jobs, drawn
 
     def state_dict(self) -> dict[str, Any]:
-        """Namespace, layer order, history, facts and superseded values, for checkpoints."""
+        """Namespace, layer order, history, facts, superseded values and the optimizer step of each point a fit
+        recorded on an epoch axis, for checkpoints."""
         return {
             "namespace": self.namespace,
             "layers": self.layers,
@@ -882,6 +926,7 @@ class LayerCurves:
             "history": self.history,
             "facts": self.facts,
             "superseded": self.superseded,
+            "steps": dict(self._steps),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -910,6 +955,7 @@ class LayerCurves:
             {"resumed_at": b["resumed_at"], "history": _epochs_as_int(b["history"])}
             for b in state_dict.get("superseded", [])
         ]
+        self._steps = {int(point): int(step) for point, step in state_dict.get("steps", {}).items()}
         self._rewind_check = True
         self._run_files.continues = True
 
