@@ -680,10 +680,10 @@ class LayerCurves:
         weights: its values are logged (``trainer.validate`` returns them) but kept out of the history, which keeps
         the fit's, with a warning naming both steps.
 
-        Call it on every rank, with the same values (they are written without synchronisation). Calls during the sanity
-        check are ignored: Lightning discards
-        what is logged there, and an untrained model would leave an epoch in the history that never happened. The
-        first call of a ``fit`` resumed by :meth:`load_state_dict` checks for a rewind (the module docstring).
+        Call it on every rank, with the same values (they are written without synchronisation). Calls during the
+        sanity check are ignored: Lightning discards what is logged there, and an untrained model would leave an epoch
+        in the history that never happened. The first call of a ``fit`` resumed by :meth:`load_state_dict` checks for
+        a rewind (the module docstring).
 
         Args:
             trainer: the Trainer (either Lightning package).
@@ -710,8 +710,12 @@ class LayerCurves:
             log_rank_equal(pl_module, scalars)
         self._logged_keys.update(scalars)
         self._published = self._published or bool(scalars)
-        if not trainer.is_global_zero:
-            return
+        if trainer.is_global_zero:
+            self._write_recorded(trainer)
+
+    def _write_recorded(self, trainer: Any) -> None:
+        """On rank zero, after a point is recorded: the curve file, the figure workers, the W&B charts and the figures
+        when due."""
         self._write_curve_file(trainer)
         _start_figure_workers(trainer, self)
         trained = len([epoch for epoch in self._history if epoch != self.initial_point])
