@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.callbacks import ActivationRankMonitor, RankPretraining, WeightRankMonitor
 from rank_lightning.functional.streaming import gram_product_dtype
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
@@ -168,3 +168,17 @@ def test_float16_activations_beyond_its_range_log_nan_for_their_layer_alone(tmp_
     assert module.net[0].weight.dtype == torch.float16
     weights = WeightRankMonitor(metrics=["numerical_rank"], tolerance_dtype="input", verbose=False)
     assert weights.measure(module)["net.0"]["numerical_rank"] == 5  # large finite float16 weights, measured as they are
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_rank_pretraining_feeds_its_batches_in_the_weights_dtype(tmp_path, precision, dtype):
+    # Its passes over the training batches take them as the steps do (the precision plugin casts the inputs), not as
+    # the loader gives them: float32 inputs to bf16 / fp16 weights stopped the fit before its first step.
+    callback = RankPretraining(num_batches=2, steps=2, verbose=False)
+    trainer = quiet_trainer([callback], max_steps=1, precision=precision, default_root_dir=tmp_path)
+    module = SmallClassifier((5, 12, 12, 3), seed=0)
+    trainer.fit(module, small_loader(32))
+    assert module.net[0].weight.dtype == dtype
+    assert set(callback.results) == {"net.4_input"}  # the input of the last Linear
+    before, after = callback.results["net.4_input"]["r_before"], callback.results["net.4_input"]["r_after"]
+    assert 1 <= before < after <= 8  # r(H) of 8 rows, raised by the ascent
