@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rank_lightning.callbacks.base import RankCallback, TrainingBatches, repeated_layer_warner
+from rank_lightning.callbacks.base import RankCallback, TrainingBatches, repeated_layer_warner, step_inputs
 from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
 from rank_lightning.functional.spectral import participation_ratio
 from rank_lightning.layers import (
@@ -154,8 +154,10 @@ class RankPretraining(RankCallback):
         self.info("\n".join([title, header, *rows]))
 
     def _batches(self, trainer: pl.Trainer) -> list[Tensor]:
-        """The inputs of the first ``num_batches`` training batches; of a batch of several training loaders, their
-        inputs concatenated in loader order (:class:`~rank_lightning.callbacks.base.TrainingBatches`)."""
+        """The inputs of the first ``num_batches`` training batches, as the steps get them (on the module's device,
+        cast by the precision plugin: bf16 / fp16 / float64 under ``"bf16-true"``, ``"16-true"``, ``"64-true"``); of a
+        batch of several training loaders, their inputs concatenated in loader order
+        (:class:`~rank_lightning.callbacks.base.TrainingBatches`)."""
         if trainer.train_dataloader is None:
             raise RuntimeError("RankPretraining needs a training dataloader")
         if not readable_beside(trainer.train_dataloader):
@@ -168,7 +170,7 @@ class RankPretraining(RankCallback):
         while len(batches) < self.num_batches:
             start = len(batches)
             for batch in loader:
-                parts = loader.parts(trainer.strategy.batch_to_device(batch))
+                parts = loader.parts(step_inputs(trainer, batch))
                 batches.append(torch.cat([self.reader.inputs(part) for part in parts]))
                 if len(batches) == self.num_batches:
                     break

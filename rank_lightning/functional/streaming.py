@@ -106,11 +106,13 @@ GRAM_PRECISIONS: tuple[str, ...] = ("float64", "float32", "tf32", "auto")
 """How the per-batch Gram products are computed; the running sums are float64 in every case.
 
 * ``"float64"``: the shifted rows in float64, multiplied in float64 (exact to float64 rounding);
-* ``"float32"``: the shifted rows rounded to float32 and multiplied in float32 (relative error about ``1e-7`` of the
-  batch's Gram), then added into the float64 sums. Singular values below about ``sqrt(eps_32) s_1 = 3e-4 s_1`` are
+* ``"float32"``: the shifted rows rounded to float32 and multiplied in IEEE float32, whatever
+  ``torch.set_float32_matmul_precision`` set (relative error about ``1e-7`` of the batch's Gram), then added into the
+  float64 sums. Singular values below about ``sqrt(eps_32) s_1 = 3e-4 s_1`` are
   then rounding noise: the numerical rank at Feng's tolerance (``1.2e-7 K s_1``) counts them on rank-deficient data;
 * ``"tf32"``: as ``"float32"``, with TF32 tensor-core products allowed for those products only (CUDA; about ``1e-3``
-  relative, 10-bit mantissa); the global setting is restored afterwards. On a CPU it is ``"float32"``;
+  relative, 10-bit mantissa); the global setting is restored afterwards (:func:`gram_product_dtype`). On a CPU it is
+  ``"float32"``;
 * ``"auto"``: per device type, :data:`AUTO_GRAM_PRECISION`.
 """
 
@@ -259,21 +261,41 @@ def resolve_gram_precision(precision: str, device: torch.device | str) -> str:
 
 @contextmanager
 def gram_product_dtype(precision: str) -> Iterator[torch.dtype]:
-    """The dtype of the per-batch Gram products of a resolved ``precision``; allows TF32 inside for ``"tf32"``.
+    """The dtype of the per-batch Gram products of a resolved ``precision``; sets the float32 product precision inside.
 
-    ``torch.backends.cuda.matmul.allow_tf32`` is set for the products inside the block only and restored after it,
-    so the rest of the program keeps its own setting.
+    ``"tf32"`` allows TF32 tensor-core products (CUDA), ``"float32"`` asks for IEEE float32 products, whatever
+    ``torch.set_float32_matmul_precision`` set for the model (``"high"`` or ``"medium"`` would otherwise make them TF32
+    on CUDA and bfloat16-based on a CPU with oneDNN). The setting is changed for the products inside the block only and
+    restored after it, through ``torch.backends.cuda.matmul.fp32_precision`` (and oneDNN's) where torch has it: reading
+    or writing the older ``allow_tf32`` flag raises once a program has used that newer setting.
     """
     check_choice("precision", precision, GRAM_PRECISIONS[:3])
-    if precision != "tf32":
-        yield torch.float64 if precision == "float64" else torch.float32
+    if precision == "float64":
+        yield torch.float64
         return
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
+    with _float32_products(tf32=precision == "tf32"):
         yield torch.float32
+
+
+@contextmanager
+def _float32_products(*, tf32: bool) -> Iterator[None]:
+    """Float32 matrix products inside the block: TF32 on CUDA with ``tf32``, IEEE float32 otherwise (and on a CPU)."""
+    cuda = torch.backends.cuda.matmul
+    if not hasattr(cuda, "fp32_precision"):  # torch < 2.9: the one flag there is
+        previous = cuda.allow_tf32
+        cuda.allow_tf32 = tf32
+        try:
+            yield
+        finally:
+            cuda.allow_tf32 = previous
+        return
+    cpu = torch.backends.mkldnn.matmul
+    saved = (cuda.fp32_precision, cpu.fp32_precision)
+    cuda.fp32_precision, cpu.fp32_precision = ("tf32" if tf32 else "ieee"), "ieee"
+    try:
+        yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        cuda.fp32_precision, cpu.fp32_precision = saved
 
 
 def reference_point(mean: Tensor) -> Tensor:

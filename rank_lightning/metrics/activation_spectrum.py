@@ -333,7 +333,8 @@ class ActivationSpectrum(Metric):
             for DDP: a process that never sees a batch takes d from the others at the sync.
         seed: seed of the subsample keys and sketch buckets (offset by the DDP rank).
         gram_precision: how each batch's Gram product is computed, the running sums being float64 in every case:
-            ``"float64"`` (exact); ``"float32"`` (the shifted rows multiplied in float32: about ``1e-7`` relative
+            ``"float64"`` (exact); ``"float32"`` (the shifted rows multiplied in IEEE float32, whatever
+            ``torch.set_float32_matmul_precision`` says for the model: about ``1e-7`` relative
             error per batch Gram; the metrics of ``s^2``, participation ratio, stable rank, ``VR_k``, stay within
             ``1e-5`` relative of float64 and the effective rank within ``1e-4``, but singular values below about
             ``sqrt(eps_32) s_1 = 3e-4 s_1`` are rounding noise, so on rank-deficient activations the numerical rank

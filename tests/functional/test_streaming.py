@@ -359,7 +359,9 @@ def test_gram_precision_choices_and_the_tf32_flag_is_restored() -> None:
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         with gram_product_dtype("tf32") as dtype:
-            assert dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+            # Inside, set through torch's newer flag where it has one (the older one cannot be read while it is set).
+            newer = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+            assert dtype == torch.float32 and (newer == "tf32" if newer else torch.backends.cuda.matmul.allow_tf32)
         assert torch.backends.cuda.matmul.allow_tf32 is False
         with gram_product_dtype("float64") as dtype:
             assert dtype == torch.float64 and torch.backends.cuda.matmul.allow_tf32 is False
