@@ -149,7 +149,8 @@ class ActivationStream:
         self._left_padded_later: dict[bool, Tensor] = {}
         self._cls_layers: dict[bool, set[str]] = {}
         self._cls_counted: set[bool] = set()
-        self._autocast: dict[str, torch.dtype | None] = {}  # the autocast dtype each layer ran under (None: none)
+        # Per layer: the half precision its float32 outputs carry the rounding of (reduced_precision), None if none.
+        self._autocast: dict[str, tuple[torch.dtype, str] | None] = {}
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._combined_own: dict[int, CombinedOwnRows] = {}  # per loader index: a collection whose loaders repeat
@@ -418,8 +419,7 @@ class ActivationStream:
         if self._own_indices is not None:  # a combined batch of which some rows are repeats
             activations = activations[self._own_index_tensor(activations.device)]
         if name not in self._autocast:  # float32 outputs of a bf16 sublayer (a residual stream) carry its rounding
-            device = activations.device.type
-            self._autocast[name] = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            self._autocast[name] = reduced_precision(activations, conv=name in self.channel_maps)
         take = self._claim(activations.shape[0])
         metric = self._metric_for(name, activations)
         if metric is None or (not take and metric.update_count):
@@ -717,10 +717,11 @@ class ActivationStream:
         return {f"{prefix}{key}": value for key, value in scalars.items()}
 
     def _check_tolerance(
-        self, metric: ActivationSpectrum, metrics: tuple[str, ...], autocast: torch.dtype | None
+        self, metric: ActivationSpectrum, metrics: tuple[str, ...], reduced: tuple[torch.dtype, str] | None
     ) -> None:
         """Warn when activations computed in half precision (outputs in bf16 / fp16, or float32 outputs of layers run
-        under autocast) get the float32 tolerance, under which their rounding noise counts as rank."""
+        under autocast or with TF32 / bf16 products: :func:`reduced_precision`) get the float32 tolerance, under which
+        their rounding noise counts as rank."""
         chosen = metric.tolerance_dtype
         if "numerical_rank" not in metrics or metric.rank_tolerance is not None or chosen not in (None, "input"):
             return
@@ -730,9 +731,8 @@ class ActivationStream:
                 return  # their own dtype's tolerance
             dtype = "bfloat16" if eps == torch.finfo(torch.bfloat16).eps else "float16"
             where, advice = f"were computed in {dtype}", "tolerance_dtype='input'"
-        elif autocast in (torch.bfloat16, torch.float16):
-            dtype = str(autocast).removeprefix("torch.")
-            where = f"ran under {dtype} autocast (float32 outputs that add {dtype} results, a residual stream)"
+        elif reduced is not None:
+            dtype, where = str(reduced[0]).removeprefix("torch."), reduced[1]
             advice = f"tolerance_dtype=torch.{dtype}"
         else:
             return
@@ -818,6 +818,70 @@ _CLS_LEFT_PADDING = (
     "uses token_reduction='cls', but the attention mask marks the first position of some sequences as padding (left "
     "padding), whose hidden state is measured there. Pad on the right, or use token_reduction='token' or 'mean'."
 )
+
+
+def _flag(*path: str) -> str:
+    """Torch's ``fp32_precision`` setting at ``torch.backends.<path>``, its parents' where it is ``"none"``."""
+    for end in range(len(path), -1, -1):
+        value = getattr(_backend(path[:end]), "fp32_precision", "none")
+        if value != "none":
+            return value
+    return "none"
+
+
+def _backend(path: Sequence[str]) -> Any:
+    """``torch.backends.<path>`` (``torch.backends`` for an empty path)."""
+    module: Any = torch.backends
+    for part in path:
+        module = getattr(module, part)
+    return module
+
+
+def reduced_float32_format(device_type: str, *, conv: bool) -> str | None:
+    """The reduced format torch's float32 precision flags let this device's float32 products run in: ``"tf32"``
+    (CUDA matrix products or, for ``conv``, cuDNN convolutions, on GPUs with TF32 units: a 10-bit mantissa, float16's),
+    ``"bf16"`` (oneDNN on a CPU with bf16 units, ``torch.set_float32_matmul_precision("medium")``), or ``None``. The
+    flags allow; whether the hardware has those units is not checked.
+
+    Torch from 2.9 on: ``torch.backends.{cuda.matmul, cudnn.conv, mkldnn.matmul, mkldnn.conv}.fp32_precision``,
+    whose ``"none"`` defers to the parent's (``"none"`` all the way up is IEEE float32; cuDNN convolutions default to
+    TF32). Earlier torch: ``allow_tf32`` and ``torch.get_float32_matmul_precision()``.
+    """
+    if not hasattr(torch.backends.cudnn, "conv"):  # torch < 2.9
+        if device_type == "cuda":
+            tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
+            return "tf32" if tf32 else None
+        return "bf16" if device_type == "cpu" and torch.get_float32_matmul_precision() == "medium" else None
+    if device_type == "cuda":
+        value = _flag("cudnn", "conv") if conv else _flag("cuda", "matmul")
+        return value if value in ("tf32", "bf16") else None
+    if device_type == "cpu":  # TF32 on a CPU needs units few have; bf16 products, those of many recent ones
+        return "bf16" if _flag("mkldnn", "conv" if conv else "matmul") == "bf16" else None
+    return None
+
+
+def reduced_precision(activations: Tensor, *, conv: bool) -> tuple[torch.dtype, str] | None:
+    """The half precision whose rounding float32 ``activations`` carry, and how, in words; ``None`` if none: layers
+    run under bf16 / fp16 autocast (float32 outputs that add half-precision results, a residual stream), or float32
+    products that torch's flags let run in TF32 (the tolerance of float16, whose 10-bit mantissa TF32 has) or bf16
+    (:func:`reduced_float32_format`; ``conv``: the layer is a convolution)."""
+    device = activations.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.bfloat16, torch.float16):
+        dtype = torch.get_autocast_dtype(device)
+        name = str(dtype).removeprefix("torch.")
+        return dtype, f"ran under {name} autocast (float32 outputs that add {name} results, a residual stream)"
+    if activations.dtype != torch.float32:
+        return None
+    conv = conv or activations.ndim == 4
+    reduced = reduced_float32_format(device, conv=conv)
+    if reduced is None:
+        return None
+    flag = {("cuda", True): "cudnn.conv", ("cuda", False): "cuda.matmul"}.get((device, conv), "mkldnn.matmul")
+    how = (
+        f"were computed with {reduced.upper()} products in float32 (torch.backends.{flag}.fp32_precision, or "
+        "torch.set_float32_matmul_precision)"
+    )
+    return (torch.float16 if reduced == "tf32" else torch.bfloat16), how
 
 
 def in_backward() -> bool:

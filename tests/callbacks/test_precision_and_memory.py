@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.streams import reduced_float32_format, reduced_precision
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 WIDTH, RANK, INPUTS = 32, 4, 16
@@ -244,3 +245,43 @@ def test_fallback_layers_share_the_budget_evenly_and_a_larger_budget_never_gives
         assert planned <= budget * 2**20
     assert rows[0.26] == [48] * 6
     assert min(rows[0.26]) >= max(rows[0.25]) and min(rows[0.25]) >= max(rows[0.23]) >= max(rows[0.15]) > 0
+
+
+@pytest.fixture
+def float32_flags():
+    """Torch's float32 precision flags, restored after the test."""
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = conv
+
+
+def test_the_reduced_float32_products_torchs_flags_allow_are_read(float32_flags):
+    torch.set_float32_matmul_precision("highest")
+    assert reduced_float32_format("cuda", conv=True) == "tf32"  # cuDNN's default
+    assert reduced_float32_format("cuda", conv=False) is None and reduced_float32_format("cpu", conv=False) is None
+    torch.backends.cudnn.allow_tf32 = False
+    assert reduced_float32_format("cuda", conv=True) is None
+    torch.set_float32_matmul_precision("high")  # what Lightning advises on GPUs with tensor cores
+    assert reduced_float32_format("cuda", conv=False) == "tf32" and reduced_float32_format("cpu", conv=False) is None
+    torch.set_float32_matmul_precision("medium")
+    assert reduced_float32_format("cpu", conv=False) == "bf16"
+    assert reduced_precision(torch.zeros(2, 3, dtype=torch.float64), conv=False) is None  # float64 products
+    dtype, how = reduced_precision(torch.zeros(2, 3), conv=False)
+    assert dtype == torch.bfloat16 and "BF16 products" in how and "mkldnn.matmul" in how
+
+
+@pytest.mark.parametrize(("precision", "advice"), [("medium", "tolerance_dtype=torch.bfloat16"), ("highest", None)])
+def test_float32_outputs_of_reduced_precision_products_name_the_half_precision_tolerance(
+    tmp_path, float32_flags, precision, advice
+):
+    torch.set_float32_matmul_precision(precision)
+    monitor = ActivationRankMonitor(layers=["low"], metrics=["numerical_rank"], verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _validate(tmp_path, monitor)
+    named = [str(w.message) for w in caught if "float32 tolerance" in str(w.message)]
+    if advice is None:
+        assert named == []
+    else:
+        assert len(named) == 1 and "were computed with BF16 products in float32" in named[0] and advice in named[0]
