@@ -40,7 +40,7 @@ from rank_lightning.callbacks.curves import (
     run_directory,
     wandb_loggers,
 )
-from rank_lightning.files import RunFiles
+from rank_lightning.files import RunFiles, writes_files
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import process_share
@@ -479,7 +479,7 @@ class AdversarialValidation(RankCallback):
         point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
         self.history[stage][point] = values
         self._when[stage][point] = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step)}
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and writes_files(trainer):  # none in a debug run (fast_dev_run)
             self._write(trainer, stage)
 
     def _attack_sums(self, pl_module: pl.LightningModule, inputs: Tensor | None, labels: Tensor | None) -> Tensor:
@@ -547,7 +547,8 @@ class AdversarialValidation(RankCallback):
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
         """The stage's history as JSON and the last evaluation's figure, each replaced in one step; one that cannot be
         written or drawn is a warning naming it (the values are in the loggers and in checkpoints). A JSON file of
-        another run there is kept as ``<stem>-v<n>.json`` (:class:`~rank_lightning.files.RunFiles`)."""
+        another run there is kept as ``<stem>-v<n>.json`` (its figure as ``<stem>-v<n>.png``,
+        :class:`~rank_lightning.files.RunFiles`)."""
         directory = run_directory(trainer) / FIGURE_DIR
         stem = "adversarial" if stage == "validate" else "adversarial_test"
         history = self.history[stage]
@@ -570,17 +571,21 @@ class AdversarialValidation(RankCallback):
             title = f"{_NAMESPACES[stage]}, step {when.get(point, {}).get('step', max(point, 0))}"
         else:
             title = f"{_NAMESPACES[stage]}, epoch {point}"
-        figure_path = self.draw_file(
-            directory / f"{stem}.png",
-            lambda: adversarial_figure(
-                self._curves(last),
-                [float(grey_levels(eps)) for eps in self.eps],
-                last["clean_acc"],
-                title,
-                feature_layer=None if self._feature_layer is None else self._feature_layer.name,
-            ),
-            kept,
-        )
+        figure_path = None
+        if self._run_files.claim(directory / f"{stem}.png", "adversarial figures"):  # another run's is kept aside
+            figure_path = self.draw_file(
+                directory / f"{stem}.png",
+                lambda: adversarial_figure(
+                    self._curves(last),
+                    [float(grey_levels(eps)) for eps in self.eps],
+                    last["clean_acc"],
+                    title,
+                    feature_layer=None if self._feature_layer is None else self._feature_layer.name,
+                ),
+                kept,
+            )
+        if figure_path is not None:
+            self._run_files.wrote(figure_path)
         loggers = wandb_loggers(trainer)
         if loggers:
             self._log_wandb(loggers, trainer, stage, last, figure_path)

@@ -39,8 +39,9 @@ follows with those numbers, identically for every callback:
    per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in
    words, with a caption line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance).
    Each file is replaced in one step; one that cannot be written (a full disk, a read-only folder) or drawn is a
-   warning naming the path and the error, and the fit goes on. A curve file of another run found where a fresh history
-   writes its first is kept under another name (:meth:`LayerCurves.claim`).
+   warning naming the path and the error, and the fit goes on. A curve file or figure of another run found where a fresh
+   history writes its first is kept under another name (:meth:`LayerCurves.claim`). A debug run
+   (``Trainer(fast_dev_run=...)``) writes no files (:func:`~rank_lightning.files.writes_files`): it measures and logs.
 
 A value measured before the first training step is recorded at epoch ``-1`` (:data:`INITIAL_EPOCH`) by
 :meth:`LayerCurves.record_initial`, which sends it straight to the loggers (``pl_module.log`` is not allowed in
@@ -100,7 +101,7 @@ from typing import Any
 import torch
 
 from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
-from rank_lightning.files import RunFiles, replace_file, unwritten_warning
+from rank_lightning.files import RunFiles, replace_file, unwritten_warning, writes_files
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -311,8 +312,10 @@ def check_distinct_namespaces(trainer: Any, callback: Any) -> None:
 def _start_figure_workers(trainer: Any, curves: LayerCurves) -> None:
     """Start the processes that help draw the run's figures, once their number is known: the metrics recorded so far
     by ``curves`` and by the curves of the trainer's other callbacks (:func:`~rank_lightning.figure_workers.
-    start_figure_workers`; none for a run of few figures). Called on rank zero after each record: workers that run
-    already are kept, so matplotlib's import is done in them while the model trains."""
+    start_figure_workers`; none for a run of few figures, or one that writes no files). Called on rank zero after each
+    record: workers that run already are kept, so matplotlib's import is done in them while the model trains."""
+    if not writes_files(trainer):
+        return
     others = (getattr(callback, "curves", None) for callback in getattr(trainer, "callbacks", None) or [])
     run = {id(c): c for c in (curves, *others) if isinstance(c, LayerCurves)}
     start_figure_workers(sum(len(c.drawn_metrics) * len(c.figure_layer_groups()) for c in run.values()))
@@ -817,12 +820,17 @@ class LayerCurves:
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
 
+        A figure of another run found where this one draws its first is kept as ``<name>-v<n>.png`` (:meth:`claim`),
+        as the curve file is. A debug run (``fast_dev_run``) draws none (:func:`~rank_lightning.files.writes_files`).
+
         Returns:
-            Paths of the files (empty on other ranks or before anything was recorded).
+            Paths of the files (empty on other ranks, in a debug run or before anything was recorded).
         """
-        if not trainer.is_global_zero or not self._history:
+        if not trainer.is_global_zero or not self._history or not writes_files(trainer):
             return []
         jobs, drawn = self._figure_jobs(self.figure_dir(trainer), self.drawn_metrics)
+        claimed = [self.claim(job.path, "figures") for job in jobs]
+        jobs, drawn = [j for j, c in zip(jobs, claimed) if c], [m for m, c in zip(drawn, claimed) if c]
         try:
             results = draw_figures(jobs)
         except Exception as error:  # the workers' setting or machinery: draw here instead, never fail the run
@@ -843,6 +851,7 @@ class LayerCurves:
                     stacklevel=2,
                 )
             else:
+                self._run_files.wrote(result)
                 paths.append(result)
         return paths
 
@@ -988,7 +997,10 @@ class LayerCurves:
 
     def _write_curve_file(self, trainer: Any) -> None:
         """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
-        path and error, and the fit goes on: the history stays in memory and in checkpoints."""
+        path and error, and the fit goes on: the history stays in memory and in checkpoints. A debug run
+        (``fast_dev_run``) writes none (:func:`~rank_lightning.files.writes_files`)."""
+        if not writes_files(trainer):
+            return
         path = self.curve_path(trainer)
         if not self.claim(path, "curves"):
             return

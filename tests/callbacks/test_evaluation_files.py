@@ -1,0 +1,40 @@
+"""The files and points a user already has survive evaluation calls and debug runs: an older checkpoint evaluated after
+a fit, a second fit into the same folder, a ``fast_dev_run``."""
+
+import pytest
+
+from rank_lightning.callbacks import ActivationRankMonitor, ClassificationDimension, WeightRankMonitor
+from rank_lightning.callbacks.curves import read_curve_file
+from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
+
+
+def test_a_fresh_fit_keeps_the_figures_of_another_run(tmp_path):
+    loader = small_loader(48)
+    first = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    quiet_trainer([first], max_epochs=1, default_root_dir=tmp_path).fit(SmallClassifier(lr=0.2), loader, loader)
+    figure = tmp_path / "rank_curves" / "rank_numerical_rank.png"
+    earlier = figure.read_bytes()
+    second = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    kept = r"rank_numerical_rank\.png held the figures of another run; they are kept as rank_numerical_rank-v1\.png"
+    with pytest.warns(UserWarning, match=kept):
+        quiet_trainer([second], max_epochs=2, default_root_dir=tmp_path).fit(SmallClassifier(lr=0.2), loader, loader)
+    assert (tmp_path / "rank_curves" / "rank_numerical_rank-v1.png").read_bytes() == earlier
+    assert figure.read_bytes() != earlier  # this run's own figure, of two epochs
+    assert sorted(read_curve_file(tmp_path / "rank_curves" / "rank_curves-v1.json")["history"]) == [-1, 0]
+
+
+def test_fast_dev_run_measures_but_writes_no_files(tmp_path):
+    loader = small_loader(48)
+    (tmp_path / "rank_curves").mkdir()
+    (tmp_path / "rank_curves" / "rank_curves.json").write_text("a real run's curves")
+    activations = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    weights = WeightRankMonitor(save_singular_values=True, verbose=False)
+    clsdim = ClassificationDimension(verbose=False)
+    trainer = quiet_trainer([activations, weights, clsdim], fast_dev_run=True, default_root_dir=tmp_path)
+    trainer.fit(SmallClassifier(lr=0.2), loader, loader)
+    assert sorted(activations.curves.history) == [-1, 0]
+    assert sorted(weights.curves.history) == [-1, 0]
+    assert clsdim.result is not None and clsdim.result.ambient_dim == 12
+    assert "rank/net.1/numerical_rank" in trainer.callback_metrics
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["rank_curves", "rank_curves.json"]
+    assert (tmp_path / "rank_curves" / "rank_curves.json").read_text() == "a real run's curves"
