@@ -94,6 +94,7 @@ import json
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -345,15 +346,23 @@ def _last_trained_epoch(trainer: Any) -> int:
     return started - 1 if isinstance(started, int) and started > 0 else int(trainer.current_epoch)
 
 
-def evaluated_point(trainer: Any, at: int, x_axis: str, checkpoint_point: tuple[int, int] | None = None) -> int:
+def evaluated_point(
+    trainer: Any,
+    at: int,
+    x_axis: str,
+    checkpoint_point: tuple[int, int] | None = None,
+    held_checkpoint: tuple[int, int] | None = None,
+) -> int:
     """Where values measured now are recorded in a history keyed by ``x_axis`` (``"epoch"`` or ``"step"``): ``at``
     during ``fit``; for ``validate`` / ``test``, the epoch or step of the checkpoint loaded (``checkpoint_point``,
-    ``(epoch, global_step)`` as its ``on_load_checkpoint`` read them), else the initial point (epoch ``-1``, step
-    ``0``) for a model no optimizer step has touched (a later fit must not overwrite it with its epoch 0), else the
-    last epoch the fit trained (the step on a step axis), where that fit recorded the same weights."""
+    ``(epoch, global_step)`` as its ``on_load_checkpoint`` read them), or of the one an earlier ``validate`` / ``test``
+    loaded into the module measured now, no optimizer step taken since (``held_checkpoint``: its weights are the
+    module's still), else the initial point (epoch ``-1``, step ``0``) for a model no optimizer step has touched (a
+    later fit must not overwrite it with its epoch 0), else the last epoch the fit trained (the step on a step axis),
+    where that fit recorded the same weights."""
     if _trainer_fn(trainer) not in ("validate", "test"):
         return at
-    loaded = checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+    loaded = checkpoint_point if getattr(trainer, "ckpt_path", None) else held_checkpoint
     if loaded is not None and loaded[1] > 0:
         return loaded[1] if x_axis == "step" else loaded[0]
     if trainer.global_step == 0:
@@ -516,6 +525,12 @@ class LayerCurves:
         self._layers: list[str] = []
         self._metrics: list[str] = []
         self._checkpoint_point: tuple[int, int] | None = None
+        # The checkpoint a validate / test loaded (its point, the module it went into, the trainer's step then): what a
+        # later evaluation of that module measures until an optimizer step; whether the state being loaded is one's
+        # of the run that recorded the points held (adds to them); and the trainer of that run.
+        self._held_checkpoint: tuple[weakref.ref[Any], tuple[int, int], int] | None = None
+        self._adds_to_held = False
+        self._recorded_by: weakref.ref[Any] | None = None
         self._facts: dict[str, Any] = {} if self.x_axis == "epoch" else {"x_axis": self.x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
@@ -688,7 +703,8 @@ class LayerCurves:
         if self._rewind_check and _fitting(trainer):
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
-        scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
+        scalars = self._scalars(self.record(self._evaluated_point(trainer, at, pl_module), values))
+        self._note_recorder(trainer)
         if _fitting(trainer):
             publish_scalars(trainer, scalars, step=self.logger_step(trainer))
         else:
@@ -714,13 +730,38 @@ class LayerCurves:
         too."""
         return int(trainer.global_step) if self.x_axis == "step" else log_step(trainer)
 
-    def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
+    def note_checkpoint(
+        self, epoch: int | None, global_step: int | None, *, trainer: Any = None, pl_module: Any = None
+    ) -> None:
         """Note the epoch and step of the checkpoint being loaded (the monitors call it from ``on_load_checkpoint``):
-        an evaluation of it is recorded there."""
-        self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
+        an evaluation of it is recorded there.
 
-    def _evaluated_point(self, trainer: Any, at: int) -> int:
-        return evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+        Given the ``trainer``, a checkpoint loaded by ``trainer.validate`` / ``trainer.test`` (an evaluation) is
+        noted as such: its weights stay those of ``pl_module``, so a later evaluation of that module without
+        ``ckpt_path`` (no optimizer step taken since) is recorded at the checkpoint's point too; and, when that trainer
+        recorded the points held (its run's, in its curve file), they are kept when the checkpoint's saved state is
+        loaded (:meth:`load_state_dict`)."""
+        self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
+        evaluating = trainer is not None and _trainer_fn(trainer) in ("validate", "test")
+        self._adds_to_held = evaluating and self._recorded_by is not None and self._recorded_by() is trainer
+        self._held_checkpoint = None
+        if evaluating and self._checkpoint_point is not None and pl_module is not None:
+            self._held_checkpoint = (weakref.ref(pl_module), self._checkpoint_point, int(trainer.global_step))
+
+    def _note_recorder(self, trainer: Any) -> None:
+        """Remember the trainer whose run the points held belong to (:meth:`note_checkpoint`)."""
+        try:
+            self._recorded_by = weakref.ref(trainer)
+        except TypeError:  # a stand-in that cannot be referenced weakly: no run to continue
+            self._recorded_by = None
+
+    def _evaluated_point(self, trainer: Any, at: int, pl_module: Any = None) -> int:
+        held = None
+        if self._held_checkpoint is not None:
+            module, point, step = self._held_checkpoint
+            if pl_module is not None and module() is pl_module and int(trainer.global_step) == step:
+                held = point
+        return evaluated_point(trainer, at, self.x_axis, self._checkpoint_point, held)
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the
@@ -739,6 +780,7 @@ class LayerCurves:
         if getattr(trainer, "sanity_checking", False):
             return
         scalars = self._scalars(self.record(self.initial_point, values))
+        self._note_recorder(trainer)
         if not trainer.is_global_zero:
             return
         if scalars:
@@ -900,6 +942,12 @@ class LayerCurves:
         for a rewind at its first training epoch (:meth:`start_epoch`; module docstring); values held before loading
         that the loaded state lacks are superseded then, not lost.
 
+        The state of a checkpoint that ``trainer.validate`` / ``trainer.test`` loads (:meth:`note_checkpoint`) into
+        curves holding points that the same trainer recorded (its run's, in its curve file) adds to them and takes
+        nothing away: the points held stay as they are, the state's points they lack and its superseded blocks are
+        added; nothing else changes (what a later ``fit`` resumes or rewinds). Other curves take the state whole, as
+        for a resume.
+
         Raises:
             ValueError: the state belongs to another namespace.
         """
@@ -907,6 +955,10 @@ class LayerCurves:
             raise ValueError(
                 f"cannot load curves of namespace {state_dict['namespace']!r} into namespace {self.namespace!r}"
             )
+        adds, self._adds_to_held = self._adds_to_held, False
+        if adds and (self._history or self._superseded):
+            self._add_saved_state(state_dict)
+            return
         self._before_loading = self._history
         self._superseded_before_loading = self._superseded
         self._history = _epochs_as_int(state_dict["history"])
@@ -921,6 +973,24 @@ class LayerCurves:
         ]
         self._rewind_check = True
         self._run_files.continues = True
+
+    def _add_saved_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Add to the curves held the points of a loaded state that they lack (in the state's layer and metric order
+        after theirs) and its superseded blocks; states keyed by another axis add nothing."""
+        saved_axis = state_dict.get("facts", {}).get("x_axis", "epoch")
+        if saved_axis != self.x_axis:
+            return
+        for point, values in sorted(_epochs_as_int(state_dict["history"]).items()):
+            if point not in self._history:
+                self._history[point] = values
+        self._layers += [layer for layer in state_dict["layers"] if layer not in self._layers]
+        self._metrics += [metric for metric in state_dict["metrics"] if metric not in self._metrics]
+        known = {_block_text(block) for block in self._superseded}
+        for block in state_dict.get("superseded", []):
+            block = {"resumed_at": block["resumed_at"], "history": _epochs_as_int(block["history"])}
+            if _block_text(block) not in known:
+                known.add(_block_text(block))
+                self._superseded.append(block)
 
     def _scalars(self, stored: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         return {

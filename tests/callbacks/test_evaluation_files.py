@@ -2,10 +2,34 @@
 a fit, a second fit into the same folder, a ``fast_dev_run``."""
 
 import pytest
+from pytorch_lightning.callbacks import ModelCheckpoint
 
 from rank_lightning.callbacks import ActivationRankMonitor, ClassificationDimension, WeightRankMonitor
 from rank_lightning.callbacks.curves import read_curve_file
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
+
+
+@pytest.mark.parametrize("evaluation", ["validate", "test"])
+def test_evaluating_an_older_checkpoint_keeps_the_fits_points(tmp_path, evaluation):
+    loader = small_loader(48)
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    trainer = quiet_trainer([monitor, saved], max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path)
+    model = SmallClassifier(lr=0.2)
+    model.test_step = model.validation_step
+    trainer.fit(model, loader, loader)
+    fitted = monitor.curves.history
+    assert sorted(fitted) == [-1, 0, 1, 2] and fitted[0] != fitted[2]
+    getattr(trainer, evaluation)(model, loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt", verbose=False)
+    assert sorted(monitor.curves.history) == [-1, 0, 1, 2]  # the checkpoint's saved curves drop none of them
+    trainer.validate(model, loader, verbose=False)  # the module holds the epoch-0 weights still
+    stored = read_curve_file(tmp_path / "rank_curves" / "rank_curves.json")
+    for history in (monitor.curves.history, stored["history"]):
+        assert sorted(history) == [-1, 0, 1, 2]
+        assert {e: history[e] for e in (-1, 1, 2)} == {e: fitted[e] for e in (-1, 1, 2)}
+        for metric, value in fitted[0]["net.1"].items():  # measured again, at the checkpoint's epoch
+            assert history[0]["net.1"][metric] == pytest.approx(value, rel=1e-12, abs=1e-12), metric
+    assert stored["superseded"] == []
 
 
 def test_a_fresh_fit_keeps_the_figures_of_another_run(tmp_path):
