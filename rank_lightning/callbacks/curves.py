@@ -399,6 +399,19 @@ def _block_text(block: Mapping[str, Any]) -> str:
     return json.dumps({"resumed_at": block["resumed_at"], "history": history}, sort_keys=True)
 
 
+def _point_text(values: Mapping[str, Any]) -> str:
+    """One point's values as canonical JSON text: equal values give equal texts (NaN included)."""
+    return json.dumps(values, sort_keys=True)
+
+
+def _weak(value: Any) -> weakref.ref[Any] | None:
+    """A weak reference to ``value``; ``None`` for one that cannot be referenced weakly (a stand-in trainer)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return None
+
+
 def _epochs_as_text(history: Mapping[int, Any]) -> dict[str, Any]:
     return {str(epoch): history[epoch] for epoch in sorted(history)}
 
@@ -531,6 +544,7 @@ class LayerCurves:
         self._held_checkpoint: tuple[weakref.ref[Any], tuple[int, int], int] | None = None
         self._adds_to_held = False
         self._recorded_by: weakref.ref[Any] | None = None
+        self._evaluated_by: weakref.ref[Any] | None = None  # the validate / test whose checkpoint is being loaded
         self._facts: dict[str, Any] = {} if self.x_axis == "epoch" else {"x_axis": self.x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
@@ -744,16 +758,14 @@ class LayerCurves:
         self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
         evaluating = trainer is not None and _trainer_fn(trainer) in ("validate", "test")
         self._adds_to_held = evaluating and self._recorded_by is not None and self._recorded_by() is trainer
+        self._evaluated_by = _weak(trainer) if evaluating else None
         self._held_checkpoint = None
         if evaluating and self._checkpoint_point is not None and pl_module is not None:
             self._held_checkpoint = (weakref.ref(pl_module), self._checkpoint_point, int(trainer.global_step))
 
     def _note_recorder(self, trainer: Any) -> None:
         """Remember the trainer whose run the points held belong to (:meth:`note_checkpoint`)."""
-        try:
-            self._recorded_by = weakref.ref(trainer)
-        except TypeError:  # a stand-in that cannot be referenced weakly: no run to continue
-            self._recorded_by = None
+        self._recorded_by = _weak(trainer)
 
     def _evaluated_point(self, trainer: Any, at: int, pl_module: Any = None) -> int:
         held = None
@@ -956,6 +968,7 @@ class LayerCurves:
                 f"cannot load curves of namespace {state_dict['namespace']!r} into namespace {self.namespace!r}"
             )
         adds, self._adds_to_held = self._adds_to_held, False
+        evaluation, self._evaluated_by = self._evaluated_by, None
         if adds and (self._history or self._superseded):
             self._add_saved_state(state_dict)
             return
@@ -973,6 +986,34 @@ class LayerCurves:
         ]
         self._rewind_check = True
         self._run_files.continues = True
+        trainer = None if evaluation is None else evaluation()
+        if trainer is not None:
+            self._take_curve_file(trainer)
+
+    def _take_curve_file(self, trainer: Any) -> None:
+        """For the state a ``validate`` / ``test`` loaded whole (into curves of another trainer: a fresh process), on
+        rank zero: the run directory's curve file continues the same run when every point both hold has the same
+        values; its points the state lacks (the epochs after the checkpoint) and its superseded blocks are then taken
+        in, so that rewriting it loses none of them. A file that disagrees (or shares no point) is another run's: it and
+        its figures are kept under another name at the first write (:meth:`claim`)."""
+        if not getattr(trainer, "is_global_zero", True) or not writes_files(trainer):
+            return
+        try:
+            content = read_curve_file(self.curve_path(trainer))
+            found, blocks = content["history"], content["superseded"]
+            same_axis = content["facts"].get("x_axis", "epoch") == self.x_axis
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no file, or not one this module wrote
+            return
+        shared = set(found) & set(self._history)
+        if not same_axis or not shared or any(_point_text(found[p]) != _point_text(self._history[p]) for p in shared):
+            self._run_files.continues = False
+            return
+        for point, values in sorted(found.items()):
+            self._history.setdefault(point, values)
+        self._layers += [layer for layer in content["layers"] if layer not in self._layers]
+        self._metrics += [metric for metric in content["metrics"] if metric not in self._metrics]
+        known = {_block_text(block) for block in self._superseded}
+        self._superseded += [block for block in blocks if _block_text(block) not in known]
 
     def _add_saved_state(self, state_dict: Mapping[str, Any]) -> None:
         """Add to the curves held the points of a loaded state that they lack (in the state's layer and metric order

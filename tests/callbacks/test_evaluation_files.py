@@ -62,3 +62,30 @@ def test_fast_dev_run_measures_but_writes_no_files(tmp_path):
     assert "rank/net.1/numerical_rank" in trainer.callback_metrics
     assert sorted(path.name for path in tmp_path.rglob("*")) == ["rank_curves", "rank_curves.json"]
     assert (tmp_path / "rank_curves" / "rank_curves.json").read_text() == "a real run's curves"
+
+
+def test_validating_an_older_checkpoint_anew_keeps_the_later_epochs_of_the_curve_file(tmp_path):
+    loader = small_loader(48)
+    fitted = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    trainer = quiet_trainer([fitted, saved], max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(SmallClassifier(lr=0.2), loader, loader)
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=6.ckpt"
+    # A new process validates the epoch-0 checkpoint in the fit's folder: the file's later epochs are this run's.
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    quiet_trainer([monitor], default_root_dir=tmp_path).validate(SmallClassifier(), loader, ckpt_path=checkpoint)
+    stored = read_curve_file(tmp_path / "rank_curves" / "rank_curves.json")["history"]
+    assert sorted(stored) == sorted(monitor.curves.history) == [-1, 0, 1, 2]
+    assert {e: stored[e] for e in (-1, 1, 2)} == {e: fitted.curves.history[e] for e in (-1, 1, 2)}
+    # In a folder holding another run's curves, those (and their figures) are kept under another name.
+    other = tmp_path / "other"
+    quiet_trainer([ActivationRankMonitor(layers=["net.1"], verbose=False)], max_epochs=1, default_root_dir=other).fit(
+        SmallClassifier(lr=0.2, seed=3), loader, loader
+    )
+    earlier = read_curve_file(other / "rank_curves" / "rank_curves.json")["history"]
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    with pytest.warns(UserWarning, match=r"rank_curves\.json held the curves of another run; they are kept as "):
+        quiet_trainer([monitor], default_root_dir=other).validate(SmallClassifier(), loader, ckpt_path=checkpoint)
+    assert read_curve_file(other / "rank_curves" / "rank_curves-v1.json")["history"] == earlier
+    assert (other / "rank_curves" / "rank_numerical_rank-v1.png").is_file()
+    assert sorted(read_curve_file(other / "rank_curves" / "rank_curves.json")["history"]) == [-1, 0]
