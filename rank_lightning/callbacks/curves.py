@@ -20,7 +20,14 @@ follows with those numbers, identically for every callback:
    first training epoch, :meth:`LayerCurves.start_epoch`) a warning names them, their values move under
    ``"superseded"`` (with every earlier superseded block the file or memory holds: never lost) and the curve file is
    rewritten. Values found there that were measured after the checkpoint was saved, of its weights (a save at the
-   end of a batch, before the validation that follows), stay in the history;
+   end of a batch, before the validation that follows), stay in the history. A checkpoint loaded outside a fit
+   (``trainer.validate`` / ``trainer.test`` with ``ckpt_path``) takes nothing away: the curves of the run that
+   recorded them (the same trainer) keep every point and only gain the checkpoint's points they lack; curves that
+   hold none (a new process) take the checkpoint's, and the run directory's curve file's later points when the file
+   agrees with them (a file that does not is another run's, kept under another name). Its measurement is recorded at
+   the checkpoint's epoch (or step), as is that of a later ``trainer.validate(model)`` of the module it was loaded
+   into, no optimizer step taken since; one of a checkpoint saved inside an epoch that the curves hold measured at
+   its end (later weights) is logged and returned, with a warning, but not recorded over that epoch;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -545,6 +552,7 @@ class LayerCurves:
         self._adds_to_held = False
         self._recorded_by: weakref.ref[Any] | None = None
         self._evaluated_by: weakref.ref[Any] | None = None  # the validate / test whose checkpoint is being loaded
+        self._checkpoint_unmeasured = False  # whether the saved curves of the checkpoint loaded lack its epoch
         self._facts: dict[str, Any] = {} if self.x_axis == "epoch" else {"x_axis": self.x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
@@ -645,6 +653,12 @@ class LayerCurves:
         """The caption line of the figures, from :meth:`describe`'s facts (empty when none were given)."""
         return caption_text(self._facts)
 
+    @staticmethod
+    def _as_floats(values: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+        return {
+            layer: {metric: _to_float(value) for metric, value in metrics.items()} for layer, metrics in values.items()
+        }
+
     def record(self, epoch: int, values: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
         """Store one epoch's values (replacing what that epoch held) without logging anything.
 
@@ -717,7 +731,17 @@ class LayerCurves:
         if self._rewind_check and _fitting(trainer):
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
-        scalars = self._scalars(self.record(self._evaluated_point(trainer, at, pl_module), values))
+        point = self._evaluated_point(trainer, at, pl_module)
+        if self._measured_later(trainer, pl_module, point):
+            log_rank_equal(pl_module, self._scalars(self._as_floats(values)))  # returned by validate / test
+            message = (
+                f"LayerCurves({self.namespace!r}): the checkpoint evaluated (epoch {point}, step "
+                f"{self._checkpoint_point[1]}) was saved before its epoch's measurement, which the curves hold, of "
+                f"later weights; its values are logged and returned, not recorded at epoch {point}"
+            )
+            warnings.warn(message, UserWarning, stacklevel=2)
+            return
+        scalars = self._scalars(self.record(point, values))
         self._note_recorder(trainer)
         if _fitting(trainer):
             publish_scalars(trainer, scalars, step=self.logger_step(trainer))
@@ -760,6 +784,7 @@ class LayerCurves:
         self._adds_to_held = evaluating and self._recorded_by is not None and self._recorded_by() is trainer
         self._evaluated_by = _weak(trainer) if evaluating else None
         self._held_checkpoint = None
+        self._checkpoint_unmeasured = False  # set when its saved curves are loaded
         if evaluating and self._checkpoint_point is not None and pl_module is not None:
             self._held_checkpoint = (weakref.ref(pl_module), self._checkpoint_point, int(trainer.global_step))
 
@@ -767,13 +792,33 @@ class LayerCurves:
         """Remember the trainer whose run the points held belong to (:meth:`note_checkpoint`)."""
         self._recorded_by = _weak(trainer)
 
-    def _evaluated_point(self, trainer: Any, at: int, pl_module: Any = None) -> int:
-        held = None
+    def _loaded_checkpoint(self, trainer: Any, pl_module: Any) -> tuple[int, int] | None:
+        """The checkpoint whose weights an evaluation measures now: the one it loaded (``ckpt_path``), or the one an
+        earlier evaluation loaded into ``pl_module``, no optimizer step taken since."""
+        if getattr(trainer, "ckpt_path", None):
+            return self._checkpoint_point
         if self._held_checkpoint is not None:
             module, point, step = self._held_checkpoint
             if pl_module is not None and module() is pl_module and int(trainer.global_step) == step:
-                held = point
-        return evaluated_point(trainer, at, self.x_axis, self._checkpoint_point, held)
+                return point
+        return None
+
+    def _evaluated_point(self, trainer: Any, at: int, pl_module: Any = None) -> int:
+        loaded = self._loaded_checkpoint(trainer, pl_module)
+        return evaluated_point(trainer, at, self.x_axis, loaded, loaded)
+
+    def _measured_later(self, trainer: Any, pl_module: Any, point: int) -> bool:
+        """Whether an evaluation of a checkpoint would write over the measurement of later weights: a checkpoint saved
+        inside an epoch (``ModelCheckpoint(every_n_train_steps=...)``), before that epoch was measured (its saved
+        curves lack the epoch), whose epoch the curves hold (measured at its end)."""
+        return (
+            not _fitting(trainer)
+            and self._checkpoint_unmeasured
+            and self.x_axis == "epoch"
+            and point in self._history
+            and self._loaded_checkpoint(trainer, pl_module) is not None
+            and point == self._checkpoint_point[0]
+        )
 
     def record_initial(self, trainer: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Record the untrained model's ``values`` at epoch ``-1`` (step ``0`` for a step axis) and send them to the
@@ -969,6 +1014,8 @@ class LayerCurves:
             )
         adds, self._adds_to_held = self._adds_to_held, False
         evaluation, self._evaluated_by = self._evaluated_by, None
+        saved = self._checkpoint_point
+        self._checkpoint_unmeasured = saved is not None and saved[0] not in _epochs_as_int(state_dict["history"])
         if adds and (self._history or self._superseded):
             self._add_saved_state(state_dict)
             return

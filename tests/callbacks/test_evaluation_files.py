@@ -89,3 +89,17 @@ def test_validating_an_older_checkpoint_anew_keeps_the_later_epochs_of_the_curve
     assert read_curve_file(other / "rank_curves" / "rank_curves-v1.json")["history"] == earlier
     assert (other / "rank_curves" / "rank_numerical_rank-v1.png").is_file()
     assert sorted(read_curve_file(other / "rank_curves" / "rank_curves.json")["history"]) == [-1, 0]
+
+
+def test_a_checkpoint_saved_inside_an_epoch_is_not_recorded_over_that_epochs_measurement(tmp_path):
+    loader = small_loader(48)  # 6 batches per epoch: step 3 is inside epoch 0
+    monitor = ActivationRankMonitor(layers=["net.1"], verbose=False)
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer = quiet_trainer([monitor, saved], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path)
+    model = SmallClassifier(lr=0.2)
+    trainer.fit(model, loader, loader)
+    fitted = monitor.curves.history
+    with pytest.warns(UserWarning, match=r"\(epoch 0, step 3\) was saved before its epoch's measurement"):
+        (results,) = trainer.validate(model, loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    assert results["rank/net.1/numerical_rank"] >= 1  # logged and returned
+    assert monitor.curves.history == fitted == read_curve_file(tmp_path / "rank_curves" / "rank_curves.json")["history"]
