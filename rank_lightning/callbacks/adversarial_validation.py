@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -308,6 +309,12 @@ class AdversarialValidation(RankCallback):
         self._when: dict[str, dict[int, dict[str, int]]] = {"validate": {}, "test": {}}  # epoch and step of each point
         self.x_axis = "epoch"  # what the history is keyed by: "step" when validation runs several times per epoch
         self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
+        # The trainer that recorded the history (its run's); whether the state being loaded (a validate / test of a
+        # checkpoint by that trainer) adds to it; the checkpoint such an evaluation loaded, its module and the
+        # trainer's step then: what a later evaluation of that module measures until an optimizer step.
+        self._recorded_by: weakref.ref[pl.Trainer] | None = None
+        self._adds_to_held = False
+        self._held_checkpoint: tuple[weakref.ref[Any], tuple[int, int], int] | None = None
 
     @property
     def _initial_point(self) -> int:
@@ -348,6 +355,11 @@ class AdversarialValidation(RankCallback):
         # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
         epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
         self._checkpoint_point = None if epoch is None or step is None else (int(epoch), int(step))
+        evaluating = trainer_fn(trainer) in ("validate", "test")
+        self._adds_to_held = evaluating and self._recorded_by is not None and self._recorded_by() is trainer
+        self._held_checkpoint = None
+        if evaluating and self._checkpoint_point is not None:
+            self._held_checkpoint = (weakref.ref(pl_module), self._checkpoint_point, int(trainer.global_step))
 
     @override
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -447,6 +459,18 @@ class AdversarialValidation(RankCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the history; that of a checkpoint a ``validate`` / ``test`` of the trainer that recorded the history
+        held loads only adds the points it lacks (keyed by the same axis): an older checkpoint's takes none away."""
+        adds, self._adds_to_held = self._adds_to_held, False
+        if adds and any(self.history.values()):
+            if state_dict.get("x_axis", "epoch") == self.x_axis:
+                for stage, epochs in state_dict["history"].items():
+                    for epoch, values in epochs.items():
+                        self.history.setdefault(stage, {}).setdefault(int(epoch), dict(values))
+                for stage, points in state_dict.get("when", {}).items():
+                    for point, when in points.items():
+                        self._when.setdefault(stage, {}).setdefault(int(point), dict(when))
+            return
         for stage, epochs in state_dict["history"].items():
             self.history[stage] = {int(epoch): dict(values) for epoch, values in epochs.items()}
         for stage, points in state_dict.get("when", {}).items():
@@ -476,7 +500,12 @@ class AdversarialValidation(RankCallback):
         # Every process holds the reduced values already: logging them unsynchronised lets every process monitor them.
         log_rank_equal(pl_module, self._namespaced(stage, values))
         at = trainer.global_step if self.x_axis == "step" else trainer.current_epoch
-        point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+        held = None
+        if self._held_checkpoint is not None:  # an earlier evaluation's checkpoint, still the module's weights
+            module, loaded, step = self._held_checkpoint
+            held = loaded if module() is pl_module and int(trainer.global_step) == step else None
+        point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point, held)
+        self._recorded_by = weakref.ref(trainer)
         self.history[stage][point] = values
         self._when[stage][point] = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step)}
         if trainer.is_global_zero and writes_files(trainer):  # none in a debug run (fast_dev_run)

@@ -1,11 +1,21 @@
 """The files and points a user already has survive evaluation calls and debug runs: an older checkpoint evaluated after
 a fit, a second fit into the same folder, a ``fast_dev_run``."""
 
+import json
+
 import pytest
+import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from rank_lightning.callbacks import ActivationRankMonitor, ClassificationDimension, WeightRankMonitor
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    AdversarialValidation,
+    ClassificationDimension,
+    WeightRankMonitor,
+)
 from rank_lightning.callbacks.curves import read_curve_file
+from rank_lightning.data import DigitsDataModule
+from rank_lightning.modules import ImageClassifier
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
 
@@ -103,3 +113,23 @@ def test_a_checkpoint_saved_inside_an_epoch_is_not_recorded_over_that_epochs_mea
         (results,) = trainer.validate(model, loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
     assert results["rank/net.1/numerical_rank"] >= 1  # logged and returned
     assert monitor.curves.history == fitted == read_curve_file(tmp_path / "rank_curves" / "rank_curves.json")["history"]
+
+
+def test_adversarial_evaluations_of_an_older_checkpoint_keep_the_fits_points(tmp_path):
+    torch.manual_seed(0)
+    model = ImageClassifier(backbone="mlp", backbone_kwargs={"depth": 1, "width": 16}, input_shape=(1, 8, 8))
+    callback = AdversarialValidation(eps=[2 / 255], attacks=["fgsm"], max_samples=32, verbose=False)
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    options = dict(limit_train_batches=2, limit_val_batches=1, inference_mode=False, default_root_dir=tmp_path)
+    trainer = quiet_trainer([callback, saved], max_epochs=3, enable_checkpointing=True, **options)
+    data = DigitsDataModule(batch_size=64)
+    trainer.fit(model, datamodule=data)
+    fitted = {point: dict(values) for point, values in callback.history["validate"].items()}
+    assert sorted(fitted)[-3:] == [0, 1, 2]
+    trainer.validate(model, datamodule=data, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt", verbose=False)
+    trainer.validate(model, datamodule=data, verbose=False)  # the module holds the epoch-0 weights still
+    history = callback.history["validate"]
+    assert sorted(history) == sorted(fitted) and history[1] == fitted[1] and history[2] == fitted[2]
+    assert history[0]["clean_acc"] == pytest.approx(fitted[0]["clean_acc"], abs=1e-12)
+    stored = json.loads((tmp_path / "rank_curves" / "adversarial.json").read_text())
+    assert sorted(int(point) for point in stored) == sorted(fitted)
