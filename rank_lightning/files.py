@@ -6,7 +6,8 @@ over it (:func:`replace_file`): a disk that fills up, a folder that turns read-o
 write leaves the earlier file whole, and two processes writing the same file never mix their bytes. What the
 callbacks cannot write they report with :func:`unwritten_warning` and go on: the values are in the loggers, in memory
 and in checkpoints. A file of another run found where a run writes its own (a second fit into the same folder) is kept
-under another name (:class:`RunFiles`).
+under another name (:class:`RunFiles`). A debug run (``Trainer(fast_dev_run=...)``), for which Lightning writes no logs
+and no checkpoints, gets no files either (:func:`writes_files`): its callbacks measure and log as usual.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["RunFiles", "free_version", "replace_file", "unwritten_warning"]
+__all__ = ["RunFiles", "free_version", "replace_file", "unwritten_warning", "writes_files"]
 
 
 def replace_file(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
@@ -40,6 +41,13 @@ def replace_file(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path
         with contextlib.suppress(OSError):  # gone once renamed; a folder turned read-only keeps the first error
             partial.unlink(missing_ok=True)
     return path
+
+
+def writes_files(trainer: object) -> bool:
+    """Whether the callbacks write files for the run of ``trainer``: not for a debug run (``fast_dev_run``), for which
+    Lightning writes no logs and no checkpoints either; its files would land in ``default_root_dir`` (the working
+    directory by default) and push the files of a real run there aside (:class:`RunFiles`)."""
+    return not getattr(trainer, "fast_dev_run", False)
 
 
 def unwritten_warning(path: str | Path, error: BaseException, kept: str) -> str:

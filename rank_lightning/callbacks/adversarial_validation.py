@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -40,7 +41,7 @@ from rank_lightning.callbacks.curves import (
     run_directory,
     wandb_loggers,
 )
-from rank_lightning.files import RunFiles
+from rank_lightning.files import RunFiles, writes_files
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
 from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import process_share
@@ -312,6 +313,12 @@ class AdversarialValidation(RankCallback):
         self._fit_steps: dict[int, int] = {}  # the optimizer step of each evaluation a fit recorded on an epoch axis
         self.x_axis = "epoch"  # what the history is keyed by: "step" when validation runs several times per epoch
         self._run_files = RunFiles(type(self).__name__)  # an earlier run's JSON in the same folder is kept aside
+        # The trainer that recorded the history (its run's); whether the state being loaded (a validate / test of a
+        # checkpoint by that trainer) adds to it; the checkpoint such an evaluation loaded, its module and the
+        # trainer's step then: what a later evaluation of that module measures until an optimizer step.
+        self._recorded_by: weakref.ref[pl.Trainer] | None = None
+        self._adds_to_held = False
+        self._held_checkpoint: tuple[weakref.ref[Any], tuple[int, int], int] | None = None
 
     @property
     def _initial_point(self) -> int:
@@ -359,6 +366,11 @@ class AdversarialValidation(RankCallback):
         # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
         epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
         self._checkpoint_point = None if epoch is None or step is None else (int(epoch), int(step))
+        evaluating = trainer_fn(trainer) in ("validate", "test")
+        self._adds_to_held = evaluating and self._recorded_by is not None and self._recorded_by() is trainer
+        self._held_checkpoint = None
+        if evaluating and self._checkpoint_point is not None:
+            self._held_checkpoint = (weakref.ref(pl_module), self._checkpoint_point, int(trainer.global_step))
 
     @override
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -459,6 +471,18 @@ class AdversarialValidation(RankCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the history; that of a checkpoint a ``validate`` / ``test`` of the trainer that recorded the history
+        held loads only adds the points it lacks (keyed by the same axis): an older checkpoint's takes none away."""
+        adds, self._adds_to_held = self._adds_to_held, False
+        if adds and any(self.history.values()):
+            if state_dict.get("x_axis", "epoch") == self.x_axis:
+                for stage, epochs in state_dict["history"].items():
+                    for epoch, values in epochs.items():
+                        self.history.setdefault(stage, {}).setdefault(int(epoch), dict(values))
+                for stage, points in state_dict.get("when", {}).items():
+                    for point, when in points.items():
+                        self._when.setdefault(stage, {}).setdefault(int(point), dict(when))
+            return
         for stage, epochs in state_dict["history"].items():
             self.history[stage] = {int(epoch): dict(values) for epoch, values in epochs.items()}
         for stage, points in state_dict.get("when", {}).items():
@@ -489,25 +513,31 @@ class AdversarialValidation(RankCallback):
         # Every process holds the reduced values already: logging them unsynchronised lets every process monitor them.
         log_rank_equal(pl_module, self._namespaced(stage, values))
         at = trainer.global_step if self.x_axis == "step" else trainer.current_epoch
-        point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+        held = None
+        if self._held_checkpoint is not None:  # an earlier evaluation's checkpoint, still the module's weights
+            module, loaded, step = self._held_checkpoint
+            held = loaded if module() is pl_module and int(trainer.global_step) == step else None
+        point = evaluated_point(trainer, at, self.x_axis, self._checkpoint_point, held)
         if trainer_fn(trainer) == "fit":
             if self.x_axis == "epoch":
                 self._fit_steps[point] = int(trainer.global_step)
-        elif stage == "validate" and self._holds_other_weights(trainer, point):
+        elif stage == "validate" and self._holds_other_weights(trainer, point, held):
             return
+        self._recorded_by = weakref.ref(trainer)
         self.history[stage][point] = values
         self._when[stage][point] = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step)}
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and writes_files(trainer):  # none in a debug run (fast_dev_run)
             self._write(trainer, stage)
 
-    def _holds_other_weights(self, trainer: pl.Trainer, point: int) -> bool:
+    def _holds_other_weights(self, trainer: pl.Trainer, point: int, held: tuple[int, int] | None) -> bool:
         """Whether a ``trainer.validate`` would replace, at the epoch ``point``, the fit's evaluation of other weights
         (the fit validated inside that epoch and took more optimizer steps after it): its values are then logged (and
-        returned) but kept out of the history, with a warning."""
+        returned) but kept out of the history, with a warning. ``held``: the checkpoint an earlier evaluation loaded
+        into the module, whose weights it still holds."""
         recorded = self._fit_steps.get(point)
         if self.x_axis != "epoch" or recorded is None or point not in self.history["validate"]:
             return False
-        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else held
         now = loaded[1] if loaded is not None and loaded[1] > 0 else int(trainer.global_step)
         if now == recorded:
             return False
@@ -584,7 +614,8 @@ class AdversarialValidation(RankCallback):
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
         """The stage's history as JSON and the last evaluation's figure, each replaced in one step; one that cannot be
         written or drawn is a warning naming it (the values are in the loggers and in checkpoints). A JSON file of
-        another run there is kept as ``<stem>-v<n>.json`` (:class:`~rank_lightning.files.RunFiles`)."""
+        another run there is kept as ``<stem>-v<n>.json`` (its figure as ``<stem>-v<n>.png``,
+        :class:`~rank_lightning.files.RunFiles`)."""
         directory = run_directory(trainer) / FIGURE_DIR
         stem = "adversarial" if stage == "validate" else "adversarial_test"
         history = self.history[stage]
@@ -607,17 +638,21 @@ class AdversarialValidation(RankCallback):
             title = f"{_NAMESPACES[stage]}, step {when.get(point, {}).get('step', max(point, 0))}"
         else:
             title = f"{_NAMESPACES[stage]}, epoch {point}"
-        figure_path = self.draw_file(
-            directory / f"{stem}.png",
-            lambda: adversarial_figure(
-                self._curves(last),
-                [float(grey_levels(eps)) for eps in self.eps],
-                last["clean_acc"],
-                title,
-                feature_layer=None if self._feature_layer is None else self._feature_layer.name,
-            ),
-            kept,
-        )
+        figure_path = None
+        if self._run_files.claim(directory / f"{stem}.png", "adversarial figures"):  # another run's is kept aside
+            figure_path = self.draw_file(
+                directory / f"{stem}.png",
+                lambda: adversarial_figure(
+                    self._curves(last),
+                    [float(grey_levels(eps)) for eps in self.eps],
+                    last["clean_acc"],
+                    title,
+                    feature_layer=None if self._feature_layer is None else self._feature_layer.name,
+                ),
+                kept,
+            )
+        if figure_path is not None:
+            self._run_files.wrote(figure_path)
         loggers = wandb_loggers(trainer)
         if loggers:
             self._log_wandb(loggers, trainer, stage, last, figure_path)

@@ -803,7 +803,9 @@ class CurveMonitor(RankCallback):
         if self.tuner_restores(trainer, checkpoint):
             return
         # trainer.validate(ckpt_path=...) starts at step 0: the checkpoint says which point its weights are.
-        self.curves.note_checkpoint(checkpoint.get("epoch"), checkpoint.get("global_step"))
+        self.curves.note_checkpoint(
+            checkpoint.get("epoch"), checkpoint.get("global_step"), trainer=trainer, pl_module=pl_module
+        )
         self._adopt_saved_state(checkpoint)
 
     def _adopt_saved_state(self, checkpoint: dict[str, Any]) -> None:

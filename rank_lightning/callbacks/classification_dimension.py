@@ -29,7 +29,7 @@ from rank_lightning.callbacks.base import (
     val_loaders,
 )
 from rank_lightning.callbacks.curves import log_rank_equal, run_directory, wandb_loggers
-from rank_lightning.files import RunFiles
+from rank_lightning.files import RunFiles, writes_files
 from rank_lightning.functional.classification import (
     ClassificationDimension as ClassificationDimensionResult,
 )
@@ -503,7 +503,7 @@ class ClassificationDimension(RankCallback):
             )
         self.result, self.deficit = result, deficit
         directory = run_directory(trainer) / CLSDIM_DIR
-        figure = self._write_files(directory, result, deficit)
+        figure = self._write_files(directory, result, deficit) if writes_files(trainer) else None
         self._log_wandb(trainer, result, deficit, figure)
         how = "centred" if self.center else "uncentred"
         self.info(

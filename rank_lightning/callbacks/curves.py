@@ -20,7 +20,14 @@ follows with those numbers, identically for every callback:
    first training epoch, :meth:`LayerCurves.start_epoch`) a warning names them, their values move under
    ``"superseded"`` (with every earlier superseded block the file or memory holds: never lost) and the curve file is
    rewritten. Values found there that were measured after the checkpoint was saved, of its weights (a save at the
-   end of a batch, before the validation that follows), stay in the history;
+   end of a batch, before the validation that follows), stay in the history. A checkpoint loaded outside a fit
+   (``trainer.validate`` / ``trainer.test`` with ``ckpt_path``) takes nothing away: the curves of the run that
+   recorded them (the same trainer) keep every point and only gain the checkpoint's points they lack; curves that
+   hold none (a new process) take the checkpoint's, and the run directory's curve file's later points when the file
+   agrees with them (a file that does not is another run's, kept under another name). Its measurement is recorded at
+   the checkpoint's epoch (or step), as is that of a later ``trainer.validate(model)`` of the module it was loaded
+   into, no optimizer step taken since; one of a checkpoint saved inside an epoch that the curves hold measured at
+   its end (later weights) is logged and returned, with a warning, but not recorded over that epoch;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -39,8 +46,9 @@ follows with those numbers, identically for every callback:
    per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in
    words, with a caption line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance).
    Each file is replaced in one step; one that cannot be written (a full disk, a read-only folder) or drawn is a
-   warning naming the path and the error, and the fit goes on. A curve file of another run found where a fresh history
-   writes its first is kept under another name (:meth:`LayerCurves.claim`).
+   warning naming the path and the error, and the fit goes on. A curve file or figure of another run found where a fresh
+   history writes its first is kept under another name (:meth:`LayerCurves.claim`). A debug run
+   (``Trainer(fast_dev_run=...)``) writes no files (:func:`~rank_lightning.files.writes_files`): it measures and logs.
 
 A value measured before the first training step is recorded at epoch ``-1`` (:data:`INITIAL_EPOCH`) by
 :meth:`LayerCurves.record_initial`, which sends it straight to the loggers (``pl_module.log`` is not allowed in
@@ -93,6 +101,7 @@ import json
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,7 +109,7 @@ from typing import Any
 import torch
 
 from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
-from rank_lightning.files import RunFiles, replace_file, unwritten_warning
+from rank_lightning.files import RunFiles, replace_file, unwritten_warning, writes_files
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -311,8 +320,10 @@ def check_distinct_namespaces(trainer: Any, callback: Any) -> None:
 def _start_figure_workers(trainer: Any, curves: LayerCurves) -> None:
     """Start the processes that help draw the run's figures, once their number is known: the metrics recorded so far
     by ``curves`` and by the curves of the trainer's other callbacks (:func:`~rank_lightning.figure_workers.
-    start_figure_workers`; none for a run of few figures). Called on rank zero after each record: workers that run
-    already are kept, so matplotlib's import is done in them while the model trains."""
+    start_figure_workers`; none for a run of few figures, or one that writes no files). Called on rank zero after each
+    record: workers that run already are kept, so matplotlib's import is done in them while the model trains."""
+    if not writes_files(trainer):
+        return
     others = (getattr(callback, "curves", None) for callback in getattr(trainer, "callbacks", None) or [])
     run = {id(c): c for c in (curves, *others) if isinstance(c, LayerCurves)}
     start_figure_workers(sum(len(c.drawn_metrics) * len(c.figure_layer_groups()) for c in run.values()))
@@ -342,15 +353,23 @@ def _last_trained_epoch(trainer: Any) -> int:
     return started - 1 if isinstance(started, int) and started > 0 else int(trainer.current_epoch)
 
 
-def evaluated_point(trainer: Any, at: int, x_axis: str, checkpoint_point: tuple[int, int] | None = None) -> int:
+def evaluated_point(
+    trainer: Any,
+    at: int,
+    x_axis: str,
+    checkpoint_point: tuple[int, int] | None = None,
+    held_checkpoint: tuple[int, int] | None = None,
+) -> int:
     """Where values measured now are recorded in a history keyed by ``x_axis`` (``"epoch"`` or ``"step"``): ``at``
     during ``fit``; for ``validate`` / ``test``, the epoch or step of the checkpoint loaded (``checkpoint_point``,
-    ``(epoch, global_step)`` as its ``on_load_checkpoint`` read them), else the initial point (epoch ``-1``, step
-    ``0``) for a model no optimizer step has touched (a later fit must not overwrite it with its epoch 0), else the
-    last epoch the fit trained (the step on a step axis), where that fit recorded the same weights."""
+    ``(epoch, global_step)`` as its ``on_load_checkpoint`` read them), or of the one an earlier ``validate`` / ``test``
+    loaded into the module measured now, no optimizer step taken since (``held_checkpoint``: its weights are the
+    module's still), else the initial point (epoch ``-1``, step ``0``) for a model no optimizer step has touched (a
+    later fit must not overwrite it with its epoch 0), else the last epoch the fit trained (the step on a step axis),
+    where that fit recorded the same weights."""
     if _trainer_fn(trainer) not in ("validate", "test"):
         return at
-    loaded = checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+    loaded = checkpoint_point if getattr(trainer, "ckpt_path", None) else held_checkpoint
     if loaded is not None and loaded[1] > 0:
         return loaded[1] if x_axis == "step" else loaded[0]
     if trainer.global_step == 0:
@@ -385,6 +404,19 @@ def _block_text(block: Mapping[str, Any]) -> str:
     """A superseded block as canonical JSON text: equal blocks give equal texts (NaN included)."""
     history = {str(e): block["history"][e] for e in sorted(block["history"], key=int)}
     return json.dumps({"resumed_at": block["resumed_at"], "history": history}, sort_keys=True)
+
+
+def _point_text(values: Mapping[str, Any]) -> str:
+    """One point's values as canonical JSON text: equal values give equal texts (NaN included)."""
+    return json.dumps(values, sort_keys=True)
+
+
+def _weak(value: Any) -> weakref.ref[Any] | None:
+    """A weak reference to ``value``; ``None`` for one that cannot be referenced weakly (a stand-in trainer)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return None
 
 
 def _epochs_as_text(history: Mapping[int, Any]) -> dict[str, Any]:
@@ -517,6 +549,14 @@ class LayerCurves:
         # The optimizer step of each point a fit recorded on an epoch axis: an evaluation after it of other weights
         # (a validation inside the last epoch, then more steps) must not replace the fit's measurement.
         self._steps: dict[int, int] = {}
+        # The checkpoint a validate / test loaded (its point, the module it went into, the trainer's step then): what a
+        # later evaluation of that module measures until an optimizer step; whether the state being loaded is one's
+        # of the run that recorded the points held (adds to them); and the trainer of that run.
+        self._held_checkpoint: tuple[weakref.ref[Any], tuple[int, int], int] | None = None
+        self._adds_to_held = False
+        self._recorded_by: weakref.ref[Any] | None = None
+        self._evaluated_by: weakref.ref[Any] | None = None  # the validate / test whose checkpoint is being loaded
+        self._checkpoint_unmeasured = False  # whether the saved curves of the checkpoint loaded lack its epoch
         self._facts: dict[str, Any] = {} if self.x_axis == "epoch" else {"x_axis": self.x_axis}
         self._superseded: list[dict[str, Any]] = []
         self._wandb_layer_table_logged = False
@@ -617,6 +657,12 @@ class LayerCurves:
         """The caption line of the figures, from :meth:`describe`'s facts (empty when none were given)."""
         return caption_text(self._facts)
 
+    @staticmethod
+    def _as_floats(values: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+        return {
+            layer: {metric: _to_float(value) for metric, value in metrics.items()} for layer, metrics in values.items()
+        }
+
     def record(self, epoch: int, values: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
         """Store one epoch's values (replacing what that epoch held) without logging anything.
 
@@ -696,10 +742,20 @@ class LayerCurves:
         if self._rewind_check and _fitting(trainer):
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
-        point = self._evaluated_point(trainer, at)
+        point = self._evaluated_point(trainer, at, pl_module)
+        if self._measured_later(trainer, pl_module, point):
+            log_rank_equal(pl_module, self._scalars(self._as_floats(values)))  # returned by validate / test
+            message = (
+                f"LayerCurves({self.namespace!r}): the checkpoint evaluated (epoch {point}, step "
+                f"{self._checkpoint_point[1]}) was saved before its epoch's measurement, which the curves hold, of "
+                f"later weights; its values are logged and returned, not recorded at epoch {point}"
+            )
+            warnings.warn(message, UserWarning, stacklevel=2)
+            return
         if self._holds_other_weights(trainer, pl_module, point, values):
             return
         scalars = self._scalars(self.record(point, values))
+        self._note_recorder(trainer)
         if _fitting(trainer):
             if self.x_axis == "epoch":
                 self._steps[point] = int(getattr(trainer, "global_step", 0))
@@ -731,13 +787,57 @@ class LayerCurves:
         too."""
         return int(trainer.global_step) if self.x_axis == "step" else log_step(trainer)
 
-    def note_checkpoint(self, epoch: int | None, global_step: int | None) -> None:
+    def note_checkpoint(
+        self, epoch: int | None, global_step: int | None, *, trainer: Any = None, pl_module: Any = None
+    ) -> None:
         """Note the epoch and step of the checkpoint being loaded (the monitors call it from ``on_load_checkpoint``):
-        an evaluation of it is recorded there."""
-        self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
+        an evaluation of it is recorded there.
 
-    def _evaluated_point(self, trainer: Any, at: int) -> int:
-        return evaluated_point(trainer, at, self.x_axis, self._checkpoint_point)
+        Given the ``trainer``, a checkpoint loaded by ``trainer.validate`` / ``trainer.test`` (an evaluation) is
+        noted as such: its weights stay those of ``pl_module``, so a later evaluation of that module without
+        ``ckpt_path`` (no optimizer step taken since) is recorded at the checkpoint's point too; and, when that trainer
+        recorded the points held (its run's, in its curve file), they are kept when the checkpoint's saved state is
+        loaded (:meth:`load_state_dict`)."""
+        self._checkpoint_point = None if epoch is None or global_step is None else (int(epoch), int(global_step))
+        evaluating = trainer is not None and _trainer_fn(trainer) in ("validate", "test")
+        self._adds_to_held = evaluating and self._recorded_by is not None and self._recorded_by() is trainer
+        self._evaluated_by = _weak(trainer) if evaluating else None
+        self._held_checkpoint = None
+        self._checkpoint_unmeasured = False  # set when its saved curves are loaded
+        if evaluating and self._checkpoint_point is not None and pl_module is not None:
+            self._held_checkpoint = (weakref.ref(pl_module), self._checkpoint_point, int(trainer.global_step))
+
+    def _note_recorder(self, trainer: Any) -> None:
+        """Remember the trainer whose run the points held belong to (:meth:`note_checkpoint`)."""
+        self._recorded_by = _weak(trainer)
+
+    def _loaded_checkpoint(self, trainer: Any, pl_module: Any) -> tuple[int, int] | None:
+        """The checkpoint whose weights an evaluation measures now: the one it loaded (``ckpt_path``), or the one an
+        earlier evaluation loaded into ``pl_module``, no optimizer step taken since."""
+        if getattr(trainer, "ckpt_path", None):
+            return self._checkpoint_point
+        if self._held_checkpoint is not None:
+            module, point, step = self._held_checkpoint
+            if pl_module is not None and module() is pl_module and int(trainer.global_step) == step:
+                return point
+        return None
+
+    def _evaluated_point(self, trainer: Any, at: int, pl_module: Any = None) -> int:
+        loaded = self._loaded_checkpoint(trainer, pl_module)
+        return evaluated_point(trainer, at, self.x_axis, loaded, loaded)
+
+    def _measured_later(self, trainer: Any, pl_module: Any, point: int) -> bool:
+        """Whether an evaluation of a checkpoint would write over the measurement of later weights: a checkpoint saved
+        inside an epoch (``ModelCheckpoint(every_n_train_steps=...)``), before that epoch was measured (its saved
+        curves lack the epoch), whose epoch the curves hold (measured at its end)."""
+        return (
+            not _fitting(trainer)
+            and self._checkpoint_unmeasured
+            and self.x_axis == "epoch"
+            and point in self._history
+            and self._loaded_checkpoint(trainer, pl_module) is not None
+            and point == self._checkpoint_point[0]
+        )
 
     def _holds_other_weights(
         self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
@@ -748,12 +848,11 @@ class LayerCurves:
         recorded = self._steps.get(point)
         if _fitting(trainer) or self.x_axis != "epoch" or recorded is None or point not in self._history:
             return False
-        loaded = self._checkpoint_point if getattr(trainer, "ckpt_path", None) else None
+        loaded = self._loaded_checkpoint(trainer, pl_module)
         now = loaded[1] if loaded is not None and loaded[1] > 0 else int(getattr(trainer, "global_step", 0))
         if now == recorded:
             return False
-        floats = {layer: {metric: _to_float(value) for metric, value in row.items()} for layer, row in values.items()}
-        log_rank_equal(pl_module, self._scalars(floats))
+        log_rank_equal(pl_module, self._scalars(self._as_floats(values)))
         if getattr(trainer, "is_global_zero", True) and (point, now) not in self._warned_other_weights:
             self._warned_other_weights.add((point, now))
             warnings.warn(
@@ -783,6 +882,7 @@ class LayerCurves:
         if getattr(trainer, "sanity_checking", False):
             return
         scalars = self._scalars(self.record(self.initial_point, values))
+        self._note_recorder(trainer)
         if not trainer.is_global_zero:
             return
         if scalars:
@@ -864,12 +964,17 @@ class LayerCurves:
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
 
+        A figure of another run found where this one draws its first is kept as ``<name>-v<n>.png`` (:meth:`claim`),
+        as the curve file is. A debug run (``fast_dev_run``) draws none (:func:`~rank_lightning.files.writes_files`).
+
         Returns:
-            Paths of the files (empty on other ranks or before anything was recorded).
+            Paths of the files (empty on other ranks, in a debug run or before anything was recorded).
         """
-        if not trainer.is_global_zero or not self._history:
+        if not trainer.is_global_zero or not self._history or not writes_files(trainer):
             return []
         jobs, drawn = self._figure_jobs(self.figure_dir(trainer), self.drawn_metrics)
+        claimed = [self.claim(job.path, "figures") for job in jobs]
+        jobs, drawn = [j for j, c in zip(jobs, claimed) if c], [m for m, c in zip(drawn, claimed) if c]
         try:
             results = draw_figures(jobs)
         except Exception as error:  # the workers' setting or machinery: draw here instead, never fail the run
@@ -890,6 +995,7 @@ class LayerCurves:
                     stacklevel=2,
                 )
             else:
+                self._run_files.wrote(result)
                 paths.append(result)
         return paths
 
@@ -940,6 +1046,12 @@ class LayerCurves:
         for a rewind at its first training epoch (:meth:`start_epoch`; module docstring); values held before loading
         that the loaded state lacks are superseded then, not lost.
 
+        The state of a checkpoint that ``trainer.validate`` / ``trainer.test`` loads (:meth:`note_checkpoint`) into
+        curves holding points that the same trainer recorded (its run's, in its curve file) adds to them and takes
+        nothing away: the points held stay as they are, the state's points they lack and its superseded blocks are
+        added; nothing else changes (what a later ``fit`` resumes or rewinds). Other curves take the state whole, as
+        for a resume.
+
         Raises:
             ValueError: the state belongs to another namespace.
         """
@@ -947,6 +1059,13 @@ class LayerCurves:
             raise ValueError(
                 f"cannot load curves of namespace {state_dict['namespace']!r} into namespace {self.namespace!r}"
             )
+        adds, self._adds_to_held = self._adds_to_held, False
+        evaluation, self._evaluated_by = self._evaluated_by, None
+        saved = self._checkpoint_point
+        self._checkpoint_unmeasured = saved is not None and saved[0] not in _epochs_as_int(state_dict["history"])
+        if adds and (self._history or self._superseded):
+            self._add_saved_state(state_dict)
+            return
         self._before_loading = self._history
         self._superseded_before_loading = self._superseded
         self._history = _epochs_as_int(state_dict["history"])
@@ -962,6 +1081,54 @@ class LayerCurves:
         self._steps = {int(point): int(step) for point, step in state_dict.get("steps", {}).items()}
         self._rewind_check = True
         self._run_files.continues = True
+        trainer = None if evaluation is None else evaluation()
+        if trainer is not None:
+            self._take_curve_file(trainer)
+
+    def _take_curve_file(self, trainer: Any) -> None:
+        """For the state a ``validate`` / ``test`` loaded whole (into curves of another trainer: a fresh process), on
+        rank zero: the run directory's curve file continues the same run when every point both hold has the same
+        values; its points the state lacks (the epochs after the checkpoint) and its superseded blocks are then taken
+        in, so that rewriting it loses none of them. A file that disagrees (or shares no point) is another run's: it and
+        its figures are kept under another name at the first write (:meth:`claim`)."""
+        if not getattr(trainer, "is_global_zero", True) or not writes_files(trainer):
+            return
+        try:
+            content = read_curve_file(self.curve_path(trainer))
+            found, blocks = content["history"], content["superseded"]
+            same_axis = content["facts"].get("x_axis", "epoch") == self.x_axis
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no file, or not one this module wrote
+            return
+        shared = set(found) & set(self._history)
+        if not same_axis or not shared or any(_point_text(found[p]) != _point_text(self._history[p]) for p in shared):
+            self._run_files.continues = False
+            return
+        for point, values in sorted(found.items()):
+            self._history.setdefault(point, values)
+        self._layers += [layer for layer in content["layers"] if layer not in self._layers]
+        self._metrics += [metric for metric in content["metrics"] if metric not in self._metrics]
+        known = {_block_text(block) for block in self._superseded}
+        self._superseded += [block for block in blocks if _block_text(block) not in known]
+
+    def _add_saved_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Add to the curves held the points of a loaded state that they lack (in the state's layer and metric order
+        after theirs) and its superseded blocks; states keyed by another axis add nothing."""
+        saved_axis = state_dict.get("facts", {}).get("x_axis", "epoch")
+        if saved_axis != self.x_axis:
+            return
+        for point, values in sorted(_epochs_as_int(state_dict["history"]).items()):
+            if point not in self._history:
+                self._history[point] = values
+        for point, step in state_dict.get("steps", {}).items():  # the fit's step of each point the state adds
+            self._steps.setdefault(int(point), int(step))
+        self._layers += [layer for layer in state_dict["layers"] if layer not in self._layers]
+        self._metrics += [metric for metric in state_dict["metrics"] if metric not in self._metrics]
+        known = {_block_text(block) for block in self._superseded}
+        for block in state_dict.get("superseded", []):
+            block = {"resumed_at": block["resumed_at"], "history": _epochs_as_int(block["history"])}
+            if _block_text(block) not in known:
+                known.add(_block_text(block))
+                self._superseded.append(block)
 
     def _scalars(self, stored: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         return {
@@ -1038,7 +1205,10 @@ class LayerCurves:
 
     def _write_curve_file(self, trainer: Any) -> None:
         """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
-        path and error, and the fit goes on: the history stays in memory and in checkpoints."""
+        path and error, and the fit goes on: the history stays in memory and in checkpoints. A debug run
+        (``fast_dev_run``) writes none (:func:`~rank_lightning.files.writes_files`)."""
+        if not writes_files(trainer):
+            return
         path = self.curve_path(trainer)
         if not self.claim(path, "curves"):
             return

@@ -15,6 +15,7 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import CurveMonitor
 from rank_lightning.callbacks.curves import check_distinct_namespaces, check_namespace, wandb_loggers
 from rank_lightning.distributed import SHARDINGS, fsdp_parameter_shapes, weight_matrix_spectra
+from rank_lightning.files import writes_files
 from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
 from rank_lightning.layers import check_layer_types, select_layers
@@ -551,7 +552,8 @@ class WeightRankMonitor(CurveMonitor):
         # Written beside and renamed over: a failed or killed write leaves the file of an earlier run whole, and a full
         # disk or a read-only folder is a warning.
         kept = "these singular values are not kept (the curves are, in the loggers and in checkpoints)"
-        if self.curves.claim(directory, "singular values"):  # an earlier run's are kept under another name
+        # An earlier run's are kept under another name; a debug run (fast_dev_run) writes none.
+        if writes_files(trainer) and self.curves.claim(directory, "singular values"):
             self.write_file(path, lambda handle: np.savez_compressed(handle, **arrays), kept)
         loggers = wandb_loggers(trainer)
         if loggers:

@@ -67,7 +67,8 @@ def test_a_tuned_fit_keeps_the_curve_file_another_run_left_in_its_folder(tmp_pat
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=data)
     messages = [str(w.message) for w in caught if "LayerCurves" in str(w.message)]
-    assert len(messages) == 1 and "kept as rank_curves-v1.json" in messages[0]
+    assert len(messages) == 2 and "kept as rank_curves-v1.json" in messages[0]
+    assert "kept as rank_stable_rank-v1.png" in messages[1]  # its figure, too
     assert read_curve_file(tmp_path / "rank_curves" / "rank_curves-v1.json")["history"] == earlier
     ours = read_curve_file(tmp_path / "rank_curves" / "rank_curves.json")
     assert sorted(ours["history"]) == [-1, 0] and ours["superseded"] == []

@@ -111,6 +111,7 @@ def test_a_second_fit_into_the_same_folder_keeps_the_files_of_the_first_under_an
     first = fit(seed=0)
     directory = tmp_path / FIGURE_DIR
     spectra = (directory / "weight_singular_values" / "epoch_0001.npz").read_bytes()
+    figure = (directory / "weight_stable_rank.png").read_bytes()
     with pytest.warns(UserWarning) as caught:
         second = fit(seed=1)
     assert sorted(str(w.message) for w in caught if "another run" in str(w.message)) == [
@@ -118,7 +119,10 @@ def test_a_second_fit_into_the_same_folder_keeps_the_files_of_the_first_under_an
         "weight_curves-v1.json and this run writes its own",
         f"LayerCurves('weight'): {directory / 'weight_singular_values'} held the singular values of another run; they "
         "are kept as weight_singular_values-v1 and this run writes its own",
+        f"LayerCurves('weight'): {directory / 'weight_stable_rank.png'} held the figures of another run; they are "
+        "kept as weight_stable_rank-v1.png and this run writes its own",
     ]
+    assert (directory / "weight_stable_rank-v1.png").read_bytes() == figure
     assert read_curve_file(directory / "weight_curves-v1.json")["history"] == first.curves.history
     assert read_curve_file(directory / "weight_curves.json")["history"] == second.curves.history
     assert first.curves.history != second.curves.history
