@@ -743,16 +743,9 @@ class LayerCurves:
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
         point = self._evaluated_point(trainer, at, pl_module)
-        if self._measured_later(trainer, pl_module, point):
-            log_rank_equal(pl_module, self._scalars(self._as_floats(values)))  # returned by validate / test
-            message = (
-                f"LayerCurves({self.namespace!r}): the checkpoint evaluated (epoch {point}, step "
-                f"{self._checkpoint_point[1]}) was saved before its epoch's measurement, which the curves hold, of "
-                f"later weights; its values are logged and returned, not recorded at epoch {point}"
-            )
-            warnings.warn(message, UserWarning, stacklevel=2)
-            return
-        if self._holds_other_weights(trainer, pl_module, point, values):
+        if self._measured_later(trainer, pl_module, point, values) or self._holds_other_weights(
+            trainer, pl_module, point, values
+        ):
             return
         scalars = self._scalars(self.record(point, values))
         self._note_recorder(trainer)
@@ -826,11 +819,14 @@ class LayerCurves:
         loaded = self._loaded_checkpoint(trainer, pl_module)
         return evaluated_point(trainer, at, self.x_axis, loaded, loaded)
 
-    def _measured_later(self, trainer: Any, pl_module: Any, point: int) -> bool:
+    def _measured_later(
+        self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
+    ) -> bool:
         """Whether an evaluation of a checkpoint would write over the measurement of later weights: a checkpoint saved
         inside an epoch (``ModelCheckpoint(every_n_train_steps=...)``), before that epoch was measured (its saved
-        curves lack the epoch), whose epoch the curves hold (measured at its end)."""
-        return (
+        curves lack the epoch), whose epoch the curves hold (measured at its end). Its values are then logged through
+        the module (``trainer.validate`` / ``trainer.test`` return them) but not recorded, with a warning."""
+        later = (
             not _fitting(trainer)
             and self._checkpoint_unmeasured
             and self.x_axis == "epoch"
@@ -838,6 +834,15 @@ class LayerCurves:
             and self._loaded_checkpoint(trainer, pl_module) is not None
             and point == self._checkpoint_point[0]
         )
+        if later:
+            log_rank_equal(pl_module, self._scalars(self._as_floats(values)))
+            message = (
+                f"LayerCurves({self.namespace!r}): the checkpoint evaluated (epoch {point}, step "
+                f"{self._checkpoint_point[1]}) was saved before its epoch's measurement, which the curves hold, of "
+                f"later weights; its values are logged and returned, not recorded at epoch {point}"
+            )
+            warnings.warn(message, UserWarning, stacklevel=3)
+        return later
 
     def _holds_other_weights(
         self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
