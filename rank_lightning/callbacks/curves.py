@@ -964,13 +964,12 @@ class LayerCurves:
         """Draw, on rank zero, one PNG per metric: metric vs epoch (line per layer) beside metric vs depth.
 
         The figures are shared between this process and worker processes where the machine has idle cores
-        (:func:`~rank_lightning.figure_workers.draw_figures`); the files are written when this returns.
+        (:func:`~rank_lightning.figure_workers.draw_figures`); the files are written when this returns. A figure of
+        another run found where this one draws its first is kept as ``<name>-v<n>.png`` (:meth:`claim`), as the curve
+        file is. A debug run (``fast_dev_run``) draws none (:func:`~rank_lightning.files.writes_files`).
 
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
-
-        A figure of another run found where this one draws its first is kept as ``<name>-v<n>.png`` (:meth:`claim`),
-        as the curve file is. A debug run (``fast_dev_run``) draws none (:func:`~rank_lightning.files.writes_files`).
 
         Returns:
             Paths of the files (empty on other ranks, in a debug run or before anything was recorded).
