@@ -80,8 +80,9 @@ class ActivationRankMonitor(CurveMonitor):
     (:class:`~rank_lightning.callbacks.base.Cadence`); gradient accumulation counts optimizer steps, and every DDP
     process closes the same window. Step curves are keyed by ``trainer.global_step`` in the curve file, the figures and
     the W&B charts; the initial point is step ``0``. Sanity checks are skipped. Hooks exist only while an epoch is
-    monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64 history) is rewritten every
-    monitored epoch and the figures are drawn at the end of fit, both in ``<run dir>/rank_curves/``
+    monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64 history) is brought up to date
+    at every monitored epoch (each point appended, at a cost that does not grow with the history) and the figures
+    are drawn at the end of fit, both in ``<run dir>/rank_curves/``
     (:class:`~rank_lightning.callbacks.curves.LayerCurves`); the history is saved in checkpoints, so a resumed run
     continues its curves.
 

@@ -31,16 +31,22 @@ follows with those numbers, identically for every callback:
    W&B table of one row per line and point, which W&B cuts at ``wandb.Table.MAX_ROWS`` rows (10,000): a longer
    history is charted on fewer points (epochs), evenly spaced, first and last included;
 4. writes, on rank zero, into ``<run dir>/rank_curves/``: ``{namespace}_curves.json`` (layers in depth order and the
-   whole history, rewritten at every recorded epoch so that runs without a CSV logger can be reported on; read back
-   by :func:`read_curve_file`) and, when :meth:`LayerCurves.write_figures` is called (by :meth:`LayerCurves.finish`,
-   which the owning callback calls in ``on_fit_end``; also after every ``figures_every_n_epochs``-th recorded epoch
-   when set), one PNG figure per metric, ``{namespace}_{metric}.png`` (characters other than letters, digits and
-   ``_.=-`` become ``_``; :func:`~rank_lightning.plotting.layer_curves_figure`): the metric against epoch, one line
-   per layer, beside the metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in
-   words, with a caption line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance).
-   Each file is replaced in one step; one that cannot be written (a full disk, a read-only folder) or drawn is a
-   warning naming the path and the error, and the fit goes on. A curve file of another run found where a fresh history
-   writes its first is kept under another name (:meth:`LayerCurves.claim`).
+   whole history, kept up to date at every recorded epoch so that runs without a CSV logger can be reported on; read
+   back by :func:`read_curve_file`: each point is appended, as one JSON line, to a file that the curve file names
+   under ``"appended"`` (``.{namespace}_curves.json.<random>.jsonl``), and the curve file is rewritten whole, with
+   every point, once as many points were appended as it holds, when a resume changes the history, and when the
+   figures are drawn (:meth:`LayerCurves.write_figures`, by :meth:`LayerCurves.finish` at the end of fit); so a
+   record costs the same at the 10th point and at the 3,000th, and a run killed at any moment leaves files that
+   :func:`read_curve_file` reads whole) and, when
+   :meth:`LayerCurves.write_figures` is called (by :meth:`LayerCurves.finish`, which the owning callback calls in
+   ``on_fit_end``; also after every ``figures_every_n_epochs``-th recorded epoch when set), one PNG figure per
+   metric, ``{namespace}_{metric}.png`` (characters other than letters, digits and ``_.=-`` become ``_``;
+   :func:`~rank_lightning.plotting.layer_curves_figure`): the metric against epoch, one line per layer, beside the
+   metric against depth, one line per epoch (at most ``max_depth_curves`` epochs), titled in words, with a caption
+   line built from what :meth:`LayerCurves.describe` was told (split, N, reduction, tolerance). Each file is replaced
+   in one step (the appended points aside); one that cannot be written (a full disk, a read-only folder) or drawn is
+   a warning naming the path and the error, and the fit goes on. A curve file of another run found where a fresh
+   history writes its first is kept under another name (:meth:`LayerCurves.claim`).
 
 A value measured before the first training step is recorded at epoch ``-1`` (:data:`INITIAL_EPOCH`) by
 :meth:`LayerCurves.record_initial`, which sends it straight to the loggers (``pl_module.log`` is not allowed in
@@ -88,10 +94,12 @@ are and never raise.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
 import re
+import secrets
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -100,7 +108,7 @@ from typing import Any
 import torch
 
 from rank_lightning.figure_workers import FigureJob, draw_figures, start_figure_workers
-from rank_lightning.files import RunFiles, replace_file, unwritten_warning
+from rank_lightning.files import RunFiles, file_stamp, replace_file, unwritten_warning
 from rank_lightning.plotting import (
     INITIAL_EPOCH,
     Reference,
@@ -118,6 +126,7 @@ __all__ = [
     "TEST_SUFFIX",
     "X_AXES",
     "LayerCurves",
+    "append_curve_point",
     "check_distinct_namespaces",
     "check_namespace",
     "epoch_ranges",
@@ -404,15 +413,17 @@ def write_curve_file(
     *,
     facts: Mapping[str, Any] | None = None,
     superseded: list[Mapping[str, Any]] | None = None,
+    appended: str | None = None,
 ) -> None:
     """Write curves as JSON: ``{"namespace", "layers", "metrics", "history": {epoch: {layer: {metric: value}}}}``.
 
-    Two keys are added only when there is something to say: ``"facts"`` (how the values were measured,
-    :meth:`LayerCurves.describe`) and ``"superseded"`` (``[{"resumed_at": epoch, "history": {...}}, ...]``: the
-    values of epochs that a resumed fit trained again). NaN and Inf are written as JSON's ``NaN`` / ``Infinity``
-    literals, which :func:`read_curve_file` reads back. The file is replaced in one step (written beside it, then
-    renamed: :func:`~rank_lightning.files.replace_file`), so that a run killed while writing leaves the previous
-    version whole.
+    Three keys are added only when there is something to say: ``"facts"`` (how the values were measured,
+    :meth:`LayerCurves.describe`), ``"superseded"`` (``[{"resumed_at": epoch, "history": {...}}, ...]``: the
+    values of epochs that a resumed fit trained again) and ``"appended"`` (the name of a file beside it that later
+    points are appended to, one JSON line each: :func:`append_curve_point`). NaN and Inf are written as JSON's
+    ``NaN`` / ``Infinity`` literals, which :func:`read_curve_file` reads back. The file is replaced in one step
+    (written beside it, then renamed: :func:`~rank_lightning.files.replace_file`), so that a run killed while writing
+    leaves the previous version whole.
 
     Raises:
         OSError: the file could not be written (the previous version is then whole).
@@ -425,19 +436,43 @@ def write_curve_file(
         content["superseded"] = [
             {"resumed_at": block["resumed_at"], "history": _epochs_as_text(block["history"])} for block in superseded
         ]
+    if appended:
+        content["appended"] = appended
     text = json.dumps(content).encode()
     replace_file(path, lambda file: file.write(text))
 
 
+def append_curve_point(
+    path: Path, point: int, values: Mapping[str, Mapping[str, float]], facts: Mapping[str, Any] | None = None
+) -> None:
+    """Append one point's values to ``path``, the file a curve file names under ``"appended"``: one JSON line
+    ``{"point": point, "values": {layer: {metric: value}}}`` (with ``"facts"`` when they changed), written after a
+    newline, so that a line cut short by a killed run stands alone and is skipped by :func:`read_curve_file`.
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    line: dict[str, Any] = {"point": int(point), "values": values}
+    if facts:
+        line["facts"] = dict(facts)
+    with open(path, "ab") as file:
+        file.write(b"\n" + json.dumps(line).encode())
+
+
 def read_curve_file(path: str | Path) -> dict[str, Any]:
-    """Read what :func:`write_curve_file` wrote; epochs come back as ``int``.
+    """Read what :func:`write_curve_file` wrote, with the points appended since (:func:`append_curve_point`; a line
+    cut short by a killed run is skipped); epochs come back as ``int``.
 
     Returns:
         A dict with the keys ``namespace`` (str), ``layers`` and ``metrics`` (lists), ``history``
         (``epoch -> layer -> metric -> value``), ``facts`` (a dict) and ``superseded`` (a list of
         ``{"resumed_at": epoch, "history": ...}``); the last two are empty when the file has none.
     """
-    content = json.loads(Path(path).read_text())
+    path = Path(path)
+    content = json.loads(path.read_text())
+    appended = content.pop("appended", None)
+    if isinstance(appended, str) and Path(appended).name == appended:
+        _apply_appended(content, path.with_name(appended))
     content["history"] = _epochs_as_int(content["history"])
     content.setdefault("facts", {})
     content["superseded"] = [
@@ -445,6 +480,53 @@ def read_curve_file(path: str | Path) -> dict[str, Any]:
         for block in content.get("superseded", [])
     ]
     return content
+
+
+def _apply_appended(content: dict[str, Any], path: Path) -> None:
+    """Add to ``content`` (a curve file read) the points appended to ``path`` since it was written (none when the file
+    is missing): each replaces what its point held; new layers and metrics join the orders in first-seen order."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except FileNotFoundError:
+        return
+    layers, metrics = content.setdefault("layers", []), content.setdefault("metrics", [])
+    for text in lines:
+        try:
+            line = json.loads(text) if text.strip() else None
+        except ValueError:  # cut short by a run killed while appending it
+            continue
+        if not isinstance(line, dict) or "point" not in line or not isinstance(line.get("values"), dict):
+            continue
+        content.setdefault("history", {})[str(line["point"])] = line["values"]
+        for layer, values in line["values"].items():
+            if layer not in layers:
+                layers.append(layer)
+            metrics.extend(metric for metric in dict.fromkeys(values) if metric not in metrics)
+        if isinstance(line.get("facts"), dict):
+            content["facts"] = {**content.get("facts", {}), **line["facts"]}
+
+
+def _appended_path(path: Path) -> Path | None:
+    """The file of appended points that the curve file ``path`` names (``None`` when it names none, or is no curve
+    file)."""
+    try:
+        with open(path, "rb") as file:
+            name = json.loads(file.read()).get("appended")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path.with_name(name) if isinstance(name, str) and Path(name).name == name else None
+
+
+class _CurveTail:
+    """Where the points recorded since the curve file was last rewritten are appended (rank zero)."""
+
+    def __init__(self, path: Path, points: int, facts: Mapping[str, Any]) -> None:
+        self.name = f".{path.name}.{secrets.token_hex(4)}.jsonl"
+        self.path = path.with_name(self.name)
+        self.base_points = points  # points the curve file holds: rewritten once as many are appended (amortized O(1))
+        self.appended = 0
+        self.facts = dict(facts)
+        self.stamp: tuple[int, int, int] | None = None  # the curve file as written: changed by another, rewrite
 
 
 class LayerCurves:
@@ -525,6 +607,11 @@ class LayerCurves:
         # The files and folders of the run directory this history has made its own (claim); a history loaded from a
         # checkpoint continues a saved run, whose files are its own already.
         self._run_files = RunFiles(f"LayerCurves({self.namespace!r})")
+        self._tail: _CurveTail | None = None  # where the next points are appended to the curve file (rank zero)
+        # Files of appended points that the next whole rewrite of the curve file replaces (then removes), and whether
+        # the curve file found before the first rewrite (its own: a resumed run's) was asked for the one it names.
+        self._retired: list[Path] = []
+        self._looked_for_appended = False
 
     def claim(self, path: Path, what: str) -> bool:
         """Make ``path`` (a file or folder of the run directory that this history writes) this run's, before its first
@@ -685,7 +772,8 @@ class LayerCurves:
         if self._rewind_check and _fitting(trainer):
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
-        scalars = self._scalars(self.record(self._evaluated_point(trainer, at), values))
+        point = self._evaluated_point(trainer, at)
+        scalars = self._scalars(self.record(point, values))
         if _fitting(trainer):
             publish_scalars(trainer, scalars, step=self.logger_step(trainer))
         else:
@@ -696,7 +784,7 @@ class LayerCurves:
         self._published = self._published or bool(scalars)
         if not trainer.is_global_zero:
             return
-        self._write_curve_file(trainer)
+        self._write_curve_file(trainer, point)
         _start_figure_workers(trainer, self)
         trained = len([epoch for epoch in self._history if epoch != self.initial_point])
         if self.wandb_charts and (trained == 1 or trained % self.wandb_charts_every_n_epochs == 0):
@@ -741,7 +829,7 @@ class LayerCurves:
         if scalars:
             for logger in getattr(trainer, "loggers", None) or []:
                 logger.log_metrics({**scalars, "epoch": INITIAL_EPOCH}, step=trainer.global_step)
-        self._write_curve_file(trainer)
+        self._write_curve_file(trainer, self.initial_point)
         _start_figure_workers(trainer, self)
 
     def start_epoch(self, trainer: Any) -> None:
@@ -797,7 +885,8 @@ class LayerCurves:
         return frozenset(self._logged_keys)
 
     def finish(self, trainer: Any) -> None:
-        """End of fit: send the W&B charts if they miss recorded epochs, and write the figures (rank zero only)."""
+        """End of fit: send the W&B charts if they miss recorded epochs, and write the figures (rank zero only), which
+        rewrites the curve file whole (:meth:`write_figures`)."""
         if not trainer.is_global_zero:
             return
         if self.wandb_charts and self._history and self._charted_epochs != self.epochs:
@@ -809,7 +898,8 @@ class LayerCurves:
         return run_directory(trainer) / FIGURE_DIR
 
     def write_figures(self, trainer: Any) -> list[Path]:
-        """Draw, on rank zero, one PNG per metric: metric vs epoch (line per layer) beside metric vs depth.
+        """Draw, on rank zero, one PNG per metric: metric vs epoch (line per layer) beside metric vs depth; and
+        rewrite the curve file whole first, the points appended since its last rewrite in it (module docstring).
 
         The figures are shared between this process and worker processes where the machine has idle cores
         (:func:`~rank_lightning.figure_workers.draw_figures`); the files are written when this returns.
@@ -822,6 +912,8 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
+        if self._tail is not None and self._tail.appended:  # the curve file one JSON file again, as the figures show
+            self._write_curve_file(trainer, compact=True)
         jobs, drawn = self._figure_jobs(self.figure_dir(trainer), self.drawn_metrics)
         try:
             results = draw_figures(jobs)
@@ -912,6 +1004,7 @@ class LayerCurves:
         ]
         self._rewind_check = True
         self._run_files.continues = True
+        self._retire_tail()
 
     def _scalars(self, stored: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         return {
@@ -935,6 +1028,7 @@ class LayerCurves:
         loaded_last = max((e for e in self._history if e != self.initial_point), default=None)
         cut = epoch if loaded_last is None or resumed_at else min(epoch, loaded_last + 1)
         rewound = {e: self._history.pop(e) for e in [e for e in self._history if e >= epoch]}
+        self._retire_tail()  # the history changes here: the curve file is rewritten at its next write
         found, found_blocks = self._found_elsewhere(trainer)
         after_loaded = self.initial_point if loaded_last is None else loaded_last
         kept: History = {}
@@ -986,13 +1080,25 @@ class LayerCurves:
         """``<run dir>/rank_curves/<namespace>_curves.json``, the curve file."""
         return self.figure_dir(trainer) / f"{self.namespace}_curves.json"
 
-    def _write_curve_file(self, trainer: Any) -> None:
-        """Rewrite the curve file; one that cannot be written (a full disk, a read-only folder) is a warning, once per
-        path and error, and the fit goes on: the history stays in memory and in checkpoints."""
+    def _write_curve_file(self, trainer: Any, point: int | None = None, *, compact: bool = False) -> None:
+        """Write the curve file: append ``point``'s values to the file it names under ``"appended"``
+        (:func:`append_curve_point`), a cost that does not grow with the history; or rewrite it whole (the history
+        with every point), when there is no such file yet in this process, the history changed otherwise (a resume),
+        the curve file was changed by another, as many points were appended as it holds (so that the rewrites cost
+        O(1) per point on average), or at ``compact`` (:meth:`finish`: one JSON file again). A file that cannot be
+        written (a full disk, a read-only folder) is a warning, once per path and error, and the fit goes on: the
+        history stays in memory and in checkpoints."""
         path = self.curve_path(trainer)
         if not self.claim(path, "curves"):
             return
         try:
+            if not compact and point is not None and self._append_point(path, point):
+                return
+            self._retire_tail()
+            if not self._looked_for_appended:  # a resumed run's file, its points read into the history by now
+                self._looked_for_appended = True
+                self._retired.extend(p for p in [_appended_path(path)] if p is not None)
+            fresh = None if compact else _CurveTail(path, len(self._history), self._facts)
             write_curve_file(
                 path,
                 self.namespace,
@@ -1001,14 +1107,43 @@ class LayerCurves:
                 self._history,
                 facts=self._facts,
                 superseded=self._superseded,
+                appended=None if fresh is None else fresh.name,
             )
+            self._run_files.wrote(path)
+            if fresh is not None:
+                fresh.stamp = file_stamp(path)
+                self._tail = fresh
+            for retired in self._retired:  # their points are in the file just written (not those of another folder's)
+                if retired.parent == path.parent and retired.name.startswith(f".{path.name}."):
+                    with contextlib.suppress(OSError):
+                        retired.unlink(missing_ok=True)
+            self._retired = []
         except OSError as error:
+            self._retire_tail()  # a point not written (or cut short): the next write rewrites the file whole
             if (str(path), repr(error)) not in self._unwritten:
                 self._unwritten.add((str(path), repr(error)))
                 kept = "the curves are kept in memory, in checkpoints and in the loggers"
                 warnings.warn(f"LayerCurves: {unwritten_warning(path, error, kept)}", RuntimeWarning, stacklevel=3)
-        else:
-            self._run_files.wrote(path)
+
+    def _append_point(self, path: Path, point: int) -> bool:
+        """Append ``point``'s values to the file the curve file ``path`` names, when it may be: whether it was.
+
+        Raises:
+            OSError: the file could not be written.
+        """
+        tail = self._tail
+        if tail is None or tail.appended >= tail.base_points or file_stamp(path) != tail.stamp:
+            return False
+        append_curve_point(tail.path, point, self._history[point], self._facts if self._facts != tail.facts else None)
+        tail.appended += 1
+        tail.facts = dict(self._facts)
+        return True
+
+    def _retire_tail(self) -> None:
+        """Append no more to the current file of appended points: the next write rewrites the curve file whole."""
+        if self._tail is not None:
+            self._retired.append(self._tail.path)
+            self._tail = None
 
     def _value(self, epoch: int, layer: str, metric: str) -> float:
         return self._history[epoch].get(layer, {}).get(metric, math.nan)
