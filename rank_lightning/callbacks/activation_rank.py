@@ -258,7 +258,8 @@ class ActivationRankMonitor(CurveMonitor):
         ``epoch = -1`` at step 0, straight to the loggers. With a ``WandbLogger``, also the charts
         ``rank_curves/<r><metric>_vs_epoch`` and ``rank_curves/<r><metric>_vs_depth`` and the table
         ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``); the charts hold the whole history
-        and are sent after the first monitored epoch, every fifth one and at the end of fit.
+        and are sent after the first monitored epoch, the 5th, 10th, 20th, 40th... (each time the history has
+        doubled) and at the end of fit.
 
         ``trainer.test`` (``on_test``, ``stage="val"``): the same metrics of the test data under
         ``rank_test/<layer>/<r><metric>`` (``<namespace>_test/``), logged through the module, so that

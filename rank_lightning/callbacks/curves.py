@@ -25,11 +25,12 @@ follows with those numbers, identically for every callback:
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
    ``max_depth_curves`` epochs), plus once the table ``"{namespace}_curves/layers"`` mapping depth index to layer.
-   Each chart carries the whole history, so they are sent after the first recorded epoch, after every
-   ``wandb_charts_every_n_epochs``-th, and by :meth:`LayerCurves.finish` at the end of fit (not after every epoch,
-   which would upload a quadratically growing amount); the scalars themselves go to W&B every epoch. A chart is a
-   W&B table of one row per line and point, which W&B cuts at ``wandb.Table.MAX_ROWS`` rows (10,000): a longer
-   history is charted on fewer points (epochs), evenly spaced, first and last included;
+   Each chart carries the whole history, so they are sent after the first recorded epoch, after the ``n``-th,
+   ``2n``-th, ``4n``-th, ``8n``-th... (``n`` is ``wandb_charts_every_n_epochs``: each time the history has doubled),
+   and by :meth:`LayerCurves.finish` at the end of fit (not after every epoch or every ``n``-th, which would upload a
+   quadratically growing amount: a chart of 10,000 rows takes W&B about 0.3 s to build); the scalars themselves go to
+   W&B every epoch. A chart is a W&B table of one row per line and point, which W&B cuts at ``wandb.Table.MAX_ROWS``
+   rows (10,000): a longer history is charted on fewer points (epochs), evenly spaced, first and last included;
 4. writes, on rank zero, into ``<run dir>/rank_curves/``: ``{namespace}_curves.json`` (layers in depth order and the
    whole history, kept up to date at every recorded epoch so that runs without a CSV logger can be reported on; read
    back by :func:`read_curve_file`: each point is appended, as one JSON line, to a file that the curve file names
@@ -506,6 +507,16 @@ def _apply_appended(content: dict[str, Any], path: Path) -> None:
             content["facts"] = {**content.get("facts", {}), **line["facts"]}
 
 
+def _charts_due(trained: int, every: int) -> bool:
+    """Whether the W&B charts are sent after the ``trained``-th recorded point: the first, then the ``every``-th,
+    ``2 * every``-th, ``4 * every``-th... (each chart carries the whole history: a constant cadence would send a
+    quadratically growing amount, tens of seconds per send for long step-cadence runs)."""
+    if trained == 1:
+        return True
+    times, rest = divmod(trained, every)
+    return rest == 0 and times & (times - 1) == 0
+
+
 def _appended_path(path: Path) -> Path | None:
     """The file of appended points that the curve file ``path`` names (``None`` when it names none, or is no curve
     file)."""
@@ -537,8 +548,8 @@ class LayerCurves:
         figures_every_n_epochs: also redraw the PNG figures after every this many recorded epochs; ``None`` draws
             them only when :meth:`write_figures` is called (by :meth:`finish`, at the end of fit).
         wandb_charts: log the line-series charts to W&B when a ``WandbLogger`` is attached.
-        wandb_charts_every_n_epochs: send the charts after every this many recorded epochs (and after the first, and
-            at :meth:`finish`).
+        wandb_charts_every_n_epochs: send the charts after this many recorded epochs, then each time the history has
+            doubled (``2n``, ``4n``, ...; and after the first, and at :meth:`finish`).
         max_depth_curves: at most this many epochs (evenly spaced, first and last included) are drawn in the
             metric-vs-depth figures and charts.
         x_axis: what the history is keyed by: ``"epoch"`` (``trainer.current_epoch``, the initial point at ``-1``)
@@ -787,7 +798,7 @@ class LayerCurves:
         self._write_curve_file(trainer, point)
         _start_figure_workers(trainer, self)
         trained = len([epoch for epoch in self._history if epoch != self.initial_point])
-        if self.wandb_charts and (trained == 1 or trained % self.wandb_charts_every_n_epochs == 0):
+        if self.wandb_charts and _charts_due(trained, self.wandb_charts_every_n_epochs):
             self._log_wandb_charts(trainer)
         if self.figures_every_n_epochs is not None and trained % self.figures_every_n_epochs == 0:
             self.write_figures(trainer)

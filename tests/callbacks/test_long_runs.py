@@ -101,3 +101,23 @@ def test_a_resumed_fit_supersedes_the_appended_points_of_the_killed_run(tmp_path
     assert content["history"] == _expected(range(50, 350, 50))
     assert content["superseded"] == [{"resumed_at": 201, "history": _expected(range(250, 550, 50))}]
     assert len(list((tmp_path / FIGURE_DIR).glob(".rank_curves.json.*.jsonl"))) == 1  # the killed run's is gone
+
+
+def test_wandb_charts_are_sent_each_time_the_history_doubles(tmp_path):
+    class WandbLogger:
+        def __init__(self) -> None:
+            self.log_dir = str(tmp_path)
+            self.sent: list[int] = []
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            if "rank_curves/m_vs_step" in metrics:
+                self.sent.append(step)
+
+        def save(self) -> None:
+            pass
+
+    logger = WandbLogger()
+    curves = LayerCurves("rank", x_axis="step", wandb_charts_every_n_epochs=2)
+    _record_steps(curves, _trainer(tmp_path, [logger]), range(1, 41))
+    # Each chart carries the whole history: after the 1st, 2nd, 4th, 8th, 16th and 32nd points, not every 2nd.
+    assert logger.sent == [1, 2, 4, 8, 16, 32]
