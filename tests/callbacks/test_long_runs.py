@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import rank_lightning.callbacks.curves as curves_module
 from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, read_curve_file
@@ -121,3 +123,15 @@ def test_wandb_charts_are_sent_each_time_the_history_doubles(tmp_path):
     _record_steps(curves, _trainer(tmp_path, [logger]), range(1, 41))
     # Each chart carries the whole history: after the 1st, 2nd, 4th, 8th, 16th and 32nd points, not every 2nd.
     assert logger.sent == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_checkpoint_saves_each_layer_and_metric_name_once_not_once_per_point(tmp_path):
+    curves = LayerCurves("rank", x_axis="step")
+    for step in range(1, 201):  # the monitors build the names anew at every measurement
+        curves.record(step, {"".join(["block.", "0"]): {"".join(["numerical_", "rank"]): float(step)}})
+    saved = pickle.dumps(curves.state_dict())
+    assert (saved.count(b"numerical_rank"), saved.count(b"block.0")) == (1, 1)
+    torch.save(curves.state_dict(), tmp_path / "state.pt")
+    restored = LayerCurves("rank", x_axis="step")
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert restored.history == {step: {"block.0": {"numerical_rank": float(step)}} for step in range(1, 201)}
