@@ -932,7 +932,7 @@ class LayerCurves:
         """
         if not trainer.is_global_zero or not self._history:
             return []
-        if self._tail is not None and self._tail.appended:  # the curve file one JSON file again, as the figures show
+        if (self._tail is not None and self._tail.appended) or self._retired:  # one JSON file again, every point in it
             self._write_curve_file(trainer, compact=True)
         jobs, drawn = self._figure_jobs(self.figure_dir(trainer), self.drawn_metrics)
         try:

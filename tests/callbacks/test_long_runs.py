@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import pickle
 from pathlib import Path
@@ -14,6 +15,10 @@ import rank_lightning.callbacks.curves as curves_module
 from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, read_curve_file
 
 _MODULE = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def _trainer(tmp_path: Path, loggers: list | None = None) -> SimpleNamespace:
@@ -135,3 +140,18 @@ def test_a_checkpoint_saves_each_layer_and_metric_name_once_not_once_per_point(t
     restored = LayerCurves("rank", x_axis="step")
     restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert restored.history == {step: {"block.0": {"numerical_rank": float(step)}} for step in range(1, 201)}
+
+
+def test_a_point_that_could_not_be_appended_is_in_the_curve_file_after_the_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(curves_module, "draw_figures", lambda jobs, **kwargs: [job.path for job in jobs])
+    curves, trainer = LayerCurves("rank", x_axis="step", wandb_charts=False), _trainer(tmp_path)
+    _record_steps(curves, trainer, range(1, 4))  # rewritten whole at the 3rd
+    with monkeypatch.context() as full_disk:
+        full_disk.setattr(curves_module, "append_curve_point", _no_space)
+        with pytest.warns(RuntimeWarning, match="No space left on device"):
+            _record_steps(curves, trainer, range(4, 5))
+    path = tmp_path / FIGURE_DIR / "rank_curves.json"
+    assert read_curve_file(path)["history"] == _expected(range(1, 4))
+    curves.finish(trainer)  # the last point measured, written with the figures
+    assert read_curve_file(path)["history"] == _expected(range(1, 5))
+    assert [p.name for p in path.parent.iterdir()] == ["rank_curves.json"]
