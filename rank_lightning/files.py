@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["RunFiles", "free_version", "replace_file", "unwritten_warning", "writes_files"]
+__all__ = ["RunFiles", "file_stamp", "free_version", "replace_file", "unwritten_warning", "writes_files"]
 
 
 def replace_file(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
@@ -88,7 +88,7 @@ class RunFiles:
 
     def wrote(self, path: str | Path) -> None:
         """Note that the writer has just written the file ``path``, so that a later change by another is seen."""
-        self._written[str(path)] = _stamp(path)
+        self._written[str(path)] = file_stamp(path)
 
     def claim(self, path: str | Path, what: str) -> bool:
         """Make ``path`` (a file or folder) this run's before its first write (see the class); whether it may be
@@ -103,7 +103,7 @@ class RunFiles:
         key = str(path)
         if key in self._claimed:
             written = self._written.get(key)
-            if written is None or _stamp(path) in (None, written):
+            if written is None or file_stamp(path) in (None, written):
                 return True  # its own (or gone): a file written since by another writer is set aside below
         elif self.continues or not os.path.lexists(path):  # (never raises: an unreadable folder fails the write)
             self._claimed.add(key)
@@ -126,7 +126,7 @@ class RunFiles:
         return True
 
 
-def _stamp(path: str | Path) -> tuple[int, int, int] | None:
+def file_stamp(path: str | Path) -> tuple[int, int, int] | None:
     """What tells one version of a file from another: inode (a new one at every :func:`replace_file`), modification
     time and size; ``None`` when there is no file."""
     try:

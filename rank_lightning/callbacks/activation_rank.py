@@ -80,8 +80,9 @@ class ActivationRankMonitor(CurveMonitor):
     (:class:`~rank_lightning.callbacks.base.Cadence`); gradient accumulation counts optimizer steps, and every DDP
     process closes the same window. Step curves are keyed by ``trainer.global_step`` in the curve file, the figures and
     the W&B charts; the initial point is step ``0``. Sanity checks are skipped. Hooks exist only while an epoch is
-    monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64 history) is rewritten every
-    monitored epoch and the figures are drawn at the end of fit, both in ``<run dir>/rank_curves/``
+    monitored and are removed afterwards. The curve file ``rank_curves.json`` (float64 history) is brought up to date
+    at every monitored epoch (each point appended, at a cost that does not grow with the history) and the figures
+    are drawn at the end of fit, both in ``<run dir>/rank_curves/``
     (:class:`~rank_lightning.callbacks.curves.LayerCurves`); the history is saved in checkpoints, so a resumed run
     continues its curves.
 
@@ -257,7 +258,8 @@ class ActivationRankMonitor(CurveMonitor):
         ``epoch = -1`` at step 0, straight to the loggers. With a ``WandbLogger``, also the charts
         ``rank_curves/<r><metric>_vs_epoch`` and ``rank_curves/<r><metric>_vs_depth`` and the table
         ``rank_curves/layers`` (``rank_train_curves/`` with ``stage="train"``); the charts hold the whole history
-        and are sent after the first monitored epoch, every fifth one and at the end of fit.
+        and are sent after the first monitored epoch, the 5th, 10th, 20th, 40th... (each time the history has
+        doubled) and at the end of fit.
 
         ``trainer.test`` (``on_test``, ``stage="val"``): the same metrics of the test data under
         ``rank_test/<layer>/<r><metric>`` (``<namespace>_test/``), logged through the module, so that

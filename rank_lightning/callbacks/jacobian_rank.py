@@ -56,7 +56,7 @@ class JacobianRankMonitor(CurveMonitor):
     rank 0.
 
     Curves (:class:`~rank_lightning.callbacks.curves.LayerCurves`, namespace ``"jacobian"``): the history is
-    rewritten to ``<run dir>/rank_curves/jacobian_curves.json`` at every measurement; the figures
+    written to ``<run dir>/rank_curves/jacobian_curves.json`` at every measurement (appended); the figures
     ``jacobian_rank.png`` and ``jacobian_rank_max.png`` (rank against epoch, and rank against depth) are drawn at the
     end of fit and of ``trainer.validate``.
 

@@ -240,7 +240,8 @@ class WeightRankMonitor(CurveMonitor):
         by step), ``weight_curves/<metric>_vs_depth``, the table ``weight_curves/layers`` and, with
         ``save_singular_values=True``, the histograms ``weight_spectra/<layer>`` (``<namespace>_curves/`` and
         ``<namespace>_spectra/`` under another namespace); the charts hold the whole history and are sent after the
-        first monitored epoch, every fifth one and at the end of fit.
+        first monitored epoch, the 5th, 10th, 20th, 40th... (each time the history has doubled) and at the end of
+        fit.
     """
 
     def __init__(

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from rank_lightning import files
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.callbacks import curves as curves_module
 from rank_lightning.callbacks.curves import FIGURE_DIR, LayerCurves, read_curve_file, write_curve_file
 from rank_lightning.plotting import layer_curves_figure, save_figure
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_data
@@ -41,6 +42,7 @@ def test_a_curve_file_that_cannot_be_written_is_a_warning_once_and_the_last_one_
     _record(curves, trainer, 0)
     path = tmp_path / FIGURE_DIR / "test_curves.json"
     monkeypatch.setattr(files.os, "replace", _no_space)
+    monkeypatch.setattr(curves_module, "append_curve_point", _no_space)  # the full disk takes appended points too
     with pytest.warns(RuntimeWarning, match=r"could not write \S*test_curves\.json \(OSError\(28, 'No space") as caught:
         _record(curves, trainer, 1)
         _record(curves, trainer, 2)  # the same error again: no second warning
