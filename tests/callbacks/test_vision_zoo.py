@@ -38,4 +38,3 @@ def test_grouped_and_depthwise_convs_measure_the_block_diagonal_operator(decompo
         torch.testing.assert_close(spectrum.singular_values, expected, rtol=0, atol=atol)
     ranks = {name: values["numerical_rank"] for name, values in monitor.measure(model).items()}
     assert ranks == {"0": 64.0, "1": 47.0, "2": 16.0, "3": 16.0}
-
