@@ -313,8 +313,9 @@ def _own_shapes(module: nn.Module, shapes: ParameterShapes | None) -> dict[str, 
 def _stacks(module: nn.Module, shapes: ParameterShapes | None = None) -> dict[str, tuple[int, ...]]:
     """Full shapes of the 3-D parameters ``module`` holds itself (not its children's): expert stacks, read or not.
 
-    A layer that declares no expert layout counts only stacks of more than one matrix: a ``(1, T, D)`` class token or
-    position table is no stack of weight matrices.
+    A layer that declares no expert layout counts only stacks of more than one matrix, each with more than one row
+    and column: a ``(1, T, D)`` class token or position table, or a ``(C, 1, 1)`` per-channel scale (ConvNeXt's
+    ``layer_scale``), is no stack of weight matrices.
     """
     if isinstance(module, _LAYER_TYPES) or is_conv1d(module):
         return {}
@@ -322,7 +323,7 @@ def _stacks(module: nn.Module, shapes: ParameterShapes | None = None) -> dict[st
     return {
         name: shape
         for name, shape in _own_shapes(module, shapes).items()
-        if shape is not None and len(shape) == 3 and (declared or shape[0] > 1)
+        if shape is not None and len(shape) == 3 and (declared or min(shape) > 1)
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -38,3 +40,18 @@ def test_grouped_and_depthwise_convs_measure_the_block_diagonal_operator(decompo
         torch.testing.assert_close(spectrum.singular_values, expected, rtol=0, atol=atol)
     ranks = {name: values["numerical_rank"] for name, values in monitor.measure(model).items()}
     assert ranks == {"0": 64.0, "1": 47.0, "2": 16.0, "3": 16.0}
+
+
+def test_convnext_layer_scale_is_no_expert_stack() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.convnext_tiny(weights=None)
+    with warnings.catch_warnings():
+        # A (C, 1, 1) layer_scale was read as an unread 3-D stack: one warning per block.
+        warnings.simplefilter("error")
+        names = WeightRankMonitor().select(model)
+    assert len(names) == 59
+    assert [name for name in names if name.startswith("features.1.0.")] == [
+        "features.1.0.block.0",
+        "features.1.0.block.3",
+        "features.1.0.block.5",
+    ]
