@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
+from rank_lightning.tracker import RankTracker
 
 
 def _block_diagonal_svdvals(conv: nn.Conv2d) -> torch.Tensor:
@@ -55,3 +56,30 @@ def test_convnext_layer_scale_is_no_expert_stack() -> None:
         "features.1.0.block.3",
         "features.1.0.block.5",
     ]
+
+
+def _tiny_swin() -> nn.Module:
+    swin = pytest.importorskip("torchvision.models.swin_transformer")
+    torch.manual_seed(0)
+    model = swin.SwinTransformer([4, 4], 16, [1, 1], [2, 2], [4, 4], num_classes=10)
+    return model.eval()
+
+
+@pytest.mark.parametrize("reduction", ["channel", "mean"])
+def test_swin_channels_last_stage_outputs_are_reduced_over_their_channels(reduction: str) -> None:
+    model, x = _tiny_swin(), torch.randn(8, 3, 32, 32)
+    outputs = {}
+    model.features[1].register_forward_hook(lambda module, args, output: outputs.setdefault("out", output))
+    tracker = RankTracker(model, conv_reduction=reduction)
+    assert tracker.layers == {"features.1": "features.1", "features.3": "features.3"}
+    with tracker:
+        model(x)
+    values = tracker.compute()["features.1"]
+    assert outputs["out"].shape == (8, 8, 8, 16)  # (B, H, W, C)
+    maps = outputs["out"].double()
+    features = maps.reshape(-1, 16) if reduction == "channel" else maps.mean(dim=(1, 2))
+    gram = features.T @ features
+    assert values[f"{reduction}/spectrum_rows"] == features.shape[0]  # 512 positions or 8 images, not H = 8 channels
+    assert values[f"{reduction}/numerical_rank"] == (16.0 if reduction == "channel" else 8.0)
+    expected = float(gram.trace() ** 2 / gram.square().sum())
+    assert values[f"{reduction}/participation_ratio"] == pytest.approx(expected, rel=1e-9)
