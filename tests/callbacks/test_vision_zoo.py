@@ -83,3 +83,44 @@ def test_swin_channels_last_stage_outputs_are_reduced_over_their_channels(reduct
     assert values[f"{reduction}/numerical_rank"] == (16.0 if reduction == "channel" else 8.0)
     expected = float(gram.trace() ** 2 / gram.square().sum())
     assert values[f"{reduction}/participation_ratio"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_channels_last_memory_format_gives_the_contiguous_numbers() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v3_small(weights=None).eval()
+    x = torch.randn(6, 3, 64, 64)
+    found = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        model = model.to(memory_format=memory_format)
+        tracker = RankTracker(model, layers=["features.1", "features.4", "features.8"])
+        with tracker, torch.no_grad():
+            model(x.to(memory_format=memory_format))
+        found.append(tracker.compute())
+    assert list(found[0]) == ["features.1", "features.4", "features.8"]
+    for layer, values in found[0].items():
+        assert values["channel/numerical_rank"] == found[1][layer]["channel/numerical_rank"]
+        assert values["channel/spectrum_rows"] == found[1][layer]["channel/spectrum_rows"]
+        for metric, value in values.items():  # the convs' own float32 rounding differs between the formats
+            assert found[1][layer][metric] == pytest.approx(value, rel=1e-5), (layer, metric)
+
+
+def test_timm_depthwise_convs_and_default_layers() -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("convnext_atto", pretrained=False)
+    depthwise = model.stages[0].blocks[0].conv_dw
+    assert depthwise.groups == depthwise.out_channels == 40
+    with torch.no_grad():
+        depthwise.weight[:3] = 0.0  # three dead filters
+    spectrum = WeightRankMonitor(decomposition="svd").spectra(model)["stages.0.blocks.0.conv_dw"]
+    expected = depthwise.weight.detach().double().flatten(1).norm(dim=1).sort(descending=True).values
+    torch.testing.assert_close(spectrum.singular_values, expected, rtol=0, atol=1e-12)
+    assert WeightRankMonitor().measure(model)["stages.0.blocks.0.conv_dw"]["numerical_rank"] == 37.0
+    tracker = RankTracker(model)
+    assert list(tracker.layers) == ["stages.0", "stages.1", "stages.2", "stages.3"]
+    with tracker, torch.no_grad():
+        model(torch.randn(4, 3, 32, 32))
+    values = tracker.compute()
+    assert values["stages.0"]["channel/spectrum_rows"] == 4 * 8 * 8  # (B, C, H, W) kept: C = 40 features
+    assert values["stages.3"]["channel/spectrum_rows"] == 4
