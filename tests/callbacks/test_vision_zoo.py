@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from rank_lightning.callbacks import WeightRankMonitor
+from rank_lightning.callbacks import RankCollapseAlarm, WeightRankMonitor
 from rank_lightning.tracker import RankTracker
 
 
@@ -124,3 +124,16 @@ def test_timm_depthwise_convs_and_default_layers() -> None:
     values = tracker.compute()
     assert values["stages.0"]["channel/spectrum_rows"] == 4 * 8 * 8  # (B, C, H, W) kept: C = 40 features
     assert values["stages.3"]["channel/spectrum_rows"] == 4
+
+
+def test_rank_collapse_alarm_width_of_a_grouped_conv_is_that_of_its_block_diagonal_matrix() -> None:
+    model = nn.Sequential(nn.Conv2d(96, 96, 7, groups=96), nn.Conv2d(64, 128, 3, groups=32))
+    with torch.no_grad():
+        model[0].weight[:40] = 0.0  # 56 of 96 depthwise filters alive
+    alarm = RankCollapseAlarm(min_width_fraction=0.5, verbose=False)
+    assert alarm.width("weight/0/numerical_rank", model) == 96  # min(96, 96 * 7 * 7), not min(96, 7 * 7)
+    assert alarm.width("weight/1/numerical_rank", model) == 128  # min(128, 64 * 3 * 3)
+    rank = WeightRankMonitor().measure(model)["0"]["numerical_rank"]
+    assert rank == 56.0
+    assert alarm.judge("weight/0/numerical_rank", rank, model) is None
+    assert alarm.judge("weight/0/numerical_rank", 47.0, model) == "is below 0.5 x width 96 = 48"
