@@ -160,6 +160,8 @@ def _dtensor_plan(matrix: WeightMatrix, tensor: Any, decomposition: str, shardin
     """``(side, groups)`` of the Gram-sum route for a DTensor, or ``None`` when the matrix is gathered instead."""
     if sharding == "gather" or decomposition == "svd" or (decomposition == "auto" and tensor.dtype == torch.float64):
         return None
+    if matrix.groups > 1:  # the spectrum is that of the groups' blocks (weight_spectra), read from the whole weight
+        return None
     ndim = tensor.ndim
     dims, groups = set(), []
     for mesh_dim, placement in enumerate(tensor.placements):
@@ -245,11 +247,13 @@ def _gather_spectra(
     tensor = first.stored()
     if layout == "dtensor":
         full = tensor.full_tensor()  # type: ignore[attr-defined]
-        return weight_spectra([m.from_stored(full) for m in group], decomposition=decomposition)  # type: ignore[arg-type]
+        groups = [m.groups for m in group]
+        return weight_spectra([m.from_stored(full) for m in group], decomposition=decomposition, groups=groups)  # type: ignore[arg-type]
     with _gather_context(first, tensor, layout, owner):
         whole = first.stored()
         _check_plain(first, whole)
-        return weight_spectra([m.from_stored(whole) for m in group], decomposition=decomposition)  # type: ignore[arg-type]
+        groups = [m.groups for m in group]
+        return weight_spectra([m.from_stored(whole) for m in group], decomposition=decomposition, groups=groups)  # type: ignore[arg-type]
 
 
 def _by_parameter(matrices: Sequence[WeightMatrix], indices: Sequence[int]) -> list[list[int]]:
@@ -315,7 +319,8 @@ def weight_matrix_spectra(
             else:
                 gathers[index] = (layout, owner)
         weights = [matrices[i].from_stored(matrices[i].stored()) for i in plain]
-        spectra.update(zip(plain, weight_spectra(weights, decomposition=decomposition)))
+        groups = [matrices[i].groups for i in plain]
+        spectra.update(zip(plain, weight_spectra(weights, decomposition=decomposition, groups=groups)))
         spectra.update(_lora_spectra(matrices, lora, decomposition))
         if jobs:
             spectra.update(_summed_gram_spectra(matrices, jobs, decomposition))
@@ -352,7 +357,8 @@ def _lora_spectra(matrices: Sequence[WeightMatrix], indices: list[int], decompos
                 size += computed[key].numel() * computed[key].element_size()
             chunk.append(index)
         weights = [matrices[i].from_stored(computed[id(matrices[i].lora), matrices[i].lora_update]) for i in chunk]
-        spectra.update(zip(chunk, weight_spectra(weights, decomposition=decomposition)))
+        groups = [matrices[i].groups for i in chunk]
+        spectra.update(zip(chunk, weight_spectra(weights, decomposition=decomposition, groups=groups)))
         start += len(chunk)
     return spectra
 

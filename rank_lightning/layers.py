@@ -57,6 +57,7 @@ __all__ = [
     "buffers_kept",
     "capture_features",
     "channel_first_layers",
+    "channels_last_layers",
     "check_layer_types",
     "check_output_selector",
     "classifier_head",
@@ -1174,6 +1175,42 @@ def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> dict[st
     """
     found = {name: _channel_first(model, path) for name, path in layers.items()}
     return {name: channels for name, (first, channels) in found.items() if first}
+
+
+ChannelWidths = tuple[frozenset[int], frozenset[int]]
+"""``(token, all)`` widths of a layer whose 4-D outputs may be channels-last (:func:`channels_last_layers`)."""
+
+
+def _widths(module: nn.Module) -> tuple[set[int], set[int]]:
+    """``(token, all)``: the widths of the last dimension of the outputs of the Linear and norm layers over the last
+    dimension inside ``module`` (``out_features``, ``normalized_shape[-1]``), and those together with the channels of
+    its conv and batch-norm layers (``out_channels``, ``num_features``, ``num_channels``)."""
+    token: set[int] = set()
+    widths: set[int] = set()
+    for inner in module.modules():
+        if isinstance(inner, nn.Linear):
+            token.add(inner.out_features)
+        elif isinstance(inner, (nn.LayerNorm, nn.RMSNorm)) and inner.normalized_shape:
+            token.add(inner.normalized_shape[-1])
+        for attribute in ("out_channels", "num_features", "num_channels"):
+            value = getattr(inner, attribute, None)
+            if isinstance(value, int):
+                widths.add(value)
+    return token, token | widths
+
+
+def channels_last_layers(model: nn.Module, layers: Mapping[str, str]) -> dict[str, ChannelWidths]:
+    """The names of ``layers`` (``name -> module path``) whose 4-D outputs may be channels-last maps ``(B, H, W, C)``
+    (Swin's stages and blocks, which apply their Linear and LayerNorm layers over the last dimension), each with
+    ``(token, all)`` widths (:func:`_widths`): a layer holding a Linear or a norm over the last dimension.
+
+    A 4-D output of such a layer is read as ``(B, H, W, C)`` and brought to ``(B, C, H, W)`` when its last dimension
+    is a width of those layers and its second is the width of no layer inside it (ConvNeXt's blocks, which permute
+    back to ``(B, C, H, W)``, give their channels in the second dimension); see
+    :class:`~rank_lightning.streams.ActivationStream`.
+    """
+    found = {name: _widths(model.get_submodule(path)) for name, path in layers.items()}
+    return {name: (frozenset(token), frozenset(widths)) for name, (token, widths) in found.items() if token}
 
 
 # Hugging Face model types whose layers (or attention internals) run sequence-first, (T, B, D).

@@ -80,6 +80,10 @@ class ActivationStream:
             ``(B, C, L)`` (:func:`~rank_lightning.layers.channel_first_layers`): read as ``(B, C, L, 1)`` conv maps,
             reduced by the conv reduction (``reductions[4]``), unless ``C`` is the output's last dimension and not its
             second (a block that transposes its maps back to tokens, ``(B, L, C)``).
+        channels_last: ``logged name -> (token widths, all widths)`` of the layers whose 4-D outputs may be
+            channels-last ``(B, H, W, C)`` (:func:`~rank_lightning.layers.channels_last_layers`): such an output whose
+            last dimension is a token width and whose second is no width is permuted to ``(B, C, H, W)`` before the
+            conv reduction, so that ``C`` (not ``H``) is what ``channel`` and ``mean`` keep.
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
         max_samples: inputs per pass, spread evenly over the pass's batches; ``None`` for all.
@@ -103,6 +107,7 @@ class ActivationStream:
         layouts: Mapping[str, bool] | None = None,
         ambiguous_layouts: Mapping[str, bool] | None = None,
         channel_maps: Mapping[str, int | None] | None = None,
+        channels_last: Mapping[str, tuple[frozenset[int], frozenset[int]]] | None = None,
         output_selector: OutputSelector | None = None,
         max_samples: int | None = None,
         memory_budget_mb: float | None = None,
@@ -117,6 +122,7 @@ class ActivationStream:
         self.layouts = dict(layouts or {})
         self.ambiguous_layouts = dict(ambiguous_layouts or {})
         self.channel_maps = dict(channel_maps or {})
+        self.channels_last = dict(channels_last or {})
         self.output_selector = output_selector
         self.max_samples = max_samples
         self.memory_budget_mb = memory_budget_mb
@@ -413,6 +419,10 @@ class ActivationStream:
             channels = self.channel_maps[name]
             if channels is None or activations.shape[1] == channels or activations.shape[2] != channels:
                 activations = activations.unsqueeze(-1)  # a 1-d conv map (B, C, L): C features at each of L positions
+        if activations.ndim == 4 and name in self.channels_last:
+            token, widths = self.channels_last[name]
+            if activations.shape[3] in token and activations.shape[1] not in widths:
+                activations = activations.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return

@@ -4,7 +4,10 @@ Layers store their weights in several layouts; a weight spectrum is only compara
 is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units):
 
 * ``nn.Linear``: the ``(out, in)`` weight as is.
-* ``nn.Conv1d/2d/3d``: ``(out, in / groups, *kernel)`` reshaped to ``out x (in / groups * prod(kernel))``.
+* ``nn.Conv1d/2d/3d``: ``(out, in / groups, *kernel)`` reshaped to ``out x (in / groups * prod(kernel))``. With
+  ``groups > 1`` (ResNeXt, RegNet, depthwise convs) these rows stack the filters of ``groups`` independent blocks; the
+  layer's map is the block-diagonal matrix of those blocks, and its spectrum, the union of the blocks' spectra, is
+  what is measured (:attr:`WeightMatrix.groups`, :func:`~rank_lightning.functional.weights.weight_spectra`).
 * ``transformers``' ``Conv1D`` (GPT-2's projections): the weight is stored ``(in, out)`` and the layer computes
   ``y = x W + b``, so the matrix is ``W^T`` and its spectrum is that of the equivalent ``nn.Linear``.
 * Fused query/key/value projections, split into their parts by default (``split_fused=True``), named
@@ -182,6 +185,9 @@ class WeightMatrix:
         lora: the ``peft`` LoRA layer whose base layer is ``module``: the stored tensor is then the weight the LoRA
             layer applies (base weight plus its adapters' update, :func:`lora_weight`); ``None`` for other layers.
         lora_update: with ``lora``, the stored tensor is the adapters' update alone.
+        groups: the ``groups`` of a conv layer: the ``(out, fan_in)`` matrix holds that many blocks of rows, each
+            acting on its own ``in / groups`` input channels, and the spectrum is that of the block-diagonal matrix
+            they form (``out x (fan_in * groups)``); 1 for every other matrix.
     """
 
     name: str
@@ -192,6 +198,7 @@ class WeightMatrix:
     expert: int | None = None
     lora: nn.Module | None = None
     lora_update: bool = False
+    groups: int = 1
 
     def stored(self) -> Tensor:
         """The tensor as the module holds it now (possibly a shard or a DTensor under a sharding strategy); for a LoRA
@@ -306,8 +313,9 @@ def _own_shapes(module: nn.Module, shapes: ParameterShapes | None) -> dict[str, 
 def _stacks(module: nn.Module, shapes: ParameterShapes | None = None) -> dict[str, tuple[int, ...]]:
     """Full shapes of the 3-D parameters ``module`` holds itself (not its children's): expert stacks, read or not.
 
-    A layer that declares no expert layout counts only stacks of more than one matrix: a ``(1, T, D)`` class token or
-    position table is no stack of weight matrices.
+    A layer that declares no expert layout counts only stacks of more than one matrix, each with more than one row
+    and column: a ``(1, T, D)`` class token or position table, or a ``(C, 1, 1)`` per-channel scale (ConvNeXt's
+    ``layer_scale``), is no stack of weight matrices.
     """
     if isinstance(module, _LAYER_TYPES) or is_conv1d(module):
         return {}
@@ -315,7 +323,7 @@ def _stacks(module: nn.Module, shapes: ParameterShapes | None = None) -> dict[st
     return {
         name: shape
         for name, shape in _own_shapes(module, shapes).items()
-        if shape is not None and len(shape) == 3 and (declared or shape[0] > 1)
+        if shape is not None and len(shape) == 3 and (declared or min(shape) > 1)
     }
 
 
@@ -526,6 +534,8 @@ def matrices_of(
         if parts > 1:
             return list(_split(name, module, "weight", FUSED_PARTS[len(FUSED_PARTS) - parts :], transpose=True))
         return [WeightMatrix(name, module, transpose=True)]
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return [WeightMatrix(name, module, groups=module.groups)]
     if isinstance(module, _LAYER_TYPES):
         return [WeightMatrix(name, module)]
     unknown = _unknown_stacks(module, shapes)

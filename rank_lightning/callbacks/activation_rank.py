@@ -31,6 +31,7 @@ from rank_lightning.layers import (
     OutputSelector,
     buffers_kept,
     channel_first_layers,
+    channels_last_layers,
     check_layer_types,
     eval_mode,
     forward_batch,
@@ -92,7 +93,9 @@ class ActivationRankMonitor(CurveMonitor):
     reduction is part of the logged key of those layers. The 3-D outputs of 1-d conv layers, ``(B, C, L)`` (a
     ``Conv1d``, ``BatchNorm1d``, 1-d pooling, a block of such layers and activations, or an activation after one:
     :func:`~rank_lightning.layers.channel_first_layers`), are conv maps with one spatial dimension, reduced by
-    ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. Token layers
+    ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. The
+    channels-last ``(B, H, W, C)`` outputs of Swin's stages and blocks are read as ``(B, C, H, W)`` before the conv
+    reduction (:func:`~rank_lightning.layers.channels_last_layers` says when). Token layers
     laid out sequence-first, ``(T, B, D)`` (the default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout
     comes from ``token_layout``, else from the
     ``batch_first`` flag of the layer or its nearest ancestor
@@ -309,6 +312,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._layouts: dict[str, bool] = {}
         self._ambiguous_layouts: dict[str, bool] = {}
         self._channel_maps: dict[str, int | None] = {}
+        self._channels_last: dict[str, tuple[frozenset[int], frozenset[int]]] = {}
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
@@ -395,6 +399,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._layers = select_layers(module, self.layers, self.layer_types)
         self._layouts, self._ambiguous_layouts = token_layouts(module, self._layers, self.token_layout)
         self._channel_maps = channel_first_layers(module, self._layers)
+        self._channels_last = channels_last_layers(module, self._layers)
         return self.monitored
 
     @override
@@ -426,6 +431,7 @@ class ActivationRankMonitor(CurveMonitor):
             layouts=self._layouts,
             ambiguous_layouts=self._ambiguous_layouts,
             channel_maps=self._channel_maps,
+            channels_last=self._channels_last,
             output_selector=self.output_selector,
             max_samples=self.max_samples,
             memory_budget_mb=self.memory_budget_mb,

@@ -297,7 +297,9 @@ def _width_from_model(key: str, module: nn.Module) -> float | None:
         weight = getattr(target, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.ndim < 2:
             return None
-        return float(min(weight.shape[0], weight[0].numel()))
+        # A grouped conv's matrix is the block-diagonal out x (in * prod(kernel)) one (WeightRankMonitor).
+        groups = target.groups if isinstance(target, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else 1
+        return float(min(weight.shape[0], weight[0].numel() * groups))
     return float(weights[-1].shape[0])
 
 

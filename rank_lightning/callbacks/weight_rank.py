@@ -98,7 +98,12 @@ class WeightRankMonitor(CurveMonitor):
 
     * Linear: the ``(out, in)`` weight.
     * Conv: the ``(out, in / groups, *kernel)`` weight reshaped to ``out x (in / groups * prod(kernel))`` (every kernel
-      offset of an output channel in its row; WeightWatcher splits per offset instead).
+      offset of an output channel in its row; WeightWatcher splits per offset instead). A grouped conv (``groups >
+      1``: ResNeXt, RegNet, depthwise convs) maps each group's ``in / groups`` input channels to its ``out / groups``
+      outputs alone: its matrix is the block-diagonal ``out x (in * prod(kernel))`` one of the groups' filters, whose
+      singular values are the union of the groups' own, computed exactly (every group a member of the batched
+      decompositions). A depthwise conv's (one input channel per group) are its filters' norms: its numerical rank
+      counts its non-zero filters.
     * ``Conv1D``: the transpose of the stored ``(in, out)`` weight, so its spectrum is that of the equivalent Linear.
     * Attention: the query, key and value blocks of the input projection (``<name>.q_proj``, ``<name>.k_proj``,
       ``<name>.v_proj``, each ``(embed_dim, in)``) and the output projection ``<name>.out_proj``; GPT-2's fused

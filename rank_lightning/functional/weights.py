@@ -28,7 +28,10 @@ _AUTO_CONDITION = 1e-3
 
 
 def weight_spectra(
-    matrices: Sequence[Tensor], *, decomposition: Literal["auto", "svd", "gram"] = "auto"
+    matrices: Sequence[Tensor],
+    *,
+    decomposition: Literal["auto", "svd", "gram"] = "auto",
+    groups: Sequence[int] | None = None,
 ) -> list[Spectrum]:
     """Float64 spectra of weight matrices, one batched decomposition per distinct shape and device (per GiB of
     float64 matrices of that shape).
@@ -60,18 +63,31 @@ def weight_spectra(
     A matrix holding NaN or Inf gets an all-NaN spectrum, without disturbing the others. Matrices on an MPS device
     (which has no float64) are decomposed on the CPU; the others where they live.
 
+    Grouped convolutions (``groups > 1``): the ``(out, in / groups * prod(kernel))`` matrix of such a layer stacks the
+    filters of its ``g`` groups, each group ``g``-th of the rows seeing only its ``g``-th of the inputs. The layer's
+    linear map is the block-diagonal ``out x (in * prod(kernel))`` matrix with the groups' ``(out / g, in / g *
+    prod(kernel))`` blocks on its diagonal, whose singular values are the union of the blocks' own: that union is
+    the spectrum returned (``min(out, in * prod(kernel))`` values, ``num_features = in * prod(kernel)``). The blocks
+    are decomposed in the batches of their shape, by the route chosen for each. For a depthwise conv (one input
+    channel per group) every block is one filter, and the spectrum is the filters' norms.
+
     Args:
         matrices: 2-D weight matrices, of any shapes, dtypes and devices.
         decomposition: ``"auto"``, ``"svd"`` or ``"gram"`` (:data:`DECOMPOSITIONS`).
+        groups: the number of groups of the layer of each matrix (its rows split into that many equal blocks, as
+            above); ``None``: 1 for every matrix.
 
     Returns:
         One :class:`~rank_lightning.functional.Spectrum` per matrix, in the given order, on the CPU (the scalars
         derived from it are then computed without a device round trip each).
 
     Raises:
-        ValueError: an unknown ``decomposition`` or a matrix that is not a non-empty 2-D tensor.
+        ValueError: an unknown ``decomposition``, a matrix that is not a non-empty 2-D tensor, or ``groups`` of
+            another length than ``matrices`` or not dividing a matrix's rows.
     """
     check_choice("decomposition", decomposition, DECOMPOSITIONS)
+    if groups is not None and any(g != 1 for g in groups):
+        return _grouped_spectra(matrices, groups, decomposition)
     spectra: dict[int, Spectrum] = {}
     with torch.no_grad():
         for device, members in _shape_groups(matrices):
@@ -79,6 +95,32 @@ def weight_spectra(
             route = "svd" if decomposition == "auto" and any(w.dtype == torch.float64 for w in group) else decomposition
             spectra.update(zip(members, _group_spectra(group, device, route)))
     return [spectra[i] for i in range(len(matrices))]
+
+
+def _grouped_spectra(matrices: Sequence[Tensor], groups: Sequence[int], decomposition: str) -> list[Spectrum]:
+    """:func:`weight_spectra` of matrices of grouped layers: each the union of its row blocks' spectra."""
+    if len(groups) != len(matrices):
+        raise ValueError(f"groups holds {len(groups)} values for {len(matrices)} matrices")
+    blocks: list[Tensor] = []
+    for index, (matrix, count) in enumerate(zip(matrices, groups)):
+        if not isinstance(count, int) or count < 1 or matrix.ndim != 2 or matrix.shape[0] % count:
+            raise ValueError(
+                f"groups[{index}] = {count!r} does not split the {tuple(matrix.shape)} matrices[{index}] into equal "
+                "row blocks (valid: a positive divisor of its rows)"
+            )
+        blocks += list(matrix.chunk(count)) if count > 1 else [matrix]
+    parts = weight_spectra(blocks, decomposition=decomposition)  # type: ignore[arg-type]
+    spectra, start = [], 0
+    for matrix, count in zip(matrices, groups):
+        own, start = parts[start : start + count], start + count
+        if count == 1:
+            spectra.append(own[0])
+            continue
+        values = torch.cat([spectrum.singular_values for spectrum in own]).sort(descending=True).values
+        if not all(spectrum.is_finite for spectrum in own):
+            values = torch.full_like(values, math.nan)
+        spectra.append(Spectrum(values, matrix.shape[0], matrix.shape[1] * count))
+    return spectra
 
 
 def _shape_groups(matrices: Sequence[Tensor]) -> list[tuple[torch.device, list[int]]]:

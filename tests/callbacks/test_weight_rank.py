@@ -204,9 +204,12 @@ def test_conv_kernels_are_reshaped_to_out_by_fan_in(layer, decomposition):
     spectrum = WeightRankMonitor(decomposition=decomposition).spectra(net)["0"]
     weight = layer.weight.detach().numpy()
     fan_in = int(np.prod(weight.shape[1:]))
-    assert (spectrum.num_samples, spectrum.num_features) == (weight.shape[0], fan_in)
+    groups = getattr(layer, "groups", 1)
+    assert (spectrum.num_samples, spectrum.num_features) == (weight.shape[0], fan_in * groups)
     assert spectrum.singular_values.dtype == torch.float64
-    expected = np.linalg.svd(weight.reshape(weight.shape[0], fan_in).astype(np.float64), compute_uv=False)
+    # groups > 1: the layer's map is block-diagonal over the groups' (out / groups, fan_in) blocks.
+    blocks = torch.from_numpy(weight.reshape(weight.shape[0], fan_in).astype(np.float64)).chunk(groups)
+    expected = torch.linalg.svdvals(torch.block_diag(*blocks)).numpy()
     np.testing.assert_allclose(
         spectrum.singular_values.numpy(), expected, rtol=1e-10 if decomposition == "svd" else 1e-7
     )
