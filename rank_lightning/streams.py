@@ -137,6 +137,7 @@ class ActivationStream:
         self._max_samples_reached = False
         self._hooks = ExitStack()
         self._clear_pass()
+        self._clear_notes()
 
     def _clear_pass(self) -> None:
         self.active = self._in_batch = False
@@ -148,15 +149,7 @@ class ActivationStream:
         self._groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
         self._decoder_mask: Tensor | None = None
-        self._wrong_masks: Tensor | None = None  # batches whose masks held values other than 0 and 1, on the device
-        self._left_padded: dict[bool, bool] = {}  # whether the pass's first batch pads on the left, per decoder flag
-        # Later batches, read at the end of the pass: left-padded batches on the device and the 'cls' layers of each
-        # mask, per decoder flag, and the masks counted in the current batch.
-        self._left_padded_later: dict[bool, Tensor] = {}
-        self._cls_layers: dict[bool, set[str]] = {}
-        self._cls_counted: set[bool] = set()
-        # Per layer: the half precision its float32 outputs carry the rounding of (reduced_precision), None if none.
-        self._autocast: dict[str, tuple[torch.dtype, str] | None] = {}
+        self._cls_counted: set[bool] = set()  # the masks whose left padding the current batch counted
         self._seen_this_batch: set[str] = set()
         self._own_left: list[int | None] = []
         self._combined_own: dict[int, CombinedOwnRows] = {}  # per loader index: a collection whose loaders repeat
@@ -191,6 +184,7 @@ class ActivationStream:
         warn about layers the pass's first batch did not run (a pass whose forward is not the module's own steps).
         """
         self.stop()
+        self._clear_notes()
         for metric in self.metrics.values():
             metric.reset()
         # The shares of the processes (``rank`` of ``world_size``) add up to max_samples; the largest share says when
@@ -210,8 +204,21 @@ class ActivationStream:
         self._name_uncalled = name_uncalled
         self.active = True
 
+    def _clear_notes(self) -> None:
+        """Forget what the pass noted for the warnings of its end, which stays, as the sums do, until :meth:`compute`
+        or :meth:`start` (a ``RankTracker`` block ends, and stops the pass, before ``compute()`` is called)."""
+        self._wrong_masks: Tensor | None = None  # batches whose masks held values other than 0 and 1, on the device
+        self._left_padded: dict[bool, bool] = {}  # whether the pass's first batch pads on the left, per decoder flag
+        # Later batches, read at the end of the pass: left-padded batches on the device and the 'cls' layers of each
+        # mask, per decoder flag.
+        self._left_padded_later: dict[bool, Tensor] = {}
+        self._cls_layers: dict[bool, set[str]] = {}
+        # Per layer: the half precision its float32 outputs carry the rounding of (reduced_precision), None if none.
+        self._autocast: dict[str, tuple[torch.dtype, str] | None] = {}
+
     def stop(self) -> None:
-        """Remove the hooks and forget the pass's counters (the sums stay until :meth:`compute` or :meth:`start`)."""
+        """Remove the hooks and forget the pass's counters (the sums, and what the pass noted for the warnings of its
+        end, stay until :meth:`compute` or :meth:`start`)."""
         self._hooks.close()
         self._clear_pass()
 
@@ -657,6 +664,7 @@ class ActivationStream:
             self._warn("", "mask values", message)
         self._warn_left_padding()
         self.stop()
+        self._clear_notes()
         if _distributed():
             dist.all_reduce(inputs)
         values = {}

@@ -502,3 +502,43 @@ def test_the_metrics_rounding_warnings_name_the_layer():
             tracker.compute()
     messages = [str(w.message) for w in caught if "total cluster variation" in str(w.message)]
     assert len(messages) == 1 and messages[0].startswith("layer '0': the total cluster variation"), messages
+
+
+class _Residual(nn.Module):
+    """A float32 residual stream that adds a Linear's output: bf16 under autocast, float32 in the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x)
+
+
+def test_the_end_of_pass_warnings_survive_the_block_that_computes_after_it():
+    """The documented loop computes after its ``with tracker:`` block: what the pass noted for the warnings of its end
+    (float32 outputs of layers run under autocast, mask values other than 0 and 1) is still there."""
+    model = nn.Sequential(_Residual(), nn.Linear(16, 4))
+    tracker = RankTracker(model, layers=["0"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), tracker, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(64, 16))
+        tracker.compute()
+    named = [str(w.message) for w in caught if "numerical_rank takes the float32 tolerance" in str(w.message)]
+    assert len(named) == 1 and "ran under bfloat16 autocast" in named[0], [str(w.message) for w in caught]
+    assert "tolerance_dtype=torch.bfloat16" in named[0]
+
+    batches = _token_batches()
+    batches[1]["attention_mask"] = batches[1]["attention_mask"].long() * 2  # values other than 0 and 1
+    token_model = _TokenNet().eval()
+    tracker = RankTracker(token_model, layers=["proj"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), tracker:
+            for batch in batches:
+                with tracker.batch(batch=batch):
+                    token_model(batch["x"])
+        tracker.compute()
+    named = [str(w.message) for w in caught if "held values other than 0 and 1" in str(w.message)]
+    assert len(named) == 1 and "1 batch(es)" in named[0], [str(w.message) for w in caught]
