@@ -2,26 +2,11 @@
 LoRA layers give on two processes the numbers of one."""
 
 import importlib.util
-import math
 
 import pytest
 
 from tests.callbacks.ddp_new_features_helpers import CURVES, WORLD_SIZE, fit_grouped_manual, fit_lora
-
-
-def _assert_close(ddp: dict, single: dict, rel: float = 1e-12) -> None:
-    """The same points, layers and metrics; the numbers equal to ``rel`` relative (NaN where the other has NaN)."""
-    assert ddp.keys() == single.keys()
-    for point, layers in single.items():
-        assert ddp[point].keys() == layers.keys(), point
-        for layer, metrics in layers.items():
-            assert ddp[point][layer].keys() == metrics.keys(), (point, layer)
-            for metric, value in metrics.items():
-                got = ddp[point][layer][metric]
-                if math.isnan(value):
-                    assert math.isnan(got), (point, layer, metric)
-                else:
-                    assert got == pytest.approx(value, rel=rel, abs=1e-12), (point, layer, metric)
+from tests.callbacks.training_ddp_helpers import assert_histories_close
 
 
 def _logged(rows: list[dict[str, str]], prefixes: tuple[str, ...]) -> dict[tuple[int, str], float]:
@@ -48,7 +33,7 @@ def test_grouped_convs_manual_windows_and_appended_points_on_two_processes(tmp_p
     # A grouped conv's matrix is block-diagonal: 6 x (4 * 9), rank 6.
     assert single["curves"]["weight_curves"]["history"]["0"]["grouped"]["numerical_rank"] == 6
     for name in CURVES:
-        _assert_close(ddp["curves"][name]["history"], single["curves"][name]["history"])
+        assert_histories_close(ddp["curves"][name]["history"], single["curves"][name]["history"], rel=1e-12)
         assert ddp["curves"][name]["layers"] == single["curves"][name]["layers"]
     # Before the fit's end, the curve files name a file of appended points, rank zero's only, that read_curve_file
     # reads into the same history; the end of fit rewrites the curve files whole and removes them.
@@ -77,7 +62,7 @@ def test_lora_weights_and_updates_on_two_processes(tmp_path):
     assert sorted(history, key=int) == ["0", "1", "2", "3"]
     update = "model.base_model.model.transformer.h.0.attn.c_attn.q_proj.lora_update"
     assert history["3"][update]["numerical_rank"] == 4  # B moved off zero: the update has the adapter's rank
-    _assert_close(ddp["weight_curves"]["history"], history)
+    assert_histories_close(ddp["weight_curves"]["history"], history, rel=1e-12)
     single_logged, ddp_logged = _logged(single["rows"], ("weight/",)), _logged(ddp["rows"], ("weight/",))
     assert any(key.endswith("lora_update/numerical_rank") for _, key in single_logged)
     assert ddp_logged.keys() == single_logged.keys()

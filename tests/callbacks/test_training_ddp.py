@@ -1,25 +1,8 @@
 """The monitors of training batches give on two processes the numbers of one."""
 
-import math
-
 import pytest
 
-from tests.callbacks.training_ddp_helpers import WORLD_SIZE, fit_several_loaders, fit_steps
-
-
-def _assert_close(ddp: dict, single: dict, rel: float = 1e-9) -> None:
-    """The same points, layers and metrics; the numbers equal to ``rel`` relative (NaN where the other has NaN)."""
-    assert ddp.keys() == single.keys()
-    for point, layers in single.items():
-        assert ddp[point].keys() == layers.keys(), point
-        for layer, metrics in layers.items():
-            assert ddp[point][layer].keys() == metrics.keys(), (point, layer)
-            for metric, value in metrics.items():
-                got = ddp[point][layer][metric]
-                if math.isnan(value):
-                    assert math.isnan(got), (point, layer, metric)
-                else:
-                    assert got == pytest.approx(value, rel=rel, abs=1e-12), (point, layer, metric)
+from tests.callbacks.training_ddp_helpers import WORLD_SIZE, assert_histories_close, fit_several_loaders, fit_steps
 
 
 def _logged(rows: list[dict[str, str]]) -> dict[tuple[int, str], float]:
@@ -44,7 +27,7 @@ def test_step_windows_and_weights_with_accumulation_on_two_processes(tmp_path):
 
     for curves in ("rank_train_curves", "weight_curves"):
         assert sorted(single[curves]["history"], key=int) == ["0", "2", "4"]
-        _assert_close(ddp[curves]["history"], single[curves]["history"], rel=1e-12)
+        assert_histories_close(ddp[curves]["history"], single[curves]["history"], rel=1e-12)
     rows = {step: single["rank_train_curves"]["history"][step]["net.1"]["spectrum_rows"] for step in ("0", "2", "4")}
     assert rows == {"0": 48, "2": 48, "4": 36}
     # The loggers receive the same values at the same steps.
@@ -64,4 +47,4 @@ def test_several_training_loaders_measure_each_sample_once_on_two_processes(tmp_
 
     assert sorted(single) == ["-1", "0"]
     assert single["0"]["net.1"]["spectrum_rows"] == single["-1"]["net.1"]["spectrum_rows"] == 23 + 2 * 7
-    _assert_close(ddp, single)
+    assert_histories_close(ddp, single, rel=1e-9)

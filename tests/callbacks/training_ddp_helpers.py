@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
@@ -152,3 +154,18 @@ def fit_several_loaders(root: Path, devices: int, sizes: dict[str, int], mode: s
     )
     trainer.fit(SeveralLoadersNet(sizes, mode))
     return json.loads((Path(root) / FIGURE_DIR / "rank_train_curves.json").read_text())
+
+
+def assert_histories_close(ddp: dict, single: dict, rel: float) -> None:
+    """The same points, layers and metrics; the numbers equal to ``rel`` relative (NaN where the other has NaN)."""
+    assert ddp.keys() == single.keys()
+    for point, layers in single.items():
+        assert ddp[point].keys() == layers.keys(), point
+        for layer, metrics in layers.items():
+            assert ddp[point][layer].keys() == metrics.keys(), (point, layer)
+            for metric, value in metrics.items():
+                got = ddp[point][layer][metric]
+                if math.isnan(value):
+                    assert math.isnan(got), (point, layer, metric)
+                else:
+                    assert got == pytest.approx(value, rel=rel, abs=1e-12), (point, layer, metric)
