@@ -16,6 +16,7 @@ from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
 from rank_lightning.layers import BatchReader, check_layer_types, random_state_kept, select_layers
+from rank_lightning.streams import reduced_float32_format
 from rank_lightning.validation import check_bool, check_choice, check_names, check_positive, check_positive_int
 
 __all__ = ["JacobianRankMonitor"]
@@ -264,6 +265,7 @@ class JacobianRankMonitor(CurveMonitor):
         if self._inputs is None:
             self.warn_once(("no validation data",), "no validation data to take inputs from; nothing measured")
             return None
+        self._warn_reduced_products(pl_module)
         with warnings.catch_warnings():
             # A non-finite Jacobian is reported below, naming its block, once instead of once per input and epoch.
             warnings.filterwarnings("ignore", r".* contains NaN or Inf values; the spectrum", RuntimeWarning)
@@ -281,6 +283,28 @@ class JacobianRankMonitor(CurveMonitor):
             if self.log_per_input:
                 values[name].update({f"rank_input_{i}": float(r) for i, r in enumerate(result.ranks)})
         return values
+
+    def _warn_reduced_products(self, pl_module: nn.Module) -> None:
+        """Warn (once) when the default tolerance meets a float32 Jacobian whose products torch's flags let run in TF32
+        or bf16 (:func:`~rank_lightning.streams.reduced_float32_format`: cuDNN convolutions by default on GPUs with
+        TF32 units, matrix products after ``torch.set_float32_matmul_precision("high")``): their rounding noise, at
+        float16's or bfloat16's level, counts as rank under the float32 tolerance."""
+        parameter = next((p for p in pl_module.parameters() if p.is_floating_point()), None)
+        if self.rank_tolerance is not None or parameter is None or parameter.dtype != torch.float32:
+            return
+        device = parameter.device.type
+        convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in pl_module.modules())
+        reduced = reduced_float32_format(device, conv=False) or (convs and reduced_float32_format(device, conv=True))
+        if reduced:
+            eps = torch.finfo(torch.float16 if reduced == "tf32" else torch.bfloat16).eps
+            message = (
+                f"the Jacobians are float32 computed with {reduced.upper()} products (torch's fp32_precision flags, "
+                "torch.set_float32_matmul_precision, or cuDNN's TF32 default), whose rounding noise counts as rank "
+                f"under the default float32 tolerance. Set rank_tolerance (at least {eps:.3g}, that precision's eps), "
+                "or turn them off for float32 products (torch.backends.cudnn.allow_tf32 = False, "
+                'torch.set_float32_matmul_precision("highest")).'
+            )
+            self.warn_once(("reduced products",), message)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,4 +1,5 @@
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -299,3 +300,23 @@ def test_bf16_true_model_keeps_the_rank_of_the_known_rank_block(tmp_path):
     trainer.fit(model, make_loader(make_data()), make_loader(make_data(8, seed=2)))
     assert monitor.curves.history[0]["low"] == {"rank": 3.0, "rank_max": 12.0}
     assert monitor.curves.history[0]["conv1"]["rank"] == 12.0
+
+
+@pytest.mark.parametrize(
+    ("precision", "options", "named"),
+    [("medium", {}, True), ("highest", {}, False), ("medium", {"rank_tolerance": 1e-2}, False)],
+)
+def test_float32_jacobians_of_reduced_precision_products_are_named(tmp_path, precision, options, named):
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)  # "medium": oneDNN's bf16 products on a CPU
+    try:
+        monitor = JacobianRankMonitor(num_inputs=2, verbose=False, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(tmp_path, [monitor]).validate(TinyNet(), make_loader(make_data(24, seed=3)))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    found = [str(w.message) for w in caught if "BF16 products" in str(w.message)]
+    assert len(found) == (1 if named else 0), found
+    if named:
+        assert "Set rank_tolerance (at least 0.00781" in found[0] and "highest" in found[0]
