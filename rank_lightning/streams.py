@@ -123,6 +123,7 @@ class ActivationStream:
         self.ambiguous_layouts = dict(ambiguous_layouts or {})
         self.channel_maps = dict(channel_maps or {})
         self.channels_last = dict(channels_last or {})
+        self._channels_last_named: set[str] = set()  # the layers whose channels-last reading was said
         self.output_selector = output_selector
         self.max_samples = max_samples
         self.memory_budget_mb = memory_budget_mb
@@ -430,6 +431,7 @@ class ActivationStream:
             token, widths = self.channels_last[name]
             if activations.shape[3] in token and activations.shape[1] not in widths:
                 activations = activations.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+                self._name_channels_last(name, tuple(activations.shape))
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return
@@ -448,6 +450,20 @@ class ActivationStream:
         mask = None if mask is None else mask[:take].to(activations.device)
         if self._same_features(name, activations, metric):
             metric.update(activations[:take], labels, mask=mask)
+
+    def _name_channels_last(self, name: str, shape: tuple[int, ...]) -> None:
+        """Say once per layer that its 4-D output was read as channels-last: a layout told from shapes."""
+        if name in self._channels_last_named:
+            return
+        self._channels_last_named.add(name)
+        b, c, h, w = shape
+        message = (
+            f"gives ({b}, {h}, {w}, {c}) outputs, read as channels-last (B, H, W, C) maps with C = {c}: their last "
+            "dimension is the width of the layer's Linear / norm layers over the last dimension, their second that "
+            "of none of its layers (Swin's stages and blocks). Monitor a layer whose output is (B, C, H, W) if that "
+            "is not so."
+        )
+        self._warn(name, "channels last", message)
 
     def _own_index_tensor(self, device: torch.device) -> Tensor:
         """The indices of the combined batch's own rows on ``device`` (moved once per batch for all layers)."""
@@ -894,7 +910,7 @@ def reduced_precision(activations: Tensor, *, conv: bool) -> tuple[torch.dtype, 
     reduced = reduced_float32_format(device, conv=conv)
     if reduced is None:
         return None
-    flag = {("cuda", True): "cudnn.conv", ("cuda", False): "cuda.matmul"}.get((device, conv), "mkldnn.matmul")
+    flag = ("cudnn.conv" if conv else "cuda.matmul") if device == "cuda" else f"mkldnn.{'conv' if conv else 'matmul'}"
     how = (
         f"were computed with {reduced.upper()} products in float32 (torch.backends.{flag}.fp32_precision, or "
         "torch.set_float32_matmul_precision)"

@@ -72,8 +72,12 @@ def test_swin_channels_last_stage_outputs_are_reduced_over_their_channels(reduct
     model.features[1].register_forward_hook(lambda module, args, output: outputs.setdefault("out", output))
     tracker = RankTracker(model, conv_reduction=reduction)
     assert tracker.layers == {"features.1": "features.1", "features.3": "features.3"}
-    with tracker:
-        model(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracker:
+            model(x)
+    named = [str(w.message) for w in caught if "read as channels-last" in str(w.message)]
+    assert len(named) == 2 and named[0].startswith("layer 'features.1' gives (8, 8, 8, 16) outputs"), named
     values = tracker.compute()["features.1"]
     assert outputs["out"].shape == (8, 8, 8, 16)  # (B, H, W, C)
     maps = outputs["out"].double()
