@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import check_token_mask, token_mask
-from rank_lightning.functional.streaming import ClassGrouping, group_by_class
+from rank_lightning.functional.streaming import ClassGrouping, group_by_class, reduced_float32_format
 from rank_lightning.layers import (
     DECODER_MASK_KEY,
     MASK_KEY,
@@ -852,46 +852,6 @@ _CLS_LEFT_PADDING = (
     "uses token_reduction='cls', but the attention mask marks the first position of some sequences as padding (left "
     "padding), whose hidden state is measured there. Pad on the right, or use token_reduction='token' or 'mean'."
 )
-
-
-def _flag(*path: str) -> str:
-    """Torch's ``fp32_precision`` setting at ``torch.backends.<path>``, its parents' where it is ``"none"``."""
-    for end in range(len(path), -1, -1):
-        value = getattr(_backend(path[:end]), "fp32_precision", "none")
-        if value != "none":
-            return value
-    return "none"
-
-
-def _backend(path: Sequence[str]) -> Any:
-    """``torch.backends.<path>`` (``torch.backends`` for an empty path)."""
-    module: Any = torch.backends
-    for part in path:
-        module = getattr(module, part)
-    return module
-
-
-def reduced_float32_format(device_type: str, *, conv: bool) -> str | None:
-    """The reduced format torch's float32 precision flags let this device's float32 products run in: ``"tf32"``
-    (CUDA matrix products or, for ``conv``, cuDNN convolutions, on GPUs with TF32 units: a 10-bit mantissa, float16's),
-    ``"bf16"`` (oneDNN on a CPU with bf16 units, ``torch.set_float32_matmul_precision("medium")``), or ``None``. The
-    flags allow; whether the hardware has those units is not checked.
-
-    Torch from 2.9 on: ``torch.backends.{cuda.matmul, cudnn.conv, mkldnn.matmul, mkldnn.conv}.fp32_precision``,
-    whose ``"none"`` defers to the parent's (``"none"`` all the way up is IEEE float32; cuDNN convolutions default to
-    TF32). Earlier torch: ``allow_tf32`` and ``torch.get_float32_matmul_precision()``.
-    """
-    if not hasattr(torch.backends.cudnn, "conv"):  # torch < 2.9
-        if device_type == "cuda":
-            tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
-            return "tf32" if tf32 else None
-        return "bf16" if device_type == "cpu" and torch.get_float32_matmul_precision() == "medium" else None
-    if device_type == "cuda":
-        value = _flag("cudnn", "conv") if conv else _flag("cuda", "matmul")
-        return value if value in ("tf32", "bf16") else None
-    if device_type == "cpu":  # TF32 on a CPU needs units few have; bf16 products, those of many recent ones
-        return "bf16" if _flag("mkldnn", "conv" if conv else "matmul") == "bf16" else None
-    return None
 
 
 def reduced_precision(activations: Tensor, *, conv: bool) -> tuple[torch.dtype, str] | None:

@@ -15,8 +15,8 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import CurveMonitor, first_val_loader
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
+from rank_lightning.functional.streaming import reduced_float32_format
 from rank_lightning.layers import BatchReader, check_layer_types, random_state_kept, select_layers
-from rank_lightning.streams import reduced_float32_format
 from rank_lightning.validation import check_bool, check_choice, check_names, check_positive, check_positive_int
 
 __all__ = ["JacobianRankMonitor"]
@@ -286,9 +286,9 @@ class JacobianRankMonitor(CurveMonitor):
 
     def _warn_reduced_products(self, pl_module: nn.Module) -> None:
         """Warn (once) when the default tolerance meets a float32 Jacobian whose products torch's flags let run in TF32
-        or bf16 (:func:`~rank_lightning.streams.reduced_float32_format`: cuDNN convolutions by default on GPUs with
-        TF32 units, matrix products after ``torch.set_float32_matmul_precision("high")``): their rounding noise, at
-        float16's or bfloat16's level, counts as rank under the float32 tolerance."""
+        or bf16 (:func:`~rank_lightning.functional.streaming.reduced_float32_format`: cuDNN convolutions by default on
+        GPUs with TF32 units, matrix products after ``torch.set_float32_matmul_precision("high")``): their rounding
+        noise, at float16's or bfloat16's level, counts as rank under the float32 tolerance."""
         parameter = next((p for p in pl_module.parameters() if p.is_floating_point()), None)
         if self.rank_tolerance is not None or parameter is None or parameter.dtype != torch.float32:
             return

@@ -35,7 +35,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ __all__ = [
     "group_by_class",
     "merge_subsamples",
     "move_reference",
+    "reduced_float32_format",
     "reference_point",
     "resolve_gram_precision",
     "row_moments",
@@ -296,6 +297,46 @@ def _float32_products(*, tf32: bool) -> Iterator[None]:
         yield
     finally:
         cuda.fp32_precision, cpu.fp32_precision = saved
+
+
+def _flag(*path: str) -> str:
+    """Torch's ``fp32_precision`` setting at ``torch.backends.<path>``, its parents' where it is ``"none"``."""
+    for end in range(len(path), -1, -1):
+        value = getattr(_backend(path[:end]), "fp32_precision", "none")
+        if value != "none":
+            return value
+    return "none"
+
+
+def _backend(path: Sequence[str]) -> Any:
+    """``torch.backends.<path>`` (``torch.backends`` for an empty path)."""
+    module: Any = torch.backends
+    for part in path:
+        module = getattr(module, part)
+    return module
+
+
+def reduced_float32_format(device_type: str, *, conv: bool) -> str | None:
+    """The reduced format torch's float32 precision flags let this device's float32 products run in: ``"tf32"``
+    (CUDA matrix products or, for ``conv``, cuDNN convolutions, on GPUs with TF32 units: a 10-bit mantissa, float16's),
+    ``"bf16"`` (oneDNN on a CPU with bf16 units, ``torch.set_float32_matmul_precision("medium")``), or ``None``. The
+    flags allow; whether the hardware has those units is not checked.
+
+    Torch from 2.9 on: ``torch.backends.{cuda.matmul, cudnn.conv, mkldnn.matmul, mkldnn.conv}.fp32_precision``,
+    whose ``"none"`` defers to the parent's (``"none"`` all the way up is IEEE float32; cuDNN convolutions default to
+    TF32). Earlier torch: ``allow_tf32`` and ``torch.get_float32_matmul_precision()``.
+    """
+    if not hasattr(torch.backends.cudnn, "conv"):  # torch < 2.9
+        if device_type == "cuda":
+            tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
+            return "tf32" if tf32 else None
+        return "bf16" if device_type == "cpu" and torch.get_float32_matmul_precision() == "medium" else None
+    if device_type == "cuda":
+        value = _flag("cudnn", "conv") if conv else _flag("cuda", "matmul")
+        return value if value in ("tf32", "bf16") else None
+    if device_type == "cpu":  # TF32 on a CPU needs units few have; bf16 products, those of many recent ones
+        return "bf16" if _flag("mkldnn", "conv" if conv else "matmul") == "bf16" else None
+    return None
 
 
 def reference_point(mean: Tensor) -> Tensor:

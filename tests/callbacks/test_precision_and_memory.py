@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from rank_lightning.callbacks import ActivationRankMonitor
-from rank_lightning.streams import reduced_float32_format, reduced_precision
+from rank_lightning.functional.streaming import reduced_float32_format
+from rank_lightning.streams import reduced_precision
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 WIDTH, RANK, INPUTS = 32, 4, 16
