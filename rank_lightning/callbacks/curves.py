@@ -1220,12 +1220,7 @@ class LayerCurves:
         if not same_axis or not shared or any(_point_text(found[p]) != _point_text(self._history[p]) for p in shared):
             self._run_files.continues = False
             return
-        for point, values in sorted(found.items()):
-            self._history.setdefault(point, values)
-        self._layers += [layer for layer in content["layers"] if layer not in self._layers]
-        self._metrics += [metric for metric in content["metrics"] if metric not in self._metrics]
-        known = {_block_text(block) for block in self._superseded}
-        self._superseded += [block for block in blocks if _block_text(block) not in known]
+        self._add_points(found, content["layers"], content["metrics"], blocks)
 
     def _add_saved_state(self, state_dict: Mapping[str, Any]) -> None:
         """Add to the curves held the points of a loaded state that they lack (in the state's layer and metric order
@@ -1233,16 +1228,25 @@ class LayerCurves:
         saved_axis = state_dict.get("facts", {}).get("x_axis", "epoch")
         if saved_axis != self.x_axis:
             return
-        for point, values in sorted(_epochs_as_int(state_dict["history"]).items()):
-            if point not in self._history:
-                self._history[point] = values
         for point, step in state_dict.get("steps", {}).items():  # the fit's step of each point the state adds
             self._steps.setdefault(int(point), int(step))
-        self._layers += [layer for layer in state_dict["layers"] if layer not in self._layers]
-        self._metrics += [metric for metric in state_dict["metrics"] if metric not in self._metrics]
+        blocks = [
+            {"resumed_at": block["resumed_at"], "history": _epochs_as_int(block["history"])}
+            for block in state_dict.get("superseded", [])
+        ]
+        self._add_points(_epochs_as_int(state_dict["history"]), state_dict["layers"], state_dict["metrics"], blocks)
+
+    def _add_points(
+        self, history: History, layers: Sequence[str], metrics: Sequence[str], blocks: Sequence[dict[str, Any]]
+    ) -> None:
+        """Add to the curves held the points of ``history`` they lack, the ``layers`` and ``metrics`` they lack (after
+        theirs, in the given order) and the superseded ``blocks`` they do not hold yet."""
+        for point, values in sorted(history.items()):
+            self._history.setdefault(point, values)
+        self._layers += [layer for layer in layers if layer not in self._layers]
+        self._metrics += [metric for metric in metrics if metric not in self._metrics]
         known = {_block_text(block) for block in self._superseded}
-        for block in state_dict.get("superseded", []):
-            block = {"resumed_at": block["resumed_at"], "history": _epochs_as_int(block["history"])}
+        for block in blocks:
             if _block_text(block) not in known:
                 known.add(_block_text(block))
                 self._superseded.append(block)
