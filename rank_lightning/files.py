@@ -16,7 +16,7 @@ import contextlib
 import os
 import secrets
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -99,15 +99,43 @@ class RunFiles:
             path: the file or folder.
             what: what it holds, in words (``"curves"``, ``"singular values"``), for the warnings.
         """
-        path = Path(path)
+        return self.claim_all([path], what)[0]
+
+    def claim_all(self, paths: Sequence[str | Path], what: str) -> list[bool]:
+        """:meth:`claim` every path of ``paths`` (files a writer makes together, such as the figures of a run), with
+        one warning for all those set aside rather than one each; whether each may be written.
+
+        Args:
+            paths: the files or folders.
+            what: what they hold, in words (``"figures"``), for the warnings.
+        """
+        kept: list[tuple[Path, Path]] = []
+        allowed = []
+        for path in paths:
+            may_write, aside = self._claim(Path(path), what)
+            allowed.append(may_write)
+            if aside is not None:
+                kept.append((Path(path), aside))
+        if len(kept) == 1:
+            path, aside = kept[0]
+            message = f"{self.owner}: {path} held the {what} of another run; they are kept as {aside.name} and this "
+            warnings.warn(message + "run writes its own", UserWarning, stacklevel=3)
+        elif kept:
+            names = ", ".join(f"{path.name} as {aside.name}" for path, aside in kept)
+            message = f"{self.owner}: {len(kept)} files in {kept[0][0].parent} held the {what} of another run; "
+            warnings.warn(message + f"they are kept ({names}) and this run writes its own", UserWarning, stacklevel=3)
+        return allowed
+
+    def _claim(self, path: Path, what: str) -> tuple[bool, Path | None]:
+        """``(may write, where another run's path was moved)`` for one path of :meth:`claim_all`."""
         key = str(path)
         if key in self._claimed:
             written = self._written.get(key)
             if written is None or file_stamp(path) in (None, written):
-                return True  # its own (or gone): a file written since by another writer is set aside below
+                return True, None  # its own (or gone): a file written since by another writer is set aside below
         elif self.continues or not os.path.lexists(path):  # (never raises: an unreadable folder fails the write)
             self._claimed.add(key)
-            return True
+            return True, None
         aside = free_version(path)
         try:
             os.replace(path, aside)
@@ -118,12 +146,10 @@ class RunFiles:
                     f"{self.owner}: {path} holds the {what} of another run and could not be renamed to {aside.name} "
                     f"({error!r}); it is left as it is and this run's {what} are not written there"
                 )
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-            return False
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+            return False, None
         self._claimed.add(key)
-        message = f"{self.owner}: {path} held the {what} of another run; they are kept as {aside.name} and this run "
-        warnings.warn(message + "writes its own", UserWarning, stacklevel=3)
-        return True
+        return True, aside
 
 
 def file_stamp(path: str | Path) -> tuple[int, int, int] | None:

@@ -1074,8 +1074,9 @@ class LayerCurves:
 
         The figures are shared between this process and worker processes where the machine has idle cores
         (:func:`~rank_lightning.figure_workers.draw_figures`); the files are written when this returns. A figure of
-        another run found where this one draws its first is kept as ``<name>-v<n>.png`` (:meth:`claim`), as the curve
-        file is. A debug run (``fast_dev_run``) draws none (:func:`~rank_lightning.files.writes_files`).
+        another run found where this one draws its first is kept as ``<name>-v<n>.png``, as the curve file is, with one
+        warning naming every figure kept (:meth:`~rank_lightning.files.RunFiles.claim_all`). A debug run
+        (``fast_dev_run``) draws none (:func:`~rank_lightning.files.writes_files`).
 
         Args:
             trainer: the Trainer, used to find the run directory and the rank.
@@ -1088,7 +1089,7 @@ class LayerCurves:
         if (self._tail is not None and self._tail.appended) or self._retired:  # one JSON file again, every point in it
             self._write_curve_file(trainer, compact=True)
         jobs, drawn = self._figure_jobs(self.figure_dir(trainer), self.drawn_metrics)
-        claimed = [self.claim(job.path, "figures") for job in jobs]
+        claimed = self._run_files.claim_all([job.path for job in jobs], "figures")
         jobs, drawn = [j for j, c in zip(jobs, claimed) if c], [m for m, c in zip(drawn, claimed) if c]
         try:
             results = draw_figures(jobs)

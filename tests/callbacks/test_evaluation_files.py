@@ -49,9 +49,17 @@ def test_a_fresh_fit_keeps_the_figures_of_another_run(tmp_path):
     figure = tmp_path / "rank_curves" / "rank_numerical_rank.png"
     earlier = figure.read_bytes()
     second = ActivationRankMonitor(layers=["net.1"], verbose=False)
-    kept = r"rank_numerical_rank\.png held the figures of another run; they are kept as rank_numerical_rank-v1\.png"
-    with pytest.warns(UserWarning, match=kept):
+    with pytest.warns(UserWarning) as caught:
         quiet_trainer([second], max_epochs=2, default_root_dir=tmp_path).fit(SmallClassifier(lr=0.2), loader, loader)
+    about_figures = [str(w.message) for w in caught if "figures of another run" in str(w.message)]
+    figures = sorted(p.name for p in (tmp_path / "rank_curves").glob("*-v1.png"))
+    assert len(figures) == len(first.curves.drawn_metrics) > 1
+    assert len(about_figures) == 1  # one warning for every figure kept
+    head = f"LayerCurves('rank'): {len(figures)} files in {tmp_path / 'rank_curves'} held the figures of another run; "
+    start, end = head + "they are kept (", ") and this run writes its own"
+    assert about_figures[0].startswith(start) and about_figures[0].endswith(end)
+    kept = about_figures[0][len(start) : -len(end)].split(", ")
+    assert sorted(kept) == [f"{name.replace('-v1', '')} as {name}" for name in figures]
     assert (tmp_path / "rank_curves" / "rank_numerical_rank-v1.png").read_bytes() == earlier
     assert figure.read_bytes() != earlier  # this run's own figure, of two epochs
     assert sorted(read_curve_file(tmp_path / "rank_curves" / "rank_curves-v1.json")["history"]) == [-1, 0]
