@@ -78,6 +78,7 @@ __all__ = [
     "select_layers",
     "token_layouts",
     "train_mode",
+    "unapplied_copies",
 ]
 
 GLOB_CHARACTERS = frozenset("*?[")
@@ -222,6 +223,46 @@ def _adapter_base_layer(module: nn.Module) -> nn.Module | None:
     while isinstance(getattr(base, "base_layer", None), nn.Module):
         base = base.base_layer
     return base if base is not module else None
+
+
+def _is_modules_to_save_wrapper(module: nn.Module) -> bool:
+    return any(
+        cls.__name__ == "ModulesToSaveWrapper" and cls.__module__.split(".")[0] == "peft"
+        for cls in type(module).__mro__
+    )
+
+
+def unapplied_copies(module: nn.Module) -> set[str]:
+    """Paths of the layers that a ``peft`` ``ModulesToSaveWrapper`` holds but its forward pass does not apply.
+
+    ``peft`` trains a layer named in ``modules_to_save`` (a classifier head, which it adds by itself for sequence
+    classification) as a copy per adapter, ``<layer>.modules_to_save.<adapter>``, beside the frozen
+    ``<layer>.original_module``. The forward pass applies the first active adapter's copy, or the original where
+    adapters are disabled or none of them has a copy here. The others are never applied, so no monitor chooses them:
+    a frozen original would give a flat weight curve, and a hook on it would never fire. The layer applied is chosen
+    under its path. Recognised by class name and defining package (``peft`` is never imported here); a wrapper
+    whose attributes differ from these gives nothing.
+    """
+    unapplied: set[str] = set()
+    for name, layer in module.named_modules():
+        if not _is_modules_to_save_wrapper(layer):
+            continue
+        try:
+            copies = dict(layer.modules_to_save.items())
+            active = list(layer.active_adapters)
+            passthrough = bool(layer.disable_adapters) or not active or any(a not in copies for a in active)
+        except (AttributeError, TypeError):
+            continue
+        applied = "original_module" if passthrough else f"modules_to_save.{active[0]}"
+        held = ["original_module", *(f"modules_to_save.{adapter}" for adapter in copies)]
+        unapplied.update(f"{name}.{path}" if name else path for path in held if path != applied)
+    return unapplied
+
+
+def _at_or_inside(name: str, roots: set[str]) -> bool:
+    """Whether the module at ``name`` is one of ``roots`` or lies inside one."""
+    parts = name.split(".")
+    return bool(roots) and any(".".join(parts[:i]) in roots for i in range(1, len(parts) + 1))
 
 
 def _is_of_type(module: nn.Module, wanted: LayerType) -> bool:
@@ -546,7 +587,12 @@ def select_layers(
     """
     modules = dict(module.named_modules())
     if candidates is None:
-        candidates = {name: m for name, m in modules.items() if name and not _inside_metric(name, modules)}
+        unapplied = unapplied_copies(module)
+        candidates = {
+            name: m
+            for name, m in modules.items()
+            if name and not _inside_metric(name, modules) and not _at_or_inside(name, unapplied)
+        }
     else:
         candidates = dict(candidates)
     blocks = module_blocks(module) or {}

@@ -18,7 +18,7 @@ from rank_lightning.distributed import SHARDINGS, fsdp_parameter_shapes, weight_
 from rank_lightning.files import writes_files
 from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
-from rank_lightning.layers import check_layer_types, select_layers
+from rank_lightning.layers import check_layer_types, select_layers, unapplied_copies
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -85,6 +85,24 @@ def _outer_layer(name: str, layers: set[str]) -> str | None:
         if outer in layers:
             return outer
     return None
+
+
+def _weight_candidates(
+    module: nn.Module, modules: dict[str, nn.Module], read: set[str], shapes: Any
+) -> dict[str, nn.Module]:
+    """The layers whose weights may be chosen: every weight layer, except the parts of the LoRA layers ``read`` as one
+    (their ``base_layer`` and factors) and peft's copies the forward pass does not apply
+    (:func:`~rank_lightning.layers.unapplied_copies`)."""
+    unapplied = unapplied_copies(module)  # the frozen original of a layer peft trains as a copy (modules_to_save)
+    return {
+        name: m
+        for name, m in modules.items()
+        if name
+        and is_weight_layer(m, shapes=shapes)
+        and _outer_layer(name, read) is None
+        and name not in unapplied
+        and _outer_layer(name, unapplied) is None
+    }
 
 
 class WeightRankMonitor(CurveMonitor):
@@ -330,11 +348,7 @@ class WeightRankMonitor(CurveMonitor):
         modules = dict(module.named_modules())
         lora = {name for name, m in modules.items() if name and is_lora_layer(m)}
         read = {name for name in lora if lora_unread_reason(modules[name]) is None}
-        candidates = {
-            name: m
-            for name, m in modules.items()
-            if name and is_weight_layer(m, shapes=shapes) and _outer_layer(name, read) is None
-        }
+        candidates = _weight_candidates(module, modules, read, shapes)
         if not candidates:
             raise ValueError(
                 f"{type(module).__name__} has no Linear, Conv, MultiheadAttention, Conv1D or expert layer to monitor"

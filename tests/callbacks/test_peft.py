@@ -177,3 +177,18 @@ def test_a_sharded_base_weight_is_an_error_naming_the_lora_layer():
     model.base_model.model.transformer.h[0].attn.c_proj.base_layer.weight.ds_shape = (EMBED, EMBED)  # a ZeRO-3 mark
     with pytest.raises(RuntimeError, match=rf"base weight of LoRA layer '{BLOCK}.attn.c_proj' is held as a Parameter"):
         WeightRankMonitor(verbose=False).spectra(LanguageModel(model))
+
+
+def test_the_trained_copy_of_a_module_to_save_is_measured_not_its_frozen_original():
+    module = LanguageModel(bert(task_type="SEQ_CLS"))  # peft trains a copy of the classifier head, beside the original
+    head = "model.base_model.model.classifier"
+    copy = module.model.base_model.model.classifier.modules_to_save.default
+    with torch.no_grad():
+        copy.weight.copy_(torch.outer(torch.ones(2), torch.arange(1.0, EMBED + 1)))  # rank 1; the original has rank 2
+    monitor = WeightRankMonitor(verbose=False)
+    assert [name for name in monitor.select(module) if name.startswith(head)] == [f"{head}.modules_to_save.default"]
+    assert monitor.measure(module)[f"{head}.modules_to_save.default"]["numerical_rank"] == 1
+    typed = ActivationRankMonitor(layer_types=[nn.Linear], verbose=False).select(module)
+    assert [name for name in typed if name.startswith(head)] == [f"{head}.modules_to_save.default"]
+    with module.model.disable_adapter():  # the original is what the forward pass applies now
+        assert [name for name in monitor.select(module) if name.startswith(head)] == [f"{head}.original_module"]
