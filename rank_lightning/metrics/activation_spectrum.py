@@ -42,6 +42,7 @@ from rank_lightning.functional.streaming import (
     ClassGrouping,
     Subsample,
     channel_gram_moments,
+    class_counts,
     classwise_variance_ratio_from_grams,
     classwise_variance_ratio_from_sample,
     count_sketch,
@@ -121,8 +122,8 @@ class ActivationSpectrumResult:
             class without samples; ``None`` when unavailable (see ``classwise_source``).
         classwise_k: the ``k`` of ``classwise_variance_ratio``.
         classwise_source: ``"class_gram"`` (exact, per-class Grams), ``"sample"`` (from the subsample of the
-            ``sample_gram`` path), or ``None`` (no classes, no labelled rows, disabled, or the per-class Grams exceed
-            the memory budget).
+            ``sample_gram`` path; NaN for a class of which it kept too few rows to tell, see the class), or ``None``
+            (no classes, no labelled rows, disabled, or the per-class Grams exceed the memory budget).
         path: how the spectra were obtained: ``"gram"`` (exact d x d Gram), ``"sample_gram"`` (sample Gram of a
             uniform subsample, exact when every row fitted), or ``"sketch"`` (CountSketch of the rows).
         num_samples: rows streamed (after the reduction).
@@ -289,7 +290,9 @@ class ActivationSpectrum(Metric):
     * ``"sample_gram"`` (default): a uniform subsample of at most ``max_samples`` rows (bottom-k random keys, which
       merge exactly across ranks), decomposed through its N x N sample Gram. Exact while every row fits; otherwise an
       estimate from the subsample, whose spectrum describes ``num_spectrum_samples`` rows. Class-wise variance ratios
-      come from the subsampled rows of each class.
+      come from the subsampled rows of each class; a class of which the subsample kept ``classwise_k`` rows or fewer
+      (one more with ``classwise_center``) of more streamed is NaN, with a warning naming it (so few rows give
+      ``VR_k = 1`` whatever the data).
     * ``"sketch"``: a CountSketch ``Y = S X`` with ``max_samples`` rows (each row added with a random sign to a random
       bucket; ``E[Y^T Y] = X^T X``), a sum state like the Gram. Leading singular values are estimated well; the
       tail and the numerical rank are capped by the sketch size. No class-wise variance ratio.
@@ -1138,7 +1141,29 @@ class ActivationSpectrum(Metric):
         classwise = classwise_variance_ratio_from_sample(
             sample, self.num_classes, k=self.classwise_k, center=self.classwise_center
         )
+        self._drop_undetermined_classes(classwise, sample.labels)
         return _Estimate(spectra, sample.rows.shape[0], classwise, "sample")
+
+    def _drop_undetermined_classes(self, classwise: Tensor, sample_labels: Tensor) -> None:
+        """NaN, with a warning naming them, for the classes whose subsampled rows fix their ``VR_k`` at 1 whatever
+        the data (``k`` rows or fewer, ``k + 1`` centred) although they streamed more: a value of the subsample's
+        size, not of the class."""
+        labelled = sample_labels[sample_labels >= 0].to(self.class_counts.device)
+        kept = class_counts(labelled, self.num_classes)
+        fixed = (kept <= self.classwise_k + int(self.classwise_center)) & (kept < self.class_counts) & (kept > 0)
+        undetermined = fixed.nonzero().squeeze(1).tolist()
+        if not undetermined:
+            return
+        classwise[undetermined] = math.nan
+        shown = ", ".join(map(str, undetermined[:10])) + (", ..." if len(undetermined) > 10 else "")
+        rows = f"{self.classwise_k + int(self.classwise_center)} or fewer"
+        warnings.warn(
+            f"ActivationSpectrum: the class-wise variance ratio of {len(undetermined)} of {self.num_classes} classes "
+            f"([{shown}]) is NaN: the {self.fallback_size}-row subsample of the 'sample_gram' path holds {rows} of "
+            f"their rows, whose VR_{self.classwise_k} is 1 whatever the data; raise max_samples or memory_budget_mb",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _tcv(self, n: int) -> tuple[Tensor, Tensor] | None:
         """Total cluster variation, plain and normalised (Zangrando et al. Def. 3.2), from the streamed moments.

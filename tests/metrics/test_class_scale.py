@@ -1,11 +1,14 @@
 """Class statistics at the scale of CIFAR-100 and ImageNet: memory of the class computations, classes missing from
 the measured samples, and class-wise ratios that a subsample or the budget cannot give."""
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rank_lightning.functional.neural_collapse import cdnv, neural_collapse
+from rank_lightning.metrics import ActivationSpectrum
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -41,3 +44,39 @@ def test_cdnv_of_many_classes_never_forms_every_pair_of_means() -> None:
     assert result.cdnv == pytest.approx(expected, rel=1e-12)
     pairs = classes * (classes - 1) // 2
     assert record.largest < pairs * d / 2  # blocks of rows, not the (C (C - 1) / 2, d) differences of every pair
+
+
+def _variance_ratio_1(rows: torch.Tensor) -> float:
+    values = torch.linalg.svdvals(rows.to(torch.float64)).square()
+    return float(values[0] / values.sum())
+
+
+def test_classwise_ratio_of_a_subsample_with_one_row_of_a_class_is_nan_not_one() -> None:
+    """On the 'sample_gram' path a class of which the subsample kept one row (of two streamed) had VR_1 = 1 exactly,
+    whatever its rows: with 1,000 classes and a few thousand subsampled rows most classes did, and the logged mean
+    was about 1. Such classes are now NaN, named in a warning; a class the subsample holds whole stays exact."""
+    torch.manual_seed(0)
+    classes = 30
+    x = torch.randn(2 * classes, 6, dtype=torch.float64) + 3
+    y = torch.arange(classes).repeat(2)
+    metric = ActivationSpectrum(num_classes=classes, max_gram_features=4, max_samples=24, seed=1)
+    metric.update(x, y)
+    kept = torch.bincount(metric._subsample().labels, minlength=classes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = metric.compute()
+    assert result.path == "sample_gram" and result.classwise_source == "sample"
+    single, whole = (kept == 1).nonzero().squeeze(1).tolist(), (kept == 2).nonzero().squeeze(1).tolist()
+    assert single and whole
+    ratios = result.classwise_variance_ratio
+    assert ratios[single].isnan().all()
+    assert ratios[whole].tolist() == pytest.approx([_variance_ratio_1(x[y == c]) for c in whole], rel=1e-12)
+    expected_mean = sum(_variance_ratio_1(x[y == c]) for c in whole) / len(whole)
+    assert result.scalars(("classwise_variance_ratio",))["classwise_variance_ratio_1_mean"] == pytest.approx(
+        expected_mean, rel=1e-12
+    )
+    messages = [str(w.message) for w in caught if "class-wise variance ratio" in str(w.message)]
+    assert len(messages) == 1
+    assert f"of {len(single)} of {classes} classes ([{', '.join(map(str, single[:10]))}" in messages[0]
+    assert "24-row subsample" in messages[0] and "raise max_samples" in messages[0]
+
