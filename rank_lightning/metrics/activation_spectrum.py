@@ -1043,9 +1043,24 @@ class ActivationSpectrum(Metric):
             if self.num_classes and not int(self.class_counts.sum()):
                 # No labelled row, no class to take a ratio of: not reported, like the TCV.
                 estimate = estimate._replace(classwise=None, classwise_source=None)
+            elif self.path == "gram" and self.num_classes and self.classwise and not self.uses_class_grams:
+                self._warn_class_grams_over_budget()
             if self.path == "gram":
                 self._warn_far_reference(estimate.spectra, n)
             return self._result(estimate, tcv=self._tcv(n), n=n)
+
+    def _warn_class_grams_over_budget(self) -> None:
+        """Say that the class-wise variance ratio asked for is not computed: its class Grams exceed the budget."""
+        d, classes = self.feature_sum.shape[-1], self.num_classes
+        needs = (classes + 1) * d * d * _FLOAT64_BYTES / 2**20
+        warnings.warn(
+            f"ActivationSpectrum: the class-wise variance ratio is not computed: its {classes} class Grams of {d} x "
+            f"{d} float64 and the Gram need {needs:.6g} MiB, more than the {self.memory_budget_bytes / 2**20:.6g} MiB "
+            "of memory budget it was given (memory_budget_mb); raise it, or leave the class-wise "
+            "variance ratio out (classwise=False)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _entry_scale(self, n: int) -> float:
         """The size of the streamed entries around the reference point: the larger of their root mean square and of

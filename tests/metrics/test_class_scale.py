@@ -80,3 +80,29 @@ def test_classwise_ratio_of_a_subsample_with_one_row_of_a_class_is_nan_not_one()
     assert f"of {len(single)} of {classes} classes ([{', '.join(map(str, single[:10]))}" in messages[0]
     assert "24-row subsample" in messages[0] and "raise max_samples" in messages[0]
 
+
+def test_class_grams_beyond_the_budget_are_planned_out_and_named_in_a_warning() -> None:
+    """ImageNet's 1,000 classes at d = 512: the class Grams (1,000 x 512 x 512 float64, 2,000 MiB) do not fit the
+    default 1,024 MiB, so the plan keeps the Gram and class sums only, and the class-wise VR_1 that was asked for
+    was left out of the result without a word. CIFAR-100 at d = 512 fits and is planned exactly."""
+    cifar = ActivationSpectrum(num_classes=100)
+    assert cifar.path_for(512) == "gram" and cifar._uses_class_grams_for(512)
+    d = 512
+    assert cifar.planned_bytes(d) == 8 * (2 * d + d * d + 100 + 100 * d + 100 * d * d + 4)
+    metric = ActivationSpectrum(num_classes=1000)
+    assert metric.planned_bytes(2048) == 8 * (2 * 2048 + 2048**2 + 1000 + 1000 * 2048 + 4)
+    assert metric.planned_bytes(d) == 8 * (2 * d + d * d + 1000 + 1000 * d + 4)
+    torch.manual_seed(0)
+    x, y = torch.randn(64, d), torch.randint(0, 1000, (64,))
+    metric.update(x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = metric.compute()
+    assert result.classwise_source is None and result.classwise_variance_ratio is None
+    assert result.total_cluster_variation is not None  # from the class sums, exact
+    messages = [str(w.message) for w in caught if "class-wise" in str(w.message)]
+    assert messages == [
+        "ActivationSpectrum: the class-wise variance ratio is not computed: its 1000 class Grams of 512 x 512 float64 "
+        "and the Gram need 2002 MiB, more than the 1024 MiB of memory budget it was given (memory_budget_mb); raise "
+        "it, or leave the class-wise variance ratio out (classwise=False)"
+    ]
