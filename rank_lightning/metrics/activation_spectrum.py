@@ -788,7 +788,15 @@ class ActivationSpectrum(Metric):
     def _input_grouping(self, labels: Tensor | ClassGrouping, batch: int) -> ClassGrouping:
         given = labels.labels if isinstance(labels, ClassGrouping) else labels
         if given.ndim != 1 or given.shape[0] != batch:
-            raise ValueError(f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}")
+            message = f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}"
+            if given.ndim == 2 and given.shape[0] == batch:
+                # A label per position (a language model's next tokens) or one-hot rows: say what is taken instead.
+                message += (
+                    ": one integer label per input, which every row of the input inherits under the 'token' and "
+                    "'channel' reductions; labels per position (B, T), such as a language model's next tokens, are "
+                    "not supported, and one-hot rows (B, C) are passed as labels.argmax(1)"
+                )
+            raise ValueError(message)
         if isinstance(labels, ClassGrouping):
             if len(labels.counts) != self.num_classes:
                 raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
