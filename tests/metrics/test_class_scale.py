@@ -4,11 +4,16 @@ the measured samples, and class-wise ratios that a subsample or the budget canno
 import warnings
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
 
+from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.functional.neural_collapse import cdnv, neural_collapse
 from rank_lightning.metrics import ActivationSpectrum, activation_spectrum
+from tests.callbacks.trainer_helpers import quiet_trainer
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -150,3 +155,33 @@ def test_labels_per_token_are_refused_saying_what_the_class_metrics_take() -> No
         metric.update(tokens, next_tokens, mask=torch.ones(2, 3, dtype=torch.bool))
     assert str(error.value) == expected
     assert int(metric.num_samples) == 0
+
+
+class _Head(pl.LightningModule):
+    """A 768-wide representation before a 50,257-way head's place (a language model's vocabulary as classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Linear(4, 768)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self(batch[0])
+
+
+def test_class_sums_beyond_the_budget_are_named_before_anything_is_allocated(tmp_path) -> None:
+    """50,257 classes of 768 features: the class sums alone take 294 MiB on every path, yet the error before training
+    spoke of the fallback path only and advised lowering max_gram_features, which frees nothing."""
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 50257, (8,)))
+    monitor = ActivationRankMonitor(layers=["features"], num_classes=50257, memory_budget_mb=100, verbose=False)
+    trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
+    expected = (
+        "layer 'features' (768 features) needs 295 MiB of state even on its fallback path (294 MiB of it the sums of "
+        "its 50257 classes, on every path), more than all of the memory_budget_mb=100. Raise memory_budget_mb, "
+        "monitor fewer layers, or pass fewer classes (num_classes)."
+    )
+    with pytest.raises(MemoryError) as error:
+        trainer.validate(_Head(), DataLoader(data, batch_size=4), verbose=False)
+    assert str(error.value) == expected
