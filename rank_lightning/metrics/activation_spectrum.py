@@ -285,7 +285,9 @@ class ActivationSpectrum(Metric):
     sums are added, so one process and N processes agree to rounding.
     With ``num_classes``, per-class counts and sums give the total cluster variation exactly, and per-class Grams
     (C x d x d) give the class-wise variance ratio when they fit in ``memory_budget_mb``; labelled rows then go into
-    their class Gram only, and :meth:`compute` adds the class Grams up, so the O(N d^2) work is not done twice.
+    their class Gram only, and :meth:`compute` adds the class Grams up, so the O(N d^2) work is not done twice. When
+    they do not fit (1,000 classes of 512 features need 2,000 MiB), :meth:`compute` warns that the class-wise variance
+    ratio is not computed; the total cluster variation, from the class sums, is exact on every path.
 
     When ``d > max_gram_features`` (or the d x d Gram exceeds the budget) the metric falls back to:
 
