@@ -627,14 +627,18 @@ class ActivationStream:
         if planned > left:
             used = sum(self._planned.values()) / _MIB
             needs = f"layer {name!r} ({num_features} features) needs {planned / _MIB:.3g} MiB of state even on its "
+            needs += "fallback path"
+            advice = "Monitor fewer layers, raise memory_budget_mb, or lower max_gram_features."
+            sums = (self.num_classes or 0) * num_features * _FLOAT64_BYTES
+            if 2 * sums > planned:
+                # Mostly the class sums (a vocabulary's worth of classes), which no path makes smaller.
+                needs += f" ({sums / _MIB:.3g} MiB of it the sums of its {self.num_classes} classes, on every path)"
+                advice = "Raise memory_budget_mb, monitor fewer layers, or pass fewer classes (num_classes)."
             if used:
-                where = f"fallback path, but the other monitored layers already plan {used:.3g} MiB of the "
+                where = f", but the other monitored layers already plan {used:.3g} MiB of the "
             else:
-                where = "fallback path, more than all of the "
-            raise MemoryError(
-                f"{needs}{where}memory_budget_mb={self.memory_budget_mb:g}. Monitor fewer layers, raise "
-                "memory_budget_mb, or lower max_gram_features."
-            )
+                where = ", more than all of the "
+            raise MemoryError(f"{needs}{where}memory_budget_mb={self.memory_budget_mb:g}. {advice}")
         self._planned[name] = planned
         return metric
 

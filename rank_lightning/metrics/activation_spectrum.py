@@ -42,6 +42,7 @@ from rank_lightning.functional.streaming import (
     ClassGrouping,
     Subsample,
     channel_gram_moments,
+    class_counts,
     classwise_variance_ratio_from_grams,
     classwise_variance_ratio_from_sample,
     count_sketch,
@@ -101,6 +102,8 @@ _EPS64 = float(torch.finfo(torch.float64).eps)
 # Entries below this (3e-151) have float64 products below 2^-1000, near the subnormal range (from 2^-1022) where the
 # Gram loses digits.
 _SMALLEST_ENTRY = 2.0**-500
+# Class Grams are turned into class-wise variance ratios this many float64 values (32 MiB) at a time.
+_CLASS_GRAM_CHUNK_VALUES = 2**22
 SPECTRUM_ROWS_KEY = "spectrum_rows"
 """The key :meth:`ActivationSpectrumResult.scalars` adds to every spectral selection: the rows behind the spectrum."""
 
@@ -121,8 +124,8 @@ class ActivationSpectrumResult:
             class without samples; ``None`` when unavailable (see ``classwise_source``).
         classwise_k: the ``k`` of ``classwise_variance_ratio``.
         classwise_source: ``"class_gram"`` (exact, per-class Grams), ``"sample"`` (from the subsample of the
-            ``sample_gram`` path), or ``None`` (no classes, no labelled rows, disabled, or the per-class Grams exceed
-            the memory budget).
+            ``sample_gram`` path; NaN for a class of which it kept too few rows to tell, see the class), or ``None``
+            (no classes, no labelled rows, disabled, or the per-class Grams exceed the memory budget).
         path: how the spectra were obtained: ``"gram"`` (exact d x d Gram), ``"sample_gram"`` (sample Gram of a
             uniform subsample, exact when every row fitted), or ``"sketch"`` (CountSketch of the rows).
         num_samples: rows streamed (after the reduction).
@@ -282,14 +285,18 @@ class ActivationSpectrum(Metric):
     sums are added, so one process and N processes agree to rounding.
     With ``num_classes``, per-class counts and sums give the total cluster variation exactly, and per-class Grams
     (C x d x d) give the class-wise variance ratio when they fit in ``memory_budget_mb``; labelled rows then go into
-    their class Gram only, and :meth:`compute` adds the class Grams up, so the O(N d^2) work is not done twice.
+    their class Gram only, and :meth:`compute` adds the class Grams up, so the O(N d^2) work is not done twice. When
+    they do not fit (1,000 classes of 512 features need 2,000 MiB), :meth:`compute` warns that the class-wise variance
+    ratio is not computed; the total cluster variation, from the class sums, is exact on every path.
 
     When ``d > max_gram_features`` (or the d x d Gram exceeds the budget) the metric falls back to:
 
     * ``"sample_gram"`` (default): a uniform subsample of at most ``max_samples`` rows (bottom-k random keys, which
       merge exactly across ranks), decomposed through its N x N sample Gram. Exact while every row fits; otherwise an
       estimate from the subsample, whose spectrum describes ``num_spectrum_samples`` rows. Class-wise variance ratios
-      come from the subsampled rows of each class.
+      come from the subsampled rows of each class; a class of which the subsample kept ``classwise_k`` rows or fewer
+      (one more with ``classwise_center``) of more streamed is NaN, with a warning naming it (so few rows give
+      ``VR_k = 1`` whatever the data).
     * ``"sketch"``: a CountSketch ``Y = S X`` with ``max_samples`` rows (each row added with a random sign to a random
       bucket; ``E[Y^T Y] = X^T X``), a sum state like the Gram. Leading singular values are estimated well; the
       tail and the numerical rank are capped by the sketch size. No class-wise variance ratio.
@@ -783,7 +790,15 @@ class ActivationSpectrum(Metric):
     def _input_grouping(self, labels: Tensor | ClassGrouping, batch: int) -> ClassGrouping:
         given = labels.labels if isinstance(labels, ClassGrouping) else labels
         if given.ndim != 1 or given.shape[0] != batch:
-            raise ValueError(f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}")
+            message = f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}"
+            if given.ndim == 2 and given.shape[0] == batch:
+                # A label per position (a language model's next tokens) or one-hot rows: say what is taken instead.
+                message += (
+                    ": one integer label per input, which every row of the input inherits under the 'token' and "
+                    "'channel' reductions; labels per position (B, T), such as a language model's next tokens, are "
+                    "not supported, and one-hot rows (B, C) are passed as labels.argmax(1)"
+                )
+            raise ValueError(message)
         if isinstance(labels, ClassGrouping):
             if len(labels.counts) != self.num_classes:
                 raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
@@ -1040,9 +1055,24 @@ class ActivationSpectrum(Metric):
             if self.num_classes and not int(self.class_counts.sum()):
                 # No labelled row, no class to take a ratio of: not reported, like the TCV.
                 estimate = estimate._replace(classwise=None, classwise_source=None)
+            elif self.path == "gram" and self.num_classes and self.classwise and not self.uses_class_grams:
+                self._warn_class_grams_over_budget()
             if self.path == "gram":
                 self._warn_far_reference(estimate.spectra, n)
             return self._result(estimate, tcv=self._tcv(n), n=n)
+
+    def _warn_class_grams_over_budget(self) -> None:
+        """Say that the class-wise variance ratio asked for is not computed: its class Grams exceed the budget."""
+        d, classes = self.feature_sum.shape[-1], self.num_classes
+        needs = (classes + 1) * d * d * _FLOAT64_BYTES / 2**20
+        warnings.warn(
+            f"ActivationSpectrum: the class-wise variance ratio is not computed: its {classes} class Grams of {d} x "
+            f"{d} float64 and the Gram need {needs:.6g} MiB, more than the {self.memory_budget_bytes / 2**20:.6g} MiB "
+            "of memory budget it was given (memory_budget_mb); raise it, or leave the class-wise "
+            "variance ratio out (classwise=False)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _entry_scale(self, n: int) -> float:
         """The size of the streamed entries around the reference point: the larger of their root mean square and of
@@ -1097,13 +1127,27 @@ class ActivationSpectrum(Metric):
             spectra[False] = spectrum_from_gram(plain, n)
         if not self.uses_class_grams:
             return _Estimate(spectra, n)
-        grams = symmetrize_lower(self.class_grams)
-        if not self.classwise_center:
-            grams = move_reference(self._reference_point(), self.class_counts, self.class_sums, grams)[1]
-        classwise = classwise_variance_ratio_from_grams(
-            grams, self.class_counts, class_sums=self.class_sums, k=self.classwise_k, center=self.classwise_center
-        )
-        return _Estimate(spectra, n, classwise, "class_gram")
+        return _Estimate(spectra, n, self._classwise_from_grams(), "class_gram")
+
+    def _classwise_from_grams(self) -> Tensor:
+        """The class-wise ``VR_k`` of the class Grams, a chunk of classes at a time: the full, moved Grams of every
+        class at once are temporaries of several times the class Grams' size (8 GB beside the 2 GB of 1,000 class
+        Grams of 512 x 512)."""
+        d = self.class_grams.shape[-1]
+        step = max(1, _CLASS_GRAM_CHUNK_VALUES // (d * d))
+        parts = []
+        for start in range(0, self.class_grams.shape[0], step):
+            chunk = slice(start, start + step)
+            counts, sums = self.class_counts[chunk], self.class_sums[chunk]
+            grams = symmetrize_lower(self.class_grams[chunk])
+            if not self.classwise_center:
+                grams = move_reference(self._reference_point(), counts, sums, grams)[1]
+            parts.append(
+                classwise_variance_ratio_from_grams(
+                    grams, counts, class_sums=sums, k=self.classwise_k, center=self.classwise_center
+                )
+            )
+        return torch.cat(parts)
 
     def _sketch_estimate(self, n: int) -> _Estimate:
         spectra = {}
@@ -1138,7 +1182,29 @@ class ActivationSpectrum(Metric):
         classwise = classwise_variance_ratio_from_sample(
             sample, self.num_classes, k=self.classwise_k, center=self.classwise_center
         )
+        self._drop_undetermined_classes(classwise, sample.labels)
         return _Estimate(spectra, sample.rows.shape[0], classwise, "sample")
+
+    def _drop_undetermined_classes(self, classwise: Tensor, sample_labels: Tensor) -> None:
+        """NaN, with a warning naming them, for the classes whose subsampled rows fix their ``VR_k`` at 1 whatever
+        the data (``k`` rows or fewer, ``k + 1`` centred) although they streamed more: a value of the subsample's
+        size, not of the class."""
+        labelled = sample_labels[sample_labels >= 0].to(self.class_counts.device)
+        kept = class_counts(labelled, self.num_classes)
+        fixed = (kept <= self.classwise_k + int(self.classwise_center)) & (kept < self.class_counts) & (kept > 0)
+        undetermined = fixed.nonzero().squeeze(1).tolist()
+        if not undetermined:
+            return
+        classwise[undetermined] = math.nan
+        shown = ", ".join(map(str, undetermined[:10])) + (", ..." if len(undetermined) > 10 else "")
+        rows = f"{self.classwise_k + int(self.classwise_center)} or fewer"
+        warnings.warn(
+            f"ActivationSpectrum: the class-wise variance ratio of {len(undetermined)} of {self.num_classes} classes "
+            f"([{shown}]) is NaN: the {self.fallback_size}-row subsample of the 'sample_gram' path holds {rows} of "
+            f"their rows, whose VR_{self.classwise_k} is 1 whatever the data; raise max_samples or memory_budget_mb",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _tcv(self, n: int) -> tuple[Tensor, Tensor] | None:
         """Total cluster variation, plain and normalised (Zangrando et al. Def. 3.2), from the streamed moments.
