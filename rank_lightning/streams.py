@@ -44,6 +44,7 @@ from rank_lightning.layers import (
     forward_hooks,
     hidden_state,
     several_loaders_advice,
+    unmasked_layers,
 )
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import CombinedOwnRows, own_samples, process_share
@@ -69,8 +70,10 @@ class ActivationStream:
         batch_reader: where labels and the attention mask are in a batch. Under its default mask lookup
             (:attr:`~rank_lightning.layers.BatchReader.default_mask_lookup`) the token layers in the decoder of a
             encoder-decoder model (:func:`~rank_lightning.layers.decoder_layers`, found at :meth:`start`) read
-            the batch's ``decoder_attention_mask``, the others its ``attention_mask``; a batch with an attention mask
-            but no decoder mask measures those layers whole, with a warning naming each.
+            the batch's ``decoder_attention_mask``, the layers in an image tower of a Hugging Face model, which takes no
+            attention mask (:func:`~rank_lightning.layers.unmasked_layers`), no mask, the others its
+            ``attention_mask``; a batch with an attention mask but no decoder mask measures those layers whole, with a
+            warning naming each.
         layouts: ``logged name -> batch_first`` for token layers whose layout is known; others are learnt from a
             batch whose shape tells it (the batch size in exactly one leading dimension).
         ambiguous_layouts: ``logged name -> batch_first`` for a batch whose shape cannot tell (as many sequences as
@@ -133,6 +136,7 @@ class ActivationStream:
         self.metrics: dict[str, ActivationSpectrum] = {}
         self.layer_ndims: dict[str, int] = {}
         self._decoder_layers: frozenset[str] = frozenset()  # the layers that read the decoder's mask
+        self._unmasked_layers: frozenset[str] = frozenset()  # the layers that no mask of the batch belongs to
         self._planned: dict[str, int] = {}
         self._reported_plan: dict[str, int] = {}  # printed once, and again only if layers are added
         self._max_samples_reached = False
@@ -198,6 +202,8 @@ class ActivationStream:
         # source and target are padded to one length. A mask_key of the user's own is every layer's.
         reads_decoder_mask = self.batch_reader.default_mask_lookup
         self._decoder_layers = frozenset(decoder_layers(module, self.layers) if reads_decoder_mask else ())
+        # An image tower's patches are not the text's tokens: the batch's attention_mask is not theirs either.
+        self._unmasked_layers = frozenset(unmasked_layers(module, self.layers) if reads_decoder_mask else ())
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
         self._own_left = [None if _collection(loader) else own_samples(loader) for loader in loaders]
         combined = {index: CombinedOwnRows(loader) for index, loader in enumerate(loaders) if _collection(loader)}
@@ -514,8 +520,9 @@ class ActivationStream:
 
     def _mask_of(self, name: str, activations: Tensor) -> Tensor | None:
         """The mask of this token layer's positions when it fits its ``(B, T)``: the batch's attention mask, or in the
-        decoder of an encoder-decoder the decoder's mask; else ``None`` with a warning."""
-        if activations.ndim != 3:
+        decoder of an encoder-decoder the decoder's mask; ``None`` for a layer in an image tower, whose patches no mask
+        of the batch belongs to; else ``None`` with a warning."""
+        if activations.ndim != 3 or name in self._unmasked_layers:
             return None
         decoder = name in self._decoder_layers
         mask = self._decoder_mask if decoder else self._mask
