@@ -221,3 +221,65 @@ def test_clip_image_tower_measures_every_patch_and_the_text_tower_its_real_token
     patches = torch.cat([image.hidden_states[1].reshape(-1, 16) for _, image in outputs])
     assert patches.shape[0] == 2 * BATCH * PATCHES
     _assert_rows(trainer, vision[0], patches)
+
+
+# -- Whisper: an encoder fed input_features, without attention mask ----------------------------------------------------
+
+
+def _whisper() -> FamilyModule:
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8,
+        max_target_positions=16, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return FamilyModule(transformers.WhisperForConditionalGeneration(config))
+
+
+def _whisper_batches(count: int, seed: int, *, decoder_mask: bool, padded: bool = True) -> list[dict[str, Tensor]]:
+    """``input_features`` (8 mel bins, 16 frames: 8 encoder positions) and ``labels``, -100 at padding."""
+    batches = _token_batches(count, seed, left=False, labels="tokens")
+    generator = torch.Generator().manual_seed(seed)
+    for batch in batches:
+        mask = batch.pop("attention_mask")
+        del batch["input_ids"]
+        if not padded:
+            batch["labels"] = batch["labels"].clamp(min=3)
+        elif decoder_mask:
+            batch["decoder_attention_mask"] = mask
+        batch["input_features"] = torch.randn(BATCH, 8, 16, generator=generator)
+    return batches
+
+
+def test_whisper_encoder_measures_every_position_and_the_decoder_the_targets_mask():
+    torch.manual_seed(0)
+    module, val = _whisper(), _whisper_batches(2, seed=1, decoder_mask=True)
+    trainer, caught = _fit(module, _whisper_batches(2, seed=0, decoder_mask=True), val)
+    assert caught == []
+    outputs = _hidden_states(module, val, lambda out: (out.encoder_hidden_states[1], out.decoder_hidden_states[1]))
+    encoder = torch.cat([states.reshape(-1, 16) for states, _ in outputs])
+    assert encoder.shape[0] == 2 * BATCH * 8
+    _assert_rows(trainer, "model.model.encoder.layers.0", encoder)
+    masks = [batch["decoder_attention_mask"].bool() for batch in val]
+    decoder = torch.cat([states[mask] for (_, states), mask in zip(outputs, masks, strict=True)])
+    _assert_rows(trainer, "model.model.decoder.layers.0", decoder)
+
+
+def test_whisper_decoder_without_target_mask_is_named_when_the_labels_are_padded(monkeypatch, tmp_path):
+    """A batch without any attention mask: padded labels (-100) say the decoder's positions hold padding."""
+    torch.manual_seed(0)
+    trainer, caught = _fit(
+        _whisper(), _whisper_batches(2, seed=0, decoder_mask=False), _whisper_batches(2, seed=1, decoder_mask=False)
+    )
+    assert float(trainer.callback_metrics["rank/model.model.decoder.layers.0/token/spectrum_rows"]) == 2 * BATCH * 8
+    expected = [
+        f"ActivationRankMonitor: layer 'model.model.decoder.layers.{i}' is in the decoder of an encoder-decoder "
+        "model, but the batch has no 'decoder_attention_mask' while its 'labels' hold -100 (padded targets) in 2 "
+        "batch(es): its padded target positions are measured too."
+        for i in range(2)
+    ]
+    assert [message[: len(expected[0])] for message in caught] == expected
+    (tmp_path / "unpadded").mkdir()
+    monkeypatch.chdir(tmp_path / "unpadded")  # a run of its own
+    torch.manual_seed(0)
+    _, caught = _fit(_whisper(), *(_whisper_batches(2, seed, decoder_mask=False, padded=False) for seed in (0, 1)))
+    assert caught == []  # unpadded targets: nothing to say
