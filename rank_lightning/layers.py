@@ -79,6 +79,7 @@ __all__ = [
     "token_layouts",
     "train_mode",
     "unapplied_copies",
+    "unmasked_layers",
 ]
 
 GLOB_CHARACTERS = frozenset("*?[")
@@ -1335,6 +1336,34 @@ def decoder_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
                 if any(inner is decoder for inner in modules[depth + 1 :]):
                     found.append(name)
                 break
+    return found
+
+
+def _takes_no_tokens(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face model whose ``forward`` names neither ``input_ids`` nor
+    ``attention_mask``: an image model or tower (CLIP's and SigLIP's ``vision_model``, a ViT), fed ``pixel_values``."""
+    if not _hugging_face_model(module):
+        return False
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return MASK_KEY not in parameters and "input_ids" not in parameters
+
+
+def unmasked_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
+    """The names of ``layers`` (``name -> module path``) inside a Hugging Face model that takes no attention mask (its
+    ``forward`` names neither ``input_ids`` nor ``attention_mask``): the vision tower of a two-tower or
+    multimodal model (CLIP's and SigLIP's ``vision_model``, a LLaVA ``vision_tower``) and image models.
+
+    Their tokens are image patches, none of them padding: the batch's ``attention_mask``, the text's, does not belong
+    to them, even when the text is padded to as many tokens as the image has patches.
+    """
+    found = []
+    for name, path in layers.items():
+        parts = path.split(".") if path else []
+        if any(_takes_no_tokens(model.get_submodule(".".join(parts[:depth]))) for depth in range(len(parts) + 1)):
+            found.append(name)
     return found
 
 

@@ -44,6 +44,7 @@ from rank_lightning.layers import (
     forward_hooks,
     hidden_state,
     several_loaders_advice,
+    unmasked_layers,
 )
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import CombinedOwnRows, own_samples, process_share
@@ -69,8 +70,10 @@ class ActivationStream:
         batch_reader: where labels and the attention mask are in a batch. Under its default mask lookup
             (:attr:`~rank_lightning.layers.BatchReader.default_mask_lookup`) the token layers in the decoder of a
             encoder-decoder model (:func:`~rank_lightning.layers.decoder_layers`, found at :meth:`start`) read
-            the batch's ``decoder_attention_mask``, the others its ``attention_mask``; a batch with an attention mask
-            but no decoder mask measures those layers whole, with a warning naming each.
+            the batch's ``decoder_attention_mask``, the layers in an image tower of a Hugging Face model, which takes no
+            attention mask (:func:`~rank_lightning.layers.unmasked_layers`), no mask, the others its
+            ``attention_mask``; a batch with an attention mask but no decoder mask measures those layers whole, with a
+            warning naming each, and so does a batch with no mask whose ``labels`` hold -100 (padded targets).
         layouts: ``logged name -> batch_first`` for token layers whose layout is known; others are learnt from a
             batch whose shape tells it (the batch size in exactly one leading dimension).
         ambiguous_layouts: ``logged name -> batch_first`` for a batch whose shape cannot tell (as many sequences as
@@ -133,6 +136,7 @@ class ActivationStream:
         self.metrics: dict[str, ActivationSpectrum] = {}
         self.layer_ndims: dict[str, int] = {}
         self._decoder_layers: frozenset[str] = frozenset()  # the layers that read the decoder's mask
+        self._unmasked_layers: frozenset[str] = frozenset()  # the layers that no mask of the batch belongs to
         self._planned: dict[str, int] = {}
         self._reported_plan: dict[str, int] = {}  # printed once, and again only if layers are added
         self._max_samples_reached = False
@@ -198,6 +202,8 @@ class ActivationStream:
         # source and target are padded to one length. A mask_key of the user's own is every layer's.
         reads_decoder_mask = self.batch_reader.default_mask_lookup
         self._decoder_layers = frozenset(decoder_layers(module, self.layers) if reads_decoder_mask else ())
+        # An image tower's patches are not the text's tokens: the batch's attention_mask is not theirs either.
+        self._unmasked_layers = frozenset(unmasked_layers(module, self.layers) if reads_decoder_mask else ())
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
         self._own_left = [None if _collection(loader) else own_samples(loader) for loader in loaders]
         combined = {index: CombinedOwnRows(loader) for index, loader in enumerate(loaders) if _collection(loader)}
@@ -214,6 +220,10 @@ class ActivationStream:
         # mask, per decoder flag.
         self._left_padded_later: dict[bool, Tensor] = {}
         self._cls_layers: dict[bool, set[str]] = {}
+        # Batches without any mask whose labels hold -100 (padded targets), on the device, and the decoder layers
+        # measured whole in them: read at the end of the pass.
+        self._padded_targets: Tensor | None = None
+        self._whole_decoder_layers: set[str] = set()
         # Per layer: the half precision its float32 outputs carry the rounding of (reduced_precision), None if none.
         self._autocast: dict[str, tuple[torch.dtype, str] | None] = {}
 
@@ -259,6 +269,8 @@ class ActivationStream:
         if self._decoder_layers:
             self._decoder_mask, wrong_decoder = self._read_mask(batch, decoder_mask, self.batch_reader.decoder_mask)
         self._count_wrong_masks(wrong, wrong_decoder)
+        if self._decoder_layers and self._mask is None and self._decoder_mask is None:
+            self._count_padded_targets(batch)
         self._batch = BatchReader.batch_size(batch) if batch is not None and not combined else None
         self._own_indices, self._own_index_tensors = None, {}
         if combined and batch is not None and loader in self._combined_own:
@@ -313,6 +325,28 @@ class ActivationStream:
             wrong = wrong | flag.to(wrong.device)
         wrong = wrong.to(torch.int64)
         self._wrong_masks = wrong if self._wrong_masks is None else self._wrong_masks + wrong.to(self._wrong_masks)
+
+    def _count_padded_targets(self, batch: Any) -> None:
+        """Count, on the device, a batch with no mask whose ``labels`` hold -100: Hugging Face's padding of the
+        targets, whose decoder positions are then measured whole (:meth:`compute` warns)."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if not isinstance(labels, Tensor) or labels.ndim != 2 or labels.is_floating_point() or labels.is_complex():
+            return
+        padded = (labels == -100).any().to(torch.int64)
+        counted = self._padded_targets
+        self._padded_targets = padded if counted is None else counted + padded.to(counted.device)
+
+    def _warn_padded_targets(self) -> None:
+        """Name the decoder layers measured whole in batches whose labels were padded."""
+        count = 0 if self._padded_targets is None else int(self._padded_targets)
+        if count:
+            message = (
+                f"is in the decoder of an encoder-decoder model, but the batch has no {DECODER_MASK_KEY!r} while its "
+                f"'labels' hold -100 (padded targets) in {count} batch(es): its padded target positions are measured "
+                f"too. {_DECODER_MASK_ADVICE}"
+            )
+            for name in sorted(self._whole_decoder_layers):
+                self._warn(name, "decoder mask", message)
 
     def _count_own(self, loader: int, size: int | None = None) -> int | None:
         """Leading rows of this batch (of ``size`` inputs, by default the batch's size) that are the process's own
@@ -514,8 +548,9 @@ class ActivationStream:
 
     def _mask_of(self, name: str, activations: Tensor) -> Tensor | None:
         """The mask of this token layer's positions when it fits its ``(B, T)``: the batch's attention mask, or in the
-        decoder of an encoder-decoder the decoder's mask; else ``None`` with a warning."""
-        if activations.ndim != 3:
+        decoder of an encoder-decoder the decoder's mask; ``None`` for a layer in an image tower, whose patches no mask
+        of the batch belongs to; else ``None`` with a warning."""
+        if activations.ndim != 3 or name in self._unmasked_layers:
             return None
         decoder = name in self._decoder_layers
         mask = self._decoder_mask if decoder else self._mask
@@ -524,11 +559,12 @@ class ActivationStream:
             if decoder and self._mask is not None and not cls:
                 message = (
                     f"is in the decoder of an encoder-decoder model, but the batch has no {DECODER_MASK_KEY!r} (its "
-                    f"{MASK_KEY!r} is the encoder's): its padded target positions are measured too. Put the target's "
-                    f"mask in the batch as {DECODER_MASK_KEY!r} (true / 1 at the real target tokens, e.g. labels != "
-                    "-100 for right-padded labels), or measure the decoder apart with a mask_key naming its mask."
+                    f"{MASK_KEY!r} is the encoder's): its padded target positions are measured too. "
+                    + _DECODER_MASK_ADVICE
                 )
                 self._warn(name, "decoder mask", message)
+            elif decoder and not cls:
+                self._whole_decoder_layers.add(name)  # named at the end of the pass if the labels were padded
             return None
         if cls:
             if self.batches_seen == 0:  # a pass's first batch: read now, so that the warning comes at once
@@ -683,6 +719,7 @@ class ActivationStream:
             )
             self._warn("", "mask values", message)
         self._warn_left_padding()
+        self._warn_padded_targets()
         self.stop()
         self._clear_notes()
         if _distributed():
@@ -852,6 +889,10 @@ def _num_features(activations: Tensor, reduction: str) -> int:
     return activations.shape[1]
 
 
+_DECODER_MASK_ADVICE = (
+    f"Put the target's mask in the batch as {DECODER_MASK_KEY!r} (true / 1 at the real target tokens, e.g. labels != "
+    "-100 for right-padded labels), or measure the decoder apart with a mask_key naming its mask."
+)
 _CLS_LEFT_PADDING = (
     "uses token_reduction='cls', but the attention mask marks the first position of some sequences as padding (left "
     "padding), whose hidden state is measured there. Pad on the right, or use token_reduction='token' or 'mean'."

@@ -100,8 +100,9 @@ class RankTracker:
         mask_key: where ``batch=`` holds the attention mask: an index, a key, a function ``batch -> mask``, or
             ``False`` for none (default ``attention_mask`` of dict batches). By default
             (and with ``"attention_mask"``) the layers in the decoder of an encoder-decoder model read the
-            batch's ``decoder_attention_mask`` instead (:func:`~rank_lightning.layers.decoder_layers`); another
-            ``mask_key`` names the mask of every layer.
+            batch's ``decoder_attention_mask`` instead (:func:`~rank_lightning.layers.decoder_layers`), and the
+            layers in an image tower that takes no attention mask none (:func:`~rank_lightning.layers.unmasked_layers`);
+            another ``mask_key`` names the mask of every layer.
 
     Raises:
         ValueError: a bad setting, or a layer name that matches no layer of ``model`` (the valid names listed).

@@ -202,7 +202,10 @@ class ActivationRankMonitor(CurveMonitor):
             function ``batch -> mask``, or ``False`` for none; ``None`` reads ``attention_mask`` from dict batches
             and no mask otherwise. With ``None`` or ``"attention_mask"`` the layers in the decoder of an
             encoder-decoder model read ``decoder_attention_mask`` instead (without one they are measured whole, with a
-            warning); any other ``mask_key`` names the mask of every layer.
+            warning when the batch has an ``attention_mask`` or ``labels`` padded with -100), and the layers in an
+            image tower of a Hugging Face model that takes no attention mask (CLIP's ``vision_model``:
+            :func:`~rank_lightning.layers.unmasked_layers`) read none; any other ``mask_key`` names the mask of every
+            layer.
         output_selector: which tensor of a layer's output to measure: an index, a key or attribute name, or a
             function ``output -> Tensor``; ``None`` follows :func:`~rank_lightning.layers.hidden_state`'s rule.
         log_per_class: also log the class-wise VR of every class, not only their mean.
