@@ -172,7 +172,7 @@ def _dtensor_plan(matrix: WeightMatrix, tensor: Any, decomposition: str, shardin
             return None  # a partial sum: gathering completes it
     rows, cols = matrix.shape(tuple(tensor.shape))
     strided = any(p.is_shard() and type(p).__name__ != "Shard" for p in tensor.placements)
-    if dims <= set(matrix.row_dims(ndim)) and not (strided and matrix.part is not None):
+    if dims <= set(matrix.row_dims(ndim)) and not (strided and matrix.is_part):
         # A strided row split (FSDP2 over tensor parallelism) keeps rows whole, but not in one offset range.
         side, size = "feature", cols
     elif dims <= set(matrix.col_dims(ndim)):
@@ -190,14 +190,15 @@ def _local_gram(matrix: WeightMatrix, tensor: Any, side: str) -> Tensor:
 
     # The experts' dimension is never split on this route (_dtensor_plan): the piece holds every expert.
     piece = matrix.whole(tensor.to_local())
-    if matrix.part is not None:
-        start, stop = matrix.row_range(tuple(tensor.shape))  # the global shape: the rows of the whole matrix
+    if matrix.is_part:
+        first = 0
         if side == "feature":
             # Rows are split: keep the part's rows that fall in this process's row range.
             _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
             first = offsets[matrix.row_dims(tensor.ndim)[0]]
-            start, stop = min(max(start - first, 0), piece.shape[0]), min(max(stop - first, 0), piece.shape[0])
-        piece = piece[start:stop]
+        # Found from the global shape: the rows of the whole matrix.
+        rows = matrix.local_rows(tuple(tensor.shape), first, piece.shape[0])
+        piece = piece[rows if isinstance(rows, slice) else rows.to(piece.device)]
     piece = piece.to(torch.float64)
     return piece.mT @ piece if side == "feature" else piece @ piece.mT
 

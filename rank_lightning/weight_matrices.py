@@ -11,7 +11,8 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
 * ``transformers``' ``Conv1D`` (GPT-2's projections): the weight is stored ``(in, out)`` and the layer computes
   ``y = x W + b``, so the matrix is ``W^T`` and its spectrum is that of the equivalent ``nn.Linear``.
 * Fused query/key/value projections, split into their parts by default (``split_fused=True``), named
-  ``<layer>.q_proj``, ``<layer>.k_proj``, ``<layer>.v_proj``:
+  ``<layer>.q_proj``, ``<layer>.k_proj``, ``<layer>.v_proj`` (Phi-3's fused gate/up projection likewise, into
+  ``<layer>.gate_proj`` and ``<layer>.up_proj``):
 
   - ``nn.MultiheadAttention``'s ``in_proj_weight`` ``(3E, E)``: rows ``[0, E)`` are the queries, ``[E, 2E)`` the keys,
     ``[2E, 3E)`` the values (or its separate ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` when the key or
@@ -19,11 +20,32 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
   - GPT-2's ``c_attn`` (a ``Conv1D`` named ``c_attn`` with ``3E`` outputs for ``E`` inputs): q, k and v side by side
     in the output columns of the stored ``(E, 3E)`` weight; with ``2E`` outputs (GPT-2's cross-attention, whose
     queries are the separate ``q_attn``) the parts are ``k_proj`` and ``v_proj``.
+  - A fused ``nn.Linear`` whose attention or MLP layer (its parent module, wrappers skipped: :func:`parent_layer`)
+    is one of the classes below, split as that class's forward pass cuts the output, with the sizes its settings
+    give (``D``: head size, ``H`` query heads, ``G`` key/value heads, ``E`` width); the parts of a per-head layout
+    take their rows from every head (or group) in turn, in the order of the heads:
+
+    * GPT-NeoX / Pythia ``GPTNeoXAttention.query_key_value``, Bloom ``BloomAttention.query_key_value``: per head,
+      ``q (D) | k (D) | v (D)``.
+    * Falcon ``FalconAttention.query_key_value``: with ``new_decoder_architecture``, per group of ``H / G`` heads,
+      ``q (H / G * D) | k (D) | v (D)``; else with ``multi_query``, ``q (E) | k (D) | v (D)``; else per head,
+      ``q (D) | k (D) | v (D)``.
+    * Phi-3 ``Phi3Attention.qkv_proj``: ``q (H * D) | k (G * D) | v (G * D)``; Phi-3 ``Phi3MLP.gate_up_proj``
+      (``I``: its ``intermediate_size``): ``gate (I) | up (I)``, named ``<layer>.gate_proj`` and ``<layer>.up_proj``.
+    * GPT-BigCode ``GPTBigCodeAttention.c_attn`` (an ``nn.Linear``): with ``multi_query``,
+      ``q (E) | k (D) | v (D)``; else per head, ``q (D) | k (D) | v (D)``.
+    * timm's ``Attention.qkv`` (``timm.layers.attention``, the attention of its ViTs):
+      ``q (H * D) | k (H * D) | v (H * D)``.
+
+    The class is recognised by its name and defining module, not a subclass's (whose forward pass may cut the
+    output another way); a layout whose rows do not add up to the full weight's rows, a cross-attention
+    ``GPTBigCodeAttention`` (whose forward pass takes keys and values of one head's width), and every other fused
+    ``nn.Linear`` (CodeGen's ``qkv_proj``, a ``query_key_value`` of a model not named here, models loaded with
+    ``trust_remote_code``) are one matrix. The package's own ViT (torchvision's encoder) holds
+    ``nn.MultiheadAttention``, split as above.
 
   With ``split_fused=False`` a fused projection is one matrix: ``<layer>.in_proj`` for ``nn.MultiheadAttention``
-  (``(3E, E)``), ``<layer>`` for ``c_attn`` (``(3E, E)`` after the transpose).
-
-Fused layouts other than these two (heads interleaved, as in GPT-NeoX's ``query_key_value``) are read as one matrix.
+  (``(3E, E)``), ``<layer>`` for ``c_attn`` (``(3E, E)`` after the transpose) and for a fused ``nn.Linear``.
 
 Mixture-of-experts layers of ``transformers`` 5.x hold every expert's projection in one 3-D parameter, ``(E, out,
 in)``, or ``(E, in, out)`` where the layer declares ``is_transposed`` (GPT-OSS, Aria); ``use_experts_implementation``
@@ -43,22 +65,25 @@ declares no layout, such as Llama 4's) is not measured: :func:`unread_stacks` na
 A LoRA layer of ``peft`` (:func:`is_lora_layer`) wraps its base layer (``<layer>.base_layer``) and adds the update
 ``(alpha / r) B A`` of its adapters (the Linears ``<layer>.lora_A.<adapter>`` ``(r, in)`` and
 ``<layer>.lora_B.<adapter>`` ``(out, r)``). It is read as one layer, named ``<layer>`` as in the model without peft:
-its matrices are those of the base layer (a ``c_attn`` split into q, k and v), each holding the weight the layer
-applies, the stored base weight plus the update of every active adapter (``peft``'s ``get_delta_weight``, added as
-``merge`` adds it, so the spectra are those of the merged model); and, with ``lora_update=True``, the update alone,
-``<matrix>.lora_update`` (``<layer>.q_proj.lora_update``, ...: rank at most ``r``). A merged layer's base weight holds
-its update already; a layer whose adapters are disabled applies its base weight alone. The base layer and the
-adapters' factors are not read on their own. A LoRA layer whose applied weight is not ``W + (alpha / r) B A``
-(DoRA and other variants, a base layer other than Linear, Conv or ``Conv1D``, a quantized base weight) is not read
-as one layer (:func:`lora_unread_reason` says why): its base layer and factors are read as the layers they are.
+its matrices are those of the base layer (a ``c_attn`` or fused ``nn.Linear`` split into its parts), each holding
+the weight the layer applies, the stored base weight plus the update of every active adapter (``peft``'s
+``get_delta_weight``, added as ``merge`` adds it, so the spectra are those of the merged model); and, with
+``lora_update=True``, the update alone, ``<matrix>.lora_update`` (``<layer>.q_proj.lora_update``, ...: rank at most
+``r``). A merged layer's base weight holds its update already; a layer whose adapters are disabled applies its base
+weight alone. The base layer and the adapters' factors are not read on their own. A LoRA layer whose applied weight
+is not ``W + (alpha / r) B A`` (DoRA and other variants, a base layer other than Linear, Conv or ``Conv1D``, a
+quantized base weight) is not read as one layer (:func:`lora_unread_reason` says why): its base layer and factors
+are read as the layers they are.
 
-Every decision that depends on a shape (whether a ``c_attn`` holds two or three parts, which parameters are 3-D
-stacks, how many experts a stack holds) takes the shape of the whole parameter, not of the piece a sharding strategy
-leaves on this process (:func:`parameter_shape`): a ``DTensor``'s global shape, DeepSpeed ZeRO-3's ``ds_shape``, and
-for FSDP1 with ``use_orig_params=True`` (whose parameters are 1-D slices, or empty, between forward passes) the shape
-its flat parameter records, passed in as ``shapes``
-(:func:`rank_lightning.distributed.fsdp_parameter_shapes`). The rows of a part of a fused projection are found when
-the matrix is read, from the whole tensor then in hand (:meth:`WeightMatrix.row_range`).
+Every decision that depends on a shape (whether a ``c_attn`` holds two or three parts, whether a fused ``nn.Linear``
+holds the rows of its layer's layout, which parameters are 3-D stacks, how many experts a stack holds) takes the shape
+of the whole parameter, not of the piece a sharding strategy leaves on this process (:func:`parameter_shape`): a
+``DTensor``'s global shape, DeepSpeed ZeRO-3's ``ds_shape``, and for FSDP1 with ``use_orig_params=True`` (whose
+parameters are 1-D slices, or empty, between forward passes) the shape its flat parameter records, passed in as
+``shapes`` (:func:`rank_lightning.distributed.fsdp_parameter_shapes`; a fused ``nn.Linear`` not in ``shapes`` falls back
+on its ``out_features`` and ``in_features``). The rows of a part of a fused projection are found when the matrix is
+read, from the whole tensor then in hand (:meth:`WeightMatrix.from_stored`), or from the global row offset of a
+process's piece of it (:meth:`WeightMatrix.local_rows`).
 """
 
 from __future__ import annotations
@@ -86,6 +111,7 @@ __all__ = [
     "lora_weight",
     "matrices_of",
     "parameter_shape",
+    "parent_layer",
     "unread_stacks",
 ]
 
@@ -188,6 +214,10 @@ class WeightMatrix:
         groups: the ``groups`` of a conv layer: the ``(out, fan_in)`` matrix holds that many blocks of rows, each
             acting on its own ``in / groups`` input channels, and the spectrum is that of the block-diagonal matrix
             they form (``out x (fan_in * groups)``); 1 for every other matrix.
+        rows: ``(start, stop, period)``: this matrix takes rows ``[start, stop)`` of every consecutive block of
+            ``period`` rows of the full matrix, in order (a part of a fused projection whose layout the attention
+            layer fixes: heads interleaved, as in GPT-NeoX, or parts of unequal sizes, ``period`` then the full row
+            count); ``None`` where ``part`` says which rows.
     """
 
     name: str
@@ -199,6 +229,12 @@ class WeightMatrix:
     lora: nn.Module | None = None
     lora_update: bool = False
     groups: int = 1
+    rows: tuple[int, int, int] | None = None
+
+    @property
+    def is_part(self) -> bool:
+        """Whether this matrix takes some rows of the stored matrix only (a part of a fused projection)."""
+        return self.part is not None or self.rows is not None
 
     def stored(self) -> Tensor:
         """The tensor as the module holds it now (possibly a shard or a DTensor under a sharding strategy); for a LoRA
@@ -233,21 +269,52 @@ class WeightMatrix:
 
     def row_range(self, stored_shape: tuple[int, ...]) -> tuple[int, int]:
         """``(start, stop)`` of the rows this matrix takes from the full matrix, given the shape of the full stored
-        tensor (all rows unless it is a part)."""
+        tensor (all rows unless it is a part); for ``rows`` repeated in every block of ``period`` rows, the range
+        they take in the first block."""
         rows = stored_shape[self.row_dims(len(stored_shape))[0]]
+        if self.rows is not None:
+            return self.rows[0], self.rows[1]
         if self.part is None:
             return 0, rows
         index, count = self.part
         size = rows // count
         return index * size, (index + 1) * size
 
+    def _blocks(self, stored_shape: tuple[int, ...]) -> int:
+        """How many blocks of ``period`` rows the full matrix holds (1 unless ``rows`` is periodic)."""
+        if self.rows is None:
+            return 1
+        total = stored_shape[self.row_dims(len(stored_shape))[0]]
+        period = self.rows[2]
+        if total % period:
+            raise ValueError(
+                f"matrix {self.name!r} takes rows {self.rows[0]}:{self.rows[1]} of every {period} rows of "
+                f"{type(self.module).__name__}.{self.attribute}, whose {total} rows are not a multiple of {period}"
+            )
+        return total // period
+
+    def local_rows(self, stored_shape: tuple[int, ...], first: int, count: int) -> slice | Tensor:
+        """Indices, into a piece holding rows ``[first, first + count)`` of the full matrix, of the rows of this
+        matrix that the piece holds (a slice where they are contiguous)."""
+        start, stop = self.row_range(stored_shape)
+        blocks = self._blocks(stored_shape)
+        if blocks == 1:
+            return slice(min(max(start - first, 0), count), min(max(stop - first, 0), count))
+        period = self.rows[2]  # type: ignore[index]
+        rows = (torch.arange(blocks)[:, None] * period + torch.arange(start, stop)).reshape(-1) - first
+        return rows[(rows >= 0) & (rows < count)]
+
     def from_stored(self, tensor: Tensor) -> Tensor:
         """The ``(out, fan_in)`` matrix (a view where possible) of the full stored ``tensor``."""
         matrix = self.whole(tensor)
-        if self.part is None:
+        if not self.is_part:
             return matrix
         start, stop = self.row_range(tuple(tensor.shape))
-        return matrix[start:stop]
+        blocks = self._blocks(tuple(tensor.shape))
+        if blocks == 1:
+            return matrix[start:stop]
+        # Rows [start, stop) of every block of ``period`` rows, block after block.
+        return matrix.reshape(blocks, -1, matrix.shape[-1])[:, start:stop].reshape(-1, matrix.shape[-1])
 
     def shape(self, stored_shape: tuple[int, ...]) -> tuple[int, int]:
         """``(out, fan_in)`` of this matrix, given the shape of the full stored tensor."""
@@ -255,7 +322,7 @@ class WeightMatrix:
         cols = 1
         for dim in self.col_dims(len(stored_shape)):
             cols *= stored_shape[dim]
-        return stop - start, cols
+        return (stop - start) * self._blocks(stored_shape), cols
 
 
 def _split(
@@ -299,6 +366,105 @@ def _fused_parts(path: str, module: nn.Module, shapes: ParameterShapes | None) -
         shape = declared
     fan_in, out = shape
     return out // fan_in if out in (2 * fan_in, 3 * fan_in) else 1
+
+
+_TRANSFORMERS = "transformers.models.{0}.modeling_{0}"
+
+
+def _class_is(module: nn.Module | None, where: str, *names: str) -> bool:
+    """Whether ``module``'s own class (not a subclass, whose forward pass may cut the output another way) is one of
+    ``names`` defined in the module ``where``; recognised by name, so its package is never imported here."""
+    cls = type(module)
+    return cls.__name__ in names and cls.__module__ == where
+
+
+def _int(module: nn.Module | object, *path: str) -> int | None:
+    """The integer attribute ``module.<path[0]>.<path[1]>...``; ``None`` where it is missing or not an integer."""
+    value: object = module
+    for attribute in path:
+        value = getattr(value, attribute, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _fused_rows(child: str, parent: nn.Module | None) -> tuple[tuple[str, ...], tuple[int, ...], int | None] | None:
+    """``(parts, sizes, period)`` of a fused ``nn.Linear`` named ``child`` inside the layer ``parent``, as the
+    parent's forward pass cuts its output: every block of ``period`` rows holds the parts one after the other,
+    ``sizes`` rows each (``period`` is ``None`` for one block, the whole matrix). ``None`` for a layer in no layout
+    named in the module docstring.
+    """
+    if _class_is(parent, _TRANSFORMERS.format("gpt_neox"), "GPTNeoXAttention") and child == "query_key_value":
+        head = _int(parent, "head_size")  # view(..., heads, 3 * head_size), then chunk(3): per head q | k | v
+        return None if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+    if _class_is(parent, _TRANSFORMERS.format("bloom"), "BloomAttention") and child == "query_key_value":
+        head = _int(parent, "head_dim")  # view(..., heads, 3, head_dim)
+        return None if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+    if (
+        _class_is(parent, _TRANSFORMERS.format("falcon"), "FalconAttention", "FalconFlashAttention2")
+        and child == "query_key_value"
+    ):
+        head, heads, kv_heads = _int(parent, "head_dim"), _int(parent, "num_heads"), _int(parent, "num_kv_heads")
+        if head is None or heads is None:
+            return None
+        if getattr(parent, "new_decoder_architecture", None) is True:
+            # view(..., kv_heads, heads / kv_heads + 2, head_dim): each group's queries, then its key and value.
+            if kv_heads is None or heads % kv_heads:
+                return None
+            queries = heads // kv_heads * head
+            return FUSED_PARTS, (queries, head, head), queries + 2 * head
+        if getattr(parent, "multi_query", None) is True:
+            return FUSED_PARTS, (heads * head, head, head), None  # view(..., heads + 2, head_dim)
+        if getattr(parent, "multi_query", None) is False:
+            return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3, head_dim)
+        return None
+    if _class_is(parent, _TRANSFORMERS.format("phi3"), "Phi3Attention") and child == "qkv_proj":
+        head, heads = _int(parent, "head_dim"), _int(parent, "config", "num_attention_heads")
+        kv_heads = _int(parent, "num_key_value_heads")
+        if head is None or heads is None or kv_heads is None:
+            return None
+        return FUSED_PARTS, (heads * head, kv_heads * head, kv_heads * head), None
+    if _class_is(parent, _TRANSFORMERS.format("phi3"), "Phi3MLP") and child == "gate_up_proj":
+        size = _int(parent, "config", "intermediate_size")  # chunk(2): gate, then up
+        return None if size is None else (GATE_UP_PARTS, (size, size), None)
+    if _class_is(parent, _TRANSFORMERS.format("gpt_bigcode"), "GPTBigCodeAttention") and child == "c_attn":
+        head, heads, kv = _int(parent, "head_dim"), _int(parent, "num_heads"), _int(parent, "kv_dim")
+        if head is None or heads is None or getattr(parent, "is_cross_attention", None) is not False:
+            return None  # cross-attention: keys and values of the encoder states, split by the forward pass per head
+        if getattr(parent, "multi_query", None) is True:
+            return None if kv is None else (FUSED_PARTS, (heads * head, kv, kv), None)  # split((E, kv, kv))
+        if getattr(parent, "multi_query", None) is False:
+            return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3 * head_dim), split(3 * [head_dim])
+        return None
+    if _class_is(parent, "timm.layers.attention", "Attention") and child == "qkv":
+        head, heads = _int(parent, "head_dim"), _int(parent, "num_heads")  # reshape(B, N, 3, heads, head_dim)
+        return None if head is None or heads is None else (FUSED_PARTS, (heads * head,) * 3, None)
+    return None
+
+
+def _fused_linear(
+    path: str, name: str, module: nn.Module, parent: nn.Module | None, shapes: ParameterShapes | None
+) -> list[WeightMatrix] | None:
+    """The parts of a fused ``nn.Linear`` whose layout its attention or MLP layer ``parent`` fixes
+    (:func:`_fused_rows`), checked against the full weight's rows; ``None`` (one matrix) where the rows do not
+    match that layout."""
+    layout = _fused_rows(name.rsplit(".", 1)[-1], parent)
+    if layout is None:
+        return None
+    parts, sizes, period = layout
+    shape = parameter_shape(module, "weight", shapes)
+    if shape is None:
+        declared = getattr(module, "out_features", None), getattr(module, "in_features", None)
+        if not all(isinstance(size, int) for size in declared):
+            raise _unknown_shape(path, module, ["weight"])
+        shape = declared
+    total, one_block = shape[0], period is None
+    period = sum(sizes) if period is None else period
+    if len(shape) != 2 or sum(sizes) != period or total % period or (one_block and total != period):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [
+        WeightMatrix(f"{name}.{part}", module, rows=(start, start + size, period))
+        for part, start, size in zip(parts, starts, sizes)
+    ]
 
 
 def _own_shapes(module: nn.Module, shapes: ParameterShapes | None) -> dict[str, tuple[int, ...] | None]:
@@ -499,16 +665,20 @@ def matrices_of(
     split_fused: bool = True,
     shapes: ParameterShapes | None = None,
     lora_update: bool = True,
+    parent: nn.Module | None = None,
 ) -> list[WeightMatrix]:
     """The matrices of one layer, named after its module ``path`` (wrapper segments of FSDP removed).
 
     Args:
         path: the layer's name as in ``named_modules()``.
         module: a layer for which :func:`is_weight_layer` holds.
-        split_fused: read fused query/key/value projections and experts' fused gate/up projections as their parts
-            (module docstring).
+        split_fused: read fused query/key/value projections and fused gate/up projections as their parts (module
+            docstring).
         shapes: full shapes of parameters that FSDP1 holds as flat slices (:func:`parameter_shape`); needed only
             for a ``c_attn`` or an experts layer so held, whose matrices depend on the full shape.
+        parent: the layer that holds ``module`` (wrappers skipped: :func:`parent_layer`), whose class and settings
+            fix the layout of a fused ``nn.Linear`` (GPT-NeoX's ``query_key_value``, ...; module docstring);
+            ``None``: a Linear is one matrix.
         lora_update: for a LoRA layer, also its adapters' update, ``<matrix>.lora_update`` for each of its matrices
             (module docstring).
 
@@ -522,7 +692,8 @@ def matrices_of(
     """
     name = logged_name(path)
     if is_lora_layer(module) and lora_unread_reason(module) is None:
-        base = matrices_of(path, module.base_layer, split_fused=split_fused, shapes=shapes)  # type: ignore[arg-type]
+        base_layer: nn.Module = module.base_layer  # type: ignore[assignment]
+        base = matrices_of(path, base_layer, split_fused=split_fused, shapes=shapes, parent=parent)
         matrices = [replace(matrix, lora=module) for matrix in base]
         if lora_update:
             matrices += [replace(m, name=m.name + LORA_UPDATE_SUFFIX, lora=module, lora_update=True) for m in base]
@@ -536,6 +707,10 @@ def matrices_of(
         return [WeightMatrix(name, module, transpose=True)]
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return [WeightMatrix(name, module, groups=module.groups)]
+    if isinstance(module, nn.Linear) and split_fused:
+        parts = _fused_linear(path, name, module, parent, shapes)
+        if parts is not None:
+            return parts
     if isinstance(module, _LAYER_TYPES):
         return [WeightMatrix(name, module)]
     unknown = _unknown_stacks(module, shapes)
@@ -547,3 +722,18 @@ def matrices_of(
         f"layer {path!r} is a {type(module).__name__}; weight matrices are read from Linear, Conv1d/2d/3d, "
         "MultiheadAttention, transformers' Conv1D and layers holding 3-D expert stacks"
     )
+
+
+def parent_layer(path: str, modules: Mapping[str, nn.Module]) -> nn.Module | None:
+    """The layer that holds the module ``path`` of ``modules`` (``named_modules()`` of the model): the module one
+    level up, wrappers skipped (the module that ``torch.compile``, FSDP or activation checkpointing wraps, at the
+    longest path of that name); ``None`` for a module at the top."""
+    eager = logged_name(path)
+    if "." not in eager:
+        return None
+    wanted, parts = eager.rsplit(".", 1)[0], path.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        if logged_name(prefix) == wanted and prefix in modules:
+            return modules[prefix]
+    return None

@@ -38,6 +38,7 @@ from rank_lightning.weight_matrices import (
     lora_unread_reason,
     matrices_of,
     parameter_shape,
+    parent_layer,
     unread_stacks,
 )
 
@@ -125,7 +126,12 @@ class WeightRankMonitor(CurveMonitor):
     * ``Conv1D``: the transpose of the stored ``(in, out)`` weight, so its spectrum is that of the equivalent Linear.
     * Attention: the query, key and value blocks of the input projection (``<name>.q_proj``, ``<name>.k_proj``,
       ``<name>.v_proj``, each ``(embed_dim, in)``) and the output projection ``<name>.out_proj``; GPT-2's fused
-      ``c_attn`` likewise as ``<name>.q_proj``, ``<name>.k_proj``, ``<name>.v_proj`` (``split_fused``).
+      ``c_attn`` likewise as ``<name>.q_proj``, ``<name>.k_proj``, ``<name>.v_proj`` (``split_fused``), and the
+      fused ``nn.Linear`` projections of GPT-NeoX / Pythia and Bloom (``query_key_value``, heads interleaved),
+      Falcon (``query_key_value``: multi-query, grouped-query and per-head layouts), Phi-3 (``qkv_proj``, and the
+      MLP's ``gate_up_proj`` as ``<name>.gate_proj`` and ``<name>.up_proj``), GPT-BigCode (``c_attn``) and timm's
+      ViT (``qkv``), each into the rows its layer's forward pass takes for q, k and v (every other fused Linear is
+      one matrix; :mod:`rank_lightning.weight_matrices`).
     * Experts: every expert ``e`` of a fused ``(E, ., .)`` stack on its own, in the layout the layer declares through
       ``transformers``' ``use_experts_implementation`` (``is_transposed``, ``is_concatenated``, ``has_gate``): a
       concatenated ``gate_up_proj`` ``(E, 2I, H)`` as ``<name>.<e>.gate_proj`` and ``<name>.<e>.up_proj`` (rows
@@ -199,10 +205,11 @@ class WeightRankMonitor(CurveMonitor):
             narrower the Gram route, with an exact SVD for every matrix whose ``s_min < 1e-3 * s_1``, so that every
             singular value is accurate to about ``1e-10`` relative; ``"svd"`` for float64 weights.
         split_fused: read fused query/key/value projections (``nn.MultiheadAttention.in_proj_weight``, GPT-2's
-            ``c_attn``) as three matrices ``<name>.q_proj``, ``.k_proj``, ``.v_proj``, and experts' fused
-            ``gate_up_proj`` as ``<name>.<e>.gate_proj`` and ``.up_proj``; ``False``: as one matrix
-            (``<name>.in_proj`` for ``nn.MultiheadAttention``, ``<name>`` for ``c_attn``,
-            ``<name>.<e>.gate_up_proj`` for experts).
+            ``c_attn``, the fused Linears of GPT-NeoX, Bloom, Falcon, Phi-3, GPT-BigCode and timm's ViT) as three
+            matrices ``<name>.q_proj``, ``.k_proj``, ``.v_proj``, and fused gate/up projections (experts'
+            ``gate_up_proj``, Phi-3's) as ``<name>.<e>.gate_proj`` and ``.up_proj`` (``<name>.gate_proj`` and
+            ``.up_proj``); ``False``: as one matrix (``<name>.in_proj`` for ``nn.MultiheadAttention``, ``<name>``
+            for ``c_attn`` and a fused Linear, ``<name>.<e>.gate_up_proj`` for experts).
         lora_update: for every LoRA layer of ``peft``, also measure the update ``(alpha / r) B A`` of its active
             adapters on its own, ``<matrix>.lora_update`` beside each of its matrices (rank at most ``r``; all zeros,
             numerical rank 0, while ``B`` is at its zero initialisation). ``False``: the applied weights alone.
@@ -241,10 +248,11 @@ class WeightRankMonitor(CurveMonitor):
     Logged metrics:
         For every monitored matrix ``<layer>`` (module name, without the ``_fsdp_wrapped_module`` segments FSDP
         inserts; ``<attention>.q_proj`` / ``.k_proj`` / ``.v_proj`` / ``.out_proj`` for ``nn.MultiheadAttention``,
-        ``<c_attn>.q_proj`` / ``.k_proj`` / ``.v_proj`` for GPT-2's fused ``c_attn``; ``<attention>.in_proj`` and
-        ``<c_attn>`` with ``split_fused=False``; ``<experts>.<e>.gate_proj`` / ``.up_proj`` / ``.down_proj`` for
-        expert ``e`` of an experts layer, ``<experts>.<e>.gate_up_proj`` with ``split_fused=False``) and the
-        selected metrics (key names from
+        ``<c_attn>.q_proj`` / ``.k_proj`` / ``.v_proj`` for GPT-2's fused ``c_attn`` and likewise for the fused
+        Linears named in ``split_fused`` (``<query_key_value>.q_proj``, ..., ``<gate_up_proj>.gate_proj`` /
+        ``.up_proj``); ``<attention>.in_proj``, ``<c_attn>`` and ``<query_key_value>`` with ``split_fused=False``;
+        ``<experts>.<e>.gate_proj`` / ``.up_proj`` / ``.down_proj`` for expert ``e`` of an experts layer,
+        ``<experts>.<e>.gate_up_proj`` with ``split_fused=False``) and the selected metrics (key names from
         :meth:`~rank_lightning.functional.spectral.SpectralSummary.as_dict`):
 
         * ``weight/<layer>/numerical_rank``: ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4; ``eps`` from
@@ -367,7 +375,10 @@ class WeightRankMonitor(CurveMonitor):
         for path in chosen.values():
             self._warn_unread(path, candidates[path], shapes)
             split, update = self.split_fused, self.lora_update
-            for matrix in matrices_of(path, candidates[path], split_fused=split, shapes=shapes, lora_update=update):
+            parent = parent_layer(path, modules)
+            for matrix in matrices_of(
+                path, candidates[path], split_fused=split, shapes=shapes, lora_update=update, parent=parent
+            ):
                 # An attention's out_proj is also a Linear of its own; keep it once.
                 matrices.setdefault(matrix.name, matrix)
         if not matrices:
