@@ -811,9 +811,10 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     step ``window`` of training batches."""
     if stage == "train":
         # Copies of the loaders (Lightning holds the training iterators already); several are combined as in the fit.
+        # A loader is never asked for its truth value: a DataLoader of an IterableDataset without __len__ raises.
         training = TrainingBatches(trainer)
         batches = window if window is not None else trainer.num_training_batches
-        return [(training, batches)] if training.loaders and batches > 0 else []
+        return [(training, batches)] if training.loaders is not None and batches > 0 else []
     loaders = loader_list(trainer.val_dataloaders)
     counts = list(trainer.num_val_batches)
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples

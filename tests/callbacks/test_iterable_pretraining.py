@@ -1,0 +1,113 @@
+"""Language-model pre-training loops: a stream of token batches with no length (an ``IterableDataset``), ``max_steps``
+with ``max_epochs=-1``, gradient accumulation and clipping, a per-step warm-up schedule, and the step-cadence
+monitors."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.functional import effective_rank, participation_ratio
+from tests.callbacks.trainer_helpers import TrainBatches, quiet_trainer
+
+VOCAB, WIDTH, TOKENS, BATCH = 24, 8, 5, 4
+
+
+class _Tokens(IterableDataset):
+    """Seeded token sequences ``(input_ids, next tokens)``, endless or ``limit`` of them; no ``__len__``."""
+
+    def __init__(self, limit: int | None = None, seed: int = 0) -> None:
+        self.limit, self.seed = limit, seed
+
+    def __iter__(self):
+        index = 0
+        while self.limit is None or index < self.limit:
+            ids = torch.randint(0, VOCAB, (TOKENS + 1,), generator=torch.Generator().manual_seed(self.seed + index))
+            yield ids[:-1], ids[1:]
+            index += 1
+
+
+class _TinyLM(pl.LightningModule):
+    """Embedding, a tanh layer and a head over the vocabulary, trained by AdamW with a per-step linear warm-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, VOCAB)]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(ids)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch[0]).flatten(0, 1), batch[1].flatten())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.cross_entropy(self.net(batch[0]).flatten(0, 1), batch[1].flatten()))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def _stream(limit: int | None = None, seed: int = 0) -> DataLoader:
+    return DataLoader(_Tokens(limit, seed), batch_size=BATCH)
+
+
+def _pretrain(
+    root: Path, callbacks: list, max_steps: int, train: DataLoader, val: DataLoader | None = None, **options: Any
+) -> pl.Trainer:
+    trainer = quiet_trainer(
+        callbacks, max_steps=max_steps, max_epochs=-1, gradient_clip_val=1.0, default_root_dir=root, **options
+    )
+    trainer.fit(_TinyLM(), train, val)
+    return trainer
+
+
+def _rows(record: TrainBatches, numbers: list[int]) -> torch.Tensor:
+    return torch.cat([record.batches[i]["output"].reshape(-1, WIDTH) for i in numbers])
+
+
+def test_an_endless_token_stream_is_measured_at_every_nth_step(tmp_path: Path) -> None:
+    # A DataLoader of an IterableDataset without __len__ raised TypeError (its truth value asks for its length) when
+    # training started, whether or not an initial point was asked for.
+    record = TrainBatches()
+    activations = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=3, window_batches=4, verbose=False)
+    weights = WeightRankMonitor(layers=["net.1"], every_n_train_steps=3, verbose=False)
+    _pretrain(tmp_path, [record, activations, weights], 9, _stream(), accumulate_grad_batches=2)
+
+    assert activations.curves.epochs == weights.curves.epochs == [0, 3, 6, 9]
+    for step in (3, 6, 9):  # the 4 micro-batches of the 2 optimizer steps before the step
+        rows = _rows(record, record.window(step, 4))
+        logged = activations.curves.history[step]["net.0"]
+        assert logged["token/spectrum_rows"] == 4 * BATCH * TOKENS
+        assert logged["token/effective_rank"] == pytest.approx(float(effective_rank(rows)), rel=1e-12)
+        assert logged["token/participation_ratio"] == pytest.approx(float(participation_ratio(rows)), rel=1e-12)
+    # The initial point: the untrained model on the first window of the stream.
+    ids = torch.stack([ids for ids, _ in itertools.islice(_Tokens(), 4 * BATCH)])
+    rows = _TinyLM().net[0](ids).detach().double().reshape(-1, WIDTH)
+    initial = activations.curves.history[0]["net.0"]["token/effective_rank"]
+    assert initial == pytest.approx(float(effective_rank(rows)), rel=1e-12)
+
+
+def test_an_epoch_of_a_finite_stream_is_measured_whole(tmp_path: Path) -> None:
+    # The epoch cadence on training batches (stage="train") raised the same TypeError at the start of training.
+    record = TrainBatches()
+    monitor = ActivationRankMonitor(layers=["net.0"], stage="train", log_at_init=False, verbose=False)
+    trainer = quiet_trainer([record, monitor], max_epochs=2, default_root_dir=tmp_path)
+    trainer.fit(_TinyLM(), _stream(limit=3 * BATCH))
+
+    assert monitor.curves.epochs == [0, 1]
+    for epoch, numbers in ((0, [0, 1, 2]), (1, [3, 4, 5])):
+        logged = monitor.curves.history[epoch]["net.0"]
+        assert logged["token/spectrum_rows"] == 3 * BATCH * TOKENS
+        assert logged["token/effective_rank"] == pytest.approx(float(effective_rank(_rows(record, numbers))), rel=1e-12)
