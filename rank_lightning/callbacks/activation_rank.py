@@ -18,6 +18,7 @@ from rank_lightning.callbacks.base import (
     STEP_HISTORY,
     CurveMonitor,
     TrainingBatches,
+    at_last_batch,
     loader_list,
     repeating_steps,
     several_training_loaders,
@@ -155,7 +156,8 @@ class ActivationRankMonitor(CurveMonitor):
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
             ``accumulate_grad_batches`` (not checked under manual optimization, whose steps per batch are known once
             seen). A window that streams fewer (the fit resumed inside it, or an epoch's short last accumulation
-            brought it within ``window_batches`` of the previous one; under manual optimization, a window planned
+            brought it within ``window_batches`` of the previous one, or came unforeseen at the end of an epoch of
+            unknown length, an ``IterableDataset`` without ``__len__``; under manual optimization, a window planned
             before the steps of the batches were seen, or one whose batches took fewer steps than planned, which
             starts again rather than stream more) is named in a warning.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
@@ -569,8 +571,9 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _warn_short_window(self, trainer: pl.Trainer) -> None:
         """Name a step window that streamed fewer than ``window_batches`` batches: one opened after the fit resumed
-        inside it, one that an epoch's short last accumulation brought closer to the previous window, or under manual
-        optimization the first window (planned before a batch's steps were seen), windows longer than the batches
+        inside it, one that an epoch's short last accumulation brought closer to the previous window, one whose step
+        followed the short last accumulation of an epoch of unknown length (known at its last batch only), or under
+        manual optimization the first window (planned before a batch's steps were seen), windows longer than the batches
         between two measurements, and windows started again because their batches took fewer steps than planned."""
         streamed, window = self._stream.batches_seen, self.cadence.window_batches
         if streamed >= window:
@@ -584,6 +587,18 @@ class ActivationRankMonitor(CurveMonitor):
                 "streaming more than window_batches. Its values stand on fewer rows (logged as spectrum_rows)."
             )
             self.warn_once(("restarted window",), message)
+            return
+        if not self._manual_steps and math.isinf(trainer.num_training_batches) and at_last_batch(trainer):
+            accumulate = trainer.accumulate_grad_batches
+            message = (
+                f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
+                "batches: the training loader has no length (an IterableDataset without __len__), so the end of the "
+                "epoch, whose last step follows a shorter accumulation (its batches are not a multiple of "
+                f"accumulate_grad_batches={accumulate}), was known only at its last batch. Its values stand on fewer "
+                f"rows (logged as spectrum_rows). Give the dataset a __len__, or epochs of a multiple of {accumulate} "
+                "batches, for full windows."
+            )
+            self.warn_once(("short window", "epoch of unknown length"), message)
             return
         message = (
             f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "

@@ -111,3 +111,35 @@ def test_an_epoch_of_a_finite_stream_is_measured_whole(tmp_path: Path) -> None:
         logged = monitor.curves.history[epoch]["net.0"]
         assert logged["token/spectrum_rows"] == 3 * BATCH * TOKENS
         assert logged["token/effective_rank"] == pytest.approx(float(effective_rank(_rows(record, numbers))), rel=1e-12)
+
+
+def _short_accumulation_fit(root: Path, window: int) -> tuple[ActivationRankMonitor, TrainBatches]:
+    # 10 batches an epoch, 3 per step: steps after batches 2, 5, 8 and 9 (the last alone), 4 steps an epoch.
+    record = TrainBatches()
+    monitor = ActivationRankMonitor(
+        layers=["net.0"], every_n_train_steps=2, window_batches=window, log_at_init=False, verbose=False
+    )
+    _pretrain(root, [record, monitor], 12, _stream(limit=10 * BATCH), accumulate_grad_batches=3)
+    return monitor, record
+
+
+def test_the_step_of_a_finite_streams_short_last_accumulation_is_measured(tmp_path: Path) -> None:
+    # The loader has no length: the step after batch 9 came unforeseen, its window never opened, and steps 4, 8 and 12
+    # were missing from the curves, without a warning.
+    monitor, record = _short_accumulation_fit(tmp_path, 1)
+    assert monitor.curves.epochs == [2, 4, 6, 8, 10, 12]
+    for step in monitor.curves.epochs:
+        logged = monitor.curves.history[step]["net.0"]
+        assert logged["token/spectrum_rows"] == BATCH * TOKENS
+        rows = _rows(record, record.window(step, 1))
+        assert logged["token/effective_rank"] == pytest.approx(float(effective_rank(rows)), rel=1e-12)
+
+
+def test_a_window_cut_by_a_finite_streams_unforeseen_epoch_end_says_why(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"window of step 4 streamed 1 of window_batches=2 training batches: the tra"):
+        monitor, record = _short_accumulation_fit(tmp_path, 2)
+    assert monitor.curves.epochs == [2, 4, 6, 8, 10, 12]
+    rows = {step: monitor.curves.history[step]["net.0"]["token/spectrum_rows"] for step in monitor.curves.epochs}
+    assert rows == {2: 40, 4: 20, 6: 40, 8: 20, 10: 40, 12: 20}
+    logged = monitor.curves.history[8]["net.0"]["token/effective_rank"]
+    assert logged == pytest.approx(float(effective_rank(_rows(record, record.window(8, 1)))), rel=1e-12)
