@@ -123,7 +123,9 @@ class ActivationRankMonitor(CurveMonitor):
     Initial point: with ``log_at_init`` (default), a fresh ``fit`` measures the untrained model before the first
     training step, over the batches a monitored epoch streams: one pass of every validation loader within
     ``limit_val_batches`` (``stage="val"``, eval mode), or the training batches within ``limit_train_batches`` (one
-    window with a step cadence; ``stage="train"``, training mode with BatchNorm statistics restored), calling the
+    window with a step cadence; of a loader of unknown length, such as an endless ``IterableDataset``, those up to
+    ``max_samples`` and at most the ``max_steps * accumulate_grad_batches`` the fit can take; ``stage="train"``,
+    training mode with BatchNorm statistics restored), calling the
     module's ``forward`` on the inputs of each batch (``input_key``; for a dict batch without it, ``forward(**entries)``
     when ``forward`` names them, else ``forward(batch)``, and when that fails before any monitored layer ran, the dict's
     inputs, ``forward(batch["image"])``). Several training loaders (a list or dict, which Lightning's ``CombinedLoader``
@@ -797,6 +799,8 @@ class ActivationRankMonitor(CurveMonitor):
         precision = step_precision(trainer, self.stage)
         call: str | None = None  # how forward() takes a dict batch, learnt at the first one
         stream = self._stream
+        # A training loader of unknown length may be endless: no more batches than the fit can take before max_steps.
+        cap = _batches_before_max_steps(trainer) if self.stage == "train" else math.inf
 
         def ran() -> int:
             return 0 if stream is None else stream.layers_run_in_batch
@@ -806,7 +810,7 @@ class ActivationRankMonitor(CurveMonitor):
                 for index, batch in enumerate(loader):
                     # A loader of unknown length stops once max_samples is offered (on every process at the same
                     # batch); one of known length runs its batches, over which the rows are spread.
-                    if index >= batches or (math.isinf(batches) and self._stream.exhausted):
+                    if index >= min(batches, cap) or (math.isinf(batches) and self._stream.exhausted):
                         break
                     batch = step_inputs(trainer, batch)
                     combined = isinstance(loader, TrainingBatches) and loader.combined
@@ -835,6 +839,18 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _batches_before_max_steps(trainer: pl.Trainer) -> float:
+    """The training batches that take a fresh fit to ``max_steps`` under automatic optimization (``max_steps`` times
+    ``accumulate_grad_batches``), the most its first epoch can stream: where the initial pass over a training loader
+    of unknown length (an endless ``IterableDataset``) with ``max_samples=None`` stops. ``inf`` without ``max_steps``,
+    or under manual optimization, whose batches per step are not known before training."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    module = getattr(trainer, "lightning_module", None)
+    if not isinstance(max_steps, int) or max_steps < 0 or not getattr(module, "automatic_optimization", True):
+        return math.inf
+    return float(max_steps * max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
 
 
 def _loader_of(loader: Any) -> Any:

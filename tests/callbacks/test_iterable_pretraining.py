@@ -143,3 +143,19 @@ def test_a_window_cut_by_a_finite_streams_unforeseen_epoch_end_says_why(tmp_path
     assert rows == {2: 40, 4: 20, 6: 40, 8: 20, 10: 40, 12: 20}
     logged = monitor.curves.history[8]["net.0"]["token/effective_rank"]
     assert logged == pytest.approx(float(effective_rank(_rows(record, record.window(8, 1)))), rel=1e-12)
+
+
+def test_the_initial_epoch_pass_over_an_endless_stream_stops_at_max_steps(tmp_path: Path) -> None:
+    # max_samples=None: the initial pass read the training stream to its end, which an endless one never reaches (the
+    # fit hung before its first step). It reads the batches the fit takes to max_steps, as the monitored epoch does.
+    monitor = ActivationRankMonitor(layers=["net.0"], stage="train", max_samples=None, verbose=False)
+    stream = _stream(limit=250 * BATCH)  # endless for this fit: a pass that does not stop fails instead of hanging
+    _pretrain(tmp_path, [monitor], 3, stream, accumulate_grad_batches=2)
+
+    assert monitor.curves.epochs == [-1, 0]
+    rows = {epoch: values["net.0"]["token/spectrum_rows"] for epoch, values in monitor.curves.history.items()}
+    assert rows == {-1: 6 * BATCH * TOKENS, 0: 6 * BATCH * TOKENS}
+    ids = torch.stack([ids for ids, _ in itertools.islice(_Tokens(), 6 * BATCH)])
+    untrained = _TinyLM().net[0](ids).detach().double().reshape(-1, WIDTH)
+    initial = monitor.curves.history[-1]["net.0"]["token/effective_rank"]
+    assert initial == pytest.approx(float(effective_rank(untrained)), rel=1e-12)
