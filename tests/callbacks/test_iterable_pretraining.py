@@ -8,6 +8,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -159,3 +160,38 @@ def test_the_initial_epoch_pass_over_an_endless_stream_stops_at_max_steps(tmp_pa
     untrained = _TinyLM().net[0](ids).detach().double().reshape(-1, WIDTH)
     initial = monitor.curves.history[-1]["net.0"]["token/effective_rank"]
     assert initial == pytest.approx(float(effective_rank(untrained)), rel=1e-12)
+
+
+class _OwnGenerator(IterableDataset):
+    """An endless stream drawn from a generator the dataset holds (torch's or NumPy's), which iterating moves on."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.generator = torch.Generator().manual_seed(3) if kind == "torch" else None
+        self.rng = np.random.default_rng(3) if kind == "numpy" else None
+
+    def __iter__(self):
+        while True:
+            if self.kind == "torch":
+                ids = torch.randint(0, VOCAB, (TOKENS + 1,), generator=self.generator)
+            else:
+                ids = torch.from_numpy(self.rng.integers(0, VOCAB, TOKENS + 1))
+            yield ids[:-1], ids[1:]
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_monitoring_leaves_a_stream_drawn_from_the_datasets_own_generator_to_the_fit(tmp_path: Path, kind: str) -> None:
+    # The initial pass (and, with log_at_init=False, the batch that plans the states) took its batches from the
+    # dataset's generator: the monitored fit trained on other token sequences than the same fit unmonitored.
+    trained = []
+    for callbacks in ([], [ActivationRankMonitor(layers=["net.0"], every_n_train_steps=2, window_batches=2)]):
+        model = _TinyLM()
+        trainer = quiet_trainer(callbacks, max_steps=4, max_epochs=-1, default_root_dir=tmp_path)
+        trainer.fit(model, DataLoader(_OwnGenerator(kind), batch_size=BATCH))
+        trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(trained[0], trained[1])
+    # Lightning fetched the fit's first batch before training started: the initial window is the two batches after it.
+    ids = torch.stack([ids for ids, _ in itertools.islice(_OwnGenerator(kind), BATCH, 3 * BATCH)])
+    rows = _TinyLM().net[0](ids).detach().double().reshape(-1, WIDTH)
+    initial = callbacks[0].curves.history[0]["net.0"]["token/effective_rank"]
+    assert initial == pytest.approx(float(effective_rank(rows)), rel=1e-12)
