@@ -320,6 +320,7 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
+        self._opened_at_unforeseen_end = False
         self._step_at_batch_start = 0
         self._manual_steps: deque[int] = deque(maxlen=STEP_HISTORY)
         self._reset_manual_steps()
@@ -549,6 +550,8 @@ class ActivationRankMonitor(CurveMonitor):
         idle = self._stream is not None and not self._stream.active
         if idle and self.cadence.window_opens(trainer, batch_idx, steps_per_batch):
             self._target_step = self.cadence.next_step(trainer)
+            # Opened at the last batch of an epoch of unknown length, known only then (said if the window is short).
+            self._opened_at_unforeseen_end = math.isinf(trainer.num_training_batches) and at_last_batch(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
         if self._monitoring("train"):
             self._stream.batch_start(batch, combined=several_training_loaders(trainer))
@@ -590,7 +593,8 @@ class ActivationRankMonitor(CurveMonitor):
             )
             self.warn_once(("restarted window",), message)
             return
-        if not self._manual_steps and math.isinf(trainer.num_training_batches) and at_last_batch(trainer):
+        unforeseen_end = self._opened_at_unforeseen_end or at_last_batch(trainer)
+        if not self._manual_steps and math.isinf(trainer.num_training_batches) and unforeseen_end:
             accumulate = trainer.accumulate_grad_batches
             message = (
                 f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "

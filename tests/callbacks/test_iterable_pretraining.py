@@ -195,3 +195,14 @@ def test_monitoring_leaves_a_stream_drawn_from_the_datasets_own_generator_to_the
     rows = _TinyLM().net[0](ids).detach().double().reshape(-1, WIDTH)
     initial = callbacks[0].curves.history[0]["net.0"]["token/effective_rank"]
     assert initial == pytest.approx(float(effective_rank(rows)), rel=1e-12)
+
+
+def test_a_window_opened_at_a_finite_streams_last_batch_and_cut_short_says_why(tmp_path: Path) -> None:
+    # Steps after batches 2, 5, 8, 9, then 2 of the next epoch (step 5). The window of step 5 opens at batch 9, the
+    # epoch's last, known only then: 4 of 5 batches. The warning blamed a resume or the previous window.
+    monitor = ActivationRankMonitor(
+        layers=["net.0"], every_n_train_steps=5, window_batches=5, log_at_init=False, verbose=False
+    )
+    with pytest.warns(UserWarning, match=r"step 5 streamed 4 of window_batches=5 training batches: the training loa"):
+        _pretrain(tmp_path, [monitor], 5, _stream(limit=10 * BATCH), accumulate_grad_batches=3)
+    assert monitor.curves.history[5]["net.0"]["token/spectrum_rows"] == 4 * BATCH * TOKENS
