@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
+from rank_lightning.callbacks.curves import read_curve_file
 from rank_lightning.functional import effective_rank, participation_ratio
 from tests.callbacks.trainer_helpers import TrainBatches, quiet_trainer
 
@@ -206,3 +208,55 @@ def test_a_window_opened_at_a_finite_streams_last_batch_and_cut_short_says_why(t
     with pytest.warns(UserWarning, match=r"step 5 streamed 4 of window_batches=5 training batches: the training loa"):
         _pretrain(tmp_path, [monitor], 5, _stream(limit=10 * BATCH), accumulate_grad_batches=3)
     assert monitor.curves.history[5]["net.0"]["token/spectrum_rows"] == 4 * BATCH * TOKENS
+
+
+class _Cyclic(_Tokens):
+    """The first 4 batches of sequences, endlessly: a resume that starts the stream again (a checkpoint after a
+    multiple of 4 batches) gives the batches of the uninterrupted fit."""
+
+    def __iter__(self):
+        while True:
+            yield from itertools.islice(_Tokens(), 4 * BATCH)
+
+
+def _resumable_fit(root: Path, max_steps: int, kill_at: int | None = None, ckpt: Path | None = None) -> list:
+    class _Kill(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == kill_at:
+                raise RuntimeError("killed")
+
+    monitors = [
+        ActivationRankMonitor(layers=["net.0"], every_n_train_steps=3, window_batches=2, verbose=False),
+        WeightRankMonitor(layers=["net.1"], every_n_train_steps=3, verbose=False),
+        ActivationRankMonitor(layers=["net.0"], max_samples=None, verbose=False),  # at every validation
+    ]
+    saving = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=4, save_last=True, save_top_k=-1)
+    options = dict(val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=2, enable_checkpointing=True)
+    trainer = quiet_trainer(
+        [*monitors, saving, _Kill()],
+        max_steps=max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        default_root_dir=root,
+        **options,
+    )
+    trainer.fit(_TinyLM(), DataLoader(_Cyclic(), batch_size=BATCH), _stream(seed=500), ckpt_path=ckpt)
+    return monitors
+
+
+def test_a_killed_and_resumed_pretraining_run_gives_the_curves_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    whole = _resumable_fit(tmp_path / "whole", 12)
+    with pytest.raises(RuntimeError, match="killed"):  # after the checkpoint of step 8, steps 9 and 10 measured
+        _resumable_fit(tmp_path / "cut", 12, kill_at=10)
+    with pytest.warns(UserWarning, match="resumed from a checkpoint older than the recorded curves"):
+        resumed = _resumable_fit(tmp_path / "cut", 12, ckpt=tmp_path / "cut" / "ckpt" / "epoch=0-step=8.ckpt")
+
+    assert [m.curves.epochs for m in whole] == [[0, 3, 6, 9, 12]] * 2 + [[0, 2, 4, 6, 8, 10, 12]]
+    # Step 9 measured again and kept under "superseded"; the validation at step 8 (after its checkpoint, of its
+    # weights) stays, and the run was killed before the validation at step 10.
+    for first, again, superseded in zip(whole, resumed, ([[9]], [[9]], [])):
+        assert again.curves.history == first.curves.history  # to the bit: same batches, same weights
+        saved = read_curve_file(tmp_path / "cut" / "rank_curves" / f"{again.curves.namespace}_curves.json")
+        assert saved["history"] == first.curves.history
+        assert [sorted(block["history"]) for block in saved["superseded"]] == superseded
