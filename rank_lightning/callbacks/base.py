@@ -757,10 +757,19 @@ class CurveMonitor(RankCallback):
         self.warn_once(("cadence",), message)
 
     def _check_validation_runs(self, trainer: pl.Trainer) -> None:
-        """Warn when ``limit_val_batches=0`` turns validation off, so that a monitor measuring there never measures."""
-        if self.measures_validation_only():
-            advice = "allow some validation batches, or measure the training batches (stage='train') where offered."
-            self.warn_without_validation(trainer, f"this monitor measures nothing in it; {advice}")
+        """Warn when the fit runs no validation (``limit_val_batches=0``, no validation data, or a module without
+        ``validation_step``), so that a monitor measuring there never measures."""
+        if not self.measures_validation_only():
+            return
+        advice = "allow some validation batches, or measure the training batches (stage='train') where offered."
+        self.warn_without_validation(trainer, f"this monitor measures nothing in it; {advice}")
+        if getattr(trainer, "enable_validation", True) is False:
+            message = (
+                "this fit runs no validation (no validation dataloader, or a module without validation_step), so "
+                "this monitor, which measures in validation runs, measures nothing in it; pass validation data to "
+                "fit, or measure the training batches (stage='train', or every_n_train_steps) where offered."
+            )
+            self.warn_once(("no validation",), message)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -260,3 +260,14 @@ def test_a_killed_and_resumed_pretraining_run_gives_the_curves_of_an_uninterrupt
         saved = read_curve_file(tmp_path / "cut" / "rank_curves" / f"{again.curves.namespace}_curves.json")
         assert saved["history"] == first.curves.history
         assert [sorted(block["history"]) for block in saved["superseded"]] == superseded
+
+
+def test_a_validation_monitor_in_a_pretraining_fit_without_validation_data_says_it_measures_nothing(
+    tmp_path: Path,
+) -> None:
+    # ActivationRankMonitor() measures validation runs: without validation data it recorded nothing, silently.
+    monitor = ActivationRankMonitor(layers=["net.0"], verbose=False)
+    expected = r"ActivationRankMonitor: this fit runs no validation \(no validation dataloader, or a module without "
+    with pytest.warns(UserWarning, match=expected + r"validation_step\), so this monitor, which measures in valid"):
+        _pretrain(tmp_path, [monitor], 2, _stream())
+    assert monitor.curves.epochs == []
