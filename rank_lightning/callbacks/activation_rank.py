@@ -803,7 +803,7 @@ class ActivationRankMonitor(CurveMonitor):
         precision = step_precision(trainer, self.stage)
         call: str | None = None  # how forward() takes a dict batch, learnt at the first one
         stream = self._stream
-        # A training loader of unknown length may be endless: no more batches than the fit can take before max_steps.
+        # A training loader of unknown length may be endless: no more of its batches than the fit takes to max_steps.
         cap = _batches_before_max_steps(trainer) if self.stage == "train" else math.inf
 
         def ran() -> int:
@@ -814,7 +814,8 @@ class ActivationRankMonitor(CurveMonitor):
                 for index, batch in enumerate(loader):
                     # A loader of unknown length stops once max_samples is offered (on every process at the same
                     # batch); one of known length runs its batches, over which the rows are spread.
-                    if index >= min(batches, cap) or (math.isinf(batches) and self._stream.exhausted):
+                    last = cap if math.isinf(batches) else batches
+                    if index >= last or (math.isinf(batches) and self._stream.exhausted):
                         break
                     batch = step_inputs(trainer, batch)
                     combined = isinstance(loader, TrainingBatches) and loader.combined
