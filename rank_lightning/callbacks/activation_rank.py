@@ -273,6 +273,9 @@ class ActivationRankMonitor(CurveMonitor):
         ``trainer.test`` returns them; they are not recorded in the curves and draw no figure.
     """
 
+    # Whether the open step window opened at the last batch of an epoch of unknown length (known only then).
+    _opened_at_unforeseen_end = False
+
     def __init__(
         self,
         *,
@@ -320,7 +323,6 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
-        self._opened_at_unforeseen_end = False
         self._step_at_batch_start = 0
         self._manual_steps: deque[int] = deque(maxlen=STEP_HISTORY)
         self._reset_manual_steps()
