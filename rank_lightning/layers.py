@@ -1067,16 +1067,19 @@ def measuring_without_grad() -> Iterator[None]:
 def random_state_kept(module: nn.Module | None = None, loaders: Iterable[Any] = ()) -> Iterator[None]:
     """Restore the random generators when the block ends: torch's CPU generator, that of ``module``'s GPU (its first
     parameter's), Python's ``random``, NumPy's global one, and the generators ``loaders`` hold (a ``DataLoader``'s
-    ``generator``, its sampler's).
+    ``generator``, its sampler's, and those its dataset holds as attributes: a ``torch.Generator``, a NumPy
+    ``Generator`` or ``RandomState``, a ``random.Random``).
 
     A monitor's own pass over a loader draws a seed for the loader's iterator and a shuffled order from the loader's
-    generator, a forward pass in training mode draws dropout masks; without this, the batches, masks and
-    augmentations the fit draws afterwards would differ from those of the same fit unmonitored.
+    generator, a forward pass in training mode draws dropout masks, and the iterator of a dataset that draws its
+    samples from a generator of its own (an endless ``IterableDataset`` of random token sequences) moves that
+    generator on; without this, the batches, masks and augmentations the fit draws afterwards would differ from those
+    of the same fit unmonitored.
     """
     parameter = next(module.parameters(), None) if module is not None else None
     devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
     generators = {id(g): g for loader in loaders for g in _loader_generators(loader)}.values()
-    loader_states = [(generator, generator.get_state()) for generator in generators]
+    loader_states = [(generator, _generator_state(generator)) for generator in generators]
     # NumPy's legacy global generator is the one kept: it is what a user's np.random.* calls draw from.
     python_state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
     try:
@@ -1086,20 +1089,42 @@ def random_state_kept(module: nn.Module | None = None, loaders: Iterable[Any] = 
         random.setstate(python_state)
         np.random.set_state(numpy_state)  # noqa: NPY002
         for generator, state in loader_states:
-            generator.set_state(state)
+            _set_generator_state(generator, state)
 
 
-def _loader_generators(loader: Any) -> list[torch.Generator]:
-    """The generators a loader draws from besides torch's global one: its own, its sampler's and its batch sampler's
-    sampler's (the loaders inside a list or a dict of loaders too)."""
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def _loader_generators(loader: Any) -> list[Any]:
+    """The generators a loader draws from besides the global ones: its own, its sampler's and its batch sampler's
+    sampler's, and those its dataset holds as attributes (the loaders inside a list or a dict of loaders too)."""
     if isinstance(loader, Mapping):
         return [g for inner in loader.values() for g in _loader_generators(inner)]
     if isinstance(loader, (list, tuple)):
         return [g for inner in loader for g in _loader_generators(inner)]
     sampler = getattr(loader, "sampler", None)
     inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    found = (getattr(source, "generator", None) for source in (loader, sampler, inner))
-    return [generator for generator in found if isinstance(generator, torch.Generator)]
+    found = [getattr(source, "generator", None) for source in (loader, sampler, inner)]
+    found += list(getattr(getattr(loader, "dataset", None), "__dict__", {}).values())
+    return [generator for generator in found if isinstance(generator, _GENERATORS)]
+
+
+def _generator_state(generator: Any) -> Any:
+    """The state of one of the :data:`_GENERATORS`."""
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    return generator.get_state()  # torch.Generator, np.random.RandomState
+
+
+def _set_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    else:
+        generator.set_state(state)
 
 
 def declared_batch_first(model: nn.Module, path: str) -> bool | None:

@@ -18,6 +18,7 @@ from rank_lightning.callbacks.base import (
     STEP_HISTORY,
     CurveMonitor,
     TrainingBatches,
+    at_last_batch,
     loader_list,
     repeating_steps,
     several_training_loaders,
@@ -122,7 +123,9 @@ class ActivationRankMonitor(CurveMonitor):
     Initial point: with ``log_at_init`` (default), a fresh ``fit`` measures the untrained model before the first
     training step, over the batches a monitored epoch streams: one pass of every validation loader within
     ``limit_val_batches`` (``stage="val"``, eval mode), or the training batches within ``limit_train_batches`` (one
-    window with a step cadence; ``stage="train"``, training mode with BatchNorm statistics restored), calling the
+    window with a step cadence; of a loader of unknown length, such as an endless ``IterableDataset``, those up to
+    ``max_samples`` and at most the ``max_steps * accumulate_grad_batches`` the fit can take; ``stage="train"``,
+    training mode with BatchNorm statistics restored), calling the
     module's ``forward`` on the inputs of each batch (``input_key``; for a dict batch without it, ``forward(**entries)``
     when ``forward`` names them, else ``forward(batch)``, and when that fails before any monitored layer ran, the dict's
     inputs, ``forward(batch["image"])``). Several training loaders (a list or dict, which Lightning's ``CombinedLoader``
@@ -155,7 +158,8 @@ class ActivationRankMonitor(CurveMonitor):
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
             ``accumulate_grad_batches`` (not checked under manual optimization, whose steps per batch are known once
             seen). A window that streams fewer (the fit resumed inside it, or an epoch's short last accumulation
-            brought it within ``window_batches`` of the previous one; under manual optimization, a window planned
+            brought it within ``window_batches`` of the previous one, or came unforeseen at the end of an epoch of
+            unknown length, an ``IterableDataset`` without ``__len__``; under manual optimization, a window planned
             before the steps of the batches were seen, or one whose batches took fewer steps than planned, which
             starts again rather than stream more) is named in a warning.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
@@ -271,6 +275,9 @@ class ActivationRankMonitor(CurveMonitor):
         ``rank_test/<layer>/<r><metric>`` (``<namespace>_test/``), logged through the module, so that
         ``trainer.test`` returns them; they are not recorded in the curves and draw no figure.
     """
+
+    # Whether the open step window opened at the last batch of an epoch of unknown length (known only then).
+    _opened_at_unforeseen_end = False
 
     def __init__(
         self,
@@ -548,6 +555,8 @@ class ActivationRankMonitor(CurveMonitor):
         idle = self._stream is not None and not self._stream.active
         if idle and self.cadence.window_opens(trainer, batch_idx, steps_per_batch):
             self._target_step = self.cadence.next_step(trainer)
+            # Opened at the last batch of an epoch of unknown length, known only then (said if the window is short).
+            self._opened_at_unforeseen_end = math.isinf(trainer.num_training_batches) and at_last_batch(trainer)
             self._start(trainer, pl_module, self.cadence.window_batches)
         if self._monitoring("train"):
             self._stream.batch_start(batch, combined=several_training_loaders(trainer))
@@ -572,8 +581,9 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _warn_short_window(self, trainer: pl.Trainer) -> None:
         """Name a step window that streamed fewer than ``window_batches`` batches: one opened after the fit resumed
-        inside it, one that an epoch's short last accumulation brought closer to the previous window, or under manual
-        optimization the first window (planned before a batch's steps were seen), windows longer than the batches
+        inside it, one that an epoch's short last accumulation brought closer to the previous window, one whose step
+        followed the short last accumulation of an epoch of unknown length (known at its last batch only), or under
+        manual optimization the first window (planned before a batch's steps were seen), windows longer than the batches
         between two measurements, and windows started again because their batches took fewer steps than planned."""
         streamed, window = self._stream.batches_seen, self.cadence.window_batches
         if streamed >= window:
@@ -587,6 +597,19 @@ class ActivationRankMonitor(CurveMonitor):
                 "streaming more than window_batches. Its values stand on fewer rows (logged as spectrum_rows)."
             )
             self.warn_once(("restarted window",), message)
+            return
+        unforeseen_end = self._opened_at_unforeseen_end or at_last_batch(trainer)
+        if not self._manual_steps and math.isinf(trainer.num_training_batches) and unforeseen_end:
+            accumulate = trainer.accumulate_grad_batches
+            message = (
+                f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
+                "batches: the training loader has no length (an IterableDataset without __len__), so the end of the "
+                "epoch, whose last step follows a shorter accumulation (its batches are not a multiple of "
+                f"accumulate_grad_batches={accumulate}), was known only at its last batch. Its values stand on fewer "
+                f"rows (logged as spectrum_rows). Give the dataset a __len__, or epochs of a multiple of {accumulate} "
+                "batches, for full windows."
+            )
+            self.warn_once(("short window", "epoch of unknown length"), message)
             return
         message = (
             f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
@@ -785,6 +808,8 @@ class ActivationRankMonitor(CurveMonitor):
         precision = step_precision(trainer, self.stage)
         call: str | None = None  # how forward() takes a dict batch, learnt at the first one
         stream = self._stream
+        # A training loader of unknown length may be endless: no more of its batches than the fit takes to max_steps.
+        cap = _batches_before_max_steps(trainer) if self.stage == "train" else math.inf
 
         def ran() -> int:
             return 0 if stream is None else stream.layers_run_in_batch
@@ -794,7 +819,8 @@ class ActivationRankMonitor(CurveMonitor):
                 for index, batch in enumerate(loader):
                     # A loader of unknown length stops once max_samples is offered (on every process at the same
                     # batch); one of known length runs its batches, over which the rows are spread.
-                    if index >= batches or (math.isinf(batches) and self._stream.exhausted):
+                    last = cap if math.isinf(batches) else batches
+                    if index >= last or (math.isinf(batches) and self._stream.exhausted):
                         break
                     batch = step_inputs(trainer, batch)
                     combined = isinstance(loader, TrainingBatches) and loader.combined
@@ -814,14 +840,27 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     step ``window`` of training batches."""
     if stage == "train":
         # Copies of the loaders (Lightning holds the training iterators already); several are combined as in the fit.
+        # A loader is never asked for its truth value: a DataLoader of an IterableDataset without __len__ raises.
         training = TrainingBatches(trainer)
         batches = window if window is not None else trainer.num_training_batches
-        return [(training, batches)] if training.loaders and batches > 0 else []
+        return [(training, batches)] if training.loaders is not None and batches > 0 else []
     loaders = loader_list(trainer.val_dataloaders)
     counts = list(trainer.num_val_batches)
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _batches_before_max_steps(trainer: pl.Trainer) -> float:
+    """The training batches that take a fresh fit to ``max_steps`` under automatic optimization (``max_steps`` times
+    ``accumulate_grad_batches``), the most its first epoch can stream: where the initial pass over a training loader
+    of unknown length (an endless ``IterableDataset``) with ``max_samples=None`` stops. ``inf`` without ``max_steps``,
+    or under manual optimization, whose batches per step are not known before training."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    module = getattr(trainer, "lightning_module", None)
+    if not isinstance(max_steps, int) or max_steps < 0 or not getattr(module, "automatic_optimization", True):
+        return math.inf
+    return float(max_steps * max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
 
 
 def _loader_of(loader: Any) -> Any:

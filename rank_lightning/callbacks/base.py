@@ -35,6 +35,7 @@ __all__ = [
     "CurveMonitor",
     "RankCallback",
     "RowQuota",
+    "at_last_batch",
     "first_val_loader",
     "fresh_fit",
     "gather_rows",
@@ -236,6 +237,15 @@ def gather_rows(pl_module: pl.LightningModule, trainer: pl.Trainer, x: Tensor) -
     return torch.cat([gathered[rank, : int(n)] for rank, n in enumerate(counts)])
 
 
+def at_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training batch being run is the last of its epoch, as Lightning knows it: a loader of unknown length
+    (an ``IterableDataset`` without ``__len__``) is fetched one batch ahead, so that its epoch's last batch is known
+    from that batch's start (``on_train_batch_start``) to its end."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    progress = getattr(getattr(fit_loop, "epoch_loop", None), "batch_progress", None)
+    return getattr(progress, "is_last_batch", False) is True
+
+
 def _steps_before(batches: int, num_batches: float, accumulate: int, step_on_last: bool) -> int:
     """The optimizer steps taken within the first ``batches`` training batches counted from the start of an epoch,
     over epochs of ``num_batches`` batches (``inf`` when unknown): one after every ``accumulate``-th batch of an
@@ -375,7 +385,9 @@ class Cadence:
         As Lightning's training epoch loop decides (``_should_accumulate``): a step after every
         ``accumulate_grad_batches``-th batch of an epoch, and after the epoch's last batch (the
         ``num_training_batches``-th) unless the strategy accumulates gradients itself. With
-        ``num_training_batches`` unknown (``inf``) the epoch's end cannot be foreseen: every step is taken as full.
+        ``num_training_batches`` unknown (``inf``, a loader of an ``IterableDataset`` without ``__len__``) the epoch's
+        end is known only at its last batch, which Lightning fetches one batch ahead (:func:`at_last_batch`): until
+        then every step is taken as full; from ``batch_idx``, that last batch, on, the epoch is taken to end there.
         Under manual optimization ``trainer.global_step`` counts every ``optimizer.step()`` the module calls (two per
         batch for a module with two optimizers, none in a batch that accumulates gradients): there ``steps_per_batch``
         gives the steps of each batch from ``batch_idx`` on, repeating (:func:`repeating_steps`; an int for every
@@ -388,6 +400,10 @@ class Cadence:
             return rounds * sum(steps_per_batch) + sum(steps_per_batch[:rest])
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         num_batches = float(getattr(trainer, "num_training_batches", math.inf))
+        if math.isinf(num_batches) and at_last_batch(trainer):
+            # The step of the shorter accumulation that ends an epoch of unknown length: a window of the steps after
+            # full accumulations only would never open for it, and its measurement would be lost.
+            num_batches = batch_idx + 1
         step_on_last = not getattr(getattr(trainer, "strategy", None), "handles_gradient_accumulation", False)
         before_window = _steps_before(batch_idx, num_batches, accumulate, step_on_last)
         return _steps_before(batch_idx + count, num_batches, accumulate, step_on_last) - before_window
@@ -741,10 +757,19 @@ class CurveMonitor(RankCallback):
         self.warn_once(("cadence",), message)
 
     def _check_validation_runs(self, trainer: pl.Trainer) -> None:
-        """Warn when ``limit_val_batches=0`` turns validation off, so that a monitor measuring there never measures."""
-        if self.measures_validation_only():
-            advice = "allow some validation batches, or measure the training batches (stage='train') where offered."
-            self.warn_without_validation(trainer, f"this monitor measures nothing in it; {advice}")
+        """Warn when the fit runs no validation (``limit_val_batches=0``, no validation data, or a module without
+        ``validation_step``), so that a monitor measuring there never measures."""
+        if not self.measures_validation_only():
+            return
+        advice = "allow some validation batches, or measure the training batches (stage='train') where offered."
+        self.warn_without_validation(trainer, f"this monitor measures nothing in it; {advice}")
+        if getattr(trainer, "enable_validation", True) is False:
+            message = (
+                "this fit runs no validation (no validation dataloader, or a module without validation_step), so "
+                "this monitor, which measures in validation runs, measures nothing in it; pass validation data to "
+                "fit, or measure the training batches (stage='train', or every_n_train_steps) where offered."
+            )
+            self.warn_once(("no validation",), message)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
