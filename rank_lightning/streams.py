@@ -239,6 +239,72 @@ class ActivationStream:
         self._in_batch = False
 
     @property
+    def between_batches(self) -> bool:
+        """Whether no batch is open: every batch begun so far has ended (:meth:`batch_end`)."""
+        return not self._in_batch
+
+    def pass_state(self) -> dict[str, Any]:
+        """What the pass has streamed so far, for a checkpoint, so that another process continues the pass where this
+        one is (:meth:`resume`): the states of every layer that got rows (on the CPU: float64, a d x d Gram is
+        ``8 d^2`` bytes, plus the class Grams with class metrics), its output's dimensions and updates, and the
+        pass's counters (batches seen, rows measured and still to take). Call it between batches."""
+        layers = {}
+        for name, metric in self.metrics.items():
+            if not metric.update_count:
+                continue
+            metric.persistent(True)
+            try:
+                saved = metric.state_dict()
+            finally:
+                metric.persistent(False)
+            states = {key: _on_cpu(value) for key, value in saved.items()}
+            layers[name] = {"ndim": self.layer_ndims.get(name, 2), "updates": metric.update_count, "states": states}
+        return {
+            "layers": layers,
+            "batches_seen": self.batches_seen,
+            "inputs_measured": self.inputs_measured,
+            "remaining": self.remaining,
+            "offered_left": self._offered_left,
+            "batches_left": float(self._batches_left),
+        }
+
+    def resume(self, module: nn.Module, state: Mapping[str, Any], device: torch.device | str) -> None:
+        """Start a pass of ``module`` that continues the one :meth:`pass_state` returned ``state`` of: its layers'
+        states on ``device`` and its counters, so that the batches still to come end it as they would have ended
+        the saved one. One process only (each DDP process streams batches of its own).
+
+        Raises:
+            ValueError: a saved layer this stream does not monitor.
+            RuntimeError: saved states that its metric cannot take (another width, path or number of classes).
+        """
+        self.start(module, num_batches=state["batches_left"])
+        created: list[str] = []  # the layers planned here, forgotten again if the pass cannot go on
+        try:
+            for name, saved in state["layers"].items():
+                if name not in self.layers:
+                    raise ValueError(f"the saved pass measured layer {name!r}, which is not monitored now")
+                ndim, states = int(saved["ndim"]), dict(saved["states"])
+                metric = self.metrics.get(name)
+                if metric is None:
+                    options = dict(self.spectrum_options, reduction=self.reductions.get(ndim) or "flatten")
+                    created.append(name)
+                    metric = self._within_budget(name, int(states["feature_sum"].shape[0]), options)
+                metric.load_state_dict(states)
+                self.metrics[name] = metric.to(device)
+                metric._update_count = max(metric.update_count, int(saved["updates"]))
+                self.layer_ndims[name] = ndim
+            self.batches_seen, self.inputs_measured = int(state["batches_seen"]), int(state["inputs_measured"])
+            self.remaining, self._offered_left = state["remaining"], state["offered_left"]
+        except BaseException:
+            for name in created:
+                for planned in (self.metrics, self._planned, self.layer_ndims):
+                    planned.pop(name, None)
+            for metric in self.metrics.values():
+                metric.reset()
+            self.stop()
+            raise
+
+    @property
     def exhausted(self) -> bool:
         """Whether the batches so far offered the largest process share of ``max_samples``: where a pass of unknown
         length may stop. Every process reaches it at the same batch (equal batch sizes), so a forward pass that is
@@ -863,6 +929,15 @@ class ActivationStream:
             message = f"was measured on {result.num_samples} rows, fewer than its {d} features: its ranks are at "
             more = "raise max_samples" if self._max_samples_reached else "measure more batches"
             self._warn(name, "rows", message + f"most {cap} ({more} to measure more rows).")
+
+
+def _on_cpu(value: Any) -> Any:
+    """A metric state (a tensor, or a list of them) as a copy on the CPU."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, list):
+        return [_on_cpu(part) for part in value]
+    return value
 
 
 def _collection(loader: Any) -> bool:

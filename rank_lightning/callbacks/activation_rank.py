@@ -157,7 +157,10 @@ class ActivationRankMonitor(CurveMonitor):
         every_n_train_steps: monitor every this many optimizer steps instead (see Timing); setting both is an error.
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
             ``accumulate_grad_batches`` (not checked under manual optimization, whose steps per batch are known once
-            seen). A window that streams fewer (the fit resumed inside it, or an epoch's short last accumulation
+            seen). A checkpoint saved inside an open window holds its partial sums (the layers' float64 states, the
+            size of the memory plan), so a fit resumed from it continues the window (not under DDP, where each
+            process streams batches of its own; nor in a monitor of other settings, which warns). A window that
+            streams fewer (the fit resumed inside it without those sums, or an epoch's short last accumulation
             brought it within ``window_batches`` of the previous one, or came unforeseen at the end of an epoch of
             unknown length, an ``IterableDataset`` without ``__len__``; under manual optimization, a window planned
             before the steps of the batches were seen, or one whose batches took fewer steps than planned, which
@@ -278,6 +281,10 @@ class ActivationRankMonitor(CurveMonitor):
 
     # Whether the open step window opened at the last batch of an epoch of unknown length (known only then).
     _opened_at_unforeseen_end = False
+    # The open step window a loaded checkpoint holds (until the fit continues it), and whether this fit said the size
+    # of a window saved in a checkpoint.
+    _saved_window: dict[str, Any] | None = None
+    _window_size_said = False
 
     def __init__(
         self,
@@ -613,8 +620,10 @@ class ActivationRankMonitor(CurveMonitor):
             return
         message = (
             f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
-            "batches: it opened after the fit resumed inside it, or an epoch's short last accumulation brought it "
-            "within window_batches of the previous window. Its values stand on fewer rows (logged as spectrum_rows)."
+            "batches: it opened after the fit resumed inside it from a checkpoint that holds none of its sums (one "
+            "saved under DDP or inside a batch, or by an older version), or an epoch's short last accumulation "
+            "brought it within window_batches of the previous window. Its values stand on fewer rows (logged as "
+            "spectrum_rows)."
         )
         pattern = self._manual_pattern
         if pattern is not None and pattern != [1]:
@@ -712,8 +721,10 @@ class ActivationRankMonitor(CurveMonitor):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._reset_manual_steps()  # the steps of this fit's batches
+        self._window_size_said = False
         self._initial_point(trainer, pl_module)
         self._resume_inside_epoch(trainer, pl_module)
+        self._continue_window(trainer, pl_module)
 
     def _resume_inside_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A fit resumed inside a monitored training epoch (``stage="train"``, epoch cadence): Lightning does not start
@@ -736,6 +747,120 @@ class ActivationRankMonitor(CurveMonitor):
             "measured on the batches still to come (its spectrum_rows counts them)."
         )
         self.warn_once(("resumed inside epoch",), message)
+
+    # -- a step window open at a checkpoint -----------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._saved_window = None  # a checkpoint loaded by an earlier run of the trainer is not this one's
+        super().setup(trainer, pl_module, stage)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        window = state_dict.get("open_window")
+        self._saved_window = window if isinstance(window, dict) else None
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint saved while a step window is open (between its batches) holds the window's partial sums, so
+        that a fit resumed from it continues the window (:meth:`_continue_window`). Not under DDP, where each process
+        streams batches of its own and the checkpoint holds the first process's state only: a fit resumed there
+        measures the window over the batches still to come, with a warning."""
+        states = checkpoint.get("callbacks")
+        stream = self._stream
+        if (
+            not self.cadence.by_step
+            or self._target_step is None
+            or not self._monitoring("train")
+            or not stream.between_batches
+            or not stream.batches_seen
+            or trainer.world_size > 1
+            or not isinstance(states, dict)
+            or not isinstance(states.get(self.state_key), dict)
+        ):
+            return
+        window = {
+            "target_step": self._target_step,
+            "global_step": trainer.global_step,
+            "settings": self._window_settings(),
+            "opened_at_unforeseen_end": self._opened_at_unforeseen_end,
+            "restarted": self._restarted_window == self._target_step,
+            "stream": stream.pass_state(),
+        }
+        states[self.state_key]["open_window"] = window
+        if not self._window_size_said:
+            self._window_size_said = True
+            size = sum(_state_bytes(layer["states"]) for layer in window["stream"]["layers"].values()) / 2**20
+            self.info(
+                f"the checkpoint at step {trainer.global_step} holds the open window of step {self._target_step} "
+                f"({stream.batches_seen} of window_batches={self.cadence.window_batches} batches): {size:.1f} MiB of "
+                "float64 sums, so that a fit resumed from it measures the whole window"
+            )
+
+    def _window_settings(self) -> dict[str, str]:
+        """The settings the sums of a step window depend on, in words, to compare with a checkpoint's."""
+        settings = {
+            "every_n_train_steps": self.cadence.every_n_train_steps,
+            "window_batches": self.cadence.window_batches,
+            "layers": self._layers,
+            "reductions": self.reductions,
+            "max_samples": self.max_samples,
+            "num_classes": self._num_classes,
+            "memory_budget_mb": self.memory_budget_mb,
+            "spectrum options": sorted(self.spectrum_options.items()),
+        }
+        return {name: repr(value) for name, value in settings.items()}
+
+    def _continue_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit resumed from a checkpoint saved inside a step window continues that window with the sums the
+        checkpoint holds, so that its step is measured over all its ``window_batches`` batches, as without the
+        interruption. A window the fit cannot continue (other monitor settings, DDP, states that do not fit) is
+        named in a warning and measured over the batches still to come."""
+        saved, self._saved_window = self._saved_window, None
+        if saved is None or self._stream is None:
+            return
+        target = saved.get("target_step")
+        streamed = saved.get("stream", {}).get("batches_seen") if isinstance(saved.get("stream"), dict) else None
+        why = self._window_mismatch(trainer, saved)
+        if why is None:
+            try:
+                self._stream.resume(pl_module, saved["stream"], pl_module.device)
+            except (KeyError, TypeError, ValueError, RuntimeError) as error:
+                self._stop()
+                reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+                why = f"its sums cannot be loaded ({reason})"
+        if why is not None:
+            message = (
+                f"the checkpoint holds the open window of step {target} ({streamed} of its batches streamed), which "
+                f"this fit does not continue: {why}. The window streams the batches still to come, fewer than "
+                "window_batches."
+            )
+            self.warn_once(("saved window",), message)
+            return
+        self._target_step = target
+        self._opened_at_unforeseen_end = bool(saved.get("opened_at_unforeseen_end", False))
+        if saved.get("restarted"):
+            self._restarted_window = target
+
+    def _window_mismatch(self, trainer: pl.Trainer, saved: dict[str, Any]) -> str | None:
+        """Why the saved step window ``saved`` cannot go on in this fit; ``None`` when it can."""
+        settings = saved.get("settings")
+        if not isinstance(settings, dict):
+            return "it was saved in a form this version does not read"
+        ours = self._window_settings()
+        differ = [name for name in ours if settings.get(name) != ours[name]]
+        if differ:
+            shown = "; ".join(f"{name} {settings.get(name)} there, {ours[name]} here" for name in differ)
+            return f"the monitor's settings differ ({shown})"
+        if trainer.world_size > 1:
+            return f"the fit runs on {trainer.world_size} processes, each streaming batches of its own"
+        target = saved.get("target_step")
+        if saved.get("global_step") != trainer.global_step or target != self.cadence.next_step(trainer):
+            return f"the fit resumed at step {trainer.global_step}, not at the checkpoint's step inside that window"
+        return None
 
     def _initial_point(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
@@ -849,6 +974,16 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _state_bytes(states: dict[str, Any]) -> int:
+    """Bytes of the tensors of a metric's saved states (a tensor, or a list of them, per state)."""
+    total = 0
+    for value in states.values():
+        for part in value if isinstance(value, list) else [value]:
+            if isinstance(part, Tensor):
+                total += part.numel() * part.element_size()
+    return total
 
 
 def _batches_before_max_steps(trainer: pl.Trainer) -> float:
