@@ -13,11 +13,13 @@ from torch.utils.data import DataLoader
 
 import rank_lightning.streams as streams_module
 from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.functional.streaming import ClassGrouping
 from rank_lightning.layers import BatchReader
 from rank_lightning.metrics import activation_spectrum
 from rank_lightning.streams import ActivationStream
 from tests import test_host_synchronisations as host
+from tests.callbacks import test_transformers as hf
 from tests.callbacks.trainer_helpers import quiet_trainer
 from tests.test_host_synchronisations import NUM_CLASSES, _token_batches, _Tokens, _Waits
 
@@ -183,3 +185,28 @@ def test_unshifted_labels_of_a_hugging_face_causal_lm_are_named(monkeypatch, tmp
         "class is the token itself, not the next one; shift them for next-token classes, e.g. label_fn=lambda b: "
         "torch.cat([b['labels'][:, 1:], torch.full_like(b['labels'][:, :1], -100)], 1)."
     ]
+
+
+def _next_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Hugging Face's causal LM labels shifted: the class of position t is the token at t + 1."""
+    return torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], -100)], 1)
+
+
+def test_gpt2_blocks_take_the_next_token_of_each_real_token(monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LayerCurves, "write_figures", lambda self, *args, **kwargs: [])
+    torch.manual_seed(0)
+    module, val = hf._gpt2(), hf._causal_lm_batches(2, seed=1)
+    monitor = ActivationRankMonitor(log_at_init=False, num_classes=hf.VOCAB, label_fn=_next_tokens)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = hf._fit(module, monitor, hf._causal_lm_batches(2, seed=0), val)
+    assert not [w for w in caught if "input_ids" in str(w.message) or "per token" in str(w.message)]
+    outputs = hf._block_outputs(module, hf.GPT2_BLOCKS, val, module)
+    kept = [b["attention_mask"].bool() & (_next_tokens(b) != -100) for b in val]
+    y = torch.cat([_next_tokens(b)[k] for b, k in zip(val, kept, strict=True)])
+    for path in hf.GPT2_BLOCKS:
+        x = torch.cat([h[k] for h, k in zip(outputs[path], kept, strict=True)]).double()
+        tcv = sum(float((x[y == c] - x[y == c].mean(0)).square().sum()) for c in y.unique().tolist())
+        assert hf._logged(trainer, path, "token", "spectrum_rows") == x.shape[0] == int(sum(k.sum() for k in kept))
+        assert hf._logged(trainer, path, "token", "tcv") == pytest.approx(tcv, rel=1e-9)
