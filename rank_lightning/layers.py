@@ -1423,11 +1423,12 @@ def several_loaders_advice(batch: Any) -> str:
 _NOT_ONE_HOT = "rows that are not one-hot: soft labels, mixup or regression targets are not class labels"
 
 
-def _read_labels(value: Any) -> tuple[Tensor | None, str, bool]:
+def _read_labels(value: Any, per_token: bool = False) -> tuple[Tensor | None, str, bool]:
     """``(labels, what was found, refused)`` for the value where a batch's labels should be.
 
-    ``labels`` are the ``(B,)`` integer class labels (``None`` when there are none), ``what was found`` a short
-    description of ``value`` and ``refused`` whether it is a tensor holding no class labels.
+    ``labels`` are the ``(B,)`` integer class labels (``None`` when there are none), or with ``per_token`` also
+    ``(B, T)`` integer labels per token; ``what was found`` a short description of ``value`` and ``refused`` whether it
+    is a tensor holding no class labels.
     """
     if value is None:
         return None, "nothing", False
@@ -1443,15 +1444,14 @@ def _read_labels(value: Any) -> tuple[Tensor | None, str, bool]:
     if value.ndim == 2 and not value.is_complex():
         # One-hot rows (B, C): every entry 0 or 1, exactly one 1 per row; anything else (label smoothing, mixup,
         # regression targets) has no single class per sample.
-        is_one_hot = value.shape[1] >= 2 and bool(((value == 0) | (value == 1)).all() & (value.sum(1) == 1).all())
-        if is_one_hot:
+        # Both flags in one read: on a GPU each read waits for the device (labels per token are read at every batch).
+        binary, single = torch.stack([((value == 0) | (value == 1)).all(), (value.sum(1) == 1).all()]).tolist()
+        if value.shape[1] >= 2 and binary and single:
             return value.to(torch.uint8).argmax(1), f"{found}, one-hot: read as its argmax", False
-        if (
-            not value.is_floating_point()
-            and value.dtype != torch.bool
-            and not bool(((value == 0) | (value == 1)).all())
-        ):
+        if not value.is_floating_point() and value.dtype != torch.bool and not binary:
             # Integer (B, T) beyond 0 and 1: a label per token (a language model's next tokens, token classification).
+            if per_token:
+                return value, f"{found}: a class label per token", False
             message = "a class label per token or position, not one per sample (per-token labels are not supported)"
             return None, f"{found}: {message}", True
         return None, f"{found}: {_NOT_ONE_HOT}", True
@@ -1578,7 +1578,7 @@ class BatchReader:
             where = repr(self.label_key) if self.label_key is not None else f"index 1 or one of {list(LABEL_KEYS)}"
         return f"{where} in {_describe(batch)} (found {found})"
 
-    def label_source(self, batch: Any) -> str:
+    def label_source(self, batch: Any, *, per_token: bool = False) -> str:
         """Where the labels of ``batch`` were looked for and what was found there, as a short text.
 
         For example ``"index 1 or one of ['y', ...] in a dict batch with keys ['x', 'w'] (found nothing)"`` or
@@ -1586,22 +1586,26 @@ class BatchReader:
         its argmax)"``: the text of :meth:`labels`' error, for a caller that warns instead of failing when labels
         are optional.
         """
-        _, found, _ = _read_labels(self._label_value(batch))
+        _, found, _ = _read_labels(self._label_value(batch), per_token)
         return self._label_where(batch, found)
 
-    def labels(self, batch: Any, *, required: bool = False) -> Tensor | None:
+    def labels(self, batch: Any, *, required: bool = False, per_token: bool = False) -> Tensor | None:
         """The ``(B,)`` integer class labels of ``batch``; ``None`` when there are none and they are not ``required``.
 
         Integer labels are returned as they are; one-hot rows ``(B, C)`` (integer, boolean or float, entries 0 or 1,
         a single 1 per row) as their argmax. Other 2-D or float labels (soft labels, mixup, regression targets) and
         booleans are no class labels: ``None``, or an error when the labels are required or named.
 
+        ``per_token=True`` (for the layers whose rows are tokens) also returns ``(B, T)`` integer labels that hold
+        values other than 0 and 1 (a language model's next tokens, -100 where a token has no class) as they are: a
+        label per token, which only the ``"token"`` reduction of ``(B, T, D)`` activations takes.
+
         Raises:
             ValueError: no class labels where they should be, and they are ``required`` or were named by
                 ``label_key`` / ``label_fn`` (a setup error, so it is raised at the first batch whatever
                 ``required``); the message says where it looked, what it found and why it refused it.
         """
-        labels, found, refused = _read_labels(self._label_value(batch))
+        labels, found, refused = _read_labels(self._label_value(batch), per_token)
         if labels is not None:
             return labels
         if not required and self.label_key is None and self.label_fn is None:

@@ -33,7 +33,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rank_lightning.functional.reductions import check_token_mask, token_mask
-from rank_lightning.functional.streaming import ClassGrouping, group_by_class, reduced_float32_format
+from rank_lightning.functional.streaming import (
+    IGNORE_INDEX,
+    ClassGrouping,
+    group_by_class,
+    group_token_labels,
+    reduced_float32_format,
+)
 from rank_lightning.layers import (
     DECODER_MASK_KEY,
     MASK_KEY,
@@ -152,6 +158,7 @@ class ActivationStream:
         self._take: int | None = None
         self._labels: Tensor | None = None
         self._groupings: dict[torch.device, ClassGrouping] = {}
+        self._token_groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
         self._decoder_mask: Tensor | None = None
         self._cls_counted: set[bool] = set()  # the masks whose left padding the current batch counted
@@ -330,6 +337,8 @@ class ActivationStream:
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
         self._labels = labels if self.num_classes else None
+        if self._labels is not None and self.batches_seen == 0:
+            self._check_shifted(batch, self._labels)
         self._mask, wrong = self._read_mask(batch, mask, self.batch_reader.mask)
         self._decoder_mask, wrong_decoder = None, None
         if self._decoder_layers:
@@ -358,10 +367,29 @@ class ActivationStream:
         if self._offered_left is not None and self._batch is not None:
             self._offered_left -= self._batch
         self._take = None
-        self._groupings = {}
+        self._groupings, self._token_groupings = {}, {}
         self._seen_this_batch = set()
         self._cls_counted = set()
         self._in_batch = True
+
+    def _check_shifted(self, batch: Any, labels: Tensor) -> None:
+        """At a pass's first batch, warn when labels per token equal the batch's ``input_ids`` wherever they are not
+        -100: Hugging Face's causal LM ``labels``, which the model shifts inside its loss, taken unshifted would give
+        each token row its own token as class instead of the next one."""
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not (isinstance(labels, Tensor) and labels.ndim == 2 and isinstance(ids, Tensor)):
+            return
+        if ids.shape != labels.shape or ids.is_floating_point():
+            return
+        labelled = labels != IGNORE_INDEX
+        if bool(((labels == ids.to(labels.device)) | ~labelled).all() & labelled.any()):
+            message = (
+                "the labels per token equal the batch's 'input_ids' wherever they are not -100: the labels of a "
+                "Hugging Face causal LM, which the model shifts inside its loss. Taken as they are, each token's class "
+                "is the token itself, not the next one; shift them for next-token classes, e.g. label_fn=lambda b: "
+                "torch.cat([b['labels'][:, 1:], torch.full_like(b['labels'][:, :1], -100)], 1)."
+            )
+            self._warn("", "unshifted labels", message)
 
     def _read_mask(
         self, batch: Any, mask: Tensor | None, read: Callable[..., Tensor | None]
@@ -426,9 +454,9 @@ class ActivationStream:
 
     def _read_labels(self, batch: Any) -> Tensor | None:
         # An explicit label_key or label_fn that finds nothing raises here, at the first batch.
-        labels = self.batch_reader.labels(batch)
+        labels = self.batch_reader.labels(batch, per_token=True)
         if labels is None:
-            where = self.batch_reader.label_source(batch)
+            where = self.batch_reader.label_source(batch, per_token=True)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
             advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
             self._warn("", "labels", message + advice)
@@ -545,7 +573,7 @@ class ActivationStream:
             return
         # A process whose rows are all taken (or repeats) still sizes its states at its first batch: it joins the
         # pass's collective with sums of the same shapes as the others (zeros), not as a layer it never ran.
-        labels = None if self._labels is None else self._grouping(take, activations.device)
+        labels = None if self._labels is None else self._labels_of(name, activations, metric.reduction, take)
         mask = self._mask_of(name, activations)
         mask = None if mask is None else mask[:take].to(activations.device)
         if self._same_features(name, activations, metric):
@@ -600,6 +628,34 @@ class ActivationStream:
         )
         self._warn(name, "features", message + advice)
         return False
+
+    def _labels_of(self, name: str, activations: Tensor, reduction: str, take: int) -> ClassGrouping | Tensor | None:
+        """The labels of this layer's rows: the batch's labels per input grouped by class; labels per token
+        ``(B, T)`` grouped by class for a token layer under the ``"token"`` reduction whose tokens they label, and
+        ``None`` with a warning for any other layer (its class metrics are not logged)."""
+        labels = self._labels
+        if not isinstance(labels, Tensor) or labels.ndim != 2 or labels.shape[0] != activations.shape[0]:
+            return self._grouping(take, activations.device)
+        tokens = activations.ndim == 3 and reduction == "token"
+        if tokens and labels.shape[1] == activations.shape[1]:
+            grouping = self._token_groupings.get(activations.device)
+            if grouping is None:
+                grouping = group_token_labels(labels[:take].to(activations.device), self.num_classes)
+                self._token_groupings[activations.device] = grouping
+            return grouping
+        shape, given = tuple(activations.shape), tuple(labels.shape)
+        if tokens:
+            what = f"{shape[1]} tokens per input, but the batch's labels per token have shape {given}"
+        else:
+            rows = f"reduction={reduction!r}" if activations.ndim > 2 else "(B, d) features"
+            what = f"one row per input ({rows}), but the batch's labels are per token, of shape {given}"
+        message = (
+            f"gives {shape}, {what}: its class metrics (TCV, class-wise VR) are not logged. Labels per token need "
+            "token outputs (B, T, D) of as many positions and token_reduction='token'; a layer whose rows are inputs "
+            "needs one label per input."
+        )
+        self._warn(name, "token labels", message)
+        return None
 
     def _grouping(self, take: int, device: torch.device) -> ClassGrouping | Tensor:
         """The batch's labels (its first ``take``) grouped by class on ``device``: once per batch for all layers, so

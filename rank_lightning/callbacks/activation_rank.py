@@ -203,7 +203,13 @@ class ActivationRankMonitor(CurveMonitor):
         label_key: where the labels are in a batch: an index for tuples/lists, a key for dicts; ``None`` takes
             ``batch[1]`` or the first of ``y``, ``label``, ``labels``, ``target``, ``targets``. One-hot labels are
             read as their argmax. An explicit ``label_key`` that finds no labels raises at the first batch; the
-            default lookup finding none gives a warning saying where it looked, and no class metrics.
+            default lookup finding none gives a warning saying where it looked, and no class metrics. Integer labels
+            per token ``(B, T)`` (next-token classes of a causal language model, already shifted; -100 where a
+            token has no class) give each token row of the ``"token"`` reduction its own class, with ``num_classes``
+            the vocabulary size: a token labelled -100 is left out of that layer's spectrum too, as a padded one is
+            (:class:`~rank_lightning.metrics.ActivationSpectrum`). A layer whose rows are one per input (``(B, d)``
+            outputs, conv maps, the ``"mean"`` / ``"cls"`` / ``"flatten"`` token reductions) is named in a warning
+            and logs no class metric.
         label_fn: a function ``batch -> labels`` overriding ``label_key``.
         mask_key: where the ``(B, T)`` attention mask (true / 1 at real tokens) is in a batch: an index, a key, a
             function ``batch -> mask``, or ``False`` for none; ``None`` reads ``attention_mask`` from dict batches

@@ -57,6 +57,7 @@ from rank_lightning.validation import check_choice
 __all__ = [
     "AUTO_GRAM_PRECISION",
     "GRAM_PRECISIONS",
+    "IGNORE_INDEX",
     "BatchMoments",
     "ClassGrouping",
     "SketchUpdate",
@@ -68,6 +69,7 @@ __all__ = [
     "count_sketch",
     "gram_product_dtype",
     "group_by_class",
+    "group_token_labels",
     "merge_subsamples",
     "move_reference",
     "reduced_float32_format",
@@ -143,6 +145,10 @@ class ClassGrouping(NamedTuple):
         counts: inputs per class (``num_classes`` entries), host integers.
         slots: ``(B,)`` int64 position of each input among the inputs of its class, in input order (``None`` where it
             was not made): where :func:`channel_gram_moments` puts it in its class's block of a batched product.
+        labelled: ``None`` for labels per input; for labels per token (:func:`group_token_labels`), the ``(B, T)``
+            booleans true where a token has a class (its label is not :data:`IGNORE_INDEX`). ``labels`` then holds
+            the ``B*T`` token labels row by row (0 in place of the ignored ones, which every count leaves out), and
+            ``order``, ``sorted_labels`` and ``counts`` group those ``B*T`` rows.
     """
 
     labels: Tensor
@@ -150,6 +156,7 @@ class ClassGrouping(NamedTuple):
     sorted_labels: Tensor
     counts: tuple[int, ...]
     slots: Tensor | None = None
+    labelled: Tensor | None = None
 
     def to(self, device: torch.device | str) -> ClassGrouping:
         """The same grouping with its tensors on ``device``."""
@@ -158,6 +165,7 @@ class ClassGrouping(NamedTuple):
             order=self.order.to(device),
             sorted_labels=self.sorted_labels.to(device),
             slots=None if self.slots is None else self.slots.to(device),
+            labelled=None if self.labelled is None else self.labelled.to(device),
         )
 
 
@@ -194,6 +202,35 @@ def group_by_class(labels: Tensor, num_classes: int) -> ClassGrouping:
     order = torch.argsort(labels, stable=True)
     sorted_labels = labels.index_select(0, order)
     return ClassGrouping(labels, order, sorted_labels, tuple(summary[2:]), _slots(sorted_labels, order, counts))
+
+
+IGNORE_INDEX = -100
+"""The label of a token without a class (Hugging Face's ``ignore_index`` of the loss): a padded position, or the last
+of a sequence, which has no next token."""
+
+
+def group_token_labels(labels: Tensor, num_classes: int) -> ClassGrouping:
+    """Check ``(B, T)`` labels per token and group their ``B*T`` rows by class (see :class:`ClassGrouping`), with one
+    device-to-host transfer.
+
+    Every token position is a row whose class is its label (a causal language model's next tokens, Wu & Papyan 2024);
+    positions labelled :data:`IGNORE_INDEX` (-100) have no class: ``labelled`` is false there, and the metrics leave
+    them out.
+
+    Raises:
+        ValueError: ``labels`` is not a 2-D tensor of integer class indices in ``[0, num_classes)`` or -100.
+    """
+    if labels.ndim != 2:
+        raise ValueError(f"labels per token must have shape (B, T), got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"labels per token must be integer class indices, got dtype {labels.dtype}")
+    labels = labels.long()
+    labelled = labels != IGNORE_INDEX
+    try:
+        grouping = group_by_class(labels.masked_fill(~labelled, 0).reshape(-1), num_classes)
+    except ValueError as error:
+        raise ValueError(f"{error}; per-token labels may also be {IGNORE_INDEX} (a token without a class)") from None
+    return grouping._replace(labelled=labelled)
 
 
 def _slots(sorted_labels: Tensor, order: Tensor | None, counts: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ from rank_lightning.functional.streaming import (
     classwise_variance_ratio_from_sample,
     count_sketch,
     group_by_class,
+    group_token_labels,
     merge_subsamples,
     move_reference,
     reference_point,
@@ -289,6 +290,18 @@ class ActivationSpectrum(Metric):
     they do not fit (1,000 classes of 512 features need 2,000 MiB), :meth:`compute` warns that the class-wise variance
     ratio is not computed; the total cluster variation, from the class sums, is exact on every path.
 
+    Labels per token: with ``reduction="token"``, ``(B, T)`` labels give every token row its own class, as in the
+    "linguistic collapse" of causal language models (Wu & Papyan 2024), where each token position is a sample whose
+    class is its next token. A position labelled -100 (Hugging Face's ignore index: padding, prompt tokens, the last
+    position, which has no next token) is left out like a padded one, from the spectrum as well as from the class
+    statistics, so that every metric describes the same rows: the real tokens (``mask``) that have a class. The labels
+    are taken as given: the ``labels`` of a Hugging Face causal LM equal its ``input_ids`` (the model shifts them
+    inside its loss) and must be shifted first,
+    ``torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)``. A vocabulary as classes takes ``V x d``
+    class sums on every path (50,257 x 768 float64: 294 MiB); its class Grams (``V x d x d``, 221 GiB) do not fit, so
+    the class-wise variance ratio is then not computed (warned at :meth:`compute`), while the total cluster variation
+    stays exact.
+
     When ``d > max_gram_features`` (or the d x d Gram exceeds the budget) the metric falls back to:
 
     * ``"sample_gram"`` (default): a uniform subsample of at most ``max_samples`` rows (bottom-k random keys, which
@@ -312,7 +325,7 @@ class ActivationSpectrum(Metric):
             and the class-wise variance ratio.
         reduction: how conv ``(B, C, H, W)`` and token ``(B, T, D)`` activations become a matrix; one of
             ``"flatten"``, ``"channel"``, ``"token"``, ``"cls"``, ``"mean"``. With ``"channel"`` and ``"token"``
-            every position inherits its input's label.
+            every position inherits its input's label; with ``"token"``, ``(B, T)`` labels give each token its own.
         center: ``False`` (the papers' convention), ``True`` (PCA convention), or ``"both"`` (one extra
             eigendecomposition from the same sums).
         variance_ratio_ks: the ``k`` of the reported ``VR_k`` scalars.
@@ -643,10 +656,13 @@ class ActivationSpectrum(Metric):
         Args:
             activations: ``(B, d)``, ``(B, T, D)`` or ``(B, C, H, W)``; any floating dtype.
             labels: ``(B,)`` integer class labels in ``[0, num_classes)``; ignored when ``num_classes`` is ``None``.
-                With the ``"channel"`` and ``"token"`` reductions every row inherits its input's label. A
-                :class:`~rank_lightning.functional.streaming.ClassGrouping` of them (``group_by_class``), made once
-                per batch and passed to the metrics of every layer, saves each its own grouping (on a GPU, its own
-                synchronisation).
+                With the ``"channel"`` and ``"token"`` reductions every row inherits its input's label. With
+                ``"token"``, ``(B, T)`` labels per token instead (a causal language model's next tokens, already
+                shifted), in ``[0, num_classes)`` or -100: a token labelled -100 is left out of every sum, as a padded
+                one is; other reductions of token activations, one row per input, refuse them. A
+                :class:`~rank_lightning.functional.streaming.ClassGrouping` of them (``group_by_class``, or
+                ``group_token_labels`` for labels per token), made once per batch and passed to the metrics of every
+                layer, saves each its own grouping (on a GPU, its own synchronisation).
             mask: ``(B, T)`` attention mask of token activations (true / 1 at real tokens): padded positions never
                 reach the sums (see :func:`~rank_lightning.functional.reduce_activations`); ignored for other
                 shapes. A boolean mask is taken as it is; one of 0 / 1 integers or floats has its values checked,
@@ -718,6 +734,8 @@ class ActivationSpectrum(Metric):
 
         Rows are in their own precision, except ``"mean"`` in float64.
         """
+        if grouping is not None and grouping.labelled is not None:
+            return self._token_rows(activations, grouping, mask)
         by_class = grouping is not None and self.uses_class_grams
         if by_class:
             # Inputs sorted by class give each class contiguous rows, with no float64 copy of the rows to group them.
@@ -732,6 +750,21 @@ class ActivationSpectrum(Metric):
         repeats = rows.shape[0] // max(activations.shape[0], 1)
         counts = [n * repeats for n in grouping.counts] if by_class else None
         return rows, labels.repeat_interleave(repeats) if repeats > 1 else labels, counts, real
+
+    def _token_rows(
+        self, activations: Tensor, grouping: ClassGrouping, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, list[int] | None, Tensor | None]:
+        """:meth:`_rows` of tokens with a label each: a row counts where the mask marks a real token and its label is
+        not -100. On a CPU the counted rows are selected; elsewhere every row stays in place, sorted by class when the
+        class Grams take them (the grouping's counts, read once per batch, then cut the classes' blocks)."""
+        keep = grouping.labelled if mask is None else check_token_mask(mask, activations) & grouping.labelled
+        rows, real = masked_token_rows(activations, "token", keep)
+        if not _keeps_padded_rows(rows.device):
+            return rows[real], grouping.labels[real], None, None
+        if self.uses_class_grams:
+            order = grouping.order
+            return rows.index_select(0, order), grouping.sorted_labels, list(grouping.counts), real[order]
+        return rows, grouping.labels, None, real
 
     def _reduce(self, activations: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(rows, real, per_input)``: the reduced rows; for masked tokens whose padded rows stay in place, which
@@ -779,7 +812,7 @@ class ActivationSpectrum(Metric):
         if self.num_classes is None or labels is None:
             labels = None
         else:
-            labels = self._input_grouping(labels, activations.shape[0])
+            labels = self._input_grouping(labels, activations)
         # Before anything is accumulated the states follow the activations' device; afterwards the batch follows them.
         fresh = self._update_count <= 1
         device = activations.device if fresh else self.feature_sum.device
@@ -787,16 +820,31 @@ class ActivationSpectrum(Metric):
         moved = [None if t is None else t.to(device) for t in (labels, mask if activations.ndim == 3 else None)]
         return activations.to(device), moved[0], moved[1]
 
-    def _input_grouping(self, labels: Tensor | ClassGrouping, batch: int) -> ClassGrouping:
+    def _input_grouping(self, labels: Tensor | ClassGrouping, activations: Tensor) -> ClassGrouping:
+        batch = activations.shape[0]
         given = labels.labels if isinstance(labels, ClassGrouping) else labels
+        per_token = labels.labelled is not None if isinstance(labels, ClassGrouping) else given.ndim == 2
+        if per_token and activations.ndim == 3 and self.reduction == "token":
+            return self._token_grouping(labels, activations)
+        if per_token and activations.ndim == 3:
+            raise ValueError(
+                f"labels per token (B, T) need reduction='token' (a row per token); reduction={self.reduction!r} "
+                f"gives a row per input, which takes labels of shape ({batch},)"
+            )
+        if isinstance(labels, ClassGrouping) and per_token:
+            raise ValueError(
+                f"labels per token need (B, T, D) token activations, got activations of shape "
+                f"{tuple(activations.shape)}"
+            )
         if given.ndim != 1 or given.shape[0] != batch:
             message = f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}"
             if given.ndim == 2 and given.shape[0] == batch:
-                # A label per position (a language model's next tokens) or one-hot rows: say what is taken instead.
+                # A label per position of rows that are not tokens, or one-hot rows: say what is taken instead.
                 message += (
                     ": one integer label per input, which every row of the input inherits under the 'token' and "
-                    "'channel' reductions; labels per position (B, T), such as a language model's next tokens, are "
-                    "not supported, and one-hot rows (B, C) are passed as labels.argmax(1)"
+                    "'channel' reductions; labels per position (B, T), such as a language model's next tokens, need "
+                    "(B, T, D) token activations and reduction='token', and one-hot rows (B, C) are passed as "
+                    "labels.argmax(1)"
                 )
             raise ValueError(message)
         if isinstance(labels, ClassGrouping):
@@ -804,6 +852,21 @@ class ActivationSpectrum(Metric):
                 raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
             return labels
         return group_by_class(labels, self.num_classes)
+
+    def _token_grouping(self, labels: Tensor | ClassGrouping, activations: Tensor) -> ClassGrouping:
+        """The grouping of labels per token, checked against the ``(B, T)`` of the token activations."""
+        expected = tuple(activations.shape[:2])
+        if isinstance(labels, ClassGrouping):
+            shape = tuple(labels.labelled.shape)
+        else:
+            shape = tuple(labels.shape)
+        if shape != expected:
+            raise ValueError(f"labels per token must have shape (B, T) = {expected} of the activations, got {shape}")
+        if isinstance(labels, ClassGrouping):
+            if len(labels.counts) != self.num_classes:
+                raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
+            return labels
+        return group_token_labels(labels, self.num_classes)
 
     def _grams(self) -> dict[str, Tensor | None]:
         """The running Grams a batch is added into (gram path only); labelled rows go into their class Gram if kept."""

@@ -142,17 +142,19 @@ def test_classwise_ratio_of_class_grams_is_taken_a_chunk_of_classes_at_a_time(
 
 def test_labels_per_token_are_refused_saying_what_the_class_metrics_take() -> None:
     """A causal language model's next-token labels (B, T), -100 at padding, reached the metric's shape check, whose
-    message named the shapes only; it now says what is taken: one label per input, inherited by its tokens."""
+    message named the shapes only; it now says what is taken: one label per input, inherited by its tokens, and labels
+    per position for token activations under the 'token' reduction only (here the rows are (B, d) features)."""
     metric = ActivationSpectrum(num_classes=50, reduction="token")
-    tokens = torch.randn(2, 3, 4)
+    features = torch.randn(2, 4)
     next_tokens = torch.tensor([[5, 17, -100], [3, 9, 2]])
     expected = (
         "labels must have shape (2,) to match the activations, got (2, 3): one integer label per input, which every "
         "row of the input inherits under the 'token' and 'channel' reductions; labels per position (B, T), such as a "
-        "language model's next tokens, are not supported, and one-hot rows (B, C) are passed as labels.argmax(1)"
+        "language model's next tokens, need (B, T, D) token activations and reduction='token', and one-hot rows "
+        "(B, C) are passed as labels.argmax(1)"
     )
     with pytest.raises(ValueError) as error:
-        metric.update(tokens, next_tokens, mask=torch.ones(2, 3, dtype=torch.bool))
+        metric.update(features, next_tokens)
     assert str(error.value) == expected
     assert int(metric.num_samples) == 0
 
