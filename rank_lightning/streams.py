@@ -966,8 +966,13 @@ class ActivationStream:
         missing = [c for c, count in enumerate(counts.tolist()) if count == 0]
         if missing:
             shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
-            message = f"saw no rows of classes [{shown}] among the {rows} measured; TCV and class-wise VR cover the "
-            self._warn(name, "classes", message + "others only (raise max_samples or shuffle the loader).")
+            message = f"saw no rows of classes [{shown}] among the {rows} measured"
+            if len(missing) > 10:
+                message += f" ({len(missing)} of its {counts.numel()} classes)"
+            advice = "raise max_samples or shuffle the loader"
+            if len(missing) > 10:  # a vocabulary of next-token classes: most tokens are absent from a window's text
+                advice += "; with the tokens of a vocabulary as classes, most are expected to be absent"
+            self._warn(name, "classes", message + f"; TCV and class-wise VR cover the others only ({advice}).")
 
     def _check_cap(self, name: str, metric: ActivationSpectrum, result: Any) -> None:
         """Warn when the ranks cannot exceed the rows behind the spectrum (fallback path, or fewer rows than d)."""

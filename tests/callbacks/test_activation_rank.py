@@ -830,6 +830,20 @@ def test_classes_missing_from_the_measured_rows_are_named(tmp_path):
         _trainer(tmp_path, [monitor]).validate(model, _loader(x, y, batch_size=8), verbose=False)
 
 
+def test_many_missing_classes_are_counted_and_expected_of_a_vocabulary(tmp_path):
+    torch.manual_seed(0)
+    x, y = _class_sorted(16, 4, seed=12)
+    monitor = ActivationRankMonitor(layers=["wide"], num_classes=30, verbose=False)  # classes 4-29 never occur
+    shown = ", ".join(map(str, range(4, 14)))
+    message = (
+        rf"saw no rows of classes \[{shown}, \.\.\.\] among the 64 measured \(26 of its 30 classes\); TCV and "
+        r"class-wise VR cover the others only \(raise max_samples or shuffle the loader; with the tokens of a "
+        r"vocabulary as classes, most are expected to be absent\)"
+    )
+    with pytest.warns(UserWarning, match=message):
+        _trainer(tmp_path, [monitor]).validate(_Wide(), _loader(x, y, batch_size=8), verbose=False)
+
+
 class _Blocks(_Wide):
     """``wide`` again, and two blocks in a ModuleList that the forward pass calls one by one."""
 
