@@ -223,7 +223,8 @@ class ActivationRankMonitor(CurveMonitor):
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
             :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
         memory_budget_mb: total state memory of all monitored layers on a device (see Memory); ``None`` for no
-            total limit.
+            total limit, each layer's states then within the 1024 MiB default of
+            :class:`~rank_lightning.metrics.ActivationSpectrum` (class Grams beyond it are left out, with a warning).
         token_layout: ``"auto"`` (see above), ``"batch_first"`` or ``"sequence_first"``: the layout of every
             monitored ``(., ., D)`` token output.
         input_key: where the inputs are in a batch, for the initial point (an index or a key; ``None``:
