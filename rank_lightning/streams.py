@@ -59,6 +59,13 @@ __all__ = ["ActivationStream", "in_backward"]
 _KINDS = {4: "conv maps", 3: "tokens"}
 _MIB = 2**20
 _FLOAT64_BYTES = 8
+# How ActivationSpectrum.compute starts its warning about class Grams that its budget left out.
+_NO_CLASS_GRAMS = "ActivationSpectrum: the class-wise variance ratio is not computed"
+_MORE_MEMORY = (
+    "The spectrum of every layer comes first, then the class Grams, the smallest first (the plan printed after the "
+    "first monitored batch names the layers that have them). Raise memory_budget_mb, or leave "
+    "'classwise_variance_ratio' out of metrics."
+)
 
 
 def _distributed() -> bool:
@@ -96,10 +103,13 @@ class ActivationStream:
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
         max_samples: inputs per pass, spread evenly over the pass's batches; ``None`` for all.
-        memory_budget_mb: total memory the states of all layers may take on a device; a layer whose exact Gram no
-            longer fits takes the subsample fallback within an even share of what is left among the layers not
-            planned yet; one whose fallback does not fit either
-            raises before anything is allocated.
+        memory_budget_mb: total memory the states of all layers may take on a device, given out by priority: first
+            every layer's spectrum (its exact Gram while it fits in what is left, else the subsample fallback within
+            an even share of what is left among the layers not planned yet; one whose fallback does not fit either
+            raises before anything is allocated), then, once the batch that called them ends, the class Grams of the
+            class-wise variance ratio: the layers whose class Grams are smallest first, each within an even share of
+            what the spectra leave (:meth:`_plan_class_grams`). A layer never loses its exact Gram to the class Grams
+            of another.
         warn: ``warn(layer, kind, message)``, called for every per-layer problem (once per layer and kind is the
             caller's choice).
         info: ``info(message)``, called once with the planned state size after the first batch.
@@ -145,6 +155,10 @@ class ActivationStream:
         self._unmasked_layers: frozenset[str] = frozenset()  # the layers that no mask of the batch belongs to
         self._planned: dict[str, int] = {}
         self._reported_plan: dict[str, int] = {}  # printed once, and again only if layers are added
+        # The layers whose class Grams are decided at the end of the batch that first called them: their width, and
+        # their metric with class Grams and its bytes. Once decided, why a layer has none (None: it has them).
+        self._undecided: dict[str, tuple[int, ActivationSpectrum, int]] = {}
+        self._class_grams: dict[str, str | None] = {}
         self._max_samples_reached = False
         self._hooks = ExitStack()
         self._clear_pass()
@@ -163,6 +177,8 @@ class ActivationStream:
         self._decoder_mask: Tensor | None = None
         self._cls_counted: set[bool] = set()  # the masks whose left padding the current batch counted
         self._seen_this_batch: set[str] = set()
+        # The first rows of the layers whose class Grams are not decided yet, held until the batch ends.
+        self._held: dict[str, tuple[Tensor, ClassGrouping | Tensor | None, Tensor | None]] = {}
         self._own_left: list[int | None] = []
         self._combined_own: dict[int, CombinedOwnRows] = {}  # per loader index: a collection whose loaders repeat
         self._own_rows: int | None = None
@@ -468,7 +484,10 @@ class ActivationStream:
         return len(self._seen_this_batch)
 
     def batch_end(self) -> None:
-        """End a batch; after the first one, name every layer that did not run and report the planned memory."""
+        """End a batch: give out the class Grams of the layers it called first (:meth:`_plan_class_grams`); after the
+        pass's first batch, name every layer that did not run and report the planned memory."""
+        if self._undecided:
+            self._plan_class_grams()
         self._take = 0
         self._in_batch = False
         self._batches_left -= 1
@@ -490,11 +509,22 @@ class ActivationStream:
 
     def _report_plan(self) -> None:
         devices = sorted({str(metric.device) for metric in self.metrics.values()})
-        total = sum(self._planned.values()) / _MIB
+        total = _mib(sum(self._planned.values()))
         budget = "" if self.memory_budget_mb is None else f" of a {self.memory_budget_mb:g} MiB budget"
         largest = max(self._planned, key=self._planned.__getitem__)
-        detail = f"largest {largest!r}: {self._planned[largest] / _MIB:.1f} MiB"
-        self._info(f"state of {len(self._planned)} layers: {total:.1f} MiB{budget} on {', '.join(devices)} ({detail})")
+        detail = f"largest {largest!r}: {_mib(self._planned[largest])} MiB"
+        plan = f"state of {len(self._planned)} layers: {total} MiB{budget} on {', '.join(devices)} ({detail})"
+        self._info(plan + self._class_gram_plan())
+
+    def _class_gram_plan(self) -> str:
+        """Which planned layers have class Grams (the class-wise VR) and why the others have none, in words."""
+        planned = [name for name in self.layers if name in self._class_grams]
+        if not planned:
+            return ""
+        have = [repr(name) for name in planned if self._class_grams[name] is None]
+        without = [f"{name!r} ({self._class_grams[name]})" for name in planned if self._class_grams[name] is not None]
+        text = f"; class Grams (class-wise VR) of {', '.join(have) if have else 'no layer'}"
+        return text + (f"; not of {'; '.join(without)}" if without else "")
 
     def _claim(self, size: int) -> int:
         """Rows of the current batch to measure; the first monitored layer to run decides for all of them.
@@ -577,7 +607,23 @@ class ActivationStream:
         mask = self._mask_of(name, activations)
         mask = None if mask is None else mask[:take].to(activations.device)
         if self._same_features(name, activations, metric):
-            metric.update(activations[:take], labels, mask=mask)
+            self._update(name, metric, activations[:take], labels, mask)
+
+    def _update(
+        self,
+        name: str,
+        metric: ActivationSpectrum,
+        activations: Tensor,
+        labels: ClassGrouping | Tensor | None,
+        mask: Tensor | None,
+    ) -> None:
+        """Stream a layer's rows of the batch; those of a layer whose class Grams are not decided yet wait for the end
+        of the batch (:meth:`_plan_class_grams`), copied: the model may change its output in place later in the
+        forward pass (an in-place ReLU)."""
+        if name in self._undecided:
+            self._held[name] = (activations.clone(), labels, mask)
+        else:
+            metric.update(activations, labels, mask=mask)
 
     def _name_channels_last(self, name: str, shape: tuple[int, ...]) -> None:
         """Say once per layer that its 4-D output was read as channels-last: a layout told from shapes."""
@@ -797,8 +843,66 @@ class ActivationStream:
             else:
                 where = ", more than all of the "
             raise MemoryError(f"{needs}{where}memory_budget_mb={self.memory_budget_mb:g}. {advice}")
+        metric, planned = self._spectrum_first(name, num_features, options, metric, planned, left)
         self._planned[name] = planned
         return metric
+
+    def _spectrum_first(
+        self, name: str, d: int, options: dict[str, Any], metric: ActivationSpectrum, planned: int, left: int
+    ) -> tuple[ActivationSpectrum, int]:
+        """The layer's plan without class Grams, which are not given out yet: ``metric`` (``planned`` bytes of the
+        ``left``) when it has none; else its exact Gram alone, its class Grams waiting for the end of the batch
+        (:meth:`_plan_class_grams`), when the spectra of the layers it calls later are planned."""
+        if not (self.num_classes and options.get("classwise", True)):
+            return metric, planned
+        path = metric.path_for(d)
+        if path != "gram":
+            gives = "which gives no class-wise VR" if path == "sketch" else "whose subsample gives its class-wise VR"
+            self._class_grams[name] = f"its spectrum takes the {path!r} path, {gives}"
+            return metric, planned
+        gram = d * d * _FLOAT64_BYTES  # a budget of the Gram alone: the exact path, no class Grams
+        exact = ActivationSpectrum(num_classes=self.num_classes, **dict(options, memory_budget_mb=gram / _MIB))
+        exact_bytes = exact.planned_bytes(d)
+        if planned > exact_bytes:  # its class Grams fit in what is left now
+            self._undecided[name] = (d, metric, planned)
+        else:
+            self._class_grams[name] = (
+                f"{_class_grams(self.num_classes, d)} are more than the {_mib(left - exact_bytes)} MiB that its "
+                "spectrum and those of the layers planned before it leave"
+            )
+        return exact, exact_bytes
+
+    def _plan_class_grams(self) -> None:
+        """Give the layers whose class Grams wait (their spectra planned) what the spectra leave of the budget, then
+        stream the rows they held.
+
+        The layers whose class Grams are smallest come first, each within an even share of what is left among the
+        layers still waiting; from the first whose class Grams exceed it, no layer has any (those of the others are
+        larger): a layer has class Grams only if every layer whose class Grams are smaller has them, and layers of one
+        width all have them or none does.
+        """
+        left = self.memory_budget_bytes - sum(self._planned.values())
+        order = list(self.layers)
+        extras = {name: planned - self._planned[name] for name, (_, _, planned) in self._undecided.items()}
+        waiting = sorted(extras, key=lambda name: (extras[name], order.index(name)))
+        first_refused = None
+        for place, name in enumerate(waiting):
+            d, metric, planned = self._undecided.pop(name)
+            share = left / (len(waiting) - place)
+            if first_refused is None and extras[name] <= share:
+                self.metrics[name] = metric.to(self.metrics[name].device)
+                self._planned[name], self._class_grams[name] = planned, None
+                left -= extras[name]
+                continue
+            if first_refused is None:
+                first_refused = name
+                why = f"more than an even share, {_mib(share)} MiB, of the {_mib(left)} MiB that the spectra leave"
+            else:
+                why = f"no smaller than those of {first_refused!r}, which exceed their even share"
+            self._class_grams[name] = f"{_class_grams(self.num_classes, d)} are {why}"
+        held, self._held = self._held, {}
+        for name, (rows, labels, mask) in held.items():
+            self.metrics[name].update(rows, labels, mask=mask)
 
     def _sized(self, num_features: int, options: dict[str, Any], limit: float) -> tuple[ActivationSpectrum, int]:
         """A metric whose states plan at most ``limit`` bytes where it can, and the bytes it plans."""
@@ -859,13 +963,17 @@ class ActivationStream:
         n = len(self.layers)
         counts = [self.metrics[name].update_count if name in self.metrics else 0 for name in self.layers]
         widths = [(self.metrics[name].num_features or 0) if name in self.metrics else 0 for name in self.layers]
-        local = torch.tensor(counts + widths, dtype=torch.int64, device=device)
+        grams = [int(name in self.metrics and self.metrics[name].uses_class_grams) for name in self.layers]
+        local = torch.tensor(counts + widths + grams, dtype=torch.int64, device=device)
         lowest = highest = local
         if _distributed():
             # One all-reduce gives both the minimum and (negated) the maximum over processes.
             both = torch.cat([local, -local])
             dist.all_reduce(both, op=dist.ReduceOp.MIN)
-            lowest, highest = both[: 2 * n], -both[2 * n :]
+            lowest, highest = both[: 3 * n], -both[3 * n :]
+        for i, name in enumerate(self.layers):
+            if int(lowest[i]) > 0 and int(lowest[2 * n + i]) != int(highest[2 * n + i]):
+                self._drop_class_grams(name)
         measured = []
         for i, name in enumerate(self.layers):
             low, high = int(lowest[i]), int(highest[i])
@@ -885,6 +993,22 @@ class ActivationStream:
                 self._warn(name, "unmeasured", "ran on some processes only in a monitored pass; it is not logged then.")
         return measured
 
+    def _drop_class_grams(self, name: str) -> None:
+        """Add the layer's class Grams into its Gram and plan it without them, as the processes where they did not fit
+        (another process's layers, run on some processes only, took the memory): the sums of every process then add
+        up; its spectrum and TCV are kept, its class-wise VR is not computed."""
+        metric = self.metrics[name]
+        if metric.uses_class_grams:
+            d = int(metric.num_features)
+            metric.gram = metric.gram + metric.class_grams.sum(dim=0)
+            metric.class_grams = metric.class_grams.new_zeros(0)
+            metric.memory_budget_bytes = d * d * _FLOAT64_BYTES  # the Gram alone: the exact path, no class Grams
+            self._planned[name] = metric.planned_bytes(d)
+        self._class_grams[name] = (
+            "they fitted on some processes only (the layers that run on some processes only take memory there), and "
+            "the sums of every process must have one shape"
+        )
+
     def _values_of(
         self, name: str, *, metrics: tuple[str, ...], centered: bool, per_class: bool, when: str
     ) -> dict[str, float]:
@@ -895,6 +1019,12 @@ class ActivationStream:
             warnings.filterwarnings("ignore", message="ActivationSpectrum: .*NaN or Inf", category=RuntimeWarning)
             result = metric.compute()
         for caught_warning in caught:
+            why = self._class_grams.get(name)
+            if why and str(caught_warning.message).startswith(_NO_CLASS_GRAMS):
+                # The metric was given its spectrum's share of the budget: the plan says why it has no class Grams.
+                message = f"has no class Grams, so its class-wise variance ratio is not computed: {why}. {_MORE_MEMORY}"
+                self._warn(name, "class grams", message)
+                continue
             # The metric's own warnings (rounding limits, unlabelled rows) say which layer they are about.
             message = str(caught_warning.message).replace("ActivationSpectrum: ", f"layer {name!r}: ", 1)
             warnings.warn(message, caught_warning.category, stacklevel=3)
@@ -999,6 +1129,17 @@ def _on_cpu(value: Any) -> Any:
     if isinstance(value, list):
         return [_on_cpu(part) for part in value]
     return value
+
+
+def _mib(size: float) -> str:
+    """``size`` bytes in MiB, as the memory plan prints them."""
+    mib = size / _MIB
+    return f"{mib:.1f}" if mib >= 100 else f"{mib:.3g}"
+
+
+def _class_grams(num_classes: int, d: int) -> str:
+    """The class Grams of a layer of ``d`` features and their size, in words."""
+    return f"its {num_classes} class Grams of {d} x {d}, {_mib(num_classes * d * d * _FLOAT64_BYTES)} MiB,"
 
 
 def _collection(loader: Any) -> bool:

@@ -91,7 +91,8 @@ class RankTracker:
             :class:`~rank_lightning.metrics.ActivationSpectrum`).
         log_per_class: also return the per-class values of the class-wise metrics.
         max_gram_features: layers wider than this use the subsample (or sketch) fallback.
-        memory_budget_mb: total memory the states of all layers may take; ``None`` for no limit.
+        memory_budget_mb: total memory the states of all layers may take; ``None`` for no total limit, each layer's
+            states then within the 1024 MiB default of :class:`~rank_lightning.metrics.ActivationSpectrum`.
         token_layout: ``"auto"``, ``"batch_first"`` or ``"sequence_first"`` for token outputs.
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).

@@ -138,10 +138,17 @@ class ActivationRankMonitor(CurveMonitor):
     before training.
 
     Memory: the float64 states of all monitored layers together stay within ``memory_budget_mb`` on each device
-    (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch. A layer whose
+    (a d x d Gram is 128 MiB at d = 4096); their planned size is printed after the first monitored batch, with the
+    layers that have class Grams and why the others have none. The spectra come first: a layer whose
     exact Gram no longer fits takes the subsample fallback, within an even share of what is left among the layers
     not planned yet; one whose fallback does not fit either raises a
-    ``MemoryError`` at that first batch, naming it, before anything is allocated.
+    ``MemoryError`` at that first batch, naming it, before anything is allocated. The class Grams of the class-wise
+    VR (``num_classes`` d x d float64 per layer) come second, from what every layer's spectrum leaves: the smallest
+    first, each within an even share of what is left among the layers still waiting, so that a layer never loses its
+    exact Gram to the class Grams of another, and layers of one width all have them or none does. A layer without
+    them logs no class-wise VR, with a warning naming it and why; under DDP, so does a layer whose class Grams fit on
+    some processes only (a layer that runs on some processes only takes memory there). Until the first batch
+    ends, the measured rows of the layers whose class Grams are not decided yet are held as a copy.
 
     Non-finite activations never stop training: a layer that gives NaN or Inf in a monitored epoch logs NaN for every
     metric of that epoch, with a warning naming it; the other layers and later epochs are unaffected. A layer whose
@@ -225,7 +232,8 @@ class ActivationRankMonitor(CurveMonitor):
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
             :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
         memory_budget_mb: total state memory of all monitored layers on a device (see Memory); ``None`` for no
-            total limit.
+            total limit, each layer's states then within the 1024 MiB default of
+            :class:`~rank_lightning.metrics.ActivationSpectrum` (class Grams beyond it are left out, with a warning).
         token_layout: ``"auto"`` (see above), ``"batch_first"`` or ``"sequence_first"``: the layout of every
             monitored ``(., ., D)`` token output.
         input_key: where the inputs are in a batch, for the initial point (an index or a key; ``None``:
