@@ -312,6 +312,7 @@ class ActivationStream:
                     options = dict(self.spectrum_options, reduction=self.reductions.get(ndim) or "flatten")
                     created.append(name)
                     metric = self._within_budget(name, int(states["feature_sum"].shape[0]), options)
+                    metric = self._resumed_class_grams(name, metric, states)
                 metric.load_state_dict(states)
                 self.metrics[name] = metric.to(device)
                 metric._update_count = max(metric.update_count, int(saved["updates"]))
@@ -326,6 +327,23 @@ class ActivationStream:
                 metric.reset()
             self.stop()
             raise
+
+    def _resumed_class_grams(
+        self, name: str, metric: ActivationSpectrum, states: Mapping[str, Any]
+    ) -> ActivationSpectrum:
+        """The metric a resumed layer continues in: with class Grams where the saved pass had them (the plan that pass
+        made at the end of its first batch, :meth:`_plan_class_grams`, which a pass resumed between batches does not
+        make again), without them where it had none."""
+        undecided = self._undecided.pop(name, None)
+        if undecided is None:
+            return metric
+        _, with_grams, planned = undecided
+        saved = states.get("class_grams")
+        if isinstance(saved, Tensor) and saved.numel():
+            self._planned[name], self._class_grams[name] = planned, None
+            return with_grams
+        self._class_grams[name] = "the pass this fit continues had none (saved in the checkpoint's open window)"
+        return metric
 
     @property
     def exhausted(self) -> bool:
