@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor, LowDimensionalEvaluation
 from rank_lightning.sampling import own_samples, side_loader
-from tests.callbacks.trainer_helpers import quiet_trainer
+from tests.callbacks.trainer_helpers import ResumableBatches, quiet_trainer
 
 ROWS = 32
 
@@ -173,39 +173,19 @@ def test_a_generator_of_training_batches_is_left_to_the_fit_and_the_missing_init
     assert len(named) == 1 and "one-pass iterator" in named[0] and "DataLoader" in named[0], named
 
 
-class _ResumableBatches:
-    """Batches resumed where a checkpoint left them, as Lightning resumes any iterable with ``state_dict``."""
-
-    def __init__(self) -> None:
-        self.batches, self.position, self.start = list(DataLoader(_dataset(), batch_size=4)), 0, 0
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Any:
-        self.position, self.start = self.start, 0
-        while self.position < len(self.batches):
-            self.position += 1
-            yield self.batches[self.position - 1]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.start = state["position"]
-
-
 @pytest.mark.parametrize("log_at_init", [True, False])
 def test_a_resumed_fit_continues_a_resumable_iterable_where_its_checkpoint_left_it(tmp_path, log_at_init) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     options = dict(max_steps=3, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
-    quiet_trainer([checkpoint], **options).fit(_Recorder(), _ResumableBatches())
+    quiet_trainer([checkpoint], **options).fit(_Recorder(), ResumableBatches(_dataset()))
     model = _Recorder()
     monitor = ActivationRankMonitor(layers=["act"], every_n_train_steps=2, log_at_init=log_at_init, verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = quiet_trainer([monitor], **(options | {"max_steps": 6, "enable_checkpointing": False}))
-        trainer.fit(model, _ResumableBatches(), ckpt_path=checkpoint.best_model_path or checkpoint.last_model_path)
+        trainer.fit(
+            model, ResumableBatches(_dataset()), ckpt_path=checkpoint.best_model_path or checkpoint.last_model_path
+        )
     assert model.seen == _every_batch(24)[3:]
     assert monitor.curves.epochs == [4, 6]
 

@@ -12,34 +12,17 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor
-from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer
+from tests.callbacks.trainer_helpers import ResumableBatches, SmallClassifier, quiet_trainer
 
 
-class _Batches:
+def _batches() -> ResumableBatches:
     """16 batches of 4 rows, resumed where a checkpoint left them (a loader with ``state_dict``)."""
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(64, 5, generator=generator), torch.randint(0, 3, (64,), generator=generator))
-        self.batches, self.position, self.start = list(DataLoader(data, batch_size=4)), 0, 0
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Any:
-        self.position, self.start = self.start, 0
-        while self.position < len(self.batches):
-            self.position += 1
-            yield self.batches[self.position - 1]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.start = state["position"]
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 5, generator=generator), torch.randint(0, 3, (64,), generator=generator))
+    return ResumableBatches(data)
 
 
 class _Kill(pl.Callback):
@@ -57,7 +40,7 @@ def _fit(root: Path, options: dict, kill_at: int | None = None, ckpt: Path | Non
     saving = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     options = dict(max_steps=8, default_root_dir=root, enable_checkpointing=True) | options
     trainer = quiet_trainer([watched, saving, _Kill(kill_at)], **options)
-    trainer.fit(SmallClassifier(seed=0), _Batches(), ckpt_path=ckpt)
+    trainer.fit(SmallClassifier(seed=0), _batches(), ckpt_path=ckpt)
     return watched
 
 
@@ -126,7 +109,7 @@ def test_under_ddp_a_checkpoint_holds_no_window(tmp_path: Path) -> None:
                 monitor.on_save_checkpoint(fake, pl_module, checkpoint)
                 saved[world_size] = checkpoint["callbacks"][monitor.state_key]
 
-    quiet_trainer([monitor, _Probe()], max_steps=8, default_root_dir=tmp_path).fit(SmallClassifier(seed=0), _Batches())
+    quiet_trainer([monitor, _Probe()], max_steps=8, default_root_dir=tmp_path).fit(SmallClassifier(seed=0), _batches())
     assert saved[2] == {}
     window = saved[1]["open_window"]
     assert (window["target_step"], window["stream"]["batches_seen"]) == (8, 1)

@@ -116,3 +116,26 @@ class TrainBatches(pl.Callback):
         """The numbers of the ``size`` batches up to the one after which Lightning took optimizer step ``step``."""
         last = next(i for i, b in enumerate(self.batches) if b["step_after"] == step)
         return list(range(last - size + 1, last + 1))
+
+
+class ResumableBatches:
+    """The batches of ``data`` (``batch_size`` rows each), resumed where a checkpoint left them, as Lightning resumes
+    any iterable with ``state_dict``."""
+
+    def __init__(self, data: Any, batch_size: int = 4) -> None:
+        self.batches, self.position, self.start = list(DataLoader(data, batch_size=batch_size)), 0, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        self.position, self.start = self.start, 0
+        while self.position < len(self.batches):
+            self.position += 1
+            yield self.batches[self.position - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["position"]
