@@ -608,6 +608,9 @@ class CurveMonitor(RankCallback):
         verbose: print the monitored layers at setup (rank zero).
     """
 
+    # The optimizer step of the fit's first step measurement (step cadence), set when training starts.
+    _first_step_due: int | None = None
+
     def __init__(
         self,
         namespace: str,
@@ -690,6 +693,7 @@ class CurveMonitor(RankCallback):
         (:meth:`LayerCurves.settle_resume`). Subclasses call it before their initial point."""
         self._key_curves_by_step(trainer)
         self._check_validation_between_steps(trainer)
+        self._first_step_due = self.cadence.next_step(trainer) if self.cadence.by_step else None
         # A resumed fit's rewound epochs, now: an epoch Lightning resumes at the end of a checkpoint's batch starts
         # without on_train_epoch_start.
         self.curves.settle_resume(trainer)
@@ -785,6 +789,14 @@ class CurveMonitor(RankCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training_ended = True
+        due = self._first_step_due
+        if due is not None and trainer.global_step < due and not getattr(trainer, "fast_dev_run", False):
+            message = (
+                f"the fit ended at optimizer step {trainer.global_step}, before step {due}, the first it measures at "
+                f"(every_n_train_steps={self.cadence.every_n_train_steps}): no step of this fit was measured. Lower "
+                "every_n_train_steps, or train for more steps."
+            )
+            self.warn_once(("no step measured",), message)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

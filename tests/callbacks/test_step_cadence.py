@@ -15,7 +15,7 @@ from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.callbacks.curves import read_curve_file
 from rank_lightning.functional import effective_rank, numerical_rank, participation_ratio, total_cluster_variation
 from tests.callbacks.recording_logger import RecordingLogger
-from tests.callbacks.trainer_helpers import SmallClassifier, TrainBatches, quiet_trainer
+from tests.callbacks.trainer_helpers import SmallClassifier, TrainBatches, quiet_trainer, small_loader
 
 NUM_CLASSES = 4
 
@@ -208,3 +208,19 @@ def test_a_window_longer_than_the_period_is_refused_at_setup(tmp_path: Path) -> 
     monitor = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=2, window_batches=5, verbose=False)
     with pytest.raises(ValueError, match=r"window_batches=5 exceeds the 4 training batches"):
         _fit(tmp_path, [monitor], epochs=1, accumulate_grad_batches=2)
+
+
+def test_a_fit_that_ends_before_the_first_measured_step_says_so(tmp_path):
+    monitors = [
+        ActivationRankMonitor(stage="train", every_n_train_steps=50, window_batches=2, verbose=False),
+        WeightRankMonitor(every_n_train_steps=50, verbose=False),
+    ]
+    with pytest.warns(UserWarning) as caught:
+        quiet_trainer(monitors, max_steps=10, default_root_dir=tmp_path).fit(SmallClassifier(), small_loader(96))
+    messages = [str(w.message) for w in caught if "no step of this fit" in str(w.message)]
+    expected = (
+        "the fit ended at optimizer step 10, before step 50, the first it measures at (every_n_train_steps=50): no "
+        "step of this fit was measured. Lower every_n_train_steps, or train for more steps."
+    )
+    assert messages == [f"ActivationRankMonitor: {expected}", f"WeightRankMonitor: {expected}"]
+    assert [point for point in monitors[1].curves.epochs if point > 0] == []
