@@ -38,8 +38,9 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
       ``q (H * D) | k (H * D) | v (H * D)``.
 
     The class is recognised by its name and defining module, not a subclass's (whose forward pass may cut the
-    output another way); a layout whose rows do not add up to the full weight's rows, a cross-attention
-    ``GPTBigCodeAttention`` (whose forward pass takes keys and values of one head's width), and every other fused
+    output another way). A layer of one of these classes whose weight does not hold its layout, or whose settings
+    (head size, head counts) are not found, is one matrix with a warning naming it; a cross-attention
+    ``GPTBigCodeAttention`` (whose forward pass takes keys and values of one head's width) and every other fused
     ``nn.Linear`` (CodeGen's ``qkv_proj``, a ``query_key_value`` of a model not named here, models loaded with
     ``trust_remote_code``) are one matrix. The package's own ViT (torchvision's encoder) holds
     ``nn.MultiheadAttention``, split as above.
@@ -88,6 +89,7 @@ process's piece of it (:meth:`WeightMatrix.local_rows`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -386,57 +388,66 @@ def _int(module: nn.Module | object, *path: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _fused_rows(child: str, parent: nn.Module | None) -> tuple[tuple[str, ...], tuple[int, ...], int | None] | None:
+_UNREAD_SETTINGS = "its settings (head size, head counts) are not found where its forward pass reads them"
+"""What :func:`_fused_rows` gives for a layer of a known class whose layout cannot be told."""
+
+
+def _fused_rows(
+    child: str, parent: nn.Module | None
+) -> tuple[tuple[str, ...], tuple[int, ...], int | None] | str | None:
     """``(parts, sizes, period)`` of a fused ``nn.Linear`` named ``child`` inside the layer ``parent``, as the
     parent's forward pass cuts its output: every block of ``period`` rows holds the parts one after the other,
     ``sizes`` rows each (``period`` is ``None`` for one block, the whole matrix). ``None`` for a layer in no layout
-    named in the module docstring.
+    named in the module docstring (a GPT-BigCode cross-attention included); :data:`_UNREAD_SETTINGS` for a layer of
+    such a class whose settings (head size, head counts) are not found or do not fit its layout.
     """
     if _class_is(parent, _TRANSFORMERS.format("gpt_neox"), "GPTNeoXAttention") and child == "query_key_value":
         head = _int(parent, "head_size")  # view(..., heads, 3 * head_size), then chunk(3): per head q | k | v
-        return None if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+        return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
     if _class_is(parent, _TRANSFORMERS.format("bloom"), "BloomAttention") and child == "query_key_value":
         head = _int(parent, "head_dim")  # view(..., heads, 3, head_dim)
-        return None if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+        return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
     if (
         _class_is(parent, _TRANSFORMERS.format("falcon"), "FalconAttention", "FalconFlashAttention2")
         and child == "query_key_value"
     ):
         head, heads, kv_heads = _int(parent, "head_dim"), _int(parent, "num_heads"), _int(parent, "num_kv_heads")
         if head is None or heads is None:
-            return None
+            return _UNREAD_SETTINGS
         if getattr(parent, "new_decoder_architecture", None) is True:
             # view(..., kv_heads, heads / kv_heads + 2, head_dim): each group's queries, then its key and value.
             if kv_heads is None or heads % kv_heads:
-                return None
+                return _UNREAD_SETTINGS
             queries = heads // kv_heads * head
             return FUSED_PARTS, (queries, head, head), queries + 2 * head
         if getattr(parent, "multi_query", None) is True:
             return FUSED_PARTS, (heads * head, head, head), None  # view(..., heads + 2, head_dim)
         if getattr(parent, "multi_query", None) is False:
             return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3, head_dim)
-        return None
+        return _UNREAD_SETTINGS
     if _class_is(parent, _TRANSFORMERS.format("phi3"), "Phi3Attention") and child == "qkv_proj":
         head, heads = _int(parent, "head_dim"), _int(parent, "config", "num_attention_heads")
         kv_heads = _int(parent, "num_key_value_heads")
         if head is None or heads is None or kv_heads is None:
-            return None
+            return _UNREAD_SETTINGS
         return FUSED_PARTS, (heads * head, kv_heads * head, kv_heads * head), None
     if _class_is(parent, _TRANSFORMERS.format("phi3"), "Phi3MLP") and child == "gate_up_proj":
         size = _int(parent, "config", "intermediate_size")  # chunk(2): gate, then up
-        return None if size is None else (GATE_UP_PARTS, (size, size), None)
+        return _UNREAD_SETTINGS if size is None else (GATE_UP_PARTS, (size, size), None)
     if _class_is(parent, _TRANSFORMERS.format("gpt_bigcode"), "GPTBigCodeAttention") and child == "c_attn":
         head, heads, kv = _int(parent, "head_dim"), _int(parent, "num_heads"), _int(parent, "kv_dim")
-        if head is None or heads is None or getattr(parent, "is_cross_attention", None) is not False:
+        if head is None or heads is None:
+            return _UNREAD_SETTINGS
+        if getattr(parent, "is_cross_attention", None) is not False:
             return None  # cross-attention: keys and values of the encoder states, split by the forward pass per head
         if getattr(parent, "multi_query", None) is True:
-            return None if kv is None else (FUSED_PARTS, (heads * head, kv, kv), None)  # split((E, kv, kv))
+            return _UNREAD_SETTINGS if kv is None else (FUSED_PARTS, (heads * head, kv, kv), None)  # split((E, kv, kv))
         if getattr(parent, "multi_query", None) is False:
             return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3 * head_dim), split(3 * [head_dim])
-        return None
+        return _UNREAD_SETTINGS
     if _class_is(parent, "timm.layers.attention", "Attention") and child == "qkv":
         head, heads = _int(parent, "head_dim"), _int(parent, "num_heads")  # reshape(B, N, 3, heads, head_dim)
-        return None if head is None or heads is None else (FUSED_PARTS, (heads * head,) * 3, None)
+        return _UNREAD_SETTINGS if head is None or heads is None else (FUSED_PARTS, (heads * head,) * 3, None)
     return None
 
 
@@ -449,6 +460,13 @@ def _fused_linear(
     layout = _fused_rows(name.rsplit(".", 1)[-1], parent)
     if layout is None:
         return None
+    if isinstance(layout, str):
+        warnings.warn(
+            f"{path}: {layout} in its {type(parent).__name__}, so its parts are not known; it is read as one matrix",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
     parts, sizes, period = layout
     shape = parameter_shape(module, "weight", shapes)
     if shape is None:
@@ -459,6 +477,16 @@ def _fused_linear(
     total, one_block = shape[0], period is None
     period = sum(sizes) if period is None else period
     if len(shape) != 2 or sum(sizes) != period or total % period or (one_block and total != period):
+        # A layer of a known class whose weight does not hold its layout (edited, or another version of the class):
+        # its parts are unknown, and it is said so rather than read as one matrix without a word.
+        cut = f"{' | '.join(f'{part} ({size})' for part, size in zip(parts, sizes))} rows"
+        cut += " in one block" if one_block else f" in every block of {period} rows"
+        warnings.warn(
+            f"{path}: its {type(parent).__name__} cuts its output into {cut}, which its weight of shape "
+            f"{tuple(shape)} does not hold; it is read as one matrix, not as its parts",
+            UserWarning,
+            stacklevel=2,
+        )
         return None
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [

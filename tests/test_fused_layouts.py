@@ -223,8 +223,20 @@ def test_fused_parts_of_fsdp1_slices_and_zero3_placeholders_are_found_from_the_f
 def test_a_fused_layout_whose_rows_do_not_match_the_layer_is_one_matrix():
     attention = _neox_attention()
     attention.query_key_value = nn.Linear(12, 30)  # not 3 * heads * head_size rows: no layout is known
-    (matrix,) = matrices_of("attention.query_key_value", attention.query_key_value, parent=attention)
+    message = (
+        r"attention.query_key_value: its GPTNeoXAttention cuts its output into q_proj \(4\) \| k_proj \(4\) \| "
+        r"v_proj \(4\) rows in every block of 12 rows, which its weight of shape \(30, 12\) does not hold; it is "
+        r"read as one matrix, not as its parts"
+    )
+    with pytest.warns(UserWarning, match=message):
+        (matrix,) = matrices_of("attention.query_key_value", attention.query_key_value, parent=attention)
     assert matrix.name == "attention.query_key_value" and not matrix.is_part
+    del attention.head_size  # a version of the class that keeps its head size elsewhere
+    unread = (
+        r"a.query_key_value: its settings \(head size, head counts\) are not found .* GPTNeoXAttention, so its parts"
+    )
+    with pytest.warns(UserWarning, match=unread):
+        assert len(matrices_of("a.query_key_value", nn.Linear(12, 36), parent=attention)) == 1
     # A subclass may cut the output another way, and a Linear of that name elsewhere holds no known parts.
     subclass = type("MyAttention", (type(_neox_attention()),), {})(attention.config, 0)
     assert len(matrices_of("a.query_key_value", subclass.query_key_value, parent=subclass)) == 1
