@@ -226,6 +226,7 @@ _REDUCTIONS: dict[str, str] = {
     "token": "tokens: every token a sample",
     "cls": "first (CLS) token",
     "mean": "mean over positions or tokens",
+    "last": "last real token",
 }
 _NAMESPACES: dict[str, str] = {
     "rank": "of the activations",

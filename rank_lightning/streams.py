@@ -682,7 +682,7 @@ class ActivationStream:
             return True
         advice = {
             3: "tokens padded to each batch's longest sequence change the 'flatten' features: use "
-            "token_reduction='token' or 'mean', or pad every batch to one length.",
+            "token_reduction='token', 'mean' or 'last', or pad every batch to one length.",
             4: "inputs of several sizes change the 'flatten' features of conv maps: use conv_reduction='channel' or "
             "'mean', or one input size.",
         }.get(activations.ndim, "its width changed.")
@@ -1190,7 +1190,8 @@ _DECODER_MASK_ADVICE = (
 )
 _CLS_LEFT_PADDING = (
     "uses token_reduction='cls', but the attention mask marks the first position of some sequences as padding (left "
-    "padding), whose hidden state is measured there. Pad on the right, or use token_reduction='token' or 'mean'."
+    "padding), whose hidden state is measured there. Pad on the right, or use token_reduction='last' (each "
+    "sequence's last real token, the sequence embedding of a decoder-only model), token_reduction='token' or 'mean'."
 )
 
 

@@ -77,7 +77,8 @@ class RankTracker:
         num_batches: batches a pass will see, for spreading ``max_samples``; ``None`` when unknown (then the first
             ``max_samples`` inputs are measured).
         conv_reduction: ``(B, C, H, W)`` outputs: ``"channel"``, ``"flatten"`` or ``"mean"``.
-        token_reduction: ``(B, T, D)`` outputs: ``"token"``, ``"flatten"``, ``"cls"`` or ``"mean"``.
+        token_reduction: ``(B, T, D)`` outputs: ``"token"``, ``"flatten"``, ``"cls"``, ``"mean"`` or ``"last"``
+            (each sequence's last real token, a decoder-only model's sequence embedding).
         metrics: which of :data:`~rank_lightning.metrics.ACTIVATION_METRICS` to compute.
         variance_ratio_ks: the ``k`` of ``variance_ratio_<k>`` (Sanyal et al. eq. 7).
         soft_rank_tau: the threshold of the soft rank (Daneshmand et al. eq. 3).

@@ -232,7 +232,7 @@ def test_conv_layers_wait_only_to_group_the_labels(monkeypatch, fake_cuda, reduc
     assert waits.found == []
 
 
-@pytest.mark.parametrize("reduction", ["token", "mean", "flatten", "cls"])
+@pytest.mark.parametrize("reduction", ["token", "mean", "flatten", "cls", "last"])
 def test_masked_token_layers_read_the_mask_at_the_first_batch_only(monkeypatch, fake_cuda, reduction):
     """The padded batches of a transformer: the real tokens are counted on the device, never read back."""
     batches = _token_batches(4)

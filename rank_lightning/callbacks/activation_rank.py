@@ -90,7 +90,7 @@ class ActivationRankMonitor(CurveMonitor):
 
     Activations of conv layers ``(B, C, H, W)`` and token layers ``(B, T, D)`` are reduced to a samples x features
     matrix by ``conv_reduction`` (``flatten``: C*H*W features; ``channel``: every position a sample with C features;
-    ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``); the
+    ``mean``: global average pool) and ``token_reduction`` (``flatten``, ``token``, ``cls``, ``mean``, ``last``); the
     reduction is part of the logged key of those layers. The 3-D outputs of 1-d conv layers, ``(B, C, L)`` (a
     ``Conv1d``, ``BatchNorm1d``, 1-d pooling, a block of such layers and activations, or an activation after one:
     :func:`~rank_lightning.layers.channel_first_layers`), are conv maps with one spatial dimension, reduced by
@@ -215,8 +215,8 @@ class ActivationRankMonitor(CurveMonitor):
             token has no class) give each token row of the ``"token"`` reduction its own class, with ``num_classes``
             the vocabulary size: a token labelled -100 is left out of that layer's spectrum too, as a padded one is
             (:class:`~rank_lightning.metrics.ActivationSpectrum`). A layer whose rows are one per input (``(B, d)``
-            outputs, conv maps, the ``"mean"`` / ``"cls"`` / ``"flatten"`` token reductions) is named in a warning
-            and logs no class metric.
+            outputs, conv maps, the ``"mean"`` / ``"cls"`` / ``"last"`` / ``"flatten"`` token reductions) is named in
+            a warning and logs no class metric.
         label_fn: a function ``batch -> labels`` overriding ``label_key``.
         mask_key: where the ``(B, T)`` attention mask (true / 1 at real tokens) is in a batch: an index, a key, a
             function ``batch -> mask``, or ``False`` for none; ``None`` reads ``attention_mask`` from dict batches

@@ -21,7 +21,7 @@ from rank_lightning.callbacks.base import (
     val_loaders,
 )
 from rank_lightning.functional.embedding import low_dimensional_accuracy
-from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations
+from rank_lightning.functional.reductions import REDUCTIONS, reduce_activations, token_mask
 from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
@@ -72,9 +72,9 @@ class LowDimensionalEvaluation(RankCallback):
         every_n_epochs: also evaluate after every n-th validation epoch; ``None`` for the end of fit only.
         max_batches: at most this many batches per dataloader (all by default).
         reduction: how conv or token features become one embedding per input: ``"flatten"`` (Sanyal et al.'s
-            choice), ``"mean"`` or ``"cls"`` (``"channel"`` and ``"token"``, one row per position, are refused).
-            Token features leave out the padding of a dict batch's ``attention_mask``: ``"mean"`` averages the real
-            tokens, ``"flatten"`` zeroes the padded positions.
+            choice), ``"mean"``, ``"cls"`` or ``"last"`` (``"channel"`` and ``"token"``, one row per position, are
+            refused). Token features leave out the padding of a dict batch's ``attention_mask``: ``"mean"`` averages
+            the real tokens, ``"last"`` takes each input's last real token, ``"flatten"`` zeroes the padded positions.
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
             ``batch[0]``, and for dict batches the rule of :func:`~rank_lightning.layers.forward_batch`
             (``forward(**entries)``, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
@@ -192,15 +192,15 @@ class LowDimensionalEvaluation(RankCallback):
     def _rows(self, activations: Tensor, batch: Any, targets: Tensor) -> tuple[Tensor, Tensor]:
         """One embedding per input, and the labels of those kept. Tokens ``(B, T, D)`` leave out the padded positions of
         the batch's attention mask (:meth:`~rank_lightning.layers.BatchReader.mask`, when it is ``(B, T)``):
-        ``"mean"`` averages the real tokens (an input without one is dropped, with its label), ``"flatten"`` zeroes
-        the padded positions, ``"cls"`` takes the first token."""
+        ``"mean"`` averages the real tokens and ``"last"`` takes the last real one (an input without one is dropped,
+        with its label), ``"flatten"`` zeroes the padded positions, ``"cls"`` takes the first token."""
         mask = self.reader.mask(batch) if activations.ndim == 3 else None
         if mask is None or tuple(mask.shape) != tuple(activations.shape[:2]):
             return reduce_activations(activations, self.reduction), targets
         mask = mask.to(activations.device)
         rows = reduce_activations(activations, self.reduction, mask=mask)
-        if self.reduction == "mean":
-            targets = targets[mask.any(dim=1).to(targets.device)]
+        if self.reduction in ("mean", "last"):
+            targets = targets[token_mask(mask).any(dim=1).to(targets.device)]
         return rows, targets
 
     def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> tuple[Tensor, Tensor]:

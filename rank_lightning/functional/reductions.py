@@ -13,6 +13,8 @@ token       (not defined)                ``(B*T, D)``: each token is a sample
 cls         (not defined)                ``(B, D)``: the first token
 mean        ``(B, C)``: global average   ``(B, D)``: mean over tokens
             pool
+last        (not defined)                ``(B, D)``: the last token, position ``T - 1`` (a decoder-only model's
+                                         sequence embedding: the one token that has seen the whole sequence)
 ==========  ===========================  ========================================================================
 
 Two-dimensional inputs ``(B, d)`` are already matrices and are returned unchanged for every reduction, so one setting
@@ -26,8 +28,13 @@ reduction   with a ``(B, T)`` mask
 ==========  ==================================================================================================
 flatten     ``(B, T*D)`` with the padded positions zeroed (every sample keeps the same number of features)
 token       ``(K, D)``: only the ``K = mask.sum()`` real tokens, sample by sample
-cls         ``(B, D)``: unchanged (the first token is real in every right-padded batch)
+cls         ``(B, D)``: unchanged (the first token is real in every right-padded batch); a mask whose first
+            position is padding (left padding) is named in a warning: those rows are a pad token's state
 mean        ``(B', D)``: the mean over each sample's real tokens; a sample without any real token is dropped
+last        ``(B', D)``: each sample's last real token, the last position whose mask is true: the end of the
+            sequence with right padding, position ``T - 1`` with left padding, and for a mask with holes (packed
+            or unusual masks) its last true position, whatever comes before; a sample without any real token is
+            dropped
 ==========  ==================================================================================================
 
 :func:`token_rows_per_sample` gives how many rows each sample left, so per-sample labels can be repeated with
@@ -35,6 +42,8 @@ mean        ``(B', D)``: the mean over each sample's real tokens; a sample witho
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -48,12 +57,13 @@ __all__ = [
     "reduce_activations",
     "token_mask",
     "token_rows_per_sample",
+    "warn_cls_left_padding",
     "weight_as_matrix",
 ]
 
 CONV_REDUCTIONS: tuple[str, ...] = ("flatten", "channel", "mean")
-TOKEN_REDUCTIONS: tuple[str, ...] = ("flatten", "token", "cls", "mean")
-REDUCTIONS: tuple[str, ...] = ("flatten", "channel", "token", "cls", "mean")
+TOKEN_REDUCTIONS: tuple[str, ...] = ("flatten", "token", "cls", "mean", "last")
+REDUCTIONS: tuple[str, ...] = ("flatten", "channel", "token", "cls", "mean", "last")
 
 
 def reduce_activations(
@@ -64,7 +74,7 @@ def reduce_activations(
     Args:
         x: ``(B, d)`` features, ``(B, T, D)`` tokens or ``(B, C, H, W)`` conv maps.
         reduction: one of ``"flatten"``, ``"channel"``, ``"mean"`` for conv maps; ``"flatten"``, ``"token"``,
-            ``"cls"``, ``"mean"`` for tokens; ignored (after validation) for 2-D input.
+            ``"cls"``, ``"mean"``, ``"last"`` for tokens; ignored (after validation) for 2-D input.
         dtype: convert to this dtype; ``"channel"`` then converts while it reorders (one copy instead of two).
         mask: ``(B, T)`` true (or 1) at the real tokens, false (0) at padding; applies to token activations only
             (see the module docstring), ignored for ``(B, d)`` features and conv maps.
@@ -75,6 +85,9 @@ def reduce_activations(
     Raises:
         ValueError: unknown reduction, a reduction not defined for the input's rank, an unsupported rank, or a mask
             that is not ``(B, T)`` for ``(B, T, D)`` tokens.
+
+    Warns:
+        UserWarning: ``"cls"`` with a mask whose first position is padding in some sequence (left padding).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid choices are {REDUCTIONS}")
@@ -96,6 +109,8 @@ def reduce_activations(
             return _cast(x.reshape(-1, x.shape[2]), dtype)
         if reduction == "cls":
             return _cast(x[:, 0], dtype)
+        if reduction == "last":
+            return _cast(x[:, -1], dtype)
         return _cast(x, dtype).mean(dim=1)
     raise ValueError(
         f"activations of shape {tuple(x.shape)} are not supported; expected (B, d), tokens (B, T, D) "
@@ -121,6 +136,8 @@ def _reduce_conv(x: Tensor, reduction: str, dtype: torch.dtype | None) -> Tensor
 
 
 def _reduce_masked_tokens(x: Tensor, reduction: str, dtype: torch.dtype | None, keep: Tensor) -> Tensor:
+    if reduction == "cls":
+        warn_cls_left_padding(keep, stacklevel=3)
     rows, real = masked_token_rows(x, reduction, keep, dtype=dtype)
     return rows if real is None else rows[real]
 
@@ -131,11 +148,11 @@ def masked_token_rows(
     """Masked ``(B, T, D)`` tokens as rows in a layout fixed by the shapes alone, with a mask of the real rows.
 
     :func:`reduce_activations` with a mask returns ``rows[real]``: the rows of the padded positions (``"token"``) or
-    of the samples without a real token (``"mean"``) left out. Their number depends on the mask's values, which a GPU
-    would have to read back; here every row stays in place and ``real`` (``None`` when every row is real: ``"cls"``,
-    and ``"flatten"`` whose padded positions are zeroed) says which rows to count. A sum that skips the rows where
-    ``real`` is false (:func:`~rank_lightning.functional.streaming.row_moments` with ``row_mask``) equals the sum
-    over ``rows[real]``.
+    of the samples without a real token (``"mean"``, ``"last"``) left out. Their number depends on the mask's values,
+    which a GPU would have to read back; here every row stays in place and ``real`` (``None`` when every row is real:
+    ``"cls"``, and ``"flatten"`` whose padded positions are zeroed) says which rows to count. A sum that skips the
+    rows where ``real`` is false (:func:`~rank_lightning.functional.streaming.row_moments` with ``row_mask``) equals
+    the sum over ``rows[real]``.
 
     Args:
         x: ``(B, T, D)`` token activations.
@@ -145,8 +162,10 @@ def masked_token_rows(
 
     Returns:
         ``(rows, real)``: ``(B*T, D)`` and ``keep.reshape(-1)`` for ``"token"``; ``(B, D)`` means over each sample's
-        real tokens and ``(B,)`` "has a real token" for ``"mean"``; ``(B, D)`` first tokens for ``"cls"`` and
-        ``(B, T*D)`` zero-padded rows for ``"flatten"``, both with ``real=None``.
+        real tokens and ``(B,)`` "has a real token" for ``"mean"``; ``(B, D)`` last real tokens (the last position
+        whose mask is true; a zero row for a sample without any) and ``(B,)`` "has a real token" for ``"last"``;
+        ``(B, D)`` first tokens for ``"cls"`` and ``(B, T*D)`` zero-padded rows for ``"flatten"``, both with
+        ``real=None``.
     """
     if reduction not in TOKEN_REDUCTIONS:
         raise ValueError(f"unknown token reduction {reduction!r}; valid choices are {TOKEN_REDUCTIONS}")
@@ -154,12 +173,42 @@ def masked_token_rows(
         return _cast(x[:, 0], dtype), None
     if reduction == "token":
         return _cast(x.reshape(-1, x.shape[2]), dtype), keep.reshape(-1)
+    if reduction == "last":
+        return _last_real_tokens(x, keep, dtype)
     # masked_fill, not a product: whatever a padded position holds (even inf or NaN) contributes exactly zero.
     zeroed = _cast(x, dtype).masked_fill(~keep.unsqueeze(2), 0)
     if reduction == "flatten":
         return zeroed.flatten(1), None
     counts = keep.sum(dim=1)
     return zeroed.sum(dim=1) / counts.clamp_min(1).unsqueeze(1).to(zeroed.dtype), counts > 0
+
+
+def _last_real_tokens(x: Tensor, keep: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """Each sample's token at the last position its mask marks real, found on the device (no read back), and which
+    samples have one; the row of a sample without a real token is zero, whatever its positions hold."""
+    batch, length, width = x.shape
+    if length == 0:
+        return x.new_zeros((batch, width), dtype=dtype), keep.new_zeros((batch,), dtype=torch.bool)
+    positions = torch.arange(length, device=keep.device)
+    last = torch.where(keep, positions, -1).amax(dim=1)  # -1 where no position is real
+    real = last >= 0
+    rows = _cast(x[torch.arange(batch, device=x.device), last.clamp_min(0).to(x.device)], dtype)
+    return rows.masked_fill(~real.to(rows.device).unsqueeze(1), 0), real
+
+
+def warn_cls_left_padding(keep: Tensor, *, stacklevel: int = 2) -> None:
+    """Warn when the ``(B, T)`` boolean mask ``keep`` marks the first position of some sequence as padding (left
+    padding, as Llama's and GPT-2's tokenizers pad for generation): ``"cls"`` would measure a pad token's state there.
+    Reads one flag back from the mask's device; ``stacklevel`` as :func:`warnings.warn` counts it from the caller."""
+    if keep.ndim == 2 and keep.shape[1] and not bool(keep[:, 0].all()):
+        warnings.warn(_CLS_LEFT_PADDING, UserWarning, stacklevel=stacklevel + 1)
+
+
+_CLS_LEFT_PADDING = (
+    "reduction='cls' takes each sequence's first position, but the attention mask marks it as padding in some "
+    "sequences (left padding): their rows are a pad token's hidden state. Pad on the right, or use reduction='last' "
+    "(each sequence's last real token, the sequence embedding of a decoder-only model) or 'mean'."
+)
 
 
 def check_token_mask(mask: Tensor, x: Tensor) -> Tensor:
@@ -215,9 +264,9 @@ def token_rows_per_sample(mask: Tensor, reduction: str = "token") -> Tensor:
 
     Args:
         mask: ``(B, T)`` attention mask (true / 1 at the real tokens).
-        reduction: the token reduction: ``"token"`` keeps each sample's real tokens; ``"mean"`` one row per sample
-            with at least one real token (none for a fully padded sample); ``"cls"`` and ``"flatten"`` one row per
-            sample.
+        reduction: the token reduction: ``"token"`` keeps each sample's real tokens; ``"mean"`` and ``"last"`` one
+            row per sample with at least one real token (none for a fully padded sample); ``"cls"`` and ``"flatten"``
+            one row per sample.
 
     Returns:
         ``(B,)`` int64 counts on ``mask``'s device, summing to the rows of the reduced matrix; repeat per-sample
@@ -235,7 +284,7 @@ def token_rows_per_sample(mask: Tensor, reduction: str = "token") -> Tensor:
     counts = token_mask(mask).sum(dim=1)
     if reduction == "token":
         return counts
-    if reduction == "mean":
+    if reduction in ("mean", "last"):
         return (counts > 0).long()
     return torch.ones_like(counts)
 

@@ -22,6 +22,7 @@ from rank_lightning.functional.reductions import (
     masked_token_rows,
     reduce_activations,
     token_rows_per_sample,
+    warn_cls_left_padding,
 )
 from rank_lightning.functional.spectral import (
     SPECTRAL_METRICS,
@@ -324,8 +325,9 @@ class ActivationSpectrum(Metric):
         num_classes: number of classes of the labels passed to :meth:`update`; enables the total cluster variation
             and the class-wise variance ratio.
         reduction: how conv ``(B, C, H, W)`` and token ``(B, T, D)`` activations become a matrix; one of
-            ``"flatten"``, ``"channel"``, ``"token"``, ``"cls"``, ``"mean"``. With ``"channel"`` and ``"token"``
-            every position inherits its input's label; with ``"token"``, ``(B, T)`` labels give each token its own.
+            ``"flatten"``, ``"channel"``, ``"token"``, ``"cls"``, ``"mean"``, ``"last"`` (each sequence's last real
+            token: a decoder-only model's sequence embedding). With ``"channel"`` and ``"token"`` every position
+            inherits its input's label; with ``"token"``, ``(B, T)`` labels give each token its own.
         center: ``False`` (the papers' convention), ``True`` (PCA convention), or ``"both"`` (one extra
             eigendecomposition from the same sums).
         variance_ratio_ks: the ``k`` of the reported ``VR_k`` scalars.
@@ -667,7 +669,8 @@ class ActivationSpectrum(Metric):
                 reach the sums (see :func:`~rank_lightning.functional.reduce_activations`); ignored for other
                 shapes. A boolean mask is taken as it is; one of 0 / 1 integers or floats has its values checked,
                 which on a GPU reads a flag back to the host (convert it with ``mask.bool()`` once per batch when
-                several layers share it).
+                several layers share it). Under ``"cls"`` a mask whose first position is padding (left padding) is
+                named in a warning, which reads one more flag back.
         """
         if not torch.is_inference_mode_enabled():
             self._leave_inference_mode()
@@ -780,6 +783,8 @@ class ActivationSpectrum(Metric):
         if mask is None or activations.ndim != 3:
             return reduce_activations(activations, self.reduction, dtype=dtype), None, None
         keep = check_token_mask(mask, activations)
+        if self.reduction == "cls":
+            warn_cls_left_padding(keep, stacklevel=4)  # update() -> _rows() -> _reduce()
         rows, real = masked_token_rows(activations, self.reduction, keep, dtype=dtype)
         if real is None or _keeps_padded_rows(rows.device):
             return rows, real, None

@@ -225,7 +225,7 @@ def _token_loader(padding: int) -> DataLoader:
     return DataLoader(batches, batch_size=None)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "flatten"])
+@pytest.mark.parametrize("reduction", ["mean", "flatten", "last"])
 def test_token_features_leave_out_the_padding_of_the_attention_mask(reduction: str) -> None:
     """Batches whose real tokens are the same but whose padded positions hold other tokens give the same results."""
     results = []
@@ -235,3 +235,11 @@ def test_token_features_leave_out_the_padding_of_the_attention_mask(reduction: s
         quiet_trainer([callback], max_epochs=1).fit(_Tokens(), _token_loader(padding), _token_loader(padding))
         results.append(callback.results)
     assert set(results[0]) == {2, 4} and results[1] == results[0]
+
+
+def test_last_token_features_drop_an_input_without_real_tokens_with_its_label() -> None:
+    callback = LowDimensionalEvaluation(layer="mix", reduction="last", verbose=False)
+    tokens = torch.arange(24.0).view(3, 4, 2)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1]])
+    rows, targets = callback._rows(tokens, {"attention_mask": mask}, torch.tensor([5, 6, 7]))
+    assert rows.tolist() == [[2.0, 3.0], [22.0, 23.0]] and targets.tolist() == [5, 7]
