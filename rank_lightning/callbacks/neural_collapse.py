@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
@@ -25,8 +25,9 @@ from rank_lightning.layers import (
     random_state_kept,
 )
 from rank_lightning.metrics import NeuralCollapseStatistics
+from rank_lightning.metrics.neural_collapse import check_neural_collapse_memory
 from rank_lightning.sampling import process_share
-from rank_lightning.validation import check_choices, check_positive_int
+from rank_lightning.validation import check_choices, check_positive, check_positive_int
 
 __all__ = ["NC_METRICS", "NeuralCollapseMonitor"]
 
@@ -66,6 +67,15 @@ class NeuralCollapseMonitor(CurveMonitor):
     sums are kept in float64, and NC1 drops the between-class directions at the rounding level of the precision the
     features were computed in (:func:`~rank_lightning.functional.neural_collapse.between_class_directions`).
 
+    Next-token classes (Wu & Papyan 2024): a head applied to every token (a language model's ``lm_head``, input
+    ``(B, T, D)``, logits ``(B, T, V)``) with labels per token ``(B, T)`` (the next tokens, -100 where a position has
+    no class) takes every real token with a class as a sample: the rows, the attention mask (``mask_key``) and the
+    -100 exclusion are those of ``ActivationRankMonitor(num_classes=V)``'s ``token`` layers, and ``max_samples``
+    counts sequences. A vocabulary's ``V x V`` class pairs do not fit in memory: ``top_classes=K`` computes the
+    metrics of the ``K`` most frequent classes of the measured tokens (around the mean of every token,
+    :class:`~rank_lightning.metrics.NeuralCollapseStatistics`), and a plan beyond ``memory_budget_mb`` is refused
+    with a ``MemoryError`` at setup, naming both options, before any training step.
+
     Args:
         head: the classifier head on the LightningModule (module path, block name or glob matching one module);
             ``None`` finds it (see above).
@@ -81,10 +91,17 @@ class NeuralCollapseMonitor(CurveMonitor):
         log_at_init: also measure the untrained model at the start of a fresh ``fit``.
         figures_every_n_epochs: also draw the figures after every this many monitored epochs.
         verbose: report the head at setup (rank zero).
+        top_classes: measure the ``K`` classes with the most samples only (a vocabulary's next-token classes);
+            ``None`` for every class.
+        mask_key: where a token head's ``(B, T)`` attention mask is (:class:`~rank_lightning.layers.BatchReader`);
+            ``None``: the batch's ``decoder_attention_mask`` if it has one, else its ``attention_mask``.
+        memory_budget_mb: the most memory (MiB) the neural-collapse statistics may plan for; ``None`` for no limit.
 
     Raises:
         ValueError: at construction for an invalid setting; at setup when no head can be found or ``head`` matches
             no module or several.
+        MemoryError: at setup (or, for a head without a ``(C, d)`` weight, at the first measured batch) when the
+            statistics of the head's classes plan more than ``memory_budget_mb``; the message names ``top_classes``.
 
     Example::
 
@@ -124,6 +141,9 @@ class NeuralCollapseMonitor(CurveMonitor):
         log_at_init: bool = False,
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,
+        top_classes: int | None = None,
+        mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
+        memory_budget_mb: float | None = 4096.0,
     ) -> None:
         super().__init__(
             "neural_collapse",
@@ -136,10 +156,13 @@ class NeuralCollapseMonitor(CurveMonitor):
         if head is not None and (not isinstance(head, str) or not head):
             raise ValueError(f"head must be None or a module path, got {head!r}")
         check_positive_int("max_samples", max_samples, allow_none=True)
+        check_positive_int("top_classes", top_classes, allow_none=True)
+        check_positive("memory_budget_mb", memory_budget_mb, allow_none=True)
         self.head = head
         self.metrics = check_choices("metrics", metrics, NC_METRICS)
         self.max_samples = max_samples
-        self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn)
+        self.top_classes, self.memory_budget_mb = top_classes, memory_budget_mb
+        self.reader = BatchReader(input_key=input_key, label_key=label_key, label_fn=label_fn, mask_key=mask_key)
         self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.result: NeuralCollapse | None = None
         self._head_path: str | None = None
@@ -161,6 +184,10 @@ class NeuralCollapseMonitor(CurveMonitor):
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_distinct_namespaces(trainer, self)
         self._head_path = self.find_head(pl_module)
+        weight = getattr(pl_module.get_submodule(self._head_path), "weight", None)
+        if isinstance(weight, Tensor) and weight.ndim == 2:
+            # The head's (C, d) weight tells the plan before any training step (else the first batch's shapes do).
+            check_neural_collapse_memory(*weight.shape, self.top_classes, self.memory_budget_mb)
         self.info(f"neural collapse of the input of {self._head_path!r} (two passes over the validation data)")
         self.curves.describe(split="val")
 
@@ -228,18 +255,24 @@ class NeuralCollapseMonitor(CurveMonitor):
     def _warn_absent_classes(self, metric: NeuralCollapseStatistics) -> None:
         """Name the head's classes that the measured samples do not hold: the metrics are over the others only."""
         absent = metric.absent_classes or []
-        if not absent:
-            return
+        if not absent or (self.top_classes is not None and len(metric.selected_classes or []) == self.top_classes):
+            return  # the selected classes are the top_classes most frequent: the others are not measured anyway
         present = metric.num_classes - len(absent)
         if present < 2:
             effect = f"with {present} class every metric is NaN (neural collapse compares two classes or more)"
         else:
+            nc4 = "nc4 counts a sample the head assigns to an absent class as a disagreement"
+            if self.top_classes is not None:
+                nc4 = f"fewer than top_classes={self.top_classes}; nc4 takes the head's prediction among them"
             effect = (
                 f"the metrics cover the other {present} only (C = {present}: nc2's simplex angle is -1/{present - 1}; "
-                "nc4 counts a sample the head assigns to an absent class as a disagreement)"
+                f"{nc4})"
             )
+        named = (
+            f"{absent}" if len(absent) <= 10 else f"{absent[:10]} and {len(absent) - 10} more ({len(absent)} in all)"
+        )
         message = (
-            f"the measured validation samples hold no sample of classes {absent} of the head's {metric.num_classes}: "
+            f"the measured validation samples hold no sample of classes {named} of the head's {metric.num_classes}: "
             f"{effect}; measure more samples (max_samples) or a loader that holds every class"
         )
         self.warn_once(("absent classes", tuple(absent)), message)
@@ -263,15 +296,23 @@ class NeuralCollapseMonitor(CurveMonitor):
                 for batch, room in quota.batches(loaders):
                     # The whole batch, as the steps get it (the module's batch-transfer hooks, the precision's cast).
                     batch = step_inputs(pl_module.trainer, batch)
-                    y = cast(Tensor, self.reader.labels(batch, required=True))
+                    y = cast(Tensor, self.reader.labels(batch, required=True, per_token=True))
+                    mask = self._mask(batch) if y.ndim == 2 else None  # labels per token: the head's rows are tokens
                     captured.clear()
                     self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                     take = y.shape[0] if room is None else min(y.shape[0], room)
-                    metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second)
+                    mask = None if mask is None else mask[:take].to(pl_module.device)
+                    metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second, mask)
                     if metric is None:
                         return None
                     quota.took(take)
         return metric
+
+    def _mask(self, batch: Any) -> Tensor | None:
+        """The attention mask of a token head's rows: ``mask_key``'s, else the batch's decoder mask (a target's
+        tokens), else its ``attention_mask``; used only for ``(B, T, D)`` head inputs."""
+        decoder = self.reader.decoder_mask(batch)
+        return decoder if decoder is not None else self.reader.mask(batch)
 
     def _update(
         self,
@@ -280,19 +321,30 @@ class NeuralCollapseMonitor(CurveMonitor):
         labels: Tensor,
         take: int,
         second: bool,
+        mask: Tensor | None,
     ) -> NeuralCollapseStatistics | None:
         features, logits = captured.get("features"), captured.get("logits")
         if not isinstance(features, Tensor) or not isinstance(logits, Tensor):
             raise RuntimeError(f"the head {self._head_path!r} was not called in the forward pass")
-        if features.ndim != 2 or logits.ndim != 2:
+        tokens = features.ndim == 3 and logits.ndim == 3 and labels.ndim == 2
+        if labels.ndim == 2 and not tokens:
+            raise ValueError(
+                f"the batch's labels are per token, of shape {tuple(labels.shape)}, but the head {self._head_path!r} "
+                f"takes {tuple(features.shape)} and gives {tuple(logits.shape)}: labels per token need a head applied "
+                "to every token, (B, T, D) -> (B, T, C) (a language model's lm_head); a head of one row per sequence "
+                "needs one label per sequence"
+            )
+        if not tokens and (features.ndim != 2 or logits.ndim != 2):
             self.warn_once(
                 ("shape",),
                 f"the head's input {tuple(features.shape)} and output {tuple(logits.shape)} are not (B, d) and "
-                "(B, C); neural collapse needs one feature vector per sample and is not measured",
+                "(B, C), nor (B, T, D) and (B, T, C) with labels per token; neural collapse needs one feature vector "
+                "per sample and is not measured",
             )
             return None
         if metric is None:
-            metric = NeuralCollapseStatistics(logits.shape[1], features.shape[1]).to(features.device)
+            options = {"top_classes": self.top_classes, "memory_budget_mb": self.memory_budget_mb}
+            metric = NeuralCollapseStatistics(logits.shape[-1], features.shape[-1], **options).to(features.device)
         # Also with no row to take: the batch tells the precision of the features (NC1's cut-off), as on the others.
-        metric.update(features[:take], labels, logits[:take] if second else None)
+        metric.update(features[:take], labels, logits[:take] if second else None, mask=mask if tokens else None)
         return metric

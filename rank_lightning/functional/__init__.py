@@ -19,6 +19,7 @@ from rank_lightning.functional.jacobian import (
 from rank_lightning.functional.neural_collapse import (
     NC_METRICS,
     NeuralCollapse,
+    most_frequent_classes,
     neural_collapse,
     neural_collapse_from_moments,
     neural_collapse_from_residuals,
@@ -94,6 +95,7 @@ __all__ = [
     "independence_deficit_markdown",
     "low_dimensional_accuracy",
     "merge_subsamples",
+    "most_frequent_classes",
     "neural_collapse",
     "neural_collapse_from_moments",
     "neural_collapse_from_residuals",

@@ -29,6 +29,13 @@ Metrics (:class:`NeuralCollapse`):
 * ``cdnv = mean_{c < c'} (V_c + V_c') / (2 ||mu_c - mu_c'||^2)`` with ``V_c = mean_{i in c} ||h_i - mu_c||^2``
   (Galanti et al. 2022, the class-distance normalised variance, averaged over the pairs of classes).
 
+Selected classes (``classes=`` of :func:`neural_collapse_from_residuals` and :func:`neural_collapse`, e.g. the
+:func:`most_frequent_classes` of a vocabulary, Wu & Papyan 2024): the ``C x C`` objects (NC2's cosines, the CDNV's
+pairs) of ``C = 50,257`` classes take 20 GB each. The metrics can cover ``K`` chosen classes instead: ``C = K``, ``N``,
+``Sigma_W``, ``M``, the head's rows and NC4 are those of the samples of the chosen classes (NC4 with the head's
+prediction among them), while ``mu_G`` stays the mean of every sample, so that a class's centred mean is the same
+whichever classes are chosen. Choosing every class present gives the metrics of all of them.
+
 Where rhubarbwu/neural-collapse (a reference implementation of these metrics) differs: its global mean defaults to the
 unweighted mean of the class means (equal to ours for balanced classes); its ``simplex_etf_error`` and
 ``self_duality_error`` measure NC2 and NC3 as a Frobenius distance of the normalised ``M M^T`` (resp. ``W M^T``) from
@@ -69,6 +76,7 @@ __all__ = [
     "class_means",
     "class_rows",
     "class_scatter_from_moments",
+    "most_frequent_classes",
     "nc1",
     "nc2",
     "nc3",
@@ -147,24 +155,43 @@ def _check_counts(class_counts: Tensor, class_sums: Tensor) -> None:
         )
 
 
-def class_means(class_counts: Tensor, class_sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Means of the classes present and the global mean, in float64.
+def class_means(
+    class_counts: Tensor, class_sums: Tensor, *, classes: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Means of the classes present (among ``classes``, if given) and the global mean, in float64.
 
     Args:
         class_counts: ``(C,)`` samples per class.
         class_sums: ``(C, d)`` ``sum_{i in c} h_i``.
+        classes: the class indices the metrics cover (:func:`most_frequent_classes`); ``None`` for all. The global
+            mean is over the samples of every class either way.
 
     Returns:
-        ``(present, means, global_mean)``: the ``(C',)`` indices of the classes with samples, their ``(C', d)`` means,
-        and the ``(d,)`` mean over all samples (NaN features give NaN means, and every metric NaN).
+        ``(present, means, global_mean)``: the ``(C',)`` indices of the (selected) classes with samples, their
+        ``(C', d)`` means, and the ``(d,)`` mean over all samples (NaN features give NaN means, and every metric NaN).
     """
     _check_counts(class_counts, class_sums)
     counts = class_counts.to(torch.float64)
-    present = (counts > 0).nonzero().squeeze(1)
+    has_samples = counts > 0
+    if classes is not None:
+        has_samples &= torch.isin(torch.arange(counts.shape[0], device=counts.device), classes.to(counts.device))
+    present = has_samples.nonzero().squeeze(1)
     sums = class_sums.to(torch.float64)
     means = sums[present] / counts[present].unsqueeze(1)
     global_mean = sums.sum(dim=0) / counts.sum().clamp_min(1)
     return present, means, global_mean
+
+
+def most_frequent_classes(class_counts: Tensor, top_classes: int) -> Tensor:
+    """The ``top_classes`` classes with the most samples, in increasing class order (``(K,)`` int64).
+
+    Ties go to the smaller class index, so every process, given the same all-reduced counts, selects the same classes.
+    Classes without samples are never selected: with fewer than ``top_classes`` classes present, all of them are.
+    """
+    check_positive_int("top_classes", top_classes)
+    counts = class_counts.to(torch.int64)
+    order = torch.sort(-counts, stable=True).indices[: min(top_classes, counts.shape[0])]
+    return order[counts[order] > 0].sort().values
 
 
 def _dtype_eps(dtype: torch.dtype | None) -> float:
@@ -388,31 +415,39 @@ def residual_moments(
     num_classes: int,
     *,
     check: bool = True,
+    row_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """What one batch adds in the second pass: residuals ``r_i = h_i - mu_{y_i}`` around known class means.
 
     Args:
         features: ``(B, d)`` features.
-        labels: ``(B,)`` labels in ``[0, num_classes)``; every label must be a class in ``present``.
+        labels: ``(B,)`` labels in ``[0, num_classes)``.
         means: ``(C', d)`` means of the classes ``present``.
         present: ``(C',)`` class indices of the rows of ``means``.
         directions: ``(d, r)`` :attr:`BetweenClassDirections.directions`.
         num_classes: C, the length of the per-class output.
-        check: raise for a label of a class not ``present`` (a read from the device); ``False`` for a caller that
-            checked (a label of a class not present would take another class's mean).
+        check: raise for a label of a class not ``present`` (a read from the device); ``False`` for a caller whose
+            rows of the other classes (classes not selected, :func:`class_means`) are to add nothing.
+        row_mask: ``(B,)`` booleans: only the rows where it is true are counted (the others add zeros, whatever they
+            hold), e.g. the real, labelled tokens of a padded batch.
 
     Returns:
         ``(projected, class_scatter)``: ``(r,)`` ``sum_i (u_k^T r_i)^2`` and ``(num_classes,)``
         ``sum_{i in c} ||r_i||^2``, both float64.
     """
-    rows = class_rows(present.to(means.device), num_classes)[labels.to(means.device)]
-    if check and bool((rows < 0).any()):
-        missing = sorted(set(labels[rows < 0].tolist()))
-        raise ValueError(f"labels {missing} belong to classes that had no sample when the means were computed")
-    residuals = features.detach().to(torch.float64) - means[rows]
+    labels = labels.to(means.device)
+    rows = class_rows(present.to(means.device), num_classes)[labels]
+    counted = rows >= 0 if row_mask is None else (rows >= 0) & row_mask.to(means.device)
+    if check:
+        missing = rows < 0 if row_mask is None else (rows < 0) & row_mask.to(means.device)
+        if bool(missing.any()):
+            absent = sorted(set(labels[missing].tolist()))
+            raise ValueError(f"labels {absent} belong to classes that had no sample when the means were computed")
+    residuals = features.detach().to(torch.float64) - means[rows.clamp_min(0)]
+    residuals = residuals.masked_fill(~counted.unsqueeze(1), 0)
     projected = (residuals @ directions).square().sum(dim=0)
     scatter = torch.zeros(num_classes, dtype=torch.float64, device=means.device)
-    scatter.index_add_(0, labels.to(means.device), residuals.square().sum(dim=1))
+    scatter.index_add_(0, labels, residuals.square().sum(dim=1))
     return projected, scatter
 
 
@@ -464,6 +499,7 @@ def neural_collapse_from_residuals(
     head_weight: Tensor | None = None,
     agreements: int | Tensor | None = None,
     dtype: torch.dtype | None = None,
+    classes: Tensor | None = None,
 ) -> NeuralCollapse:
     """Neural collapse from two streamed passes: class sums, then residuals around the class means.
 
@@ -485,10 +521,13 @@ def neural_collapse_from_residuals(
         agreements: samples whose head prediction equals the nearest class centre, for NC4.
         dtype: the dtype the features were computed in (:func:`between_class_directions`); ``None`` for float64.
             Pass two must have used the directions of the same ``dtype``.
+        classes: the classes the metrics cover (:func:`most_frequent_classes`); ``None`` for all. ``mu_G`` stays
+            the mean of every sample; ``C``, ``N``, ``Sigma_W``, ``M``, the head's rows and the NC4 agreements are
+            those of the selected classes' samples, and pass two must have used the directions of their means.
     """
-    present, means, global_mean = class_means(class_counts, class_sums)
+    present, means, global_mean = class_means(class_counts, class_sums, classes=classes)
     basis = between_class_directions(means, global_mean, dtype=dtype, counts=class_counts[present])
-    num_samples = int(class_counts.sum())
+    num_samples = int(class_counts[present].sum())
     rank = basis.singular_values.shape[0]
     projected = projected_scatter.to(torch.float64)[:rank] / max(num_samples, 1)
     counts = class_counts.to(torch.float64)[present]
@@ -610,6 +649,7 @@ def neural_collapse(
     num_classes: int | None = None,
     head_weight: Tensor | None = None,
     predictions: Tensor | None = None,
+    classes: Tensor | Sequence[int] | None = None,
 ) -> NeuralCollapse:
     """Neural collapse of a feature matrix held in memory (the two-pass computation on all rows at once).
 
@@ -621,7 +661,8 @@ def neural_collapse(
         labels: ``(N,)`` integer labels in ``[0, num_classes)``.
         num_classes: C; defaults to ``labels.max() + 1``.
         head_weight: the head's ``(C, d)`` weight, for NC3.
-        predictions: ``(N,)`` the head's predicted classes, for NC4.
+        predictions: ``(N,)`` the head's predicted classes, for NC4 (with ``classes``, its prediction among them).
+        classes: the classes the metrics cover (:func:`neural_collapse_from_residuals`); ``None`` for all.
     """
     if features.ndim != 2 or labels.shape != (features.shape[0],):
         raise ValueError(
@@ -632,21 +673,31 @@ def neural_collapse(
         raise ValueError("labels must be non-negative integer class indices")
     check_positive_int("num_classes", num_classes, allow_none=True)
     labels = labels.long()
-    classes = int(labels.max()) + 1 if num_classes is None else num_classes
-    if labels.numel() and int(labels.max()) >= classes:
-        raise ValueError(f"label {int(labels.max())} is out of range for num_classes={classes}")
+    total = int(labels.max()) + 1 if num_classes is None else num_classes
+    if labels.numel() and int(labels.max()) >= total:
+        raise ValueError(f"label {int(labels.max())} is out of range for num_classes={total}")
+    selected = None if classes is None else torch.as_tensor(classes, dtype=torch.long)
     x = features.detach().to(torch.float64)
-    counts = torch.bincount(labels, minlength=classes)
-    sums = x.new_zeros(classes, x.shape[1]).index_add_(0, labels, x)
-    present, means, global_mean = class_means(counts, sums)
+    counts = torch.bincount(labels, minlength=total)
+    sums = x.new_zeros(total, x.shape[1]).index_add_(0, labels, x)
+    present, means, global_mean = class_means(counts, sums, classes=selected)
     basis = between_class_directions(means, global_mean, dtype=features.dtype, counts=counts[present])
-    projected, scatter = residual_moments(x, labels, means, present, basis.directions, classes)
+    check = selected is None
+    projected, scatter = residual_moments(x, labels, means, present, basis.directions, total, check=check)
     agreements = None
     if predictions is not None:
         if predictions.shape != labels.shape:
             raise ValueError(f"predictions must be (N,) = {tuple(labels.shape)}, got {tuple(predictions.shape)}")
         nearest = present[nearest_class_centre(x, means)]
-        agreements = int((nearest == predictions.to(nearest.device)).sum())
+        counted = torch.isin(labels, present)
+        agreements = int(((nearest == predictions.to(nearest.device)) & counted).sum())
     return neural_collapse_from_residuals(
-        counts, sums, projected, scatter, head_weight=head_weight, agreements=agreements, dtype=features.dtype
+        counts,
+        sums,
+        projected,
+        scatter,
+        head_weight=head_weight,
+        agreements=agreements,
+        dtype=features.dtype,
+        classes=selected,
     )

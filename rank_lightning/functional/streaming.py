@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rank_lightning.functional.reductions import check_token_mask
 from rank_lightning.functional.spectral import (
     SCIPY_BLAS,
     Spectrum,
@@ -67,6 +68,7 @@ __all__ = [
     "classwise_variance_ratio_from_grams",
     "classwise_variance_ratio_from_sample",
     "count_sketch",
+    "counted_tokens",
     "gram_product_dtype",
     "group_by_class",
     "group_token_labels",
@@ -231,6 +233,15 @@ def group_token_labels(labels: Tensor, num_classes: int) -> ClassGrouping:
     except ValueError as error:
         raise ValueError(f"{error}; per-token labels may also be {IGNORE_INDEX} (a token without a class)") from None
     return grouping._replace(labelled=labelled)
+
+
+def counted_tokens(grouping: ClassGrouping, mask: Tensor | None, activations: Tensor) -> Tensor:
+    """``(B, T)`` booleans, true at the token rows the class statistics count: real tokens (``mask``, checked by
+    :func:`~rank_lightning.functional.reductions.check_token_mask`; all without one) that have a class (a label other
+    than :data:`IGNORE_INDEX`, ``grouping.labelled`` of :func:`group_token_labels`) of ``(B, T, D)`` ``activations``."""
+    if mask is None:
+        return grouping.labelled
+    return check_token_mask(mask, activations) & grouping.labelled
 
 
 def _slots(sorted_labels: Tensor, order: Tensor | None, counts: Tensor) -> Tensor:

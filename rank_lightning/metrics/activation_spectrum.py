@@ -47,6 +47,7 @@ from rank_lightning.functional.streaming import (
     classwise_variance_ratio_from_grams,
     classwise_variance_ratio_from_sample,
     count_sketch,
+    counted_tokens,
     group_by_class,
     group_token_labels,
     merge_subsamples,
@@ -760,7 +761,7 @@ class ActivationSpectrum(Metric):
         """:meth:`_rows` of tokens with a label each: a row counts where the mask marks a real token and its label is
         not -100. On a CPU the counted rows are selected; elsewhere every row stays in place, sorted by class when the
         class Grams take them (the grouping's counts, read once per batch, then cut the classes' blocks)."""
-        keep = grouping.labelled if mask is None else check_token_mask(mask, activations) & grouping.labelled
+        keep = counted_tokens(grouping, mask, activations)
         rows, real = masked_token_rows(activations, "token", keep)
         if not _keeps_padded_rows(rows.device):
             return rows[real], grouping.labels[real], None, None

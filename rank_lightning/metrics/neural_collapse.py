@@ -15,18 +15,67 @@ from rank_lightning.functional.neural_collapse import (
     between_class_directions,
     class_means,
     class_rows,
+    most_frequent_classes,
     nearest_class_centre,
     neural_collapse_from_residuals,
     residual_moments,
 )
-from rank_lightning.functional.streaming import class_counts, row_moments
+from rank_lightning.functional.streaming import class_counts, counted_tokens, group_token_labels, row_moments
 from rank_lightning.metrics.activation_spectrum import device_move_only
-from rank_lightning.validation import check_positive_int, check_real
+from rank_lightning.validation import check_positive, check_positive_int, check_real
 
-__all__ = ["NeuralCollapseStatistics"]
+__all__ = ["NeuralCollapseStatistics", "check_neural_collapse_memory", "neural_collapse_memory_mb"]
 
 
 _FEATURE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_MIB = 1 << 20
+# Measured peak of NC2's cosines and the CDNV's pair distances: about 34-36 bytes per (class, class) entry.
+_PAIR_BYTES = 40
+# The V x d float64 class sums, their all-reduced copy, the sync's copy and a batch's own sums, besides the K x d
+# means of the metrics' classes and their SVD.
+_SUM_COPIES, _MEAN_COPIES = 4, 3
+
+
+def neural_collapse_memory_mb(num_classes: int, num_features: int, top_classes: int | None = None) -> float:
+    """The memory (MiB) :class:`NeuralCollapseStatistics` plans for: its ``(C, d)`` float64 class sums (in a few
+    copies) and the ``K x K`` objects of the metrics' ``K`` classes (NC2's cosines, the CDNV's pairs), ``K = C``
+    without ``top_classes``."""
+    selected = num_classes if top_classes is None else min(top_classes, num_classes)
+    sums = 8 * num_features * (_SUM_COPIES * num_classes + _MEAN_COPIES * selected)
+    return (sums + _PAIR_BYTES * selected**2) / _MIB
+
+
+def check_neural_collapse_memory(
+    num_classes: int, num_features: int, top_classes: int | None, memory_budget_mb: float | None
+) -> None:
+    """Refuse, before any sample, a neural collapse whose planned memory exceeds ``memory_budget_mb``.
+
+    Raises:
+        MemoryError: naming the memory planned, ``top_classes`` and ``memory_budget_mb``.
+    """
+    planned = neural_collapse_memory_mb(num_classes, num_features, top_classes)
+    if memory_budget_mb is None or planned <= memory_budget_mb:
+        return
+    selected = num_classes if top_classes is None else min(top_classes, num_classes)
+    pairs = _PAIR_BYTES * selected**2 / _MIB
+    if neural_collapse_memory_mb(num_classes, num_features, 1) > memory_budget_mb:
+        advice = "raise memory_budget_mb: the class sums alone exceed it"
+    else:
+        fits = 1
+        while (
+            2 * fits < selected and neural_collapse_memory_mb(num_classes, num_features, 2 * fits) <= memory_budget_mb
+        ):
+            fits *= 2
+        planned_fits = neural_collapse_memory_mb(num_classes, num_features, fits)
+        advice = (
+            f"set top_classes to measure the K most frequent classes only (top_classes={fits} plans "
+            f"{planned_fits:.4g} MiB), or raise memory_budget_mb"
+        )
+    raise MemoryError(
+        f"neural collapse of {num_classes} classes of {num_features} features with top_classes={top_classes} plans "
+        f"{planned:.4g} MiB ({pairs:.4g} MiB of it for the {selected} x {selected} class pairs of NC2 and the CDNV), "
+        f"more than memory_budget_mb={memory_budget_mb:g}; {advice}"
+    )
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -59,9 +108,24 @@ class NeuralCollapseStatistics(Metric):
     process would give on all of it. The second pass must see the same samples as the first (a loader without random
     augmentation; the order may differ).
 
+    Tokens as samples (the next-token classes of a language model, Wu & Papyan 2024): ``(B, T, D)`` features with
+    ``(B, T)`` labels per token take every token as a row whose class is its label (the ``"token"`` reduction of
+    :class:`~rank_lightning.metrics.ActivationSpectrum`); a position labelled -100 (no class: padding, the last
+    position) or padded (``mask`` 0) is left out of every sum, as there. Logits are then ``(B, T, C)``.
+
+    Vocabulary-sized class counts: the class sums stay ``C x d`` float64 (50,257 x 768: 294 MiB), but NC2's cosines
+    and the CDNV's pairs take ``C x C`` (20 GB each for a vocabulary). ``top_classes=K`` computes the metrics of the
+    ``K`` classes with the most samples in the first pass (all processes; ties to the smaller class index, see
+    :func:`~rank_lightning.functional.neural_collapse.most_frequent_classes`), around the global mean of every sample
+    (:func:`~rank_lightning.functional.neural_collapse.neural_collapse_from_residuals` with ``classes``); NC4 then
+    compares the head's prediction among those classes with the nearest of their means. The constructor refuses a
+    plan beyond ``memory_budget_mb`` (:func:`neural_collapse_memory_mb`) with a ``MemoryError`` naming both options.
+
     Args:
         num_classes: C; labels lie in ``[0, C)`` and logits have C columns.
         num_features: d, the width of the features.
+        top_classes: compute the metrics of this many most frequent classes only; ``None`` for every class.
+        memory_budget_mb: refuse (``MemoryError``) a plan beyond this many MiB; ``None`` for no limit.
 
     Attributes:
         head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN).
@@ -69,11 +133,23 @@ class NeuralCollapseStatistics(Metric):
 
     full_state_update = False
 
-    def __init__(self, num_classes: int, num_features: int, **kwargs: object) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        num_features: int,
+        *,
+        top_classes: int | None = None,
+        memory_budget_mb: float | None = 4096.0,
+        **kwargs: object,
+    ) -> None:
         super().__init__(**kwargs)
         check_positive_int("num_classes", num_classes)
         check_positive_int("num_features", num_features)
+        check_positive_int("top_classes", top_classes, allow_none=True)
+        check_positive("memory_budget_mb", memory_budget_mb, allow_none=True)
+        check_neural_collapse_memory(num_classes, num_features, top_classes, memory_budget_mb)
         self.num_classes, self.num_features = num_classes, num_features
+        self.top_classes, self.memory_budget_mb = top_classes, memory_budget_mb
         f64 = torch.float64
         self.add_state("class_counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("class_sums", torch.zeros(num_classes, num_features, dtype=f64), dist_reduce_fx="sum")
@@ -85,10 +161,15 @@ class NeuralCollapseStatistics(Metric):
         # The largest eps of the first pass's feature dtypes (0: none seen): a state, so that it is saved, merged and
         # agreed across processes (the largest) with the sums it describes.
         self.add_state("input_eps", torch.zeros((), dtype=f64), dist_reduce_fx="max")
+        # top_classes (0: every class), saved with the second-pass sums that are taken around the selected classes.
+        self.add_state("class_selection", torch.tensor(top_classes or 0), dist_reduce_fx="max")
         self.head_weight: Tensor | None = None
         self._means: Tensor | None = None
-        self._present: Tensor | None = None
-        self._row_of: Tensor | None = None  # each class's row among the means (-1: no mean), for the second pass
+        self._present: Tensor | None = None  # the classes of the metrics: present, and selected by top_classes
+        self._selected: Tensor | None = None  # the classes top_classes selected (None: every class)
+        # Each class's row among the means, for the second pass: -1 for a class not selected, -2 for one without a
+        # sample in the first pass (a label of it in the second pass is an error).
+        self._row_of: Tensor | None = None
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
         self._restored_second_pass = False  # load_state_dict brought second-pass sums: the means must be fixed again
@@ -112,20 +193,31 @@ class NeuralCollapseStatistics(Metric):
         return None if self._directions is None else int(self._directions.shape[1])
 
     @property
+    def selected_classes(self) -> list[int] | None:
+        """The classes whose metrics :meth:`compute` gives (``None`` before :meth:`start_second_pass`): every class
+        with a sample in the first pass, or the ``top_classes`` most frequent of them."""
+        return None if self._present is None else self._present.tolist()
+
+    @property
     def absent_classes(self) -> list[int] | None:
         """The classes without a sample in the first pass, summed over all processes (``None`` before
         :meth:`start_second_pass`): every metric leaves them out, and ``C`` counts the others."""
-        if self._present is None:
+        if self._totals is None:
             return None
-        return sorted(set(range(self.num_classes)) - set(self._present.tolist()))
+        return (self._totals[0] == 0).nonzero().squeeze(1).tolist()
 
-    def update(self, features: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:
-        """Add a batch: ``(B, d)`` features, ``(B,)`` labels in ``[0, C)``, optionally ``(B, C)`` logits (NC4).
+    def update(
+        self, features: Tensor, labels: Tensor, logits: Tensor | None = None, *, mask: Tensor | None = None
+    ) -> None:
+        """Add a batch: ``(B, d)`` features, ``(B,)`` labels in ``[0, C)``, optionally ``(B, C)`` logits (NC4); or
+        ``(B, T, D)`` token features, ``(B, T)`` labels per token in ``[0, C)`` or -100, ``(B, T, C)`` logits and the
+        ``(B, T)`` attention ``mask`` (true / 1 at real tokens; ignored for ``(B, d)`` features).
 
         Raises:
             ValueError: shapes that do not match, or labels out of range.
         """
-        self._check(features, labels, logits)
+        features, labels, logits, counted = self._token_rows(features, labels, logits, mask)
+        self._check(features, labels, logits, counted)
         labels = labels.long()
         if self._restored_second_pass and not self.second_pass:
             raise RuntimeError(
@@ -134,30 +226,70 @@ class NeuralCollapseStatistics(Metric):
             )
         if not self.second_pass:
             self.input_eps = self.input_eps.clamp_min(_eps(features.dtype))
-            moments = row_moments(features.detach().to(torch.float64), labels, num_classes=self.num_classes)
+            x = features.detach().to(torch.float64)
+            moments = row_moments(x, labels, num_classes=self.num_classes, row_mask=counted)
             self.class_counts += moments.class_counts
             self.class_sums += moments.class_sums
             return
-        projected, scatter = residual_moments(
-            features, labels, self._means, self._present, self._directions, self.num_classes, check=False
-        )
+        self._add_residuals(features, labels, logits, counted)
+
+    def _add_residuals(self, features: Tensor, labels: Tensor, logits: Tensor | None, counted: Tensor | None) -> None:
+        """The second pass's sums of a batch; rows of classes not selected, and rows not ``counted``, add nothing."""
+        means, present = self._means, self._present
+        args = (features, labels, means, present, self._directions, self.num_classes)
+        projected, scatter = residual_moments(*args, check=False, row_mask=counted)
         self.projected_scatter[: projected.shape[0]] += projected
         self.class_scatter += scatter
-        self.second_counts += class_counts(labels, self.num_classes)  # bincount would read its largest label back
-        if logits is not None:
-            nearest = self._present[nearest_class_centre(features, self._means)]
-            self.agreements += (nearest == logits.detach().argmax(dim=1)).sum()
-            self.predicted_rows += labels.shape[0]
+        # bincount would read its largest label back
+        self.second_counts += class_counts(labels, self.num_classes, row_mask=counted)
+        if logits is None:
+            return
+        nearest = present[nearest_class_centre(features, means)]
+        scores = logits.detach()
+        if self._selected is None:
+            predicted = scores.argmax(dim=1)
+        else:  # the head's prediction among the selected classes
+            predicted = present[scores[:, present.to(scores.device)].argmax(dim=1).to(nearest.device)]
+        measured = self._row_of.to(labels.device)[labels] >= 0
+        if counted is not None:
+            measured &= counted
+        self.agreements += ((nearest == predicted.to(nearest.device)) & measured.to(nearest.device)).sum()
+        self.predicted_rows += measured.sum()
 
-    def forward(self, features: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:  # type: ignore[override]
+    def _token_rows(
+        self, features: Tensor, labels: Tensor, logits: Tensor | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """``(B, d)`` batches as they are (no row mask); ``(B, T, D)`` tokens as ``(B*T, D)`` rows, their labels
+        (0 where -100), ``(B*T, C)`` logits and which rows count (real tokens with a class, :func:`counted_tokens`)."""
+        if features.ndim != 3:
+            return features, labels, logits, None
+        check_real("features", features)
+        shape = tuple(features.shape)
+        if labels.ndim != 2 or tuple(labels.shape) != shape[:2]:
+            raise ValueError(
+                f"token features {shape} (each token a row) need labels per token of shape (B, T) = {shape[:2]}, "
+                f"got {tuple(labels.shape)}"
+            )
+        if logits is not None and tuple(logits.shape) != (*shape[:2], self.num_classes):
+            expected = (*shape[:2], self.num_classes)
+            raise ValueError(f"logits of token features must be {expected}, got {tuple(logits.shape)}")
+        grouping = group_token_labels(labels, self.num_classes)
+        counted = counted_tokens(grouping, mask, features).reshape(-1)
+        rows = features.reshape(-1, shape[2])
+        flat_logits = None if logits is None else logits.reshape(-1, self.num_classes)
+        return rows, grouping.labels, flat_logits, counted
+
+    def forward(  # type: ignore[override]
+        self, features: Tensor, labels: Tensor, logits: Tensor | None = None, *, mask: Tensor | None = None
+    ) -> None:
         """The same as :meth:`update` (``metric(features, labels)`` streams a batch); returns ``None``.
 
         A two-pass metric has no value of one batch: torchmetrics' ``forward`` would reset the states to compute one,
         losing the sums streamed so far, and fail for want of the second pass.
         """
-        self.update(features, labels, logits)
+        self.update(features, labels, logits, mask=mask)
 
-    def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None) -> None:
+    def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None, counted: Tensor | None) -> None:
         check_real("features", features)
         if logits is not None:
             check_real("logits", logits)
@@ -171,13 +303,15 @@ class NeuralCollapseStatistics(Metric):
             # The label range and, in the second pass, whether a label's class has a mean: one read from a GPU.
             reads = [labels.min(), labels.max()]
             if self.second_pass:
-                row_of = self._row_of.to(labels.device)
-                reads.append((row_of[labels.clamp(0, self.num_classes - 1)] < 0).any().to(labels.dtype))
-            low, high, *missing = torch.stack(reads).tolist()
+                missing = self._row_of.to(labels.device)[labels.clamp(0, self.num_classes - 1)] == -2
+                if counted is not None:
+                    missing &= counted.to(labels.device)
+                reads.append(missing.any().to(labels.dtype))
+            low, high, *missing_any = torch.stack(reads).tolist()
             if low < 0 or high >= self.num_classes:
                 raise ValueError(f"labels must lie in [0, {self.num_classes}), got {low}..{high}")
-            if any(missing):
-                absent = sorted(set(labels.tolist()) - set(self._present.tolist()))
+            if any(missing_any):
+                absent = sorted(set(labels[missing].tolist()))
                 raise ValueError(f"labels {absent} belong to classes that had no sample when the means were computed")
         if logits is not None and logits.shape != (features.shape[0], self.num_classes):
             raise ValueError(f"logits must be ({features.shape[0]}, {self.num_classes}), got {tuple(logits.shape)}")
@@ -190,8 +324,9 @@ class NeuralCollapseStatistics(Metric):
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
             dtype = self.input_dtype  # of every process's features, as compute() will take it
         self._restored_second_pass = False
-        self._present, self._means, global_mean = class_means(*self._totals)
-        self._row_of = class_rows(self._present, self.num_classes)
+        self._selected = None if self.top_classes is None else most_frequent_classes(self._totals[0], self.top_classes)
+        self._present, self._means, global_mean = class_means(*self._totals, classes=self._selected)
+        self._row_of = class_rows(self._present, self.num_classes).masked_fill(self._totals[0] == 0, -2)
         counts = self._totals[0][self._present]
         basis = between_class_directions(self._means, global_mean, dtype=dtype, counts=counts)
         self._directions = basis.directions
@@ -239,7 +374,8 @@ class NeuralCollapseStatistics(Metric):
                 f"the two passes saw different samples: class counts {counts.tolist()} in the first, "
                 f"{self.second_counts.tolist()} in the second; both must read the same data"
             )
-        agreements = self.agreements if int(self.predicted_rows) == int(counts.sum()) else None
+        measured = int(counts[self._present.to(counts.device)].sum())
+        agreements = self.agreements if int(self.predicted_rows) == measured else None
         return neural_collapse_from_residuals(
             counts,
             sums,
@@ -248,6 +384,7 @@ class NeuralCollapseStatistics(Metric):
             head_weight=self.head_weight,
             agreements=agreements,
             dtype=self.input_dtype,
+            classes=self._selected,
         )
 
     def _load_from_state_dict(
@@ -270,6 +407,19 @@ class NeuralCollapseStatistics(Metric):
             message = f"the saved NeuralCollapseStatistics has num_classes={c}, num_features={d}; this one has "
             error_msgs.append(f"{message}num_classes={self.num_classes}, num_features={self.num_features}")
             return
+        own = torch.tensor(self.top_classes or 0)
+        saved = state_dict.get(prefix + "class_selection", torch.zeros((), dtype=torch.long))  # before: every class
+        second = state_dict.get(prefix + "second_counts")
+        if loaded and int(saved) != int(own) and second is not None and bool(second.sum()):
+            # Second-pass sums are taken around the means of the classes selected then; the first pass's are not.
+            was, now = int(saved) or None, self.top_classes
+            error_msgs.append(
+                f"the saved NeuralCollapseStatistics was in its second pass with top_classes={was}; this one has "
+                f"top_classes={now}, whose second pass would be around the means of other classes"
+            )
+            return
+        if loaded:
+            state_dict[prefix + "class_selection"] = own
         if loaded and prefix + "input_eps" not in state_dict:
             # Saved before the dtype was a state: not known, as for a metric that saw no batch.
             state_dict[prefix + "input_eps"] = torch.zeros((), dtype=torch.float64)
@@ -278,7 +428,7 @@ class NeuralCollapseStatistics(Metric):
         )
         if not loaded:
             return
-        self._means = self._present = self._row_of = self._directions = self._totals = None
+        self._means = self._present = self._selected = self._row_of = self._directions = self._totals = None
         self._restored_second_pass = bool(self.second_counts.sum())
 
     @override
@@ -293,7 +443,7 @@ class NeuralCollapseStatistics(Metric):
         means and directions that :meth:`start_second_pass` fixed, which the second pass's batches meet."""
         move = device_move_only(fn)
         super()._apply(move, exclude_state)
-        for name in ("_means", "_present", "_row_of", "_directions"):
+        for name in ("_means", "_present", "_selected", "_row_of", "_directions"):
             if getattr(self, name) is not None:
                 setattr(self, name, move(getattr(self, name)))
         if self._totals is not None:
@@ -304,4 +454,4 @@ class NeuralCollapseStatistics(Metric):
         """Clear both passes."""
         super().reset()
         self._restored_second_pass = False
-        self._means = self._present = self._row_of = self._directions = self._totals = None
+        self._means = self._present = self._selected = self._row_of = self._directions = self._totals = None
