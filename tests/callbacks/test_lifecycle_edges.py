@@ -1,9 +1,13 @@
 """Edges of a monitor's life around ``fit``: an evaluation of other data after the fit, a tuner that fails, a layer
 whose measurement is non-finite at some inputs only, a classifier that never reaches its threshold."""
 
-import pytest
+import math
 
-from rank_lightning.callbacks import ActivationRankMonitor, NeuralCollapseMonitor
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from rank_lightning.callbacks import ActivationRankMonitor, JacobianRankMonitor, NeuralCollapseMonitor
 from rank_lightning.callbacks.curves import read_curve_file
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
@@ -34,3 +38,28 @@ def test_validating_other_data_after_fit_keeps_the_fits_last_point(tmp_path, mak
     # The same data again: the same measurement, recorded without a warning.
     trainer.validate(model, loader, verbose=False)
     assert monitor.curves.history[1][layer] == pytest.approx(fitted[1][layer], rel=1e-9)
+
+
+def test_a_jacobian_non_finite_at_one_input_of_several_logs_nan_and_names_the_inputs(tmp_path):
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    x[1, 0] = 1000.0  # net.0 gives NaN in eval mode at this input only
+    loader = DataLoader(TensorDataset(x, torch.zeros(12, dtype=torch.long)), batch_size=4)
+    model = SmallClassifier(seed=0)
+
+    def nan_at_the_large_input(module, args, output):
+        return output if module.training else output * torch.where(args[0][:, :1] > 100, math.nan, 1.0)
+
+    model.net[0].register_forward_hook(nan_at_the_large_input)
+    monitor = JacobianRankMonitor(layers=["net.0", "net.2"], num_inputs=3, log_per_input=True, verbose=False)
+    with pytest.warns(RuntimeWarning) as record:
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, loader, loader)
+    messages = [str(w.message) for w in record if "partial Jacobian" in str(w.message)]
+    assert messages == [
+        f"JacobianRankMonitor: the partial Jacobian of block {name!r} holds NaN or Inf values at 1 of the 3 inputs "
+        "(input 1); its rank, the mean over the inputs, is logged as NaN while any input's is (log_per_input=True "
+        "logs the rank at each input)"
+        for name in ("net.0", "net.2")
+    ]
+    values = monitor.curves.history[0]["net.0"]
+    assert math.isnan(values["rank"]) and math.isnan(values["rank_input_1"])
+    assert values["rank_input_0"] == values["rank_input_2"] == 5  # the finite inputs keep their ranks
