@@ -7,8 +7,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from rank_lightning.callbacks import ActivationRankMonitor, JacobianRankMonitor, NeuralCollapseMonitor
+from rank_lightning.callbacks import (
+    ActivationRankMonitor,
+    ClassificationDimension,
+    JacobianRankMonitor,
+    NeuralCollapseMonitor,
+)
 from rank_lightning.callbacks.curves import read_curve_file
+from rank_lightning.functional import classification_dimension
 from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, small_loader
 
 
@@ -63,3 +69,26 @@ def test_a_jacobian_non_finite_at_one_input_of_several_logs_nan_and_names_the_in
     values = monitor.curves.history[0]["net.0"]
     assert math.isnan(values["rank"]) and math.isnan(values["rank_input_1"])
     assert values["rank_input_0"] == values["rank_input_2"] == 5  # the finite inputs keep their ranks
+
+
+def test_a_head_that_classifies_no_sample_correctly_has_no_classification_dimension(tmp_path):
+    model = SmallClassifier(seed=0)
+    x = torch.randn(30, 5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = model.net[:2](x)  # the input of the head, net.2
+        wrong = (model.net[2](features).argmax(dim=1) + 1) % 3  # every prediction is wrong: full accuracy 0
+    with pytest.warns(RuntimeWarning, match=r"none of the 30 samples correctly \(full accuracy 0\)"):
+        result = classification_dimension(features, wrong, model.net[2])
+    assert math.isnan(result.cls_dim) and not result.defined and result.full_accuracy == 0
+    callback = ClassificationDimension(verbose=False)
+    loader = DataLoader(TensorDataset(x, wrong), batch_size=8)
+    with pytest.warns(RuntimeWarning) as record:
+        (results,) = quiet_trainer([callback], default_root_dir=tmp_path).validate(model, loader, verbose=False)
+    assert [str(w.message) for w in record if "classifies none" in str(w.message)] == [
+        "ClassificationDimension: the head 'net.2' classifies none of the 30 evaluated samples correctly (full "
+        "accuracy 0): every k keeps 0.95 of it, so the classification dimension is undefined; clsdim/cls_dim and "
+        "clsdim/acc_at_cls_dim are logged as NaN and the figure is not drawn"
+    ]
+    assert math.isnan(results["clsdim/cls_dim"]) and math.isnan(results["clsdim/acc_at_cls_dim"])
+    assert results["clsdim/full_acc"] == 0.0
+    assert not (tmp_path / "clsdim" / "accuracy_vs_k.png").exists()
