@@ -20,14 +20,16 @@ follows with those numbers, identically for every callback:
    first training epoch, :meth:`LayerCurves.start_epoch`) a warning names them, their values move under
    ``"superseded"`` (with every earlier superseded block the file or memory holds: never lost) and the curve file is
    rewritten. Values found there that were measured after the checkpoint was saved, of its weights (a save at the
-   end of a batch, before the validation that follows), stay in the history. A checkpoint loaded outside a fit
-   (``trainer.validate`` / ``trainer.test`` with ``ckpt_path``) takes nothing away: the curves of the run that
-   recorded them (the same trainer) keep every point and only gain the checkpoint's points they lack; curves that
-   hold none (a new process) take the checkpoint's, and the run directory's curve file's later points when the file
-   agrees with them (a file that does not is another run's, kept under another name). Its measurement is recorded at
-   the checkpoint's epoch (or step), as is that of a later ``trainer.validate(model)`` of the module it was loaded
-   into, no optimizer step taken since; one of a checkpoint saved inside an epoch that the curves hold measured at
-   its end (later weights) is logged and returned, with a warning, but not recorded over that epoch;
+   end of a batch, before the validation that follows), stay in the history. Rank zero alone reads the curve file:
+   under DDP the other processes' histories lack the points found there (the history of rank zero is the one that
+   checkpoints, files and figures take; the values logged are the same on every process). A checkpoint loaded
+   outside a fit (``trainer.validate`` / ``trainer.test`` with ``ckpt_path``) takes nothing away: the curves of the
+   run that recorded them (the same trainer) keep every point and only gain the checkpoint's points they lack; curves
+   that hold none (a new process) take the checkpoint's, and the run directory's curve file's later points when the
+   file agrees with them (a file that does not is another run's, kept under another name). Its measurement is
+   recorded at the checkpoint's epoch (or step), as is that of a later ``trainer.validate(model)`` of the module it
+   was loaded into, no optimizer step taken since; one of a checkpoint saved inside an epoch that the curves hold
+   measured at its end (later weights) is logged and returned, with a warning, but not recorded over that epoch;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
