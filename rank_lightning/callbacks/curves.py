@@ -990,8 +990,8 @@ class LayerCurves:
         the same weights measured on other data (``trainer.validate(model, other_loader)`` after the fit: a test split,
         an out-of-distribution set) or other rows. The history keeps its point (the curve file, the figures); the
         evaluation's values are logged through the module (``trainer.validate`` returns them), with a warning naming
-        the point. Values equal to the held ones (within ``1e-9``, relative) are the same measurement, recorded as
-        such."""
+        the point. Values equal to the held ones within ``1e-6``, relative (the rounding of kernels that add in
+        another order, as GPU ones may), are the same measurement, recorded as such."""
         held = self._history.get(point)
         if _fitting(trainer) or held is None:
             return False
@@ -1001,7 +1001,7 @@ class LayerCurves:
             and all(
                 metric in held[layer]
                 and (
-                    math.isclose(value, held[layer][metric], rel_tol=1e-9, abs_tol=1e-12)
+                    math.isclose(value, held[layer][metric], rel_tol=1e-6, abs_tol=1e-9)
                     or (math.isnan(value) and math.isnan(held[layer][metric]))
                 )
                 for metric, value in metrics.items()

@@ -1,7 +1,8 @@
-"""Edges of a monitor's life around ``fit``: an evaluation of other data after the fit, a tuner that fails, a layer
-whose measurement is non-finite at some inputs only, a classifier that never reaches its threshold."""
+"""Edges of a monitor's life around ``fit``: an evaluation of other data after the fit, a block whose Jacobian is
+non-finite at some inputs only, a head that classifies no sample correctly."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ from tests.callbacks.trainer_helpers import SmallClassifier, quiet_trainer, smal
 @pytest.mark.parametrize(
     ("make", "namespace"),
     [
-        (lambda: ActivationRankMonitor(layers=["net.1"], verbose=False), "rank"),
-        (lambda: NeuralCollapseMonitor(verbose=False), "neural_collapse"),
+        (lambda: ActivationRankMonitor(layers=["net.1"], metrics=["participation_ratio"], verbose=False), "rank"),
+        (lambda: NeuralCollapseMonitor(metrics=["nc1"], verbose=False), "neural_collapse"),
     ],
 )
 def test_validating_other_data_after_fit_keeps_the_fits_last_point(tmp_path, make, namespace):
@@ -39,11 +40,17 @@ def test_validating_other_data_after_fit_keeps_the_fits_last_point(tmp_path, mak
     stored = read_curve_file(tmp_path / "rank_curves" / f"{namespace}_curves.json")
     for history in (monitor.curves.history, stored["history"]):
         assert history == fitted  # the fit's points, its last one included
-    returned = {key.split("/")[-1]: value for key, value in results.items() if key.startswith(f"{namespace}/{layer}/")}
-    assert returned and returned != fitted[1][layer]  # the other data's values, returned by trainer.validate
+    # The other data's values are returned by trainer.validate, as a validation of that data alone gives them.
+    (alone,) = quiet_trainer([make()], default_root_dir=tmp_path / "alone").validate(model, other, verbose=False)
+    keys = [key for key in alone if key.startswith(f"{namespace}/{layer}/")]
+    assert keys and {key: results[key] for key in keys} == pytest.approx({key: alone[key] for key in keys}, rel=1e-9)
+    assert any(results[key] != fitted[1][layer][key.split("/")[-1]] for key in keys)
     # The same data again: the same measurement, recorded without a warning.
-    trainer.validate(model, loader, verbose=False)
-    assert monitor.curves.history[1][layer] == pytest.approx(fitted[1][layer], rel=1e-9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(model, loader, verbose=False)
+    assert not [w for w in caught if "measures the weights the curves hold" in str(w.message)]
+    assert monitor.curves.history[1][layer] == pytest.approx(fitted[1][layer], rel=1e-6)
 
 
 def test_a_jacobian_non_finite_at_one_input_of_several_logs_nan_and_names_the_inputs(tmp_path):
