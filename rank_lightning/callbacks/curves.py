@@ -854,11 +854,7 @@ class LayerCurves:
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
         point = self._evaluated_point(trainer, at, pl_module)
-        if (
-            self._measured_later(trainer, pl_module, point, values)
-            or self._holds_other_weights(trainer, pl_module, point, values)
-            or self._measured_otherwise(trainer, pl_module, point, values)
-        ):
+        if self._kept_out(trainer, pl_module, point, values):
             return
         scalars = self._scalars(self.record(point, values))
         self._note_recorder(trainer)
@@ -931,6 +927,15 @@ class LayerCurves:
     def _evaluated_point(self, trainer: Any, at: int, pl_module: Any = None) -> int:
         loaded = self._loaded_checkpoint(trainer, pl_module)
         return evaluated_point(trainer, at, self.x_axis, loaded, loaded)
+
+    def _kept_out(self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Whether an evaluation's values are logged but kept out of the history (each check logs them and warns):
+        :meth:`_measured_later`, :meth:`_holds_other_weights`, :meth:`_measured_otherwise`."""
+        return (
+            self._measured_later(trainer, pl_module, point, values)
+            or self._holds_other_weights(trainer, pl_module, point, values)
+            or self._measured_otherwise(trainer, pl_module, point, values)
+        )
 
     def _measured_later(
         self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
