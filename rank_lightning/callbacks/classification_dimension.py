@@ -217,6 +217,9 @@ class ClassificationDimension(RankCallback):
     dead ReLUs, or holding NaN or Inf values) have no classification dimension: a warning names the head and the
     cause, ``clsdim/cls_dim`` and ``clsdim/acc_at_cls_dim`` are logged as NaN (``clsdim/full_acc`` too for
     non-finite features), the accuracy table holds NaN, and the figure is not drawn (a previous one is removed).
+    Nor does a head that classifies no evaluated sample correctly (``clsdim/full_acc`` 0, which every ``k`` keeps): a
+    warning names the head, ``clsdim/cls_dim`` and ``clsdim/acc_at_cls_dim`` are logged as NaN and the figure is not
+    drawn, the accuracy table holding the accuracies measured.
     Logits with NaN or Inf values likewise skip the independence deficit, whose numbers are then logged as NaN. Such
     data never stops the run, nor does a head whose outputs are not one row of logits per sample ``(B, C)`` (one that
     scores every token of ``(B, T, d)`` features): a warning names it, and nothing is evaluated.
@@ -488,11 +491,20 @@ class ClassificationDimension(RankCallback):
         with eval_mode(pl_module), warnings.catch_warnings():
             # The undefined cases are reported below, naming the head.
             warnings.filterwarnings("ignore", r"the features (contain NaN|are constant)", RuntimeWarning)
+            warnings.filterwarnings("ignore", r"the head classifies none of the", RuntimeWarning)
             result = classification_dimension(
                 features, labels, head, threshold=self.threshold, center=self.center, ks=self.ks
             )
             deficit = self._deficit(head, features, labels, path) if self.independence_deficit else None
-        if not result.defined:
+        if not result.defined and result.full_accuracy == 0:
+            self.warn_once(
+                ("undefined", "no correct prediction"),
+                f"the head {path!r} classifies none of the {features.shape[0]} evaluated samples correctly (full "
+                f"accuracy 0): every k keeps {self.threshold} of it, so the classification dimension is undefined; "
+                "clsdim/cls_dim and clsdim/acc_at_cls_dim are logged as NaN and the figure is not drawn",
+                RuntimeWarning,
+            )
+        elif not result.defined:
             cause = "constant" if bool((result.eigenvalues == 0).all()) else "not finite (NaN or Inf)"
             self.warn_once(
                 ("undefined", cause),

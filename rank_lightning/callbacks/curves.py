@@ -20,14 +20,16 @@ follows with those numbers, identically for every callback:
    first training epoch, :meth:`LayerCurves.start_epoch`) a warning names them, their values move under
    ``"superseded"`` (with every earlier superseded block the file or memory holds: never lost) and the curve file is
    rewritten. Values found there that were measured after the checkpoint was saved, of its weights (a save at the
-   end of a batch, before the validation that follows), stay in the history. A checkpoint loaded outside a fit
-   (``trainer.validate`` / ``trainer.test`` with ``ckpt_path``) takes nothing away: the curves of the run that
-   recorded them (the same trainer) keep every point and only gain the checkpoint's points they lack; curves that
-   hold none (a new process) take the checkpoint's, and the run directory's curve file's later points when the file
-   agrees with them (a file that does not is another run's, kept under another name). Its measurement is recorded at
-   the checkpoint's epoch (or step), as is that of a later ``trainer.validate(model)`` of the module it was loaded
-   into, no optimizer step taken since; one of a checkpoint saved inside an epoch that the curves hold measured at
-   its end (later weights) is logged and returned, with a warning, but not recorded over that epoch;
+   end of a batch, before the validation that follows), stay in the history. Rank zero alone reads the curve file:
+   under DDP the other processes' histories lack the points found there (the history of rank zero is the one that
+   checkpoints, files and figures take; the values logged are the same on every process). A checkpoint loaded
+   outside a fit (``trainer.validate`` / ``trainer.test`` with ``ckpt_path``) takes nothing away: the curves of the
+   run that recorded them (the same trainer) keep every point and only gain the checkpoint's points they lack; curves
+   that hold none (a new process) take the checkpoint's, and the run directory's curve file's later points when the
+   file agrees with them (a file that does not is another run's, kept under another name). Its measurement is
+   recorded at the checkpoint's epoch (or step), as is that of a later ``trainer.validate(model)`` of the module it
+   was loaded into, no optimizer step taken since; one of a checkpoint saved inside an epoch that the curves hold
+   measured at its end (later weights) is logged and returned, with a warning, but not recorded over that epoch;
 3. when a ``WandbLogger`` (of ``pytorch_lightning`` or ``lightning.pytorch``) is attached, logs on rank zero two
    line-series charts per metric: ``"{namespace}_curves/{metric}_vs_epoch"`` (one line per layer) and
    ``"{namespace}_curves/{metric}_vs_depth"`` (x is the layer's depth index, one line per epoch, at most
@@ -831,7 +833,9 @@ class LayerCurves:
         ``trainer.current_epoch``, which by then counts one epoch more. On an epoch axis, where the fit measured that
         epoch at another optimizer step (a validation inside the epoch, then more steps), the evaluation is of other
         weights: its values are logged (``trainer.validate`` returns them) but kept out of the history, which keeps
-        the fit's, with a warning naming both steps.
+        the fit's, with a warning naming both steps. So are those of an evaluation of the weights of a point the
+        history holds whose values differ from that point's (other data: ``trainer.validate(model, other_loader)``
+        after the fit), with a warning naming the point.
 
         Call it on every rank, with the same values (they are written without synchronisation). Calls during the
         sanity check are ignored: Lightning discards what is logged there, and an untrained model would leave an epoch
@@ -850,9 +854,7 @@ class LayerCurves:
             self._rewind_check = False
             self._supersede_rewound(trainer, at)
         point = self._evaluated_point(trainer, at, pl_module)
-        if self._measured_later(trainer, pl_module, point, values) or self._holds_other_weights(
-            trainer, pl_module, point, values
-        ):
+        if self._kept_out(trainer, pl_module, point, values):
             return
         scalars = self._scalars(self.record(point, values))
         self._note_recorder(trainer)
@@ -926,6 +928,15 @@ class LayerCurves:
         loaded = self._loaded_checkpoint(trainer, pl_module)
         return evaluated_point(trainer, at, self.x_axis, loaded, loaded)
 
+    def _kept_out(self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Whether an evaluation's values are logged but kept out of the history (each check logs them and warns):
+        :meth:`_measured_later`, :meth:`_holds_other_weights`, :meth:`_measured_otherwise`."""
+        return (
+            self._measured_later(trainer, pl_module, point, values)
+            or self._holds_other_weights(trainer, pl_module, point, values)
+            or self._measured_otherwise(trainer, pl_module, point, values)
+        )
+
     def _measured_later(
         self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
     ) -> bool:
@@ -972,6 +983,45 @@ class LayerCurves:
                 f"epoch {point}, where the curves (keyed by epoch) put it, holds the fit's measurement at step "
                 f"{recorded}: its values are logged (and returned by trainer.validate) but kept out of the curves, "
                 "which keep the fit's.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return True
+
+    def _measured_otherwise(
+        self, trainer: Any, pl_module: Any, point: int, values: Mapping[str, Mapping[str, Any]]
+    ) -> bool:
+        """Whether an evaluation outside ``fit`` would replace the point ``point`` the history holds with other values:
+        the same weights measured on other data (``trainer.validate(model, other_loader)`` after the fit: a test split,
+        an out-of-distribution set) or other rows. The history keeps its point (the curve file, the figures); the
+        evaluation's values are logged through the module (``trainer.validate`` returns them), with a warning naming
+        the point. Values equal to the held ones within ``1e-6``, relative (the rounding of kernels that add in
+        another order, as GPU ones may), are the same measurement, recorded as such."""
+        held = self._history.get(point)
+        if _fitting(trainer) or held is None:
+            return False
+        measured = self._as_floats(values)
+        if all(
+            layer in held
+            and all(
+                metric in held[layer]
+                and (
+                    math.isclose(value, held[layer][metric], rel_tol=1e-6, abs_tol=1e-9)
+                    or (math.isnan(value) and math.isnan(held[layer][metric]))
+                )
+                for metric, value in metrics.items()
+            )
+            for layer, metrics in measured.items()
+        ):
+            return False
+        log_rank_equal(pl_module, self._scalars(measured))
+        if getattr(trainer, "is_global_zero", True):
+            where = f"step {point}" if self.x_axis == "step" else f"epoch {point}"
+            warnings.warn(
+                f"LayerCurves({self.namespace!r}): this trainer.{_trainer_fn(trainer)} measures the weights the "
+                f"curves hold at {where}, but its values differ from those recorded there (other data, or other "
+                f"rows): they are logged (and returned by trainer.{_trainer_fn(trainer)}) but kept out of the curves, "
+                "the curve file and the figures, which keep the point recorded first.",
                 UserWarning,
                 stacklevel=4,
             )

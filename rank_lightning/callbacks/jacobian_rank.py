@@ -52,9 +52,11 @@ class JacobianRankMonitor(CurveMonitor):
     process logs the same numbers (the others wait in the broadcast).
 
     Non-finite values never stop training: a block whose partial Jacobian holds NaN or Inf at an input (a NaN or Inf
-    in its output or before it) logs NaN for its rank (and for that input's rank), with a warning naming it (once per
-    block); the blocks before it are unaffected. A Jacobian that is exactly zero (behind a layer of dead ReLUs) has
-    rank 0.
+    in its output or before it) logs NaN for its rank (and for that input's rank), with a warning naming it and the
+    inputs that were non-finite (once per block); the blocks before it are unaffected. One such input of several
+    makes the mean NaN: a mean over the finite inputs only would average other inputs than the other measurements
+    do, so its curve would move without the model's rank moving. A Jacobian that is exactly zero (behind a layer of
+    dead ReLUs) has rank 0.
 
     Curves (:class:`~rank_lightning.callbacks.curves.LayerCurves`, namespace ``"jacobian"``): the history is
     written to ``<run dir>/rank_curves/jacobian_curves.json`` at every measurement (appended); the figures
@@ -273,10 +275,13 @@ class JacobianRankMonitor(CurveMonitor):
         values = {}
         for name, result in results.items():
             if math.isnan(result.mean):
+                bad = [i for i, rank in enumerate(result.ranks.tolist()) if not math.isfinite(rank)]
+                which = ("input " if len(bad) == 1 else "inputs ") + ", ".join(map(str, bad))
                 self.warn_once(
                     ("not finite", name),
-                    f"the partial Jacobian of block {name!r} holds NaN or Inf values; its rank is logged as NaN "
-                    "while it does",
+                    f"the partial Jacobian of block {name!r} holds NaN or Inf values at {len(bad)} of the "
+                    f"{len(result.ranks)} inputs ({which}); its rank, the mean over the inputs, is logged as "
+                    "NaN while any input's is (log_per_input=True logs the rank at each input)",
                     RuntimeWarning,
                 )
             values[name] = {"rank": result.mean, "rank_max": float(result.max_rank)}

@@ -46,11 +46,12 @@ class ClassificationDimension:
 
     When the features have no principal directions (every row the same, up to float64 rounding of the rows, or any
     entry NaN or Inf), the classification dimension is undefined: ``cls_dim`` and ``accuracies`` are NaN (see
-    :attr:`defined`).
+    :attr:`defined`). So is it (``cls_dim`` NaN, the accuracies measured) when the full accuracy is 0, which every
+    ``k`` keeps.
 
     Attributes:
         cls_dim: the classification dimension, the smallest evaluated ``k`` whose accuracy reaches
-            ``threshold * full_accuracy``; ``math.nan`` (a float) when undefined.
+            ``threshold * full_accuracy``; ``math.nan`` (a float) when undefined (full accuracy 0 included).
         ambient_dim: d, the width of the features.
         full_accuracy: accuracy of the head on the unprojected features; NaN for non-finite features.
         threshold: the fraction of ``full_accuracy`` to reach.
@@ -130,7 +131,10 @@ def classification_dimension(
     Features without principal directions have no classification dimension: when every row equals the mean up to
     float64 rounding (``|F - mu| <= max(N, d) * eps_float64 * max |F|`` entrywise, e.g. a layer of dead ReLUs) or
     any entry is NaN or Inf, a ``RuntimeWarning`` says so and ``cls_dim`` and the accuracies are NaN (the full
-    accuracy too for non-finite features; the eigenvalues are then NaN, zeros for constant features).
+    accuracy too for non-finite features; the eigenvalues are then NaN, zeros for constant features). A head that
+    classifies no sample correctly (full accuracy 0) has none either: every ``k`` would keep ``threshold`` times zero,
+    so the first one evaluated would be taken for a dimension; a ``RuntimeWarning`` says so and ``cls_dim`` is NaN
+    (the accuracies and the eigenvalues are those measured).
 
     Args:
         features: ``(N, d)`` final features of the evaluation set (the input of the head).
@@ -204,6 +208,23 @@ def classification_dimension(
 
     accuracies = correct / num_samples
     full_accuracy = full_correct / num_samples
+    if full_accuracy == 0:
+        warnings.warn(
+            f"the head classifies none of the {num_samples} samples correctly (full accuracy 0): every k keeps "
+            f"{threshold} of it, so the classification dimension is undefined (NaN)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return ClassificationDimension(
+            cls_dim=math.nan,
+            ambient_dim=dim,
+            full_accuracy=full_accuracy,
+            threshold=threshold,
+            centered=center,
+            ks=torch.tensor(grid, dtype=torch.int64),
+            accuracies=accuracies,
+            eigenvalues=eigenvalues.cpu(),
+        )
     reached = (accuracies >= threshold * full_accuracy).nonzero()
     # Rounding at k = d can leave the accuracy a hair below the full one; d is the answer then.
     cls_dim = grid[int(reached[0])] if reached.numel() else dim
