@@ -39,11 +39,13 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
     * CodeGen ``CodeGenAttention.qkv_proj``: in every one of its ``mp_num`` (4) blocks of ``3 E / mp_num`` rows,
       ``q | v | k`` (values before keys), ``E / mp_num`` rows each; named, like every split, in the order q, k, v.
     * GPT-NeoX-Japanese ``GPTNeoXJapaneseAttention.query_key_value``, Persimmon
-      ``PersimmonAttention.query_key_value``: per head, ``q (D) | k (D) | v (D)``.
+      ``PersimmonAttention.query_key_value``, DeBERTa ``DisentangledSelfAttention.in_proj``: per head,
+      ``q (D) | k (D) | v (D)``.
     * DBRX ``DbrxAttention.Wqkv``: ``q (E) | k (G * D) | v (G * D)``.
     * A third of the rows each, ``q | k | v`` (the forward pass reshapes the output ``(..., 3, heads, head_dim)``
-      or chunks it in three): ModernBERT ``ModernBertAttention.Wqkv``, MPT ``MptAttention.Wqkv``, Qwen2-VL's
-      ``VisionAttention.qkv``, SAM's ``SamVisionAttention.qkv``; and the ``qkv`` of timm's ``AttentionRope``,
+      or chunks it in three): ModernBERT ``ModernBertAttention.Wqkv``, MPT ``MptAttention.Wqkv``, Bark
+      ``BarkSelfAttention.att_proj``, the ``qkv`` of the vision encoders of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V,
+      SAM, BLIP, BLIP-2 and InstructBLIP; and the ``qkv`` of timm's ``AttentionRope``,
       ``AttentionPool2d``, ``DiffAttention``, BEiT ``Attention``, EVA ``EvaAttention``, Swin (v1, v2)
       ``WindowAttention``, Swin v2 CR ``WindowMultiHeadAttention``, CaiT ``TalkingHeadAttn``, XCiT ``XCA``,
       EdgeNeXt ``CrossCovarianceAttn``, Twins ``LocallyGroupedAttn``, MViT v2 and Hiera-Det ``MultiScaleAttention``,
@@ -513,6 +515,14 @@ _EQUAL_PARTS: dict[tuple[str, str, str], tuple[str, ...]] = {
         (_TIMM_MODELS.format("vision_transformer_sam"), ("Attention",), "qkv", FUSED_PARTS),
         (_TIMM_MODELS.format("volo"), ("Attention",), "qkv", FUSED_PARTS),
         (_TIMM_MODELS.format("xcit"), ("XCA",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("bark"), ("BarkSelfAttention", "BarkSelfFlashAttention2"), "att_proj", FUSED_PARTS),
+        (_TRANSFORMERS.format("blip"), ("BlipAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("blip_2"), ("Blip2Attention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("glm4v"), ("Glm4vVisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("instructblip"), ("InstructBlipAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("instructblipvideo"), ("InstructBlipVideoAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("qwen2_5_vl"), ("Qwen2_5_VLVisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("qwen3_vl"), ("Qwen3VLVisionAttention",), "qkv", FUSED_PARTS),
         (_TRANSFORMERS.format("modernbert"), ("ModernBertAttention",), "Wqkv", FUSED_PARTS),
         (_TRANSFORMERS.format("mpt"), ("MptAttention",), "Wqkv", FUSED_PARTS),
         (_TRANSFORMERS.format("qwen2_vl"), ("VisionAttention",), "qkv", FUSED_PARTS),
@@ -537,6 +547,9 @@ def _per_head_rows(
         "query_key_value"
     ):
         head = _int(parent, "head_size")  # view(..., heads, 3 * head_size), then per head [:D], [D:2D], [2D:]
+        return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+    if _class_is(parent, _TRANSFORMERS.format("deberta"), "DisentangledSelfAttention") and child == "in_proj":
+        head = _int(parent, "attention_head_size")  # view(..., heads, 3 * head_size), then chunk(3)
         return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
     if _class_is(parent, _TRANSFORMERS.format("persimmon"), "PersimmonAttention") and child == "query_key_value":
         head = _int(parent, "head_dim")  # view(..., heads, 3, head_dim)

@@ -279,7 +279,7 @@ def test_fused_parts_of_timm_attentions_are_the_states_they_hand_to_sdpa(case, m
     _check(model, f"attn.{child}", x, dict(zip(parts, states)), parts=parts)
 
 
-@pytest.mark.parametrize("family", ["MPT", "SAM", "SAM-sdpa", "Qwen2-VL", "GPTNeoXJapanese"])
+@pytest.mark.parametrize("family", ["MPT", "SAM", "SAM-sdpa", "GPTNeoXJapanese"])
 def test_fused_qkv_parts_of_attention_layers_of_transformers_are_their_states(family, monkeypatch):
     torch.manual_seed(0)
     x, products = torch.randn(2, 4, 12), _Matmuls()
@@ -306,13 +306,6 @@ def test_fused_qkv_parts_of_attention_layers_of_transformers_are_their_states(fa
         )
         layer(x.unflatten(1, (2, 2)))
         states = captured[0]
-    elif family == "Qwen2-VL":  # (tokens, 3, heads, D); no rotation (cos 1, sin 0)
-        captured: list = []
-        config = transformers.Qwen2VLVisionConfig(embed_dim=12, num_heads=3)
-        config._attn_implementation = _capture_interface(captured, monkeypatch)
-        layer = transformers.models.qwen2_vl.modeling_qwen2_vl.VisionAttention(config)
-        layer(x[0], torch.tensor([0, 4]), (torch.ones(4, 4), torch.zeros(4, 4)))
-        x, states = x[:1], captured[0]  # (1, heads, tokens, D)
     else:  # per head q | k | v; positions 0 leave q and k as projected
         config = transformers.GPTNeoXJapaneseConfig(hidden_size=12, num_attention_heads=3, num_hidden_layers=1)
         model = transformers.GPTNeoXJapaneseModel(config).eval()
@@ -373,3 +366,68 @@ def test_levit_fused_projections_are_split_per_head_with_keys_narrower_than_valu
     states = dict(zip(QKV[1:], (k_down.mT, v_down)))
     _check(model, "down.kv.linear", x, {p: _heads_last(s) for p, s in states.items()}, parts=QKV[1:])
     assert [m.name for m in matrices_of("attn.qkv.linear", model.attn.qkv.linear)] == ["attn.qkv.linear"]
+
+
+@pytest.mark.parametrize("family", ["Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "GLM-4V", "BLIP-2", "InstructBLIP"])
+def test_fused_qkv_parts_of_vision_attentions_of_transformers_are_the_states_they_attend_with(family, monkeypatch):
+    torch.manual_seed(0)
+    captured: list = []
+    implementation, models, x = _capture_interface(captured, monkeypatch), transformers.models, torch.randn(1, 4, 12)
+    vision = {  # (tokens, 3, heads, D), rotated by cos 1, sin 0: as projected
+        "Qwen2-VL": (transformers.Qwen2VLVisionConfig, models.qwen2_vl.modeling_qwen2_vl.VisionAttention),
+        "Qwen2.5-VL": (
+            transformers.Qwen2_5_VLVisionConfig,
+            models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLVisionAttention,
+        ),
+        "Qwen3-VL": (transformers.Qwen3VLVisionConfig, models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionAttention),
+        "GLM-4V": (transformers.Glm4vVisionConfig, models.glm4v.modeling_glm4v.Glm4vVisionAttention),
+    }
+    if family in vision:
+        config_class, layer_class = vision[family]
+        config = config_class(embed_dim=12, hidden_size=12, num_heads=3)
+        config._attn_implementation = implementation
+        layer = layer_class(config)
+        layer(x[0], torch.tensor([0, 4]), (torch.ones(4, 4), torch.zeros(4, 4)))
+    else:  # BLIP-2's and InstructBLIP's vision encoders: (B, N, 3, heads, D)
+        module = models.blip_2.modeling_blip_2 if family == "BLIP-2" else models.instructblip.modeling_instructblip
+        config_class = transformers.Blip2VisionConfig if family == "BLIP-2" else transformers.InstructBlipVisionConfig
+        config = config_class(hidden_size=12, num_attention_heads=3, qkv_bias=True)
+        config._attn_implementation = implementation
+        layer = (module.Blip2Attention if family == "BLIP-2" else module.InstructBlipAttention)(config)
+        with torch.no_grad():  # random biases (zeros as built)
+            layer.qkv.bias.normal_()
+        layer(x)
+    model = nn.Module()
+    model.attn = layer
+    _check(model, "attn.qkv", x, {p: _heads_last(s) for p, s in zip(QKV, captured[0])})
+
+
+@pytest.mark.parametrize("family", ["BLIP", "Bark", "DeBERTa"])
+def test_fused_qkv_parts_of_eager_attentions_of_transformers_are_the_states_they_multiply(family):
+    torch.manual_seed(0)
+    x, products, models = torch.randn(2, 4, 12), _Matmuls(), transformers.models
+    if family == "BLIP":  # (B, N, 3, heads, D); q @ k^T, then attn @ v
+        config = transformers.BlipVisionConfig(hidden_size=12, num_attention_heads=3)
+        layer, child = models.blip.modeling_blip.BlipAttention(config), "qkv"
+        with products:
+            layer(x)
+        (q, kt), (_, v) = products.operands
+    elif family == "Bark":  # split(E) in three
+        config = transformers.BarkSemanticConfig(hidden_size=12, num_heads=3, num_layers=1, bias=True)
+        layer, child = models.bark.modeling_bark.BarkSelfAttention(config), "att_proj"
+        with products:
+            layer(x)
+        (q, kt), (_, v) = products.operands
+    else:  # per head q | k | v; (q + q_bias) / sqrt(D) @ k^T, then attn @ (v + v_bias)
+        config = transformers.DebertaConfig(hidden_size=12, num_attention_heads=3, relative_attention=False)
+        layer, child = models.deberta.modeling_deberta.DisentangledSelfAttention(config), "in_proj"
+        with torch.no_grad():
+            layer.q_bias.normal_()
+            layer.v_bias.normal_()
+        with products:
+            layer(x, torch.ones(2, 1, 4, 4))
+        (q, kt), (_, v) = products.operands[:2]
+        q, v = q * 2 - layer.q_bias.detach().view(3, 1, 4), v - layer.v_bias.detach().view(3, 1, 4)
+    model = nn.Module()
+    model.attn = layer
+    _check(model, f"attn.{child}", x, {p: _heads_last(s) for p, s in zip(QKV, (q, kt.mT, v))})
