@@ -625,6 +625,7 @@ def _fused_linear(
         if not all(isinstance(size, int) for size in declared):
             raise _unknown_shape(path, module, ["weight"])
         shape = declared
+    equal = sizes is None
     if sizes is None:  # equal blocks: their size is the whole weight's rows over the parts
         sizes = (max(shape[0] // len(parts), 1),) * len(parts)
     total, one_block = shape[0], period is None
@@ -634,6 +635,8 @@ def _fused_linear(
         # its parts are unknown, and it is said so rather than read as one matrix without a word.
         cut = f"{' | '.join(f'{part} ({size})' for part, size in zip(parts, sizes))} rows"
         cut += " in one block" if one_block else f" in every block of {period} rows"
+        if equal:
+            cut = f"{len(parts)} blocks of equal rows, {' | '.join(parts)}"
         warnings.warn(
             f"{path}: its {type(parent).__name__} cuts its output into {cut}, which its weight of shape "
             f"{tuple(shape)} does not hold; it is read as one matrix, not as its parts",

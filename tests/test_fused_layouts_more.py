@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.weight_matrices import matrices_of
 from tests.test_fused_layouts import QKV, _capture_interface, _check, _heads_last, _inputs
 
@@ -327,8 +328,8 @@ def test_a_layer_of_these_classes_whose_weight_or_settings_do_not_fit_is_one_mat
     beit = timm.models.beit.Attention(12, 3)
     beit.qkv = nn.Linear(12, 35, bias=False)  # not three equal parts
     message = (
-        r"attn.qkv: its Attention cuts its output into q_proj \(11\) \| k_proj \(11\) \| v_proj \(11\) rows in one "
-        r"block, which its weight of shape \(35, 12\) does not hold; it is read as one matrix, not as its parts"
+        r"attn.qkv: its Attention cuts its output into 3 blocks of equal rows, q_proj \| k_proj \| v_proj, which its "
+        r"weight of shape \(35, 12\) does not hold; it is read as one matrix, not as its parts"
     )
     with pytest.warns(UserWarning, match=message):
         (matrix,) = matrices_of("attn.qkv", beit.qkv, parent=beit)
@@ -431,3 +432,18 @@ def test_fused_qkv_parts_of_eager_attentions_of_transformers_are_the_states_they
     model = nn.Module()
     model.attn = layer
     _check(model, f"attn.{child}", x, {p: _heads_last(s) for p, s in zip(QKV, (q, kt.mT, v))})
+
+
+def test_the_attention_of_a_torch_transformer_layer_is_split_into_the_states_it_attends_with(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=12, nhead=3, dim_feedforward=8, dropout=0.0, batch_first=True)
+    captured, x = _sdpa_states(monkeypatch), torch.randn(2, 4, 12)
+    layer(x)  # with gradients: not the fused fast path, the (B * heads, N, D) states go to SDPA
+    monitor = WeightRankMonitor(verbose=False)
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "linear1", "linear2"]
+    assert monitor.select(layer) == names  # out_proj once, as a part of its attention
+    attention = layer.self_attn
+    for matrix, state in zip(matrices_of("self_attn", attention)[:3], captured[0]):
+        weight, rows = matrix.from_stored(attention.in_proj_weight.detach()), matrix.row_range((36, 12))
+        expected = x @ weight.T + attention.in_proj_bias.detach()[rows[0] : rows[1]]
+        torch.testing.assert_close(state.detach(), expected.unflatten(-1, (3, 4)).transpose(1, 2), rtol=0, atol=1e-6)
