@@ -45,7 +45,8 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
     * A third of the rows each, ``q | k | v`` (the forward pass reshapes the output ``(..., 3, heads, head_dim)``
       or chunks it in three): ModernBERT ``ModernBertAttention.Wqkv``, MPT ``MptAttention.Wqkv``, Bark
       ``BarkSelfAttention.att_proj``, the ``qkv`` of the vision encoders of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V,
-      SAM, BLIP, BLIP-2 and InstructBLIP; and the ``qkv`` of timm's ``AttentionRope``,
+      SAM (and SAM-HQ, GOT-OCR2, SegGPT, ViTDet, which took over its attention), BLIP, BLIP-2 and InstructBLIP;
+      and the ``qkv`` of timm's ``AttentionRope``,
       ``AttentionPool2d``, ``DiffAttention``, BEiT ``Attention``, EVA ``EvaAttention``, Swin (v1, v2)
       ``WindowAttention``, Swin v2 CR ``WindowMultiHeadAttention``, CaiT ``TalkingHeadAttn``, XCiT ``XCA``,
       EdgeNeXt ``CrossCovarianceAttn``, Twins ``LocallyGroupedAttn``, MViT v2 and Hiera-Det ``MultiScaleAttention``,
@@ -527,6 +528,10 @@ _EQUAL_PARTS: dict[tuple[str, str, str], tuple[str, ...]] = {
         (_TRANSFORMERS.format("mpt"), ("MptAttention",), "Wqkv", FUSED_PARTS),
         (_TRANSFORMERS.format("qwen2_vl"), ("VisionAttention",), "qkv", FUSED_PARTS),
         (_TRANSFORMERS.format("sam"), ("SamVisionAttention", "SamVisionSdpaAttention"), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("sam_hq"), ("SamHQVisionAttention", "SamHQVisionSdpaAttention"), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("got_ocr2"), ("GotOcr2VisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("vitdet"), ("VitDetAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("seggpt"), ("SegGptAttention",), "qkv", FUSED_PARTS),
         # reshape(..., 2, heads, head_dim): k | v, half of the rows each (the queries are a layer of their own).
         ("timm.layers.attention_pool", ("AttentionPoolLatent",), "kv", FUSED_PARTS[1:]),
         (_TIMM_MODELS.format("pvt_v2"), ("Attention",), "kv", FUSED_PARTS[1:]),

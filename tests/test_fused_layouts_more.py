@@ -280,7 +280,26 @@ def test_fused_parts_of_timm_attentions_are_the_states_they_hand_to_sdpa(case, m
     _check(model, f"attn.{child}", x, dict(zip(parts, states)), parts=parts)
 
 
-@pytest.mark.parametrize("family", ["MPT", "SAM", "SAM-sdpa", "GPTNeoXJapanese"])
+SAM_LIKE = {  # the attentions of SAM's image encoder, and of the models that took it over
+    "SAM": lambda: transformers.models.sam.modeling_sam.SamVisionAttention(
+        transformers.SamVisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False), window_size=2
+    ),
+    "SAM-HQ": lambda: transformers.models.sam_hq.modeling_sam_hq.SamHQVisionAttention(
+        transformers.SamHQVisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False), window_size=2
+    ),
+    "GOT-OCR2": lambda: transformers.models.got_ocr2.modeling_got_ocr2.GotOcr2VisionAttention(
+        transformers.GotOcr2VisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False), window_size=2
+    ),
+    "VitDet": lambda: transformers.models.vitdet.modeling_vitdet.VitDetAttention(
+        transformers.VitDetConfig(hidden_size=12, num_attention_heads=3, use_relative_position_embeddings=False)
+    ),
+    "SegGPT": lambda: transformers.models.seggpt.modeling_seggpt.SegGptAttention(
+        transformers.SegGptConfig(hidden_size=12, num_attention_heads=3, use_relative_position_embeddings=False)
+    ),
+}
+
+
+@pytest.mark.parametrize("family", ["MPT", *SAM_LIKE, "SAM-sdpa", "SAM-HQ-sdpa", "GPTNeoXJapanese"])
 def test_fused_qkv_parts_of_attention_layers_of_transformers_are_their_states(family, monkeypatch):
     torch.manual_seed(0)
     x, products = torch.randn(2, 4, 12), _Matmuls()
@@ -291,16 +310,21 @@ def test_fused_qkv_parts_of_attention_layers_of_transformers_are_their_states(fa
             layer(x, position_bias=None)
         (q, kt), (_, v) = products.operands
         states = (q, kt.mT, v)
-    elif family == "SAM":  # view(B, HW, 3, heads, D); (q * scale) @ k^T, then attn @ v, heads in the batch
-        config = transformers.SamVisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False)
-        layer = transformers.models.sam.modeling_sam.SamVisionAttention(config, window_size=2)
+    elif family in SAM_LIKE:  # view(B, HW, 3, heads, D); (q * scale) @ k^T, then attn @ v, heads in the batch
+        layer = SAM_LIKE[family]()
         with products:
             layer(x.unflatten(1, (2, 2)))
         (q, kt), (_, v) = products.operands
         states = [s.unflatten(0, (2, 3)) for s in (q / layer.scale, kt.mT, v)]
-    elif family == "SAM-sdpa":  # the same reshape, then SDPA
-        config = transformers.SamVisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False)
-        layer, captured = transformers.models.sam.modeling_sam.SamVisionSdpaAttention(config, window_size=2), []
+    elif family.endswith("-sdpa"):  # the same reshape, then SDPA
+        models = transformers.models
+        if family == "SAM-sdpa":
+            config = transformers.SamVisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False)
+            layer = models.sam.modeling_sam.SamVisionSdpaAttention(config, window_size=2)
+        else:
+            config = transformers.SamHQVisionConfig(hidden_size=12, num_attention_heads=3, use_rel_pos=False)
+            layer = models.sam_hq.modeling_sam_hq.SamHQVisionSdpaAttention(config, window_size=2)
+        captured = []
         sdpa = torch.nn.functional.scaled_dot_product_attention
         monkeypatch.setattr(
             torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: captured.append(a) or sdpa(*a, **k)
