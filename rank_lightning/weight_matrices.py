@@ -36,14 +36,39 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
       ``q (E) | k (D) | v (D)``; else per head, ``q (D) | k (D) | v (D)``.
     * timm's ``Attention.qkv`` (``timm.layers.attention``, the attention of its ViTs):
       ``q (H * D) | k (H * D) | v (H * D)``.
+    * CodeGen ``CodeGenAttention.qkv_proj``: in every one of its ``mp_num`` (4) blocks of ``3 E / mp_num`` rows,
+      ``q | v | k`` (values before keys), ``E / mp_num`` rows each; named, like every split, in the order q, k, v.
+    * GPT-NeoX-Japanese ``GPTNeoXJapaneseAttention.query_key_value``, Persimmon
+      ``PersimmonAttention.query_key_value``, DeBERTa ``DisentangledSelfAttention.in_proj``: per head,
+      ``q (D) | k (D) | v (D)``.
+    * DBRX ``DbrxAttention.Wqkv``: ``q (E) | k (G * D) | v (G * D)``.
+    * A third of the rows each, ``q | k | v`` (the forward pass reshapes the output ``(..., 3, heads, head_dim)``
+      or chunks it in three): ModernBERT ``ModernBertAttention.Wqkv``, MPT ``MptAttention.Wqkv``, Bark
+      ``BarkSelfAttention.att_proj``, the ``qkv`` of the vision encoders of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V,
+      SAM (and SAM-HQ, GOT-OCR2, SegGPT, ViTDet, which took over its attention), BLIP, BLIP-2 and InstructBLIP;
+      and the ``qkv`` of timm's ``AttentionRope``,
+      ``AttentionPool2d``, ``DiffAttention``, BEiT ``Attention``, EVA ``EvaAttention``, Swin (v1, v2)
+      ``WindowAttention``, Swin v2 CR ``WindowMultiHeadAttention``, CaiT ``TalkingHeadAttn``, XCiT ``XCA``,
+      EdgeNeXt ``CrossCovarianceAttn``, Twins ``LocallyGroupedAttn``, MViT v2 and Hiera-Det ``MultiScaleAttention``,
+      Hiera ``MaskUnitAttention``, ConViT ``MHSA``, DaViT ``ChannelAttention``, ``ChannelAttentionV2`` and
+      ``WindowAttention``, and the ``Attention`` of NesT, FastViT, MetaFormer, VOLO and timm's SAM ViT,
+      ``RelPosAttention``; MaxViT ``AttentionCl`` with ``head_first=False`` (with ``head_first=True``, per head
+      ``q (D) | k (D) | v (D)``); GC ViT ``WindowAttentionGlobal`` (with ``use_global``, ``k | v``, halves).
+    * timm's fused key/value ``kv`` (the queries are a Linear of their own): ``k | v``, halves, named
+      ``<layer>.k_proj`` and ``<layer>.v_proj``: PVT v2 ``Attention``, Twins ``GlobalSubSampleAttn``, VOLO
+      ``ClassAttention``, ``AttentionPoolLatent``.
+    * TinyViT and EfficientFormer ``Attention.qkv`` (``Dk``: key width, ``Dv``: value width of a head): per head,
+      ``q (Dk) | k (Dk) | v (Dv)``; LeViT likewise for the Linear of the ``LinearNorm`` (Linear, then batch norm)
+      ``qkv`` of its ``Attention`` (``<layer>.qkv.linear``, whose layer is the attention:
+      :func:`parent_layer`), and ``k (Dk) | v (Dv)`` per head for its ``AttentionDownsample.kv``.
 
     The class is recognised by its name and defining module, not a subclass's (whose forward pass may cut the
     output another way). A layer of one of these classes whose weight does not hold its layout, or whose settings
     (head size, head counts) are not found, is one matrix with a warning naming it; a cross-attention
     ``GPTBigCodeAttention`` (whose forward pass takes keys and values of one head's width) and every other fused
-    ``nn.Linear`` (CodeGen's ``qkv_proj``, a ``query_key_value`` of a model not named here, models loaded with
-    ``trust_remote_code``) are one matrix. The package's own ViT (torchvision's encoder) holds
-    ``nn.MultiheadAttention``, split as above.
+    ``nn.Linear`` (a ``query_key_value`` or ``qkv`` of a model not named here, models loaded with
+    ``trust_remote_code``) are one matrix, as are fused 1x1 convolutions (MaxViT's ``Attention2d``, LeViT with
+    ``use_conv``). The package's own ViT (torchvision's encoder) holds ``nn.MultiheadAttention``, split as above.
 
   With ``split_fused=False`` a fused projection is one matrix: ``<layer>.in_proj`` for ``nn.MultiheadAttention``
   (``(3E, E)``), ``<layer>`` for ``c_attn`` (``(3E, E)`` after the transpose) and for a fused ``nn.Linear``.
@@ -394,10 +419,12 @@ _UNREAD_SETTINGS = "its settings (head size, head counts) are not found where it
 
 def _fused_rows(
     child: str, parent: nn.Module | None
-) -> tuple[tuple[str, ...], tuple[int, ...], int | None] | str | None:
+) -> tuple[tuple[str, ...], tuple[int, ...] | None, int | None] | str | None:
     """``(parts, sizes, period)`` of a fused ``nn.Linear`` named ``child`` inside the layer ``parent``, as the
     parent's forward pass cuts its output: every block of ``period`` rows holds the parts one after the other,
-    ``sizes`` rows each (``period`` is ``None`` for one block, the whole matrix). ``None`` for a layer in no layout
+    ``sizes`` rows each (``period`` is ``None`` for one block, the whole matrix; ``sizes`` is ``None`` for parts of
+    equal size, whatever the rows, as a forward pass that reshapes to ``(..., 3, heads, -1)`` cuts them; the parts
+    named in the order of the weight's rows, CodeGen's ``q | v | k``). ``None`` for a layer in no layout
     named in the module docstring (a GPT-BigCode cross-attention included); :data:`_UNREAD_SETTINGS` for a layer of
     such a class whose settings (head size, head counts) are not found or do not fit its layout.
     """
@@ -448,6 +475,133 @@ def _fused_rows(
     if _class_is(parent, "timm.layers.attention", "Attention") and child == "qkv":
         head, heads = _int(parent, "head_dim"), _int(parent, "num_heads")  # reshape(B, N, 3, heads, head_dim)
         return _UNREAD_SETTINGS if head is None or heads is None else (FUSED_PARTS, (heads * head,) * 3, None)
+    cls = type(parent)
+    parts = _EQUAL_PARTS.get((cls.__module__, cls.__name__, child))
+    if parts is not None:
+        return parts, None, None
+    return _per_head_rows(child, parent)
+
+
+_TIMM_MODELS = "timm.models.{0}"
+
+_EQUAL_PARTS: dict[tuple[str, str, str], tuple[str, ...]] = {
+    (where, cls, child): parts
+    for where, classes, child, parts in [
+        # reshape(..., 3, heads, head_dim) (or chunk(3)) with the 3 outermost: q | k | v, a third of the rows each.
+        ("timm.layers.attention", ("AttentionRope",), "qkv", FUSED_PARTS),
+        ("timm.layers.attention_pool2d", ("AttentionPool2d",), "qkv", FUSED_PARTS),
+        ("timm.layers.diff_attention", ("DiffAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("beit"), ("Attention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("cait"), ("TalkingHeadAttn",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("convit"), ("MHSA",), "qkv", FUSED_PARTS),
+        (
+            _TIMM_MODELS.format("davit"),
+            ("ChannelAttention", "ChannelAttentionV2", "WindowAttention"),
+            "qkv",
+            FUSED_PARTS,
+        ),
+        (_TIMM_MODELS.format("edgenext"), ("CrossCovarianceAttn",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("eva"), ("EvaAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("fastvit"), ("Attention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("hiera"), ("MaskUnitAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("hieradet_sam2"), ("MultiScaleAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("metaformer"), ("Attention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("mvitv2"), ("MultiScaleAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("nest"), ("Attention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("swin_transformer"), ("WindowAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("swin_transformer_v2"), ("WindowAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("swin_transformer_v2_cr"), ("WindowMultiHeadAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("twins"), ("LocallyGroupedAttn",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("vision_transformer_relpos"), ("RelPosAttention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("vision_transformer_sam"), ("Attention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("volo"), ("Attention",), "qkv", FUSED_PARTS),
+        (_TIMM_MODELS.format("xcit"), ("XCA",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("bark"), ("BarkSelfAttention", "BarkSelfFlashAttention2"), "att_proj", FUSED_PARTS),
+        (_TRANSFORMERS.format("blip"), ("BlipAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("blip_2"), ("Blip2Attention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("glm4v"), ("Glm4vVisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("instructblip"), ("InstructBlipAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("instructblipvideo"), ("InstructBlipVideoAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("qwen2_5_vl"), ("Qwen2_5_VLVisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("qwen3_vl"), ("Qwen3VLVisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("modernbert"), ("ModernBertAttention",), "Wqkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("mpt"), ("MptAttention",), "Wqkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("qwen2_vl"), ("VisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("sam"), ("SamVisionAttention", "SamVisionSdpaAttention"), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("sam_hq"), ("SamHQVisionAttention", "SamHQVisionSdpaAttention"), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("got_ocr2"), ("GotOcr2VisionAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("vitdet"), ("VitDetAttention",), "qkv", FUSED_PARTS),
+        (_TRANSFORMERS.format("seggpt"), ("SegGptAttention",), "qkv", FUSED_PARTS),
+        # reshape(..., 2, heads, head_dim): k | v, half of the rows each (the queries are a layer of their own).
+        ("timm.layers.attention_pool", ("AttentionPoolLatent",), "kv", FUSED_PARTS[1:]),
+        (_TIMM_MODELS.format("pvt_v2"), ("Attention",), "kv", FUSED_PARTS[1:]),
+        (_TIMM_MODELS.format("twins"), ("GlobalSubSampleAttn",), "kv", FUSED_PARTS[1:]),
+        (_TIMM_MODELS.format("volo"), ("ClassAttention",), "kv", FUSED_PARTS[1:]),
+    ]
+    for cls in classes
+}
+"""Fused ``nn.Linear`` layers (``(defining module, class, attribute)`` of the layer holding them) whose output the
+forward pass cuts into equal blocks of rows, one per part, in the order given."""
+
+
+def _per_head_rows(
+    child: str, parent: nn.Module | None
+) -> tuple[tuple[str, ...], tuple[int, ...] | None, int | None] | str | None:
+    """The layouts of :func:`_fused_rows` that depend on the layer's settings beyond the ones above."""
+    if _class_is(parent, _TRANSFORMERS.format("gpt_neox_japanese"), "GPTNeoXJapaneseAttention") and child == (
+        "query_key_value"
+    ):
+        head = _int(parent, "head_size")  # view(..., heads, 3 * head_size), then per head [:D], [D:2D], [2D:]
+        return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+    if _class_is(parent, _TRANSFORMERS.format("deberta"), "DisentangledSelfAttention") and child == "in_proj":
+        head = _int(parent, "attention_head_size")  # view(..., heads, 3 * head_size), then chunk(3)
+        return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+    if _class_is(parent, _TRANSFORMERS.format("persimmon"), "PersimmonAttention") and child == "query_key_value":
+        head = _int(parent, "head_dim")  # view(..., heads, 3, head_dim)
+        return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
+    if _class_is(parent, _TRANSFORMERS.format("dbrx"), "DbrxAttention") and child == "Wqkv":
+        width, head = _int(parent, "hidden_size"), _int(parent, "head_dim")
+        kv_heads = _int(parent, "num_key_value_heads")  # split([E, G * D, G * D])
+        if width is None or head is None or kv_heads is None:
+            return _UNREAD_SETTINGS
+        return FUSED_PARTS, (width, kv_heads * head, kv_heads * head), None
+    if _class_is(parent, _TRANSFORMERS.format("codegen"), "CodeGenAttention") and child == "qkv_proj":
+        # view(..., mp_num, 3 * local), split(local): in every one of the mp_num blocks q | v | k (values before keys).
+        width, blocks = _int(parent, "embed_dim"), _int(parent, "mp_num")
+        if width is None or blocks is None or width % blocks:
+            return _UNREAD_SETTINGS
+        local = width // blocks
+        return ("q_proj", "v_proj", "k_proj"), (local,) * 3, 3 * local
+    if _class_is(parent, _TIMM_MODELS.format("tiny_vit"), "Attention") or _class_is(
+        parent, _TIMM_MODELS.format("efficientformer"), "Attention"
+    ):
+        if child != "qkv":
+            return None
+        key, value = _int(parent, "key_dim"), _int(parent, "val_dim")  # view(..., heads, -1).split([Dk, Dk, Dv])
+        return _UNREAD_SETTINGS if key is None or value is None else (FUSED_PARTS, (key, key, value), 2 * key + value)
+    if _class_is(parent, _TIMM_MODELS.format("levit"), "Attention", "AttentionDownsample"):
+        # The Linear of a LinearNorm (Linear, then batch norm): view(..., heads, -1).split([Dk, Dk, Dv]) for qkv,
+        # split([Dk, Dv]) for kv.
+        parts = {"qkv.linear": FUSED_PARTS, "kv.linear": FUSED_PARTS[1:]}.get(child)
+        key, value = _int(parent, "key_dim"), _int(parent, "val_dim")
+        if parts is None:
+            return None
+        if key is None or value is None:
+            return _UNREAD_SETTINGS
+        sizes = (key, key, value)[3 - len(parts) :]
+        return parts, sizes, sum(sizes)
+    if _class_is(parent, _TIMM_MODELS.format("maxxvit"), "AttentionCl") and child == "qkv":
+        head_first, head = getattr(parent, "head_first", None), _int(parent, "dim_head")
+        if head_first is False:  # reshape(B, -1, 3, heads, dim_head)
+            return FUSED_PARTS, None, None
+        if head_first is not True or head is None:  # view(B, -1, heads, 3 * dim_head).chunk(3): per head q | k | v
+            return _UNREAD_SETTINGS
+        return FUSED_PARTS, (head,) * 3, 3 * head
+    if _class_is(parent, _TIMM_MODELS.format("gcvit"), "WindowAttentionGlobal") and child == "qkv":
+        use_global = getattr(parent, "use_global", None)  # the queries of a global attention are the global ones
+        if not isinstance(use_global, bool):
+            return _UNREAD_SETTINGS
+        return (FUSED_PARTS[1:] if use_global else FUSED_PARTS), None, None
     return None
 
 
@@ -457,7 +611,9 @@ def _fused_linear(
     """The parts of a fused ``nn.Linear`` whose layout its attention or MLP layer ``parent`` fixes
     (:func:`_fused_rows`), checked against the full weight's rows; ``None`` (one matrix) where the rows do not
     match that layout."""
-    layout = _fused_rows(name.rsplit(".", 1)[-1], parent)
+    # The Linear of LeViT's LinearNorm is named after its LinearNorm (``qkv.linear``; see :func:`parent_layer`).
+    child = ".".join(name.split(".")[-2:]) if name.endswith(".linear") else name.rsplit(".", 1)[-1]
+    layout = _fused_rows(child, parent)
     if layout is None:
         return None
     if isinstance(layout, str):
@@ -474,6 +630,9 @@ def _fused_linear(
         if not all(isinstance(size, int) for size in declared):
             raise _unknown_shape(path, module, ["weight"])
         shape = declared
+    equal = sizes is None
+    if sizes is None:  # equal blocks: their size is the whole weight's rows over the parts
+        sizes = (max(shape[0] // len(parts), 1),) * len(parts)
     total, one_block = shape[0], period is None
     period = sum(sizes) if period is None else period
     if len(shape) != 2 or sum(sizes) != period or total % period or (one_block and total != period):
@@ -481,6 +640,8 @@ def _fused_linear(
         # its parts are unknown, and it is said so rather than read as one matrix without a word.
         cut = f"{' | '.join(f'{part} ({size})' for part, size in zip(parts, sizes))} rows"
         cut += " in one block" if one_block else f" in every block of {period} rows"
+        if equal:
+            cut = f"{len(parts)} blocks of equal rows, {' | '.join(parts)}"
         warnings.warn(
             f"{path}: its {type(parent).__name__} cuts its output into {cut}, which its weight of shape "
             f"{tuple(shape)} does not hold; it is read as one matrix, not as its parts",
@@ -489,10 +650,12 @@ def _fused_linear(
         )
         return None
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [
+    matrices = [
         WeightMatrix(f"{name}.{part}", module, rows=(start, start + size, period))
         for part, start, size in zip(parts, starts, sizes)
     ]
+    order = FUSED_PARTS + GATE_UP_PARTS  # q, k, v whatever their order in the weight (CodeGen's q | v | k)
+    return sorted(matrices, key=lambda matrix: order.index(matrix.name.rsplit(".", 1)[-1]))
 
 
 def _own_shapes(module: nn.Module, shapes: ParameterShapes | None) -> dict[str, tuple[int, ...] | None]:
@@ -755,7 +918,8 @@ def matrices_of(
 def parent_layer(path: str, modules: Mapping[str, nn.Module]) -> nn.Module | None:
     """The layer that holds the module ``path`` of ``modules`` (``named_modules()`` of the model): the module one
     level up, wrappers skipped (the module that ``torch.compile``, FSDP or activation checkpointing wraps, at the
-    longest path of that name); ``None`` for a module at the top."""
+    longest path of that name), and LeViT's ``LinearNorm`` (a Linear and its batch norm) skipped too, so that the
+    Linear of its fused ``qkv`` finds its attention layer; ``None`` for a module at the top."""
     eager = logged_name(path)
     if "." not in eager:
         return None
@@ -763,5 +927,7 @@ def parent_layer(path: str, modules: Mapping[str, nn.Module]) -> nn.Module | Non
     for end in range(len(parts) - 1, 0, -1):
         prefix = ".".join(parts[:end])
         if logged_name(prefix) == wanted and prefix in modules:
+            if _class_is(modules[prefix], _TIMM_MODELS.format("levit"), "LinearNorm"):
+                return parent_layer(prefix, modules)  # its Linear's rows are cut by the attention that holds it
             return modules[prefix]
     return None

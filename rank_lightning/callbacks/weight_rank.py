@@ -129,9 +129,10 @@ class WeightRankMonitor(CurveMonitor):
       ``c_attn`` likewise as ``<name>.q_proj``, ``<name>.k_proj``, ``<name>.v_proj`` (``split_fused``), and the
       fused ``nn.Linear`` projections of GPT-NeoX / Pythia and Bloom (``query_key_value``, heads interleaved),
       Falcon (``query_key_value``: multi-query, grouped-query and per-head layouts), Phi-3 (``qkv_proj``, and the
-      MLP's ``gate_up_proj`` as ``<name>.gate_proj`` and ``<name>.up_proj``), GPT-BigCode (``c_attn``) and timm's
-      ViT (``qkv``), each into the rows its layer's forward pass takes for q, k and v (every other fused Linear is
-      one matrix; :mod:`rank_lightning.weight_matrices`).
+      MLP's ``gate_up_proj`` as ``<name>.gate_proj`` and ``<name>.up_proj``), GPT-BigCode (``c_attn``), CodeGen,
+      DBRX, ModernBERT, MPT, Persimmon, and timm's ViT and other attentions (``qkv``, ``kv``), each into the rows
+      its layer's forward pass takes for q, k and v (every other fused Linear is one matrix; the list is in
+      :mod:`rank_lightning.weight_matrices`).
     * Experts: every expert ``e`` of a fused ``(E, ., .)`` stack on its own, in the layout the layer declares through
       ``transformers``' ``use_experts_implementation`` (``is_transposed``, ``is_concatenated``, ``has_gate``): a
       concatenated ``gate_up_proj`` ``(E, 2I, H)`` as ``<name>.<e>.gate_proj`` and ``<name>.<e>.up_proj`` (rows
@@ -205,7 +206,7 @@ class WeightRankMonitor(CurveMonitor):
             narrower the Gram route, with an exact SVD for every matrix whose ``s_min < 1e-3 * s_1``, so that every
             singular value is accurate to about ``1e-10`` relative; ``"svd"`` for float64 weights.
         split_fused: read fused query/key/value projections (``nn.MultiheadAttention.in_proj_weight``, GPT-2's
-            ``c_attn``, the fused Linears of GPT-NeoX, Bloom, Falcon, Phi-3, GPT-BigCode and timm's ViT) as three
+            ``c_attn``, the fused Linears of GPT-NeoX, Bloom, Falcon, Phi-3, GPT-BigCode, timm, ...) as three
             matrices ``<name>.q_proj``, ``.k_proj``, ``.v_proj``, and fused gate/up projections (experts'
             ``gate_up_proj``, Phi-3's) as ``<name>.<e>.gate_proj`` and ``.up_proj`` (``<name>.gate_proj`` and
             ``.up_proj``); ``False``: as one matrix (``<name>.in_proj`` for ``nn.MultiheadAttention``, ``<name>``
