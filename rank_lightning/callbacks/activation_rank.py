@@ -165,8 +165,9 @@ class ActivationRankMonitor(CurveMonitor):
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
             ``accumulate_grad_batches`` (not checked under manual optimization, whose steps per batch are known once
             seen). A checkpoint saved inside an open window holds its partial sums (the layers' float64 states, the
-            size of the memory plan), so a fit resumed from it continues the window (not under DDP, where each
-            process streams batches of its own; nor in a monitor of other settings, which warns). A window that
+            size of the memory plan; under DDP those of every process, gathered into the checkpoint), so a fit
+            resumed from it continues the window (on as many processes, each from its own sums; not in a monitor of
+            other settings, nor on another number of processes, which warns). A window that
             streams fewer (the fit resumed inside it without those sums, or an epoch's short last accumulation
             brought it within ``window_batches`` of the previous one, or came unforeseen at the end of an epoch of
             unknown length, an ``IterableDataset`` without ``__len__``; under manual optimization, a window planned
@@ -175,9 +176,9 @@ class ActivationRankMonitor(CurveMonitor):
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
             ``None`` is ``"train"`` with ``every_n_train_steps`` (which needs it) and ``"val"`` otherwise. With
             ``"train"`` and the epoch cadence, a checkpoint saved inside a monitored epoch holds the epoch's partial
-            sums, so a fit resumed from it measures the whole epoch; without them (a checkpoint saved under DDP or by
-            an older version, or loaded into a monitor of other settings) the epoch is measured on the batches still
-            to come, with a warning.
+            sums (under DDP those of every process), so a fit resumed from it measures the whole epoch; without them
+            (a checkpoint saved by an older version, or loaded into a monitor of other settings or a fit on another
+            number of processes) the epoch is measured on the batches still to come, with a warning.
         namespace: first part of the logged keys and of the curve file and figure names; ``None`` for ``"rank"``
             (``"rank_train"`` for ``stage="train"``). Two monitors of one Trainer need two namespaces (a second one
             with other layers, a reduction or centring: ``namespace="rank_channel"``); the same one is an error at
@@ -641,7 +642,7 @@ class ActivationRankMonitor(CurveMonitor):
         message = (
             f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
             "batches: it opened after the fit resumed inside it from a checkpoint that holds none of its sums (one "
-            "saved under DDP or inside a batch, or by an older version), or an epoch's short last accumulation "
+            "saved inside a batch, or by an older version), or an epoch's short last accumulation "
             "brought it within window_batches of the previous window. Its values stand on fewer rows (logged as "
             "spectrum_rows)."
         )
@@ -769,7 +770,7 @@ class ActivationRankMonitor(CurveMonitor):
             self._start(trainer, pl_module, trainer.num_training_batches, [trainer.train_dataloader])
             return
         done = progress.current.processed  # completed lags a checkpoint of batch end
-        why = "the checkpoint holds no sums of its batches before (one saved under DDP or by an older version)"
+        why = "the checkpoint holds no sums of its batches before (one saved by an older version)"
         if saved is not None:
             why = self._continue_epoch(trainer, pl_module, saved, done)
             if why is None:
@@ -787,8 +788,7 @@ class ActivationRankMonitor(CurveMonitor):
     ) -> str | None:
         """Continue the pass of the epoch the fit resumed inside of, ``done`` batches in, with the sums ``saved`` in
         the checkpoint; ``None`` when it goes on, else why not, in words."""
-        stream = saved.get("stream") if isinstance(saved.get("stream"), dict) else {}
-        streamed = stream.get("batches_seen")
+        streamed = _batches_streamed(saved)
         held = f"the checkpoint holds the sums of {streamed} of its batches, which this fit does not continue"
         why = self._pass_mismatch(trainer, saved)
         position = (saved.get("epoch"), saved.get("global_step"))
@@ -799,7 +799,8 @@ class ActivationRankMonitor(CurveMonitor):
         if why is not None:
             return f"{held}: {why}"
         try:
-            self._stream.resume(pl_module, stream, pl_module.device)
+            stream = self._saved_stream(trainer, saved)
+            self._stream.resume(pl_module, stream, pl_module.device, loaders=[trainer.train_dataloader])
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             self._stop()
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -834,9 +835,10 @@ class ActivationRankMonitor(CurveMonitor):
     ) -> None:
         """A checkpoint saved while a step window or a monitored training epoch (``stage="train"``) is open (between
         its batches) holds the pass's partial sums, so that a fit resumed from it continues the pass
-        (:meth:`_continue_window`, :meth:`_resume_inside_epoch`). Not under DDP, where each process streams batches of
-        its own and the checkpoint holds the first process's state only: a fit resumed there measures the window or
-        the epoch over the batches still to come, with a warning."""
+        (:meth:`_continue_window`, :meth:`_resume_inside_epoch`). Under DDP each process streams batches of its own and
+        Lightning writes the first process's state only: the sums of every process are gathered into it (a collective,
+        which every process joins as Lightning saves a checkpoint on each), and each process of a fit resumed on as
+        many processes takes back its own."""
         states = checkpoint.get("callbacks")
         stream = self._stream
         if (
@@ -844,12 +846,15 @@ class ActivationRankMonitor(CurveMonitor):
             or not self._monitoring("train")
             or not stream.between_batches
             or not stream.batches_seen
-            or trainer.world_size > 1
             or not isinstance(states, dict)
             or not isinstance(states.get(self.state_key), dict)
         ):
             return
-        saved = {"global_step": trainer.global_step, "settings": self._pass_settings(), "stream": stream.pass_state()}
+        streams = _gathered(stream.pass_state(), trainer.world_size)
+        if streams is None:
+            return
+        saved: dict[str, Any] = {"global_step": trainer.global_step, "settings": self._pass_settings()}
+        saved |= {"stream": streams[0]} if len(streams) == 1 else {"streams": streams}
         if self.cadence.by_step:
             saved |= {
                 "target_step": self._target_step,
@@ -865,10 +870,11 @@ class ActivationRankMonitor(CurveMonitor):
         states[self.state_key]["open_window" if self.cadence.by_step else "open_epoch"] = saved
         if not self._window_size_said:
             self._window_size_said = True
-            size = sum(_state_bytes(layer["states"]) for layer in saved["stream"]["layers"].values()) / 2**20
+            size = sum(_state_bytes(layer["states"]) for part in streams for layer in part["layers"].values())
+            processes = f" of {len(streams)} processes" if len(streams) > 1 else ""
             self.info(
-                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {size:.1f} MiB of "
-                f"float64 sums, so that a fit resumed from it measures the whole {whole}"
+                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {size / 2**20:.1f} "
+                f"MiB of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
             )
 
     def _pass_settings(self) -> dict[str, str]:
@@ -895,17 +901,16 @@ class ActivationRankMonitor(CurveMonitor):
     def _continue_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A fit resumed from a checkpoint saved inside a step window continues that window with the sums the
         checkpoint holds, so that its step is measured over all its ``window_batches`` batches, as without the
-        interruption. A window the fit cannot continue (other monitor settings, DDP, states that do not fit) is
-        named in a warning and measured over the batches still to come."""
+        interruption. A window the fit cannot continue (other monitor settings, another number of processes, states
+        that do not fit) is named in a warning and measured over the batches still to come."""
         saved, self._saved_window = self._saved_window, None
         if saved is None or self._stream is None:
             return
-        target = saved.get("target_step")
-        streamed = saved.get("stream", {}).get("batches_seen") if isinstance(saved.get("stream"), dict) else None
+        target, streamed = saved.get("target_step"), _batches_streamed(saved)
         why = self._window_mismatch(trainer, saved)
         if why is None:
             try:
-                self._stream.resume(pl_module, saved["stream"], pl_module.device)
+                self._stream.resume(pl_module, self._saved_stream(trainer, saved), pl_module.device)
             except (KeyError, TypeError, ValueError, RuntimeError) as error:
                 self._stop()
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -944,9 +949,20 @@ class ActivationRankMonitor(CurveMonitor):
         if differ:
             shown = "; ".join(f"{name} {settings.get(name)} there, {ours[name]} here" for name in differ)
             return f"the monitor's settings differ ({shown})"
-        if trainer.world_size > 1:
-            return f"the fit runs on {trainer.world_size} processes, each streaming batches of its own"
+        processes = len(saved["streams"]) if isinstance(saved.get("streams"), list) else 1
+        if processes != trainer.world_size:
+            return (
+                f"it was saved by {processes} process(es) and the fit runs on {trainer.world_size}, each streaming "
+                "batches of its own"
+            )
+        if not isinstance(self._saved_stream(trainer, saved), dict):
+            return "it was saved in a form this version does not read"
         return None
+
+    def _saved_stream(self, trainer: pl.Trainer, saved: dict[str, Any]) -> Any:
+        """This process's part of the pass ``saved`` in a checkpoint (of as many processes as the fit runs on)."""
+        streams = saved.get("streams")
+        return streams[trainer.global_rank] if isinstance(streams, list) else saved.get("stream")
 
     def _initial_point(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
@@ -1060,6 +1076,31 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _gathered(state: dict[str, Any], world_size: int) -> list[dict[str, Any]] | None:
+    """The saved pass ``state`` of every process, in process order (a collective under DDP: every process calls it);
+    ``[state]`` on one process, ``None`` for several processes without a process group to gather them over.
+
+    The processes send theirs in turn (``broadcast_object_list``), so that the device holds one process's sums at a
+    time on the way (an ``all_gather_object`` holds all of them at once, twice), never W times them."""
+    if world_size <= 1:
+        return [state]
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    rank, gathered = torch.distributed.get_rank(), []
+    for sender in range(torch.distributed.get_world_size()):
+        box = [state if sender == rank else None]
+        torch.distributed.broadcast_object_list(box, src=sender)
+        gathered.append(box[0])
+    return gathered
+
+
+def _batches_streamed(saved: dict[str, Any]) -> Any:
+    """The batches a pass saved in a checkpoint had streamed (on every process alike), ``None`` if it does not say."""
+    streams = saved.get("streams") if isinstance(saved.get("streams"), list) else [saved.get("stream")]
+    first = streams[0] if streams and isinstance(streams[0], dict) else {}
+    return first.get("batches_seen")
 
 
 def _state_bytes(states: dict[str, Any]) -> int:

@@ -11,9 +11,12 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.layers import BatchReader
+from rank_lightning.streams import ActivationStream
 from tests.callbacks.trainer_helpers import ResumableBatches, SmallClassifier, quiet_trainer
 
 
@@ -104,3 +107,52 @@ def test_saved_sums_are_not_continued_by_a_monitor_with_other_settings(tmp_path:
     with pytest.warns(UserWarning, match=message):
         resumed = _fit(tmp_path, {}, ckpt=tmp_path / "step=11.ckpt", max_samples=20)
     assert resumed.curves.history[1]["net.0"]["spectrum_rows"] == 20  # from the 5 batches after the resume
+
+
+def _stream_over(model: nn.Module, loaders: list, batches: list, state: dict | None = None) -> dict:
+    """A stream of ``model``'s first Linear over ``batches`` of ``loaders``' first loader, started afresh or resumed
+    from a saved ``state``; returns its saved state."""
+    stream = ActivationStream(
+        {"fc": "0"}, num_classes=None, reductions={}, spectrum_options={}, batch_reader=BatchReader()
+    )
+    if state is None:
+        stream.start(model, num_batches=4, loaders=loaders)
+    else:
+        stream.resume(model, state, "cpu", loaders=loaders)
+    for batch in batches:
+        stream.batch_start(batch, loader=0)
+        model(batch[0])
+        stream.batch_end()
+    return stream.pass_state()
+
+
+def test_a_resumed_pass_leaves_out_the_samples_a_distributed_sampler_repeats(tmp_path: Path) -> None:
+    # 7 samples on the second of 2 processes: 4 each, the last of the second process a repeat of the first sample.
+    data = TensorDataset(torch.randn(7, 5, generator=torch.Generator().manual_seed(0)), torch.zeros(7))
+    loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=False))
+    model, batches = nn.Sequential(nn.Linear(5, 3)), list(loader)
+    with torch.no_grad():
+        whole = _stream_over(model, [loader], batches)
+        saved = _stream_over(model, [loader], batches[:2])
+        resumed = _stream_over(model, [loader], batches[2:], torch.load(_saved(tmp_path, saved)))
+    assert whole["inputs_measured"] == resumed["inputs_measured"] == 3
+    gram = whole["layers"]["fc"]["states"]["gram"]
+    assert torch.equal(resumed["layers"]["fc"]["states"]["gram"], gram)
+
+
+def _saved(root: Path, state: dict) -> Path:
+    torch.save(state, root / "pass.pt")
+    return root / "pass.pt"
+
+
+def test_sums_saved_by_two_processes_are_not_continued_by_one(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="killed"):
+        _fit(tmp_path, {}, kill_at=11)
+    checkpoint = torch.load(tmp_path / "step=11.ckpt", weights_only=False)
+    (state,) = [state["open_epoch"] for state in checkpoint["callbacks"].values() if "open_epoch" in state]
+    state["streams"] = [state.pop("stream")] * 2  # as two processes save them
+    torch.save(checkpoint, tmp_path / "two.ckpt")
+    message = r"holds the sums of 3 of its batches, .*: it was saved by 2 process\(es\) and the fit runs on 1, each"
+    with pytest.warns(UserWarning, match=message):
+        resumed = _fit(tmp_path, {}, ckpt=tmp_path / "two.ckpt")
+    assert resumed.curves.history[1]["net.0"]["spectrum_rows"] == 20  # the 5 batches after the resume
