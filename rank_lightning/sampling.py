@@ -181,6 +181,10 @@ class CombinedOwnRows:
 
     Args:
         loaders: the collection of loaders (a list, tuple or dict, possibly nested) the batches are combined from.
+
+    Attributes:
+        read: the rows read so far from each loader, in :func:`combined_parts` order (saved with a pass in a
+            checkpoint, so that a resumed pass counts on from them).
     """
 
     def __init__(self, loaders: Any) -> None:
@@ -188,7 +192,7 @@ class CombinedOwnRows:
         leaves = [loader for loader, _ in _loader_parts(loaders, None)]
         self._own = [own_samples(loader) for loader in leaves]
         self._pass = [_samples_per_pass(loader) for loader in leaves]
-        self._read = [0] * len(leaves)
+        self.read = [0] * len(leaves)
 
     @property
     def repeats(self) -> bool:
@@ -201,8 +205,8 @@ class CombinedOwnRows:
         total, kept = 0, []
         for index, (_, part) in enumerate(_loader_parts(self.loaders, batch)):
             size = (batch_size(part) or 0) if part is not None else 0
-            start, own, per_pass = self._read[index], self._own[index], self._pass[index]
-            self._read[index] += size
+            start, own, per_pass = self.read[index], self._own[index], self._pass[index]
+            self.read[index] += size
             kept += [total + row for row in range(size) if own is None or (start + row) % per_pass < own]
             total += size
         return total, kept if len(kept) < total else None

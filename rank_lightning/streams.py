@@ -289,18 +289,24 @@ class ActivationStream:
             "remaining": self.remaining,
             "offered_left": self._offered_left,
             "batches_left": float(self._batches_left),
+            # The own rows left of each loader that repeats samples (a DistributedSampler's), and of a collection's.
+            "own_left": list(self._own_left),
+            "combined_read": {index: list(rows.read) for index, rows in self._combined_own.items()},
         }
 
-    def resume(self, module: nn.Module, state: Mapping[str, Any], device: torch.device | str) -> None:
-        """Start a pass of ``module`` that continues the one :meth:`pass_state` returned ``state`` of: its layers'
-        states on ``device`` and its counters, so that the batches still to come end it as they would have ended
-        the saved one. One process only (each DDP process streams batches of its own).
+    def resume(
+        self, module: nn.Module, state: Mapping[str, Any], device: torch.device | str, *, loaders: Sequence[Any] = ()
+    ) -> None:
+        """Start a pass of ``module`` over ``loaders`` (as :meth:`start` takes them) that continues the one
+        :meth:`pass_state` returned ``state`` of: its layers' states on ``device`` and its counters, so that the
+        batches still to come end it as they would have ended the saved one. Under DDP each process continues its
+        own pass (each streams batches of its own).
 
         Raises:
             ValueError: a saved layer this stream does not monitor.
             RuntimeError: saved states that its metric cannot take (another width, path or number of classes).
         """
-        self.start(module, num_batches=state["batches_left"])
+        self.start(module, num_batches=state["batches_left"], loaders=loaders)
         created: list[str] = []  # the layers planned here, forgotten again if the pass cannot go on
         try:
             for name, saved in state["layers"].items():
@@ -319,6 +325,12 @@ class ActivationStream:
                 self.layer_ndims[name] = ndim
             self.batches_seen, self.inputs_measured = int(state["batches_seen"]), int(state["inputs_measured"])
             self.remaining, self._offered_left = state["remaining"], state["offered_left"]
+            own_left = state.get("own_left", [])
+            if len(own_left) == len(self._own_left):
+                self._own_left = list(own_left)
+            for index, read in state.get("combined_read", {}).items():
+                if index in self._combined_own:
+                    self._combined_own[index].read = list(read)
         except BaseException:
             for name in created:
                 for planned in (self.metrics, self._planned, self.layer_ndims):

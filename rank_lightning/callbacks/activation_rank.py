@@ -165,15 +165,20 @@ class ActivationRankMonitor(CurveMonitor):
         window_batches: training batches streamed per step measurement, at most ``every_n_train_steps`` times
             ``accumulate_grad_batches`` (not checked under manual optimization, whose steps per batch are known once
             seen). A checkpoint saved inside an open window holds its partial sums (the layers' float64 states, the
-            size of the memory plan), so a fit resumed from it continues the window (not under DDP, where each
-            process streams batches of its own; nor in a monitor of other settings, which warns). A window that
+            size of the memory plan; under DDP those of every process, gathered into the checkpoint), so a fit
+            resumed from it continues the window (on as many processes, each from its own sums; not in a monitor of
+            other settings, nor on another number of processes, which warns). A window that
             streams fewer (the fit resumed inside it without those sums, or an epoch's short last accumulation
             brought it within ``window_batches`` of the previous one, or came unforeseen at the end of an epoch of
             unknown length, an ``IterableDataset`` without ``__len__``; under manual optimization, a window planned
             before the steps of the batches were seen, or one whose batches took fewer steps than planned, which
             starts again rather than stream more) is named in a warning.
         stage: ``"val"`` (validation batches) or ``"train"`` (training batches; keys under ``rank_train/``);
-            ``None`` is ``"train"`` with ``every_n_train_steps`` (which needs it) and ``"val"`` otherwise.
+            ``None`` is ``"train"`` with ``every_n_train_steps`` (which needs it) and ``"val"`` otherwise. With
+            ``"train"`` and the epoch cadence, a checkpoint saved inside a monitored epoch holds the epoch's partial
+            sums (under DDP those of every process), so a fit resumed from it measures the whole epoch; without them
+            (a checkpoint saved by an older version, or loaded into a monitor of other settings or a fit on another
+            number of processes) the epoch is measured on the batches still to come, with a warning.
         namespace: first part of the logged keys and of the curve file and figure names; ``None`` for ``"rank"``
             (``"rank_train"`` for ``stage="train"``). Two monitors of one Trainer need two namespaces (a second one
             with other layers, a reduction or centring: ``namespace="rank_channel"``); the same one is an error at
@@ -299,6 +304,8 @@ class ActivationRankMonitor(CurveMonitor):
     # of a window saved in a checkpoint.
     _saved_window: dict[str, Any] | None = None
     _window_size_said = False
+    # The open pass of a monitored training epoch (stage="train", epoch cadence) a loaded checkpoint holds.
+    _saved_epoch: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -635,7 +642,7 @@ class ActivationRankMonitor(CurveMonitor):
         message = (
             f"the window of step {trainer.global_step} streamed {streamed} of window_batches={window} training "
             "batches: it opened after the fit resumed inside it from a checkpoint that holds none of its sums (one "
-            "saved under DDP or inside a batch, or by an older version), or an epoch's short last accumulation "
+            "saved inside a batch, or by an older version), or an epoch's short last accumulation "
             "brought it within window_batches of the previous window. Its values stand on fewer rows (logged as "
             "spectrum_rows)."
         )
@@ -742,8 +749,11 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _resume_inside_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A fit resumed inside a monitored training epoch (``stage="train"``, epoch cadence): Lightning does not start
-        that epoch again (no ``on_train_epoch_start``), so its pass starts here, over the batches still to come, and a
-        warning says that the epoch's values stand on those only."""
+        that epoch again (no ``on_train_epoch_start``), so its pass starts here. It continues the sums of the epoch's
+        batches before the checkpoint when the checkpoint holds them (:meth:`on_save_checkpoint`), so that the epoch is
+        measured as without the interruption; else it streams the batches still to come, and a warning says that the
+        epoch's values stand on those only."""
+        saved, self._saved_epoch = self._saved_epoch, None
         fit_loop = getattr(trainer, "fit_loop", None)
         if (
             self.stage != "train"
@@ -753,72 +763,132 @@ class ActivationRankMonitor(CurveMonitor):
             or not self.due(trainer)
         ):
             return
-        done = fit_loop.epoch_loop.batch_progress.current.processed  # completed lags a checkpoint of batch end
+        progress = fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch:
+            # Saved at the end of the previous epoch's last batch: Lightning goes on with this epoch from its first
+            # batch, without on_train_epoch_start.
+            self._start(trainer, pl_module, trainer.num_training_batches, [trainer.train_dataloader])
+            return
+        done = progress.current.processed  # completed lags a checkpoint of batch end
+        why = "the checkpoint holds no sums of its batches before (one saved by an older version)"
+        if saved is not None:
+            why = self._continue_epoch(trainer, pl_module, saved, done)
+            if why is None:
+                return
         remaining = trainer.num_training_batches - done
         self._start(trainer, pl_module, remaining, [trainer.train_dataloader])
         message = (
             f"the fit resumed inside epoch {trainer.current_epoch}, after {done} of its batches: that epoch is "
-            "measured on the batches still to come (its spectrum_rows counts them)."
+            f"measured on the batches still to come (its spectrum_rows counts them): {why}."
         )
         self.warn_once(("resumed inside epoch",), message)
+
+    def _continue_epoch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, saved: dict[str, Any], done: int
+    ) -> str | None:
+        """Continue the pass of the epoch the fit resumed inside of, ``done`` batches in, with the sums ``saved`` in
+        the checkpoint; ``None`` when it goes on, else why not, in words."""
+        streamed = _batches_streamed(saved)
+        held = f"the checkpoint holds the sums of {streamed} of its batches, which this fit does not continue"
+        why = self._pass_mismatch(trainer, saved)
+        position = (saved.get("epoch"), saved.get("global_step"))
+        if why is None and position != (trainer.current_epoch, trainer.global_step):
+            why = f"they are of epoch {saved.get('epoch')} at step {saved.get('global_step')}, not of this step"
+        if why is None and not (isinstance(streamed, int) and 0 < streamed <= done):
+            why = f"they are of {streamed} batches, not of the {done} run before it"
+        if why is not None:
+            return f"{held}: {why}"
+        try:
+            stream = self._saved_stream(trainer, saved)
+            self._stream.resume(pl_module, stream, pl_module.device, loaders=[trainer.train_dataloader])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            self._stop()
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            return f"{held}: they cannot be loaded ({reason})"
+        if streamed < done:  # the pass was itself begun after an earlier resume inside the epoch, without sums
+            message = (
+                f"the fit resumed inside epoch {trainer.current_epoch}, after {done} of its batches, from a checkpoint "
+                f"whose sums hold {streamed} of them: that epoch is measured on those and the batches still to come "
+                "(its spectrum_rows counts them)."
+            )
+            self.warn_once(("resumed inside epoch",), message)
+        return None
 
     # -- a step window open at a checkpoint -----------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._saved_window = None  # a checkpoint loaded by an earlier run of the trainer is not this one's
+        # A checkpoint loaded by an earlier run of the trainer is not this one's.
+        self._saved_window = self._saved_epoch = None
         super().setup(trainer, pl_module, stage)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        window = state_dict.get("open_window")
+        window, epoch = state_dict.get("open_window"), state_dict.get("open_epoch")
         self._saved_window = window if isinstance(window, dict) else None
+        self._saved_epoch = epoch if isinstance(epoch, dict) else None
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """A checkpoint saved while a step window is open (between its batches) holds the window's partial sums, so
-        that a fit resumed from it continues the window (:meth:`_continue_window`). Not under DDP, where each process
-        streams batches of its own and the checkpoint holds the first process's state only: a fit resumed there
-        measures the window over the batches still to come, with a warning."""
+        """A checkpoint saved while a step window or a monitored training epoch (``stage="train"``) is open (between
+        its batches) holds the pass's partial sums, so that a fit resumed from it continues the pass
+        (:meth:`_continue_window`, :meth:`_resume_inside_epoch`). Under DDP each process streams batches of its own and
+        Lightning writes the first process's state only: the sums of every process are gathered into it (a collective,
+        which every process joins as Lightning saves a checkpoint on each), and each process of a fit resumed on as
+        many processes takes back its own."""
         states = checkpoint.get("callbacks")
         stream = self._stream
         if (
-            not self.cadence.by_step
-            or self._target_step is None
+            (self.cadence.by_step and self._target_step is None)
             or not self._monitoring("train")
             or not stream.between_batches
             or not stream.batches_seen
-            or trainer.world_size > 1
             or not isinstance(states, dict)
             or not isinstance(states.get(self.state_key), dict)
         ):
             return
-        window = {
-            "target_step": self._target_step,
-            "global_step": trainer.global_step,
-            "settings": self._window_settings(),
-            "opened_at_unforeseen_end": self._opened_at_unforeseen_end,
-            "restarted": self._restarted_window == self._target_step,
-            "stream": stream.pass_state(),
-        }
-        states[self.state_key]["open_window"] = window
+        streams = _gathered(stream.pass_state(), trainer.world_size)
+        if streams is None:
+            return
+        saved: dict[str, Any] = {"global_step": trainer.global_step, "settings": self._pass_settings()}
+        saved |= {"stream": streams[0]} if len(streams) == 1 else {"streams": streams}
+        if self.cadence.by_step:
+            saved |= {
+                "target_step": self._target_step,
+                "opened_at_unforeseen_end": self._opened_at_unforeseen_end,
+                "restarted": self._restarted_window == self._target_step,
+            }
+            what, whole = f"window of step {self._target_step}", "window"
+            streamed = f"{stream.batches_seen} of window_batches={self.cadence.window_batches} batches"
+        else:
+            saved["epoch"] = trainer.current_epoch
+            what, whole = f"pass of epoch {trainer.current_epoch}", "epoch"
+            streamed = f"{stream.batches_seen} of its batches"
+        states[self.state_key]["open_window" if self.cadence.by_step else "open_epoch"] = saved
         if not self._window_size_said:
             self._window_size_said = True
-            size = sum(_state_bytes(layer["states"]) for layer in window["stream"]["layers"].values()) / 2**20
+            size = sum(_state_bytes(layer["states"]) for part in streams for layer in part["layers"].values())
+            processes = f" of {len(streams)} processes" if len(streams) > 1 else ""
             self.info(
-                f"the checkpoint at step {trainer.global_step} holds the open window of step {self._target_step} "
-                f"({stream.batches_seen} of window_batches={self.cadence.window_batches} batches): {size:.1f} MiB of "
-                "float64 sums, so that a fit resumed from it measures the whole window"
+                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {size / 2**20:.1f} "
+                f"MiB of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
             )
 
-    def _window_settings(self) -> dict[str, str]:
-        """The settings the sums of a step window depend on, in words, to compare with a checkpoint's."""
+    def _pass_settings(self) -> dict[str, str]:
+        """The settings the sums of a step window or a training epoch's pass depend on, in words, to compare with a
+        checkpoint's."""
+        if self.cadence.by_step:
+            cadence = {
+                "every_n_train_steps": self.cadence.every_n_train_steps,
+                "window_batches": self.cadence.window_batches,
+            }
+        else:
+            cadence = {"every_n_epochs": self.cadence.every_n_epochs}
         settings = {
-            "every_n_train_steps": self.cadence.every_n_train_steps,
-            "window_batches": self.cadence.window_batches,
+            **cadence,
             "layers": self._layers,
             "reductions": self.reductions,
             "max_samples": self.max_samples,
@@ -831,17 +901,16 @@ class ActivationRankMonitor(CurveMonitor):
     def _continue_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A fit resumed from a checkpoint saved inside a step window continues that window with the sums the
         checkpoint holds, so that its step is measured over all its ``window_batches`` batches, as without the
-        interruption. A window the fit cannot continue (other monitor settings, DDP, states that do not fit) is
-        named in a warning and measured over the batches still to come."""
+        interruption. A window the fit cannot continue (other monitor settings, another number of processes, states
+        that do not fit) is named in a warning and measured over the batches still to come."""
         saved, self._saved_window = self._saved_window, None
         if saved is None or self._stream is None:
             return
-        target = saved.get("target_step")
-        streamed = saved.get("stream", {}).get("batches_seen") if isinstance(saved.get("stream"), dict) else None
+        target, streamed = saved.get("target_step"), _batches_streamed(saved)
         why = self._window_mismatch(trainer, saved)
         if why is None:
             try:
-                self._stream.resume(pl_module, saved["stream"], pl_module.device)
+                self._stream.resume(pl_module, self._saved_stream(trainer, saved), pl_module.device)
             except (KeyError, TypeError, ValueError, RuntimeError) as error:
                 self._stop()
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -861,20 +930,39 @@ class ActivationRankMonitor(CurveMonitor):
 
     def _window_mismatch(self, trainer: pl.Trainer, saved: dict[str, Any]) -> str | None:
         """Why the saved step window ``saved`` cannot go on in this fit; ``None`` when it can."""
-        settings = saved.get("settings")
-        if not isinstance(settings, dict):
-            return "it was saved in a form this version does not read"
-        ours = self._window_settings()
-        differ = [name for name in ours if settings.get(name) != ours[name]]
-        if differ:
-            shown = "; ".join(f"{name} {settings.get(name)} there, {ours[name]} here" for name in differ)
-            return f"the monitor's settings differ ({shown})"
-        if trainer.world_size > 1:
-            return f"the fit runs on {trainer.world_size} processes, each streaming batches of its own"
+        why = self._pass_mismatch(trainer, saved)
+        if why is not None:
+            return why
         target = saved.get("target_step")
         if saved.get("global_step") != trainer.global_step or target != self.cadence.next_step(trainer):
             return f"the fit resumed at step {trainer.global_step}, not at the checkpoint's step inside that window"
         return None
+
+    def _pass_mismatch(self, trainer: pl.Trainer, saved: dict[str, Any]) -> str | None:
+        """Why the pass ``saved`` in a checkpoint (a step window or a training epoch's) cannot go on in this fit, as far
+        as the monitor's settings and the processes tell; ``None`` when it can."""
+        settings = saved.get("settings")
+        if not isinstance(settings, dict):
+            return "it was saved in a form this version does not read"
+        ours = self._pass_settings()
+        differ = [name for name in ours if settings.get(name) != ours[name]]
+        if differ:
+            shown = "; ".join(f"{name} {settings.get(name)} there, {ours[name]} here" for name in differ)
+            return f"the monitor's settings differ ({shown})"
+        processes = len(saved["streams"]) if isinstance(saved.get("streams"), list) else 1
+        if processes != trainer.world_size:
+            return (
+                f"it was saved by {processes} process(es) and the fit runs on {trainer.world_size}, each streaming "
+                "batches of its own"
+            )
+        if not isinstance(self._saved_stream(trainer, saved), dict):
+            return "it was saved in a form this version does not read"
+        return None
+
+    def _saved_stream(self, trainer: pl.Trainer, saved: dict[str, Any]) -> Any:
+        """This process's part of the pass ``saved`` in a checkpoint (of as many processes as the fit runs on)."""
+        streams = saved.get("streams")
+        return streams[trainer.global_rank] if isinstance(streams, list) else saved.get("stream")
 
     def _initial_point(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = _initial_loaders(trainer, self.stage, self.cadence.window_batches if self.cadence.by_step else None)
@@ -988,6 +1076,31 @@ def _initial_loaders(trainer: pl.Trainer, stage: str, window: int | None) -> lis
     if len(counts) != len(loaders):  # not counted yet: every batch, up to max_samples
         counts = [math.inf] * len(loaders)
     return [(side_loader(loader), batches) for loader, batches in zip(loaders, counts) if batches > 0]
+
+
+def _gathered(state: dict[str, Any], world_size: int) -> list[dict[str, Any]] | None:
+    """The saved pass ``state`` of every process, in process order (a collective under DDP: every process calls it);
+    ``[state]`` on one process, ``None`` for several processes without a process group to gather them over.
+
+    The processes send theirs in turn (``broadcast_object_list``), so that the device holds one process's sums at a
+    time on the way (an ``all_gather_object`` holds all of them at once, twice), never W times them."""
+    if world_size <= 1:
+        return [state]
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    rank, gathered = torch.distributed.get_rank(), []
+    for sender in range(torch.distributed.get_world_size()):
+        box = [state if sender == rank else None]
+        torch.distributed.broadcast_object_list(box, src=sender)
+        gathered.append(box[0])
+    return gathered
+
+
+def _batches_streamed(saved: dict[str, Any]) -> Any:
+    """The batches a pass saved in a checkpoint had streamed (on every process alike), ``None`` if it does not say."""
+    streams = saved.get("streams") if isinstance(saved.get("streams"), list) else [saved.get("stream")]
+    first = streams[0] if streams and isinstance(streams[0], dict) else {}
+    return first.get("batches_seen")
 
 
 def _state_bytes(states: dict[str, Any]) -> int:

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from tests.callbacks.activation_rank_ddp_helpers import (
     UNEVEN_SAMPLES,
@@ -10,6 +11,7 @@ from tests.callbacks.activation_rank_ddp_helpers import (
     validate,
     validate_ragged,
 )
+from tests.callbacks.checkpoint_ddp_helpers import fit_two_processes
 
 
 def _logged(rows: list[dict[str, str]]) -> dict[str, float]:
@@ -83,3 +85,22 @@ def test_samples_the_distributed_sampler_repeats_are_measured_once(tmp_path, sta
                 expected = pytest.approx(value, rel=1e-9, abs=1e-12)
                 assert ddp["history"][epoch][layer][metric] == expected, (epoch, layer, metric)
     assert ddp["history"]["0"]["act"]["spectrum_rows"] == UNEVEN_SAMPLES
+
+
+@pytest.mark.slow
+def test_a_two_process_fit_resumed_inside_a_window_and_an_epoch_gives_the_uninterrupted_curves(tmp_path):
+    # The checkpoint of step 6 holds both processes' sums of the window of step 8 (1 of its 3 batches) and of epoch 0
+    # (6 of its 8 batches); each process of the resumed fit takes back its own and goes on.
+    whole = fit_two_processes(tmp_path / "whole")
+    resumed = fit_two_processes(tmp_path / "resumed", ckpt=tmp_path / "whole" / "step=6.ckpt")
+    assert sorted(whole["rank_train"], key=int) == ["4", "8", "12", "16"]
+    assert sorted(whole["rank_epoch"], key=int) == ["0", "1"]
+    assert resumed == whole
+    assert whole["rank_train"]["8"]["net.0"]["spectrum_rows"] == 2 * 3 * 4
+    assert whole["rank_epoch"]["0"]["net.0"]["spectrum_rows"] == 20
+    checkpoint = torch.load(tmp_path / "whole" / "step=6.ckpt", weights_only=False)
+    states = checkpoint["callbacks"].values()
+    saved = [state[key]["streams"] for state in states for key in ("open_window", "open_epoch") if key in state]
+    assert [[part["batches_seen"] for part in streams] for streams in saved] == [[1, 1], [6, 6]]
+    grams = [part["layers"]["net.0"]["states"]["class_grams"] for part in saved[0]]
+    assert not torch.equal(*grams)  # each process's own

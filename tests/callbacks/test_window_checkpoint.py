@@ -95,9 +95,10 @@ def test_a_checkpoint_without_a_saved_window_gives_the_short_window_as_before(tm
     assert resumed.curves.history[8]["net.0"]["spectrum_rows"] == 4
 
 
-def test_under_ddp_a_checkpoint_holds_no_window(tmp_path: Path) -> None:
-    # Each DDP process streams batches of its own, and Lightning writes the first process's state only: no window is
-    # saved there (a resumed fit measures the batches still to come, with a warning).
+def test_several_processes_without_a_process_group_save_no_window(tmp_path: Path) -> None:
+    # Each DDP process streams batches of its own, and Lightning writes the first process's state only: the sums of
+    # every process are gathered into it over the process group; without one to gather them over, no window is saved
+    # (a resumed fit measures the batches still to come, with a warning).
     monitor = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=4, window_batches=3, verbose=False)
     saved: dict[int, dict] = {}
 
