@@ -3,12 +3,17 @@ application with ``repeated_calls="each"``: ``<layer>@<k>`` is the layer's ``k``
 
 from __future__ import annotations
 
+import json
+import socket
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.multiprocessing as mp
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -17,7 +22,11 @@ from transformers import AlbertConfig, AlbertForSequenceClassification
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.callbacks.curves import LayerCurves
 from rank_lightning.functional import effective_rank, numerical_rank, participation_ratio
-from tests.callbacks.trainer_helpers import quiet_trainer
+from rank_lightning.layers import BatchReader
+from rank_lightning.streams import ActivationStream
+from rank_lightning.tracker import RankTracker
+from tests.callbacks.repeated_calls_ddp_helpers import LoopedBlock, ddp_worker, halves
+from tests.callbacks.trainer_helpers import ResumableBatches, quiet_trainer
 
 VOCAB, LENGTH, BATCH, CLASSES, FEATURES = 50, 8, 4, 3, 6
 ALBERT_LAYER = "model.albert.encoder.albert_layer_groups.0.albert_layers.0"
@@ -210,3 +219,114 @@ def test_a_batch_with_fewer_applications_is_named_and_each_application_sums_its_
     rows = _block_calls(module, val)
     assert [last[f"block@{k}"]["spectrum_rows"] for k in (1, 2, 3)] == [20, 20, 16] == [len(r) for r in rows]
     assert last["block@3"]["effective_rank"] == pytest.approx(float(effective_rank(rows[2])), rel=1e-9)
+
+
+class _Kill(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 6:  # after the checkpoint of step 6, inside the window of step 8: a preempted job
+            raise RuntimeError("killed")
+
+
+def _window_fit(root: Path, *, kill: bool = False, ckpt: Path | None = None) -> ActivationRankMonitor:
+    settings = dict(every_n_train_steps=4, window_batches=3, log_at_init=False, verbose=False)
+    monitor = ActivationRankMonitor(layers=["block"], repeated_calls="each", **settings)
+    saving = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    callbacks = [monitor, saving, *([_Kill()] if kill else [])]
+    trainer = quiet_trainer(callbacks, max_steps=8, default_root_dir=root, enable_checkpointing=True)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, FEATURES, generator=generator), torch.randint(0, CLASSES, (64,), generator=generator)
+    data = TensorDataset(x, y)
+    trainer.fit(Looped(), ResumableBatches(data), ckpt_path=ckpt)
+    return monitor
+
+
+def test_a_fit_resumed_inside_a_window_continues_the_sums_of_every_application(tmp_path: Path):
+    whole = _window_fit(tmp_path / "whole")
+    with pytest.raises(RuntimeError, match="killed"):
+        _window_fit(tmp_path / "cut", kill=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _window_fit(tmp_path / "cut", ckpt=tmp_path / "cut" / "step=6.ckpt")
+    assert not [str(w.message) for w in caught if "window" in str(w.message)]  # continued, not short
+    assert resumed.curves.layers == whole.curves.layers == ["block@1", "block@2", "block@3"]
+    assert resumed.curves.history == whole.curves.history
+    assert whole.curves.history[8]["block@3"]["spectrum_rows"] == 12
+
+
+@pytest.mark.slow
+def test_applications_that_ran_on_some_processes_only_are_named_and_not_logged(tmp_path: Path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(ddp_worker, args=(port, str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    model, calls = LoopedBlock(loops=2), []
+    model.block.register_forward_hook(lambda _m, _a, out: calls.append(out.double()))
+    with torch.no_grad():
+        for part in (part for parts in halves() for part in parts):
+            model(part)
+    rows = [torch.cat(calls[k::2]) for k in (0, 1)]  # the first and the second calls of every half
+    for result in results:
+        assert list(result["values"]) == ["block@1", "block@2"]  # block@3 ran on the first process only
+        for k in (1, 2):
+            expected = float(effective_rank(rows[k - 1]))
+            assert result["values"][f"block@{k}"]["effective_rank"] == pytest.approx(expected, rel=1e-9)
+        assert result["warned"] == [
+            "block: was called at most 2 time(s) per batch on some processes and 3 on others in a monitored pass: "
+            "the applications that ran on some processes only are not logged then.",
+            "block@3: ran on some processes only in a monitored pass; it is not logged then.",
+        ]
+
+
+def test_a_plain_loop_tracks_each_application_too():
+    model, calls = LoopedBlock(loops=3), []
+    model.block.register_forward_hook(lambda _m, _a, out: calls.append(out.double()))
+    tracker = RankTracker(model, layers=["block"], repeated_calls="each")
+    with torch.no_grad(), tracker:
+        for parts in halves():
+            with tracker.batch():
+                model(torch.cat(parts))
+    values = tracker.compute()
+    assert list(values) == ["block@1", "block@2", "block@3"]
+    for k in (1, 2, 3):
+        expected = float(effective_rank(torch.cat(calls[k - 1 :: 3])))
+        assert values[f"block@{k}"]["effective_rank"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("build", [ActivationRankMonitor, lambda **options: RankTracker(LoopedBlock(2), **options)])
+def test_an_unknown_repeated_calls_is_named_with_the_choices(build):
+    with pytest.raises(ValueError, match="unknown repeated_calls 'every'; valid choices are: first, each"):
+        build(repeated_calls="every")
+
+
+def _stream_pass(memory_budget_mb: float, info: Any = None) -> ActivationStream:
+    """A pass of ``LoopedBlock(3)`` streamed with ``repeated_calls="each"`` within ``memory_budget_mb``."""
+    stream = ActivationStream(
+        {"block": "block"}, num_classes=None, reductions={}, spectrum_options={}, batch_reader=BatchReader(),
+        repeated_calls="each", memory_budget_mb=memory_budget_mb, info=info,
+    )  # fmt: skip
+    model = LoopedBlock(loops=3)
+    stream.start(model)
+    try:
+        with torch.no_grad():
+            for parts in halves():
+                stream.batch_start(torch.cat(parts))
+                model(torch.cat(parts))
+                stream.batch_end()
+    finally:
+        stream.stop()
+    return stream
+
+
+def test_each_application_takes_a_layers_worth_of_the_memory_budget():
+    # An exact 6 x 6 Gram and its sums plan 416 bytes: three of them fit in 0.0012 MiB (1258 bytes).
+    said: list[str] = []
+    stream = _stream_pass(0.0012, info=said.append)
+    assert said == ["state of 3 layers: 0.00119 MiB of a 0.0012 MiB budget on cpu (largest 'block': 0.000397 MiB)"]
+    assert {name: metric.path_for(6) for name, metric in stream.metrics.items()} == dict.fromkeys(
+        ["block", "block@2", "block@3"], "gram"
+    )
+    # In 0.0009 MiB (943 bytes) the third application has not even room for its fallback: named before any sum.
+    message = r"layer 'block@3' \(6 features\) needs 0.000191 MiB of state even on its fallback path"
+    with pytest.raises(MemoryError, match=message):
+        _stream_pass(0.0009)
