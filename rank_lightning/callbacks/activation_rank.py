@@ -310,6 +310,8 @@ class ActivationRankMonitor(CurveMonitor):
     # of a window saved in a checkpoint.
     _saved_window: dict[str, Any] | None = None
     _window_size_said = False
+    # The optimizer steps taken when the current training batch started (set at every batch start).
+    _step_at_batch_start = 0
 
     def __init__(
         self,
@@ -359,7 +361,6 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
-        self._step_at_batch_start = 0
         self._manual_steps: deque[int] = deque(maxlen=STEP_HISTORY)
         self._reset_manual_steps()
 
