@@ -55,7 +55,9 @@ from rank_lightning.layers import (
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import CombinedOwnRows, own_samples, process_share
 
-__all__ = ["ActivationStream", "in_backward"]
+__all__ = ["REPEATED_CALLS", "ActivationStream", "in_backward"]
+# What a layer called more than once per batch gives: its first call, or each call as a layer of its own.
+REPEATED_CALLS = ("first", "each")
 _KINDS = {4: "conv maps", 3: "tokens"}
 _MIB = 2**20
 _FLOAT64_BYTES = 8
@@ -113,6 +115,12 @@ class ActivationStream:
         warn: ``warn(layer, kind, message)``, called for every per-layer problem (once per layer and kind is the
             caller's choice).
         info: ``info(message)``, called once with the planned state size after the first batch.
+        repeated_calls: a layer called more than once per batch (a block applied N times): ``"first"`` measures its
+            first call of each batch, with a warning; ``"each"`` measures its ``k``-th call of each batch as a layer
+            of its own, ``<layer>@<k>`` (``<layer>@1`` its first), placed after the layer in depth order and planned
+            in the memory budget as a layer. A batch that calls it another number of times than the pass's first is
+            named in a warning, and the ``k``-th application sums the rows of the batches that made at least ``k``
+            calls; under DDP the applications some processes did not run are named in a warning and not logged.
     """
 
     def __init__(
@@ -132,8 +140,14 @@ class ActivationStream:
         memory_budget_mb: float | None = None,
         warn: Callable[[str, str, str], None] | None = None,
         info: Callable[[str], None] | None = None,
+        repeated_calls: str = "first",
     ) -> None:
         self.layers = dict(layers)
+        self.repeated_calls = repeated_calls
+        # The applications after the first of the layers called more than once per batch (repeated_calls="each"):
+        # ``<layer>@<k> -> (layer, k)``, k >= 2; and the most calls of each layer in a batch of the current pass.
+        self._applications: dict[str, tuple[str, int]] = {}
+        self._most_calls: dict[str, int] = {}
         self.num_classes = num_classes
         self.reductions = dict(reductions)
         self.spectrum_options = dict(spectrum_options)
@@ -177,6 +191,8 @@ class ActivationStream:
         self._decoder_mask: Tensor | None = None
         self._cls_counted: set[bool] = set()  # the masks whose left padding the current batch counted
         self._seen_this_batch: set[str] = set()
+        self._calls_in_batch: dict[str, int] = {}  # the calls of each layer in the current batch
+        self._first_calls: dict[str, int] | None = None  # those of the pass's first batch (repeated_calls="each")
         # The first rows of the layers whose class Grams are not decided yet, held until the batch ends.
         self._held: dict[str, tuple[Tensor, ClassGrouping | Tensor | None, Tensor | None]] = {}
         self._own_left: list[int | None] = []
@@ -217,6 +233,7 @@ class ActivationStream:
             metric.reset()
         # The shares of the processes (``rank`` of ``world_size``) add up to max_samples; the largest share says when
         # every process has offered enough rows (the same batch on every process, see ``exhausted``).
+        self._most_calls = {}
         self.remaining = process_share(self.max_samples, world_size, rank)
         self._offered_left = process_share(self.max_samples, world_size, 0)
         self._batches_left = num_batches if num_batches > 0 else math.inf
@@ -310,7 +327,7 @@ class ActivationStream:
         created: list[str] = []  # the layers planned here, forgotten again if the pass cannot go on
         try:
             for name, saved in state["layers"].items():
-                if name not in self.layers:
+                if name not in self.layers and not self._saved_application(name):
                     raise ValueError(f"the saved pass measured layer {name!r}, which is not monitored now")
                 ndim, states = int(saved["ndim"]), dict(saved["states"])
                 metric = self.metrics.get(name)
@@ -415,6 +432,7 @@ class ActivationStream:
         self._take = None
         self._groupings, self._token_groupings = {}, {}
         self._seen_this_batch = set()
+        self._calls_in_batch = {}
         self._cls_counted = set()
         self._in_batch = True
 
@@ -508,6 +526,78 @@ class ActivationStream:
             self._warn("", "labels", message + advice)
         return labels
 
+    # -- a layer called more than once per batch (repeated_calls="each") -----------------------------------------
+
+    def _application(self, name: str, k: int) -> str:
+        """The name of the ``k``-th call (``k >= 2``) of layer ``name`` in a batch, ``<name>@<k>``: a layer of its own,
+        which reads its outputs as the layer does (token layout, 1-d conv or channels-last maps)."""
+        application = f"{name}@{k}"
+        if application not in self._applications:
+            self._applications[application] = (name, k)
+            for known in (self.layouts, self.ambiguous_layouts, self.channel_maps, self.channels_last):
+                if name in known:
+                    known[application] = known[name]
+        return application
+
+    def _saved_application(self, name: str) -> bool:
+        """Whether ``name``, a layer of a saved pass, is an application ``<layer>@<k>`` of a monitored layer (then
+        known from now on)."""
+        layer, _, k = name.rpartition("@")
+        if self.repeated_calls != "each" or layer not in self.layers or not k.isdigit() or int(k) < 2:
+            return False
+        self._application(layer, int(k))
+        return True
+
+    def _all_layers(self) -> list[str]:
+        """The monitored layers in depth order, each followed by its applications after the first."""
+        after: dict[str, list[str]] = {}
+        for application, (name, _) in sorted(self._applications.items(), key=lambda item: item[1][1]):
+            after.setdefault(name, []).append(application)
+        return [each for name in self.layers for each in (name, *after.get(name, ()))]
+
+    def _logged_name(self, name: str) -> str:
+        """The logged name of a measured layer: ``<layer>@1`` for the first call of a layer called more than once."""
+        repeated = any(layer == name for layer, _ in self._applications.values())
+        return f"{name}@1" if repeated else name
+
+    def _check_calls(self) -> None:
+        """Name a layer that the batch called another number of times than the pass's first batch (adaptive
+        computation): its ``k``-th application sums the rows of the batches that made at least ``k`` calls."""
+        if self._first_calls is None:
+            self._first_calls = dict(self._calls_in_batch)
+            return
+        for name in self.layers:
+            first, now = self._first_calls.get(name, 0), self._calls_in_batch.get(name, 0)
+            if first != now and max(first, now) > 1:
+                message = (
+                    f"was called {first} time(s) in the pass's first batch and {now} in a later one (adaptive "
+                    f"computation): its k-th application ({name}@k) sums the rows of the batches that called it at "
+                    "least k times, so its applications stand on different rows (their spectrum_rows counts them)."
+                )
+                self._warn(name, "calls", message)
+
+    def _agree_on_calls(self, device: torch.device | str) -> None:
+        """Give every process the applications that any process ran (the collective that :meth:`compute` joins
+        needs one list of layers on each); a layer whose applications ran on some processes only is named in a
+        warning, and those applications are not logged (:meth:`_measured_everywhere`)."""
+        n = len(self.layers)
+        local = torch.tensor([self._most_calls.get(name, 0) for name in self.layers], dtype=torch.int64, device=device)
+        lowest = highest = local
+        if _distributed():
+            both = torch.cat([local, -local])
+            dist.all_reduce(both, op=dist.ReduceOp.MIN)
+            lowest, highest = both[:n], -both[n:]
+        for i, name in enumerate(self.layers):
+            low, high = int(lowest[i]), int(highest[i])
+            for k in range(2, high + 1):
+                self._application(name, k)
+            if low != high and high > 1:
+                message = (
+                    f"was called at most {low} time(s) per batch on some processes and {high} on others in a "
+                    "monitored pass: the applications that ran on some processes only are not logged then."
+                )
+                self._warn(name, "calls across processes", message)
+
     @property
     def layers_run_in_batch(self) -> int:
         """The monitored layers that have run since the current batch started."""
@@ -518,6 +608,10 @@ class ActivationStream:
         pass's first batch, name every layer that did not run and report the planned memory."""
         if self._undecided:
             self._plan_class_grams()
+        for name, calls in self._calls_in_batch.items():
+            self._most_calls[name] = max(self._most_calls.get(name, 0), calls)
+        if self.repeated_calls == "each":
+            self._check_calls()
         self._take = 0
         self._in_batch = False
         self._batches_left -= 1
@@ -548,7 +642,7 @@ class ActivationStream:
 
     def _class_gram_plan(self) -> str:
         """Which planned layers have class Grams (the class-wise VR) and why the others have none, in words."""
-        planned = [name for name in self.layers if name in self._class_grams]
+        planned = [name for name in self._all_layers() if name in self._class_grams]
         if not planned:
             return ""
         have = [repr(name) for name in planned if self._class_grams[name] is None]
@@ -594,14 +688,18 @@ class ActivationStream:
             raise ValueError(f"layer {name!r}: {error}") from error
         if activations is None and callable(self.output_selector):
             return  # the selector skips this call (another call of the layer in this batch may be the measured one)
-        if name in self._seen_this_batch:
+        calls = self._calls_in_batch[name] = self._calls_in_batch.get(name, 0) + 1
+        if calls > 1 and self.repeated_calls == "each":
+            name = self._application(name, calls)  # the k-th call: a layer of its own
+        elif calls > 1:
             # A module called twice per forward (a shared ReLU) would mix two representations.
             message = (
-                "runs more than once per batch: a module called twice in one forward pass (a shared activation), or a "
-                "step that makes several forward passes (generate(), a second view of the batch, one pass per "
-                "training loader). Only its first call of each batch is measured; to measure another, monitor a "
-                "module that runs once per forward pass, make the extra passes outside the step, or run the inputs "
-                "of several training loaders in one pass (torch.cat)."
+                "runs more than once per batch: a module called twice in one forward pass (a shared activation, a "
+                "block applied N times as in ALBERT), or a step that makes several forward passes (generate(), a "
+                "second view of the batch, one pass per training loader). Only its first call of each batch is "
+                "measured; repeated_calls='each' measures each call as a layer of its own (<layer>@<k>). To measure "
+                "another, monitor a module that runs once per forward pass, make the extra passes outside the step, "
+                "or run the inputs of several training loaders in one pass (torch.cat)."
             )
             self._warn(name, "reuse", message)
             return
@@ -748,9 +846,10 @@ class ActivationStream:
         """The mask of this token layer's positions when it fits its ``(B, T)``: the batch's attention mask, or in the
         decoder of an encoder-decoder the decoder's mask; ``None`` for a layer in an image tower, whose patches no mask
         of the batch belongs to; else ``None`` with a warning."""
-        if activations.ndim != 3 or name in self._unmasked_layers:
+        layer = self._applications.get(name, (name, 1))[0]  # every application reads the layer's mask
+        if activations.ndim != 3 or layer in self._unmasked_layers:
             return None
-        decoder = name in self._decoder_layers
+        decoder = layer in self._decoder_layers
         mask = self._decoder_mask if decoder else self._mask
         cls = self.reductions.get(3) == "cls"
         if mask is None:
@@ -855,7 +954,7 @@ class ActivationStream:
         left = self.memory_budget_bytes - sum(self._planned.values())
         own = min(options.get("memory_budget_mb", math.inf) * _MIB, left)
         metric, planned = self._sized(num_features, options, own)
-        unplanned = sum(1 for layer in self.layers if layer not in self._planned)
+        unplanned = sum(1 for layer in self._all_layers() if layer not in self._planned)
         if metric.path_for(num_features) != "gram" and unplanned > 1:
             metric, planned = self._sized(num_features, options, min(own, left / unplanned))
         if planned > left:
@@ -912,7 +1011,7 @@ class ActivationStream:
         width all have them or none does.
         """
         left = self.memory_budget_bytes - sum(self._planned.values())
-        order = list(self.layers)
+        order = self._all_layers()
         extras = {name: planned - self._planned[name] for name, (_, _, planned) in self._undecided.items()}
         waiting = sorted(extras, key=lambda name: (extras[name], order.index(name)))
         first_refused = None
@@ -980,9 +1079,13 @@ class ActivationStream:
         self._clear_notes()
         if _distributed():
             dist.all_reduce(inputs)
+        if self.repeated_calls == "each":
+            self._agree_on_calls(device)
         values = {}
         for name in self._measured_everywhere(device):
-            values[name] = self._values_of(name, metrics=metrics, centered=centered, per_class=per_class, when=when)
+            values[self._logged_name(name)] = self._values_of(
+                name, metrics=metrics, centered=centered, per_class=per_class, when=when
+            )
             self._check_tolerance(self.metrics[name], metrics, autocast.get(name))
         for metric in self.metrics.values():
             metric.reset()
@@ -990,10 +1093,11 @@ class ActivationStream:
 
     def _measured_everywhere(self, device: torch.device | str) -> list[str]:
         """The layers that every process measured in this pass: ``compute()`` is a collective all of them join."""
-        n = len(self.layers)
-        counts = [self.metrics[name].update_count if name in self.metrics else 0 for name in self.layers]
-        widths = [(self.metrics[name].num_features or 0) if name in self.metrics else 0 for name in self.layers]
-        grams = [int(name in self.metrics and self.metrics[name].uses_class_grams) for name in self.layers]
+        layers = self._all_layers()
+        n = len(layers)
+        counts = [self.metrics[name].update_count if name in self.metrics else 0 for name in layers]
+        widths = [(self.metrics[name].num_features or 0) if name in self.metrics else 0 for name in layers]
+        grams = [int(name in self.metrics and self.metrics[name].uses_class_grams) for name in layers]
         local = torch.tensor(counts + widths + grams, dtype=torch.int64, device=device)
         lowest = highest = local
         if _distributed():
@@ -1001,11 +1105,11 @@ class ActivationStream:
             both = torch.cat([local, -local])
             dist.all_reduce(both, op=dist.ReduceOp.MIN)
             lowest, highest = both[: 3 * n], -both[3 * n :]
-        for i, name in enumerate(self.layers):
+        for i, name in enumerate(layers):
             if int(lowest[i]) > 0 and int(lowest[2 * n + i]) != int(highest[2 * n + i]):
                 self._drop_class_grams(name)
         measured = []
-        for i, name in enumerate(self.layers):
+        for i, name in enumerate(layers):
             low, high = int(lowest[i]), int(highest[i])
             narrow, wide = int(lowest[n + i]), int(highest[n + i])
             if low > 0 and narrow != wide:

@@ -29,7 +29,7 @@ from rank_lightning.layers import (
     token_layouts,
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
-from rank_lightning.streams import ActivationStream, in_backward
+from rank_lightning.streams import REPEATED_CALLS, ActivationStream, in_backward
 from rank_lightning.validation import (
     check_choice,
     check_choices,
@@ -97,6 +97,9 @@ class RankTracker:
         token_layout: ``"auto"``, ``"batch_first"`` or ``"sequence_first"`` for token outputs.
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
+        repeated_calls: a layer called more than once per forward pass (a block applied N times): ``"first"``
+            measures its first call, with a warning; ``"each"`` its ``k``-th call as layer ``<layer>@<k>``, as in
+            :class:`~rank_lightning.callbacks.ActivationRankMonitor`.
         label_key: where :meth:`batch`'s ``batch=`` holds the labels (index or key); default as the callbacks.
         label_fn: ``batch -> labels``, instead of ``label_key``.
         mask_key: where ``batch=`` holds the attention mask: an index, a key, a function ``batch -> mask``, or
@@ -135,6 +138,7 @@ class RankTracker:
         memory_budget_mb: float | None = 4096.0,
         token_layout: Literal["auto", "batch_first", "sequence_first"] = "auto",
         output_selector: OutputSelector | None = None,
+        repeated_calls: Literal["first", "each"] = "first",
         label_key: int | str | None = None,
         label_fn: Callable[[Any], Tensor] | None = None,
         mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
@@ -179,6 +183,7 @@ class RankTracker:
             channel_maps=channel_first_layers(model, self.layers),
             channels_last=channels_last_layers(model, self.layers),
             output_selector=output_selector,
+            repeated_calls=check_choice("repeated_calls", repeated_calls, REPEATED_CALLS),
             max_samples=max_samples,
             memory_budget_mb=memory_budget_mb,
             warn=self._warn_once,

@@ -45,7 +45,7 @@ from rank_lightning.layers import (
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.sampling import READABLE_ADVICE, UNREADABLE_LOADER, readable_beside, side_loader
-from rank_lightning.streams import ActivationStream
+from rank_lightning.streams import REPEATED_CALLS, ActivationStream
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -56,7 +56,7 @@ from rank_lightning.validation import (
     check_positive_int,
 )
 
-__all__ = ["ACTIVATION_METRICS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor"]
+__all__ = ["ACTIVATION_METRICS", "REPEATED_CALLS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor"]
 
 STAGES = ("val", "train")
 TOKEN_LAYOUTS = ("auto", "batch_first", "sequence_first")
@@ -116,9 +116,16 @@ class ActivationRankMonitor(CurveMonitor):
     the first monitored batch (a ``ModuleList`` or ``ModuleDict`` is never called itself: name its children). A layer
     called more than once per batch (a module shared by several places of the forward pass, an ALBERT-style block
     applied N times, a second view of the batch) is measured at its first call of each batch only, with a warning
-    naming it. Calls made by the backward pass, where activation checkpointing (``torch.utils.checkpoint``,
-    ``gradient_checkpointing_enable()``) runs checkpointed modules again, are not calls of the batch: each batch's
-    rows are measured once, as without checkpointing.
+    naming it; with ``repeated_calls="each"`` its ``k``-th call of each batch is measured as a layer of its own,
+    logged as ``<layer>@<k>`` (``<layer>@1`` its first; after the layer in depth order, in the figures, charts and
+    curve file; each one a layer's worth of state in the memory plan, reading the batch's attention mask as the
+    layer does), so that a weight-tied block (ALBERT's one ``AlbertLayer``, a Universal Transformer, a block looped
+    N times) gives one curve per application. A batch that calls the layer another number of times than the pass's
+    first (adaptive computation) is named in a warning: the ``k``-th application sums the rows of the batches that
+    made at least ``k`` calls. Under DDP an application that ran on some processes only is named in a warning and
+    not logged (the sums of every process stay aligned). Calls made by the backward pass, where activation
+    checkpointing (``torch.utils.checkpoint``, ``gradient_checkpointing_enable()``) runs checkpointed modules again,
+    are not calls of the batch: each batch's rows are measured once, as without checkpointing.
 
     Initial point: with ``log_at_init`` (default), a fresh ``fit`` measures the untrained model before the first
     training step, over the batches a monitored epoch streams: one pass of every validation loader within
@@ -233,6 +240,8 @@ class ActivationRankMonitor(CurveMonitor):
             layer.
         output_selector: which tensor of a layer's output to measure: an index, a key or attribute name, or a
             function ``output -> Tensor``; ``None`` follows :func:`~rank_lightning.layers.hidden_state`'s rule.
+        repeated_calls: what a layer called more than once per batch gives: ``"first"`` its first call of each
+            batch, with a warning; ``"each"`` every call, the ``k``-th as layer ``<layer>@<k>`` (see above).
         log_per_class: also log the class-wise VR of every class, not only their mean.
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
             :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
@@ -263,8 +272,10 @@ class ActivationRankMonitor(CurveMonitor):
         trainer.fit(model, datamodule=datamodule)  # any LightningModule
 
     Logged metrics:
-        For every monitored layer ``<layer>`` (block name or module name), with ``<r>/`` = ``<reduction>/`` for conv
-        and token layers and empty for ``(B, d)`` layers, under ``rank/`` (``rank_train/`` with ``stage="train"``):
+        For every monitored layer ``<layer>`` (block name or module name; ``<layer>@<k>``, its ``k``-th call of each
+        batch, for a layer called more than once under ``repeated_calls="each"``), with ``<r>/`` = ``<reduction>/``
+        for conv and token layers and empty for ``(B, d)`` layers, under ``rank/`` (``rank_train/`` with
+        ``stage="train"``):
 
         * ``rank/<layer>/<r>numerical_rank``: ``#{i : s_i >= eps * s_1}`` (Feng et al. eq. 4).
         * ``rank/<layer>/<r>soft_rank``: ``#{i : s_i^2 / N >= tau}`` (Daneshmand et al. eq. 3).
@@ -306,6 +317,8 @@ class ActivationRankMonitor(CurveMonitor):
     _window_size_said = False
     # The open pass of a monitored training epoch (stage="train", epoch cadence) a loaded checkpoint holds.
     _saved_epoch: dict[str, Any] | None = None
+    # The optimizer steps taken when the current training batch started (set at every batch start).
+    _step_at_batch_start = 0
 
     def __init__(
         self,
@@ -334,6 +347,7 @@ class ActivationRankMonitor(CurveMonitor):
         label_fn: Callable[[Any], Tensor] | None = None,
         mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
         output_selector: OutputSelector | None = None,
+        repeated_calls: Literal["first", "each"] = "first",
         log_per_class: bool = False,
         max_gram_features: int = 4096,
         memory_budget_mb: float | None = 4096.0,
@@ -354,7 +368,6 @@ class ActivationRankMonitor(CurveMonitor):
         self._num_classes: int | None = None
         self._stream: ActivationStream | None = None
         self._target_step: int | None = None
-        self._step_at_batch_start = 0
         self._manual_steps: deque[int] = deque(maxlen=STEP_HISTORY)
         self._reset_manual_steps()
 
@@ -396,6 +409,7 @@ class ActivationRankMonitor(CurveMonitor):
         variance_ratio_ks = check_metric_ks("variance_ratio_ks", o["variance_ratio_ks"], "variance_ratio", self.metrics)
         self.log_per_class = o["log_per_class"]
         self.output_selector, self.memory_budget_mb = o["output_selector"], o["memory_budget_mb"]
+        self.repeated_calls = check_choice("repeated_calls", o["repeated_calls"], REPEATED_CALLS)
         keys = {key: o[key] for key in ("input_key", "label_key", "label_fn", "mask_key")}
         self.batch_reader = BatchReader(**keys)
         spectrum = (
@@ -475,6 +489,7 @@ class ActivationRankMonitor(CurveMonitor):
             memory_budget_mb=self.memory_budget_mb,
             warn=self._warn_layer,
             info=self.info,
+            repeated_calls=self.repeated_calls,
         )
         options = self.spectrum_options
         dtype = options["tolerance_dtype"]
@@ -896,6 +911,8 @@ class ActivationRankMonitor(CurveMonitor):
             "memory_budget_mb": self.memory_budget_mb,
             "spectrum options": sorted(self.spectrum_options.items()),
         }
+        if self.repeated_calls != "first":  # the windows saved before the option existed measured first calls
+            settings["repeated_calls"] = self.repeated_calls
         return {name: repr(value) for name, value in settings.items()}
 
     def _continue_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
