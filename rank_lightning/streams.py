@@ -46,6 +46,7 @@ from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
     OutputSelector,
+    class_labels,
     decoder_layers,
     forward_hooks,
     hidden_state,
@@ -370,6 +371,8 @@ class ActivationStream:
         loader's: its size is then told by the labels or mask, else by the layers' outputs."""
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
+        elif labels is not None and self.num_classes:
+            labels = class_labels(labels, per_token=True)
         self._labels = labels if self.num_classes else None
         if self._labels is not None and self.batches_seen == 0:
             self._check_shifted(batch, self._labels)
@@ -493,6 +496,10 @@ class ActivationStream:
             where = self.batch_reader.label_source(batch, per_token=True)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
             advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
+            # Read back from the device at a pass's first batch only: the warning is given once.
+            refused = self.batch_reader.refused_label_advice(batch) if self.batches_seen == 0 else ""
+            if refused:
+                advice += f" The labels found are refused: {refused}."
             self._warn("", "labels", message + advice)
         return labels
 

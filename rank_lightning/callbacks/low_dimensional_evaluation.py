@@ -3,7 +3,7 @@ layer's features."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import pytorch_lightning as pl
@@ -79,6 +79,7 @@ class LowDimensionalEvaluation(RankCallback):
             ``batch[0]``, and for dict batches the rule of :func:`~rank_lightning.layers.forward_batch`
             (``forward(**entries)``, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
+        label_fn: ``batch -> labels``, overriding ``label_key`` (e.g. the hard labels kept beside mixup's soft targets).
         verbose: report the accuracies at the end of fit (rank zero, at INFO level).
 
     Logged metrics:
@@ -101,6 +102,7 @@ class LowDimensionalEvaluation(RankCallback):
         reduction: str = "flatten",
         input_key: int | str | None = None,
         label_key: int | str | None = None,
+        label_fn: Callable[[Any], Tensor] | None = None,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)
@@ -119,7 +121,7 @@ class LowDimensionalEvaluation(RankCallback):
                 f"reduction {reduction!r} gives one row per position or token, but the classifier is trained on one "
                 f"embedding per input; valid choices are: {', '.join(SAMPLE_REDUCTIONS)}"
             )
-        self.reader = BatchReader(input_key, label_key)
+        self.reader = BatchReader(input_key, label_key, label_fn)
         self.results: dict[int, float] = {}
         self._layer: FeatureLayer | None = None
 
