@@ -1522,6 +1522,20 @@ def class_labels(labels: Any, rows: int | None = None, *, name: str = "labels", 
     return value
 
 
+def check_label_rows(labels: Tensor, rows: int, what: str) -> None:
+    """Raise unless the batch's ``labels`` hold one label for each of the ``rows`` samples of ``what`` (the inputs, or
+    the features of a layer): labels of other rows, cut or padded to fit, would pair samples with other classes.
+
+    Raises:
+        ValueError: the two row counts differ; the message names both.
+    """
+    if labels.shape[0] != rows:
+        raise ValueError(
+            f"the batch's labels have {labels.shape[0]} rows (shape {tuple(labels.shape)}) but {what} have {rows}: "
+            "one class label per sample is needed; check label_key or label_fn"
+        )
+
+
 def forward_batch(
     module: nn.Module, batch: Any, reader: BatchReader, call: str | None = None, *, ran: Callable[[], Any] = lambda: 0
 ) -> str | None:

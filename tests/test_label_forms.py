@@ -224,3 +224,46 @@ def test_callbacks_refuse_soft_targets_and_float_labels_saying_what_to_pass(call
         _logged(CALLBACKS[callback][0](3), labels, 3, tmp_path)
     assert f"(found a Tensor torch.float64 of shape {(8, *labels.shape[1:])}" in str(error.value)
     assert advice in str(error.value) and "label_fn" in str(error.value)
+
+
+ROWS = "the batch's labels have 22 rows (shape (22,)) but"
+
+
+@pytest.mark.parametrize(
+    ("consumer", "message"),
+    [
+        ("ActivationSpectrum", "labels must have shape (24,) to match the activations, got (22,)"),
+        ("RankTracker_batch", f"{ROWS} its inputs have 24"),
+        ("total_cluster_variation", "labels must have shape (24,), one class label per row, got a Tensor"),
+        ("NeuralCollapseStatistics", "labels must have shape (24,), one class label per row, got a Tensor"),
+        ("neural_collapse", "labels must have shape (24,), one class label per row, got a Tensor"),
+        ("classification_dimension", "labels must have shape (24,), one class label per row, got a Tensor"),
+        ("accuracy_under_attack", "expected logits (B, num_classes) and targets (B,); got (24, 3) and (22,)"),
+    ],
+)
+def test_labels_of_another_number_of_rows_are_refused(consumer, message):
+    with pytest.raises(ValueError) as error:
+        CONSUMERS[consumer][0](Y3[:22], 3)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("callback", list(CALLBACKS))
+@pytest.mark.parametrize(
+    ("label_fn", "rows"),
+    [(lambda batch: batch[1][:-2], 6), (lambda batch: torch.cat([batch[1], batch[1][:2]]), 10)],
+    ids=["cut", "padded"],
+)
+def test_callbacks_refuse_labels_of_another_number_of_rows(callback, label_fn, rows, tmp_path):
+    """Labels cut or padded to the rows of a layer paired rows with other classes (the monitor took the first rows
+    of padded labels, the evaluations the first features of cut ones)."""
+    callback = CALLBACKS[callback][0](3, label_fn=label_fn)
+    message = rf"the batch's labels have {rows} rows \(shape \({rows},\)\) but .* have 8: one class label per sample"
+    with pytest.raises(ValueError, match=message):
+        _logged(callback, Y3, 3, tmp_path)
+
+
+def test_labels_given_by_hand_for_other_rows_are_named_as_what_told_the_batch_size():
+    """Labels given with no batch tell its size: a layer of other rows is skipped with a warning that says so."""
+    with pytest.warns(UserWarning, match=r"no leading dimension of the batch size 22 \(told by its labels\)"):
+        with pytest.raises(KeyError, match="'0'"):
+            CONSUMERS["RankTracker_labels"][0](Y3[:22], 3)

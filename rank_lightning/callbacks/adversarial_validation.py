@@ -42,7 +42,7 @@ from rank_lightning.callbacks.curves import (
     wandb_loggers,
 )
 from rank_lightning.files import RunFiles, writes_files
-from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
+from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, check_label_rows, feature_layer
 from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import process_share
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
@@ -431,6 +431,7 @@ class AdversarialValidation(RankCallback):
         if room == 0:
             return
         inputs, labels = self.reader.split(batch)
+        check_label_rows(labels, inputs.shape[0], "its inputs")
         take = inputs.shape[0] if room is None else min(inputs.shape[0], room)
         self._inputs.append(inputs[:take].detach().clone())
         self._labels.append(labels[:take].detach().clone())

@@ -26,6 +26,7 @@ from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
     capture_features,
+    check_label_rows,
     eval_mode,
     feature_layer,
     forward_batch,
@@ -226,6 +227,7 @@ class LowDimensionalEvaluation(RankCallback):
                 # As the steps pass it: a dict batch by its entries (Hugging Face style), by itself, or its inputs.
                 captured.pop(layer.name, None)
                 call = forward_batch(pl_module, batch, self.reader, call, ran=lambda: layer.name in captured)
+                check_label_rows(targets, captured[layer.name].shape[0], f"the features of {layer.path!r}")
                 rows, targets = self._rows(captured[layer.name], batch, targets)
                 take = targets.shape[0] if left is None else min(targets.shape[0], left)
                 features.append(rows[:take].float())
