@@ -267,3 +267,13 @@ def test_labels_given_by_hand_for_other_rows_are_named_as_what_told_the_batch_si
     with pytest.warns(UserWarning, match=r"no leading dimension of the batch size 22 \(told by its labels\)"):
         with pytest.raises(KeyError, match="'0'"):
             CONSUMERS["RankTracker_labels"][0](Y3[:22], 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_labels_on_the_cpu_go_with_features_on_a_gpu():
+    x, column = X.cuda(), Y3.unsqueeze(1)
+    assert _spectrum(x, column, 3) == pytest.approx(_tcv(X, Y3), rel=1e-6)
+    assert float(total_cluster_variation(x, column)) == pytest.approx(_tcv(X, Y3), rel=1e-9)
+    assert neural_collapse(x, column).nc1 == pytest.approx(_nc1(X, Y3), rel=1e-6)
+    expected = CONSUMERS["accuracy_under_attack"][1](X, Y3)
+    assert float(accuracy_under_attack(x[:, :3], column)) == pytest.approx(expected, rel=1e-6)

@@ -434,7 +434,7 @@ class AdversarialValidation(RankCallback):
         check_label_rows(labels, inputs.shape[0], "its inputs")
         take = inputs.shape[0] if room is None else min(inputs.shape[0], room)
         self._inputs.append(inputs[:take].detach().clone())
-        self._labels.append(labels[:take].detach().clone())
+        self._labels.append(labels[:take].detach().to(inputs.device, copy=True))  # a label_fn may give CPU labels
         self._quota.took(take)
 
     @override
