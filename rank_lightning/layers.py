@@ -47,6 +47,7 @@ __all__ = [
     "GLOB_CHARACTERS",
     "HIDDEN_STATE_KEYS",
     "INPUT_KEYS",
+    "LABEL_FORMS",
     "LABEL_KEYS",
     "MASK_KEY",
     "BatchReader",
@@ -60,6 +61,7 @@ __all__ = [
     "channels_last_layers",
     "check_layer_types",
     "check_output_selector",
+    "class_labels",
     "classifier_head",
     "compiled_modules",
     "declared_batch_first",
@@ -1422,25 +1424,41 @@ def several_loaders_advice(batch: Any) -> str:
 
 _NOT_ONE_HOT = "rows that are not one-hot: soft labels, mixup or regression targets are not class labels"
 
+LABEL_FORMS = (
+    "integer labels of shape (B,) or one-hot rows of shape (B, C) (read as their argmax), also as a (B, 1) column or "
+    "as booleans (False: class 0, True: class 1)"
+)
+"""The class labels every class-aware part of the package takes (:func:`class_labels`, :meth:`BatchReader.labels`)."""
+
+
+def _shown(values: Tensor) -> str:
+    """The first few values of ``values`` (read back from its device), as ``[0.9, 0.05, 0.05]``."""
+    shown = ", ".join(repr(round(v, 4)) if isinstance(v, float) else str(v) for v in values.reshape(-1)[:4].tolist())
+    return f"[{shown}{', ...' if values.numel() > 4 else ''}]"
+
 
 def _read_labels(value: Any, per_token: bool = False) -> tuple[Tensor | None, str, bool]:
     """``(labels, what was found, refused)`` for the value where a batch's labels should be.
 
-    ``labels`` are the ``(B,)`` integer class labels (``None`` when there are none), or with ``per_token`` also
+    ``labels`` are the ``(B,)`` int64 class labels (``None`` when there are none), or with ``per_token`` also
     ``(B, T)`` integer labels per token; ``what was found`` a short description of ``value`` and ``refused`` whether it
-    is a tensor holding no class labels.
+    is a tensor holding no class labels. The forms taken are :data:`LABEL_FORMS`: a ``(B, 1)`` column is read as
+    ``(B,)``, booleans as the classes 0 and 1, one-hot rows as their argmax.
     """
     if value is None:
         return None, "nothing", False
     if not isinstance(value, Tensor):
         return None, f"a {type(value).__name__}", False
     found = f"a Tensor {value.dtype} of shape {tuple(value.shape)}"
+    column = value.ndim == 2 and value.shape[1] == 1
+    if column:
+        value = value[:, 0]  # one label per row, as a DataFrame column or y.unsqueeze(1) gives them
     if value.ndim == 1:
         if value.dtype == torch.bool:
-            return None, f"{found}: boolean values, not class indices", True
+            return value.long(), f"{found}: booleans, read as the classes 0 and 1", False
         if value.is_floating_point() or value.is_complex():
             return None, f"{found}: float values, not class indices", True
-        return value, found, False
+        return value.long(), f"{found}: a column, read as ({value.shape[0]},)" if column else found, False
     if value.ndim == 2 and not value.is_complex():
         # One-hot rows (B, C): every entry 0 or 1, exactly one 1 per row; anything else (label smoothing, mixup,
         # regression targets) has no single class per sample.
@@ -1451,11 +1469,71 @@ def _read_labels(value: Any, per_token: bool = False) -> tuple[Tensor | None, st
         if not value.is_floating_point() and value.dtype != torch.bool and not binary:
             # Integer (B, T) beyond 0 and 1: a label per token (a language model's next tokens, token classification).
             if per_token:
-                return value, f"{found}: a class label per token", False
+                return value.long(), f"{found}: a class label per token", False
             message = "a class label per token or position, not one per sample (per-token labels are not supported)"
             return None, f"{found}: {message}", True
         return None, f"{found}: {_NOT_ONE_HOT}", True
     return None, f"{found}: {value.ndim} dimensions, not one label per row", True
+
+
+def label_advice(value: Any, *, in_batch: bool = True) -> str:
+    """What to pass instead of ``value``, labels that :func:`_read_labels` refused, with the values that tell why:
+    read from a batch (``in_batch``, where ``label_key`` / ``label_fn`` choose them) or given to a metric or function.
+    Reads the values back from their device: for an error message only."""
+    where = ", e.g. with label_key or label_fn" if in_batch else ""
+    if not isinstance(value, Tensor) or value.is_complex() or not value.numel():
+        return "pass integer class indices" + where
+    rows = value.reshape(value.shape[0], -1) if value.ndim else value.reshape(1, 1)
+    if rows.shape[1] == 1 and value.is_floating_point():
+        if bool(torch.isfinite(value).all() & (value == value.round()).all()):
+            cast = "e.g. label_fn=lambda batch: batch[1].long()" if in_batch else "labels.long()"
+            return f"these hold whole numbers stored as floats ({_shown(value)}): pass them as integers, {cast}"
+        return (
+            f"these hold fractional values ({_shown(value)}), which are no classes: pass integer class indices{where}"
+        )
+    if value.ndim == 2 and (value.is_floating_point() or value.dtype == torch.bool):
+        row = int((((rows != 0) & (rows != 1)).any(1) | (rows.sum(1) != 1)).to(torch.uint8).argmax())
+        kept = ", e.g. kept in the batch beside the mixed targets and named with label_key or label_fn"
+        return (
+            f"row {row} is {_shown(rows[row])}: soft targets (mixup, CutMix, label smoothing) have no class; pass "
+            f"the integer class indices{kept if in_batch else ''}"
+        )
+    return "pass integer class indices" + where
+
+
+def class_labels(labels: Any, rows: int | None = None, *, name: str = "labels", per_token: bool = False) -> Tensor:
+    """``labels`` in one of the :data:`LABEL_FORMS` as ``(B,)`` int64 class indices, on their own device.
+
+    A ``(B, 1)`` column is read as ``(B,)``, booleans as the classes 0 and 1, one-hot rows ``(B, C)`` (entries 0 or
+    1, a single 1 per row) as their argmax; the labels of :meth:`BatchReader.labels` and of every metric and function
+    that takes class labels are read here, so that every one of them takes the same forms. ``per_token`` also takes
+    ``(B, T)`` integer labels per token (values other than 0 and 1), returned as int64.
+
+    Raises:
+        ValueError: anything else (float values, soft targets such as mixup's, a label per token), or, with ``rows``,
+            labels for another number of rows; the message names what was found and what is taken.
+    """
+    value, found, _ = _read_labels(labels, per_token)
+    if value is None:
+        forms = f"{LABEL_FORMS}, or (B, T) integer labels per token" if per_token else LABEL_FORMS
+        raise ValueError(f"{name} must be {forms}; got {found}; {label_advice(labels, in_batch=False)}")
+    if rows is not None and value.shape[0] != rows:
+        raise ValueError(f"{name} must have shape ({rows},), one class label per row, got {found}")
+    return value
+
+
+def check_label_rows(labels: Tensor, rows: int, what: str) -> None:
+    """Raise unless the batch's ``labels`` hold one label for each of the ``rows`` samples of ``what`` (the inputs, or
+    the features of a layer): labels of other rows, cut or padded to fit, would pair samples with other classes.
+
+    Raises:
+        ValueError: the two row counts differ; the message names both.
+    """
+    if labels.shape[0] != rows:
+        raise ValueError(
+            f"the batch's labels have {labels.shape[0]} rows (shape {tuple(labels.shape)}) but {what} have {rows}: "
+            "one class label per sample is needed; check label_key or label_fn"
+        )
 
 
 def forward_batch(
@@ -1589,12 +1667,23 @@ class BatchReader:
         _, found, _ = _read_labels(self._label_value(batch), per_token)
         return self._label_where(batch, found)
 
-    def labels(self, batch: Any, *, required: bool = False, per_token: bool = False) -> Tensor | None:
-        """The ``(B,)`` integer class labels of ``batch``; ``None`` when there are none and they are not ``required``.
+    def refused_label_advice(self, batch: Any) -> str:
+        """What to pass instead of the labels of ``batch`` when they are a tensor in none of the :data:`LABEL_FORMS`
+        (soft targets, float values: with the values that tell why); ``""`` otherwise. For a warning only: it reads
+        the labels back from their device."""
+        value = self._label_value(batch)
+        _, _, refused = _read_labels(value, per_token=True)
+        return label_advice(value) if refused else ""
 
-        Integer labels are returned as they are; one-hot rows ``(B, C)`` (integer, boolean or float, entries 0 or 1,
-        a single 1 per row) as their argmax. Other 2-D or float labels (soft labels, mixup, regression targets) and
-        booleans are no class labels: ``None``, or an error when the labels are required or named.
+    def labels(self, batch: Any, *, required: bool = False, per_token: bool = False) -> Tensor | None:
+        """The ``(B,)`` int64 class labels of ``batch``; ``None`` when there are none and they are not ``required``.
+
+        The forms taken are :data:`LABEL_FORMS`, as every class-aware part of the package takes them
+        (:func:`class_labels`): integer labels of any integer dtype, a ``(B, 1)`` column read as ``(B,)``, booleans
+        as the classes 0 (false) and 1 (true), one-hot rows ``(B, C)`` (integer, boolean or float, entries 0 or 1, a
+        single 1 per row) as their argmax. Float values (also whole numbers such as ``3.0``: cast them with
+        ``label_fn``), soft targets (mixup, CutMix, label smoothing) and other 2-D labels are no class labels:
+        ``None``, or an error naming what was found when the labels are required or named.
 
         ``per_token=True`` (for the layers whose rows are tokens) also returns ``(B, T)`` integer labels that hold
         values other than 0 and 1 (a language model's next tokens, -100 where a token has no class) as they are: a
@@ -1605,13 +1694,14 @@ class BatchReader:
                 ``label_key`` / ``label_fn`` (a setup error, so it is raised at the first batch whatever
                 ``required``); the message says where it looked, what it found and why it refused it.
         """
-        labels, found, refused = _read_labels(self._label_value(batch), per_token)
+        value = self._label_value(batch)
+        labels, found, refused = _read_labels(value, per_token)
         if labels is not None:
             return labels
         if not required and self.label_key is None and self.label_fn is None:
             return None
         if refused:
-            advice = "class metrics need integer labels of shape (B,) or one-hot rows of shape (B, C)"
+            advice = f"class metrics need {LABEL_FORMS}; {label_advice(value)}"
         else:
             advice = "set label_key (an index for tuples, a key for dicts) or label_fn"
         advice += several_loaders_advice(batch)

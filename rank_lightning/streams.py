@@ -46,6 +46,8 @@ from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
     OutputSelector,
+    check_label_rows,
+    class_labels,
     decoder_layers,
     forward_hooks,
     hidden_state,
@@ -183,6 +185,7 @@ class ActivationStream:
         self.remaining: int | None = None
         self._batches_left: float = math.inf
         self._batch: int | None = None
+        self._batch_told = "the batch"  # what told the batch size: the batch, or its labels or mask
         self._take: int | None = None
         self._labels: Tensor | None = None
         self._groupings: dict[torch.device, ClassGrouping] = {}
@@ -399,6 +402,8 @@ class ActivationStream:
         loader's: its size is then told by the labels or mask, else by the layers' outputs."""
         if labels is None and batch is not None and self.num_classes:
             labels = self._read_labels(batch)
+        elif labels is not None and self.num_classes:
+            labels = class_labels(labels, per_token=True)
         self._labels = labels if self.num_classes else None
         if self._labels is not None and self.batches_seen == 0:
             self._check_shifted(batch, self._labels)
@@ -410,12 +415,17 @@ class ActivationStream:
         if self._decoder_layers and self._mask is None and self._decoder_mask is None:
             self._count_padded_targets(batch)
         self._batch = BatchReader.batch_size(batch) if batch is not None and not combined else None
+        if self._batch is not None and isinstance(self._labels, Tensor):
+            # Labels cut or padded to the rows of a layer would pair its rows with other classes.
+            check_label_rows(self._labels, self._batch, "its inputs")
         self._own_indices, self._own_index_tensors = None, {}
         if combined and batch is not None and loader in self._combined_own:
             self._batch, self._own_indices = self._combined_own[loader].rows(batch, BatchReader.batch_size)
-        for known in (labels, self._mask, self._decoder_mask):  # labels tell the batch size even without class metrics
+        self._batch_told = "the batch"
+        for known, told in zip((labels, self._mask, self._decoder_mask), ("its labels", "its mask", "its mask")):
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
-                self._batch = known.shape[0]
+                # Labels tell the batch size even without class metrics.
+                self._batch, self._batch_told = known.shape[0], told
         self._own_loader = loader
         self._own_rows = self._count_own(loader) if self._batch is not None else None
         if self._own_indices is not None:
@@ -523,6 +533,10 @@ class ActivationStream:
             where = self.batch_reader.label_source(batch, per_token=True)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
             advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
+            # Read back from the device at a pass's first batch only: the warning is given once.
+            refused = self.batch_reader.refused_label_advice(batch) if self.batches_seen == 0 else ""
+            if refused:
+                advice += f" The labels found are refused: {refused}."
             self._warn("", "labels", message + advice)
         return labels
 
@@ -910,7 +924,8 @@ class ActivationStream:
         if activations.ndim != 3 or batch is None:
             if batch is None or shape[0] == batch:
                 return activations
-            self._warn(name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}.")
+            told = f" (told by {self._batch_told})" if self._batch_told != "the batch" else ""
+            self._warn(name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}{told}.")
             return None
         layout = self.layouts.get(name)
         if layout is None and (shape[0] == batch) != (shape[1] == batch):

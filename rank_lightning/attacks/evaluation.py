@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rank_lightning.attacks.pixels import ChannelStats, to_pixels
+from rank_lightning.layers import class_labels
 
 REDUCTIONS = ("mean", "sum")
 
@@ -51,7 +52,7 @@ def accuracy_under_attack(adversarial_logits: torch.Tensor, targets: torch.Tenso
 
     Args:
         adversarial_logits: logits ``(B, num_classes)`` of the adversarial batch.
-        targets: true int64 labels ``(B,)``.
+        targets: true class labels ``(B,)`` (or another of :data:`~rank_lightning.layers.LABEL_FORMS`).
 
     Returns:
         Scalar float32 tensor in [0, 1] (``nan`` for an empty batch).
@@ -61,6 +62,8 @@ def accuracy_under_attack(adversarial_logits: torch.Tensor, targets: torch.Tenso
             f"expected logits (B, num_classes) and targets (B,); got {tuple(adversarial_logits.shape)} and "
             f"{tuple(targets.shape)}"
         )
+    # A (B, 1) column compared with (B,) predictions would broadcast to (B, B): read as (B,), as everywhere.
+    targets = class_labels(targets, adversarial_logits.shape[0], name="targets").to(adversarial_logits.device)
     return (adversarial_logits.argmax(dim=1) == targets).float().mean()
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rank_lightning.attacks.pixels import ChannelStats, channel_stats
-from rank_lightning.layers import eval_mode
+from rank_lightning.layers import class_labels, eval_mode
 from rank_lightning.validation import check_non_negative, check_non_negative_int
 
 ATTACKS = ("fgsm", "iter_fgsm", "iter_ll_fgsm")
@@ -65,7 +65,7 @@ def fgsm(
     Args:
         model: classifier mapping normalised inputs ``(B, ...)`` to logits ``(B, num_classes)``.
         inputs: normalised batch ``(B, C, ...)`` as the datamodule yields it.
-        targets: int64 class labels ``(B,)``.
+        targets: class labels ``(B,)`` (or another of :data:`~rank_lightning.layers.LABEL_FORMS`).
         eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
         mean: the datamodule's per-channel mean, or ``None`` for inputs already in [0, 1].
         std: the datamodule's per-channel std, or ``None`` for inputs already in [0, 1].
@@ -100,7 +100,7 @@ def iterative_fgsm(
     Args:
         model: classifier mapping normalised inputs ``(B, ...)`` to logits ``(B, num_classes)``.
         inputs: normalised batch ``(B, C, ...)`` as the datamodule yields it.
-        targets: int64 class labels ``(B,)``.
+        targets: class labels ``(B,)`` (or another of :data:`~rank_lightning.layers.LABEL_FORMS`).
         eps: L-infinity budget in pixel units, in [0, 1] (``8/255`` for eight grey levels).
         alpha: step size in pixel units.
         steps: number of iterations; ``None`` takes :func:`kurakin_steps` of ``eps``.
@@ -232,6 +232,9 @@ def _sign_gradient_attack(
     if steps is None:
         steps = kurakin_steps(eps)
     _check_gradients_possible(inputs)
+    if targets is not None and not least_likely:
+        # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
+        targets = class_labels(targets, inputs.shape[0], name="targets").to(inputs.device)
     # Under DDP a forward of the wrapper primes gradient synchronisation that an input-only backward never
     # completes; the wrapped module computes the same logits without it.
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):

@@ -220,9 +220,11 @@ class ActivationRankMonitor(CurveMonitor):
             ``num_classes``, or the ``config.num_labels`` of a Hugging Face ``...ForSequenceClassification`` (image,
             audio) model inside the module; class metrics are skipped without it.
         label_key: where the labels are in a batch: an index for tuples/lists, a key for dicts; ``None`` takes
-            ``batch[1]`` or the first of ``y``, ``label``, ``labels``, ``target``, ``targets``. One-hot labels are
-            read as their argmax. An explicit ``label_key`` that finds no labels raises at the first batch; the
-            default lookup finding none gives a warning saying where it looked, and no class metrics. Integer labels
+            ``batch[1]`` or the first of ``y``, ``label``, ``labels``, ``target``, ``targets``. The labels may take
+            any of :data:`~rank_lightning.layers.LABEL_FORMS` (a ``(B, 1)`` column, booleans, one-hot rows read as
+            their argmax); float values and soft targets are no class labels. An explicit ``label_key`` that
+            finds no labels raises at the first batch; the default lookup finding none gives a warning saying where
+            it looked, and no class metrics. Labels of another number of rows than the batch raise. Integer labels
             per token ``(B, T)`` (next-token classes of a causal language model, already shifted; -100 where a
             token has no class) give each token row of the ``"token"`` reduction its own class, with ``num_classes``
             the vocabulary size: a token labelled -100 is left out of that layer's spectrum too, as a padded one is

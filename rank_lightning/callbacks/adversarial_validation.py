@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from rank_lightning.callbacks.curves import (
     wandb_loggers,
 )
 from rank_lightning.files import RunFiles, writes_files
-from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, feature_layer
+from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, check_label_rows, feature_layer
 from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import process_share
 from rank_lightning.validation import check_choices, check_positive, check_positive_int
@@ -193,6 +193,7 @@ class AdversarialValidation(RankCallback):
         input_key: where the inputs are in a batch: an index for tuples and lists, a key for mappings; ``None`` for
             ``batch[0]`` or the usual keys of a dict batch (:class:`~rank_lightning.layers.BatchReader`).
         label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
+        label_fn: ``batch -> labels``, overriding ``label_key`` (e.g. the hard labels kept beside mixup's soft targets).
         verbose: report the settings resolved at setup (rank zero, at INFO level).
 
     Raises:
@@ -247,6 +248,7 @@ class AdversarialValidation(RankCallback):
         std: Sequence[float] | None = None,
         input_key: int | str | None = None,
         label_key: int | str | None = None,
+        label_fn: Callable[[Any], Tensor] | None = None,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)
@@ -267,11 +269,10 @@ class AdversarialValidation(RankCallback):
         self.max_samples = max_samples
         self.batch_size = batch_size
         self.layer = layer
-        self.alpha = alpha
-        self.steps = steps
+        self.alpha, self.steps = alpha, steps
         self.mean = None if mean is None else tuple(float(v) for v in mean)
         self.std = None if std is None else tuple(float(v) for v in std)
-        self.reader = BatchReader(input_key, label_key)
+        self.reader = BatchReader(input_key, label_key, label_fn)
         self._restart_history()
         self._checkpoint_point: tuple[int, int] | None = None  # (epoch, global_step) of the checkpoint loaded
         self._feature_layer: FeatureLayer | None = None
@@ -430,9 +431,10 @@ class AdversarialValidation(RankCallback):
         if room == 0:
             return
         inputs, labels = self.reader.split(batch)
+        check_label_rows(labels, inputs.shape[0], "its inputs")
         take = inputs.shape[0] if room is None else min(inputs.shape[0], room)
         self._inputs.append(inputs[:take].detach().clone())
-        self._labels.append(labels[:take].detach().clone())
+        self._labels.append(labels[:take].detach().to(inputs.device, copy=True))  # a label_fn may give CPU labels
         self._quota.took(take)
 
     @override

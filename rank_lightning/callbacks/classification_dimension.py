@@ -41,6 +41,7 @@ from rank_lightning.functional.classification import (
 from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
+    check_label_rows,
     classifier_head,
     eval_mode,
     forward_batch,
@@ -427,6 +428,8 @@ class ClassificationDimension(RankCallback):
                 self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                 if not captured:
                     raise RuntimeError(f"the head {path!r} was not called in the forward pass")
+                if isinstance(captured.get("head"), Tensor) and captured["head"].ndim:
+                    check_label_rows(y, captured["head"].shape[0], f"the inputs of the head {path!r}")
                 if not self._per_sample_logits(path, captured, y.shape[0]):
                     return torch.empty(0), torch.empty(0, dtype=torch.long)
                 take = y.shape[0] if room is None else min(y.shape[0], room)

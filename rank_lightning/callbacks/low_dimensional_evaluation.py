@@ -3,7 +3,7 @@ layer's features."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import pytorch_lightning as pl
@@ -26,6 +26,7 @@ from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
     capture_features,
+    check_label_rows,
     eval_mode,
     feature_layer,
     forward_batch,
@@ -79,6 +80,7 @@ class LowDimensionalEvaluation(RankCallback):
             ``batch[0]``, and for dict batches the rule of :func:`~rank_lightning.layers.forward_batch`
             (``forward(**entries)``, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         label_key: where the integer labels are in a batch; ``None`` for ``batch[1]`` or the usual keys of a dict.
+        label_fn: ``batch -> labels``, overriding ``label_key`` (e.g. the hard labels kept beside mixup's soft targets).
         verbose: report the accuracies at the end of fit (rank zero, at INFO level).
 
     Logged metrics:
@@ -101,6 +103,7 @@ class LowDimensionalEvaluation(RankCallback):
         reduction: str = "flatten",
         input_key: int | str | None = None,
         label_key: int | str | None = None,
+        label_fn: Callable[[Any], Tensor] | None = None,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)
@@ -119,7 +122,7 @@ class LowDimensionalEvaluation(RankCallback):
                 f"reduction {reduction!r} gives one row per position or token, but the classifier is trained on one "
                 f"embedding per input; valid choices are: {', '.join(SAMPLE_REDUCTIONS)}"
             )
-        self.reader = BatchReader(input_key, label_key)
+        self.reader = BatchReader(input_key, label_key, label_fn)
         self.results: dict[int, float] = {}
         self._layer: FeatureLayer | None = None
 
@@ -224,6 +227,7 @@ class LowDimensionalEvaluation(RankCallback):
                 # As the steps pass it: a dict batch by its entries (Hugging Face style), by itself, or its inputs.
                 captured.pop(layer.name, None)
                 call = forward_batch(pl_module, batch, self.reader, call, ran=lambda: layer.name in captured)
+                check_label_rows(targets, captured[layer.name].shape[0], f"the features of {layer.path!r}")
                 rows, targets = self._rows(captured[layer.name], batch, targets)
                 take = targets.shape[0] if left is None else min(targets.shape[0], left)
                 features.append(rows[:take].float())

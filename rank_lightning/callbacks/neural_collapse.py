@@ -18,6 +18,7 @@ from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import (
     BatchReader,
     FeatureLayer,
+    check_label_rows,
     classifier_head,
     eval_mode,
     forward_batch,
@@ -300,6 +301,9 @@ class NeuralCollapseMonitor(CurveMonitor):
                     mask = self._mask(batch) if y.ndim == 2 else None  # labels per token: the head's rows are tokens
                     captured.clear()
                     self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
+                    features = captured.get("features")
+                    if isinstance(features, Tensor) and features.ndim:
+                        check_label_rows(y, features.shape[0], f"the inputs of the head {path!r}")
                     take = y.shape[0] if room is None else min(y.shape[0], room)
                     mask = None if mask is None else mask[:take].to(pl_module.device)
                     metric = self._update(metric, captured, y[:take].to(pl_module.device), take, second, mask)

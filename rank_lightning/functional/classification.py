@@ -21,6 +21,7 @@ from sklearn.linear_model import Lasso
 from torch import Tensor
 
 from rank_lightning.functional.spectral import serial_if_small
+from rank_lightning.layers import class_labels
 from rank_lightning.validation import (
     check_choice,
     check_fraction,
@@ -79,11 +80,8 @@ class ClassificationDimension:
 
 
 def _check_labels(labels: Tensor, num_samples: int) -> Tensor:
-    if labels.ndim != 1 or labels.shape[0] != num_samples:
-        raise ValueError(f"labels must have shape ({num_samples},), got {tuple(labels.shape)}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
-    return labels.long()
+    # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
+    return class_labels(labels, num_samples)
 
 
 def _check_ks(ks: Sequence[int] | Tensor | None, dim: int) -> list[int]:

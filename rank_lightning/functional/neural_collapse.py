@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 
 from rank_lightning.functional.spectral import default_rank_tolerance, moment_difference_error, warn_moment_rounding
+from rank_lightning.layers import class_labels
 from rank_lightning.validation import check_choices, check_dtype, check_positive_int, check_real
 
 __all__ = [
@@ -664,15 +665,15 @@ def neural_collapse(
         predictions: ``(N,)`` the head's predicted classes, for NC4 (with ``classes``, its prediction among them).
         classes: the classes the metrics cover (:func:`neural_collapse_from_residuals`); ``None`` for all.
     """
-    if features.ndim != 2 or labels.shape != (features.shape[0],):
-        raise ValueError(
-            f"features must be (N, d) and labels (N,), got {tuple(features.shape)} and {tuple(labels.shape)}"
-        )
+    if features.ndim != 2 or not isinstance(labels, Tensor) or labels.ndim not in (1, 2):
+        shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"features must be (N, d) and labels (N,), got {tuple(features.shape)} and {shape}")
     check_real("features", features)
-    if labels.dtype.is_floating_point or (labels.numel() and int(labels.min()) < 0):
+    # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
+    labels = class_labels(labels, features.shape[0]).to(features.device)
+    if labels.numel() and int(labels.min()) < 0:
         raise ValueError("labels must be non-negative integer class indices")
     check_positive_int("num_classes", num_classes, allow_none=True)
-    labels = labels.long()
     total = int(labels.max()) + 1 if num_classes is None else num_classes
     if labels.numel() and int(labels.max()) >= total:
         raise ValueError(f"label {int(labels.max())} is out of range for num_classes={total}")

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from rank_lightning.functional.power_law import PowerLawFit, power_law_alpha, spectral_decay_alpha
 from rank_lightning.functional.reductions import weight_as_matrix
+from rank_lightning.layers import class_labels
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -769,7 +770,7 @@ def classwise_variance_ratio(
     _check_k(k)
     _check_matrix(x)
     _check_center(center)
-    labels = _check_labels(labels, x.shape[0], num_classes)
+    labels = _check_labels(labels, x.shape[0], num_classes, x.device)
     if num_classes is None:
         num_classes = int(labels.max()) + 1
     out = torch.full((num_classes,), math.nan, dtype=torch.float64, device=x.device)
@@ -780,12 +781,10 @@ def classwise_variance_ratio(
     return out
 
 
-def _check_labels(labels: Tensor, num_samples: int, num_classes: int | None) -> Tensor:
+def _check_labels(labels: Tensor, num_samples: int, num_classes: int | None, device: torch.device) -> Tensor:
     check_positive_int("num_classes", num_classes, allow_none=True)
-    if labels.ndim != 1 or labels.shape[0] != num_samples:
-        raise ValueError(f"labels must have shape ({num_samples},), got {tuple(labels.shape)}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
+    labels = class_labels(labels, num_samples).to(device)
     if labels.numel() and int(labels.min()) < 0:
         raise ValueError(f"labels must be non-negative, got {int(labels.min())}")
     if num_classes is not None and labels.numel() and int(labels.max()) >= num_classes:
@@ -812,7 +811,7 @@ def total_cluster_variation(
     """
     check_bool("normalized", normalized)
     _check_matrix(x)
-    labels = _check_labels(labels, x.shape[0], num_classes)
+    labels = _check_labels(labels, x.shape[0], num_classes, x.device)
     x64 = x.detach().to(torch.float64)
     if not torch.isfinite(x64).all():
         _warn_non_finite("input matrix")

@@ -60,6 +60,7 @@ from rank_lightning.functional.streaming import (
     subsample_update,
     symmetrize_lower,
 )
+from rank_lightning.layers import class_labels
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -659,10 +660,12 @@ class ActivationSpectrum(Metric):
         Args:
             activations: ``(B, d)``, ``(B, T, D)`` or ``(B, C, H, W)``; any floating dtype.
             labels: ``(B,)`` integer class labels in ``[0, num_classes)``; ignored when ``num_classes`` is ``None``.
-                With the ``"channel"`` and ``"token"`` reductions every row inherits its input's label. With
-                ``"token"``, ``(B, T)`` labels per token instead (a causal language model's next tokens, already
-                shifted), in ``[0, num_classes)`` or -100: a token labelled -100 is left out of every sum, as a padded
-                one is; other reductions of token activations, one row per input, refuse them. A
+                Also taken, as everywhere in the package (:data:`~rank_lightning.layers.LABEL_FORMS`): a ``(B, 1)``
+                column, booleans (classes 0 and 1) and one-hot rows ``(B, C)`` (their argmax); float values and soft
+                targets are refused. With the ``"channel"`` and ``"token"`` reductions every row inherits its
+                input's label. With ``"token"``, ``(B, T)`` labels per token instead (a causal language model's
+                next tokens, already shifted), in ``[0, num_classes)`` or -100: a token labelled -100 is left out of
+                every sum, as a padded one is; other reductions of token activations, one row per input, refuse them. A
                 :class:`~rank_lightning.functional.streaming.ClassGrouping` of them (``group_by_class``, or
                 ``group_token_labels`` for labels per token), made once per batch and passed to the metrics of every
                 layer, saves each its own grouping (on a GPU, its own synchronisation).
@@ -842,22 +845,31 @@ class ActivationSpectrum(Metric):
                 f"labels per token need (B, T, D) token activations, got activations of shape "
                 f"{tuple(activations.shape)}"
             )
-        if given.ndim != 1 or given.shape[0] != batch:
-            message = f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}"
-            if given.ndim == 2 and given.shape[0] == batch:
-                # A label per position of rows that are not tokens, or one-hot rows: say what is taken instead.
-                message += (
-                    ": one integer label per input, which every row of the input inherits under the 'token' and "
-                    "'channel' reductions; labels per position (B, T), such as a language model's next tokens, need "
-                    "(B, T, D) token activations and reduction='token', and one-hot rows (B, C) are passed as "
-                    "labels.argmax(1)"
-                )
-            raise ValueError(message)
         if isinstance(labels, ClassGrouping):
+            if given.ndim != 1 or given.shape[0] != batch:
+                raise ValueError(
+                    f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}"
+                )
             if len(labels.counts) != self.num_classes:
                 raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
             return labels
-        return group_by_class(labels, self.num_classes)
+        try:
+            # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
+            read = class_labels(given)
+        except ValueError:
+            integers = given.ndim == 2 and not (given.is_floating_point() or given.dtype == torch.bool)
+            if not (integers and given.shape[0] == batch):
+                raise
+            # A label per position of rows that are not tokens: say what is taken instead.
+            raise ValueError(
+                f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}: one integer "
+                "label per input, which every row of the input inherits under the 'token' and 'channel' reductions; "
+                "labels per position (B, T), such as a language model's next tokens, need (B, T, D) token activations "
+                "and reduction='token', and one-hot rows (B, C) are read as their argmax"
+            ) from None
+        if read.shape[0] != batch:
+            raise ValueError(f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}")
+        return group_by_class(read, self.num_classes)
 
     def _token_grouping(self, labels: Tensor | ClassGrouping, activations: Tensor) -> ClassGrouping:
         """The grouping of labels per token, checked against the ``(B, T)`` of the token activations."""

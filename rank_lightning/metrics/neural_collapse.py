@@ -21,6 +21,7 @@ from rank_lightning.functional.neural_collapse import (
     residual_moments,
 )
 from rank_lightning.functional.streaming import class_counts, counted_tokens, group_token_labels, row_moments
+from rank_lightning.layers import class_labels
 from rank_lightning.metrics.activation_spectrum import device_move_only
 from rank_lightning.validation import check_positive, check_positive_int, check_real
 
@@ -213,12 +214,15 @@ class NeuralCollapseStatistics(Metric):
         ``(B, T, D)`` token features, ``(B, T)`` labels per token in ``[0, C)`` or -100, ``(B, T, C)`` logits and the
         ``(B, T)`` attention ``mask`` (true / 1 at real tokens; ignored for ``(B, d)`` features).
 
+        The labels may also come in the other forms every class-aware part takes
+        (:data:`~rank_lightning.layers.LABEL_FORMS`: a ``(B, 1)`` column, booleans, one-hot rows), and on another
+        device than the features.
+
         Raises:
             ValueError: shapes that do not match, or labels out of range.
         """
         features, labels, logits, counted = self._token_rows(features, labels, logits, mask)
-        self._check(features, labels, logits, counted)
-        labels = labels.long()
+        labels = self._check(features, labels, logits, counted)
         if self._restored_second_pass and not self.second_pass:
             raise RuntimeError(
                 "the loaded state was saved during the second pass; call start_second_pass() (a collective) again "
@@ -289,16 +293,15 @@ class NeuralCollapseStatistics(Metric):
         """
         self.update(features, labels, logits, mask=mask)
 
-    def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None, counted: Tensor | None) -> None:
+    def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None, counted: Tensor | None) -> Tensor:
+        """The labels as ``(B,)`` int64 on the features' device, once the batch is checked."""
         check_real("features", features)
         if logits is not None:
             check_real("logits", logits)
         if features.ndim != 2 or features.shape[1] != self.num_features:
             raise ValueError(f"features must be (B, {self.num_features}), got {tuple(features.shape)}")
-        if labels.shape != (features.shape[0],) or labels.dtype.is_floating_point:
-            raise ValueError(
-                f"labels must be ({features.shape[0]},) integers, got {tuple(labels.shape)} {labels.dtype}"
-            )
+        # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
+        labels = class_labels(labels, features.shape[0]).to(features.device)
         if labels.numel():
             # The label range and, in the second pass, whether a label's class has a mean: one read from a GPU.
             reads = [labels.min(), labels.max()]
@@ -315,6 +318,7 @@ class NeuralCollapseStatistics(Metric):
                 raise ValueError(f"labels {absent} belong to classes that had no sample when the means were computed")
         if logits is not None and logits.shape != (features.shape[0], self.num_classes):
             raise ValueError(f"logits must be ({features.shape[0]}, {self.num_classes}), got {tuple(logits.shape)}")
+        return labels
 
     def start_second_pass(self) -> None:
         """All-reduce the class sums and fix the means; a collective: every process calls it."""

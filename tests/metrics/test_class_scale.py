@@ -151,7 +151,7 @@ def test_labels_per_token_are_refused_saying_what_the_class_metrics_take() -> No
         "labels must have shape (2,) to match the activations, got (2, 3): one integer label per input, which every "
         "row of the input inherits under the 'token' and 'channel' reductions; labels per position (B, T), such as a "
         "language model's next tokens, need (B, T, D) token activations and reduction='token', and one-hot rows "
-        "(B, C) are passed as labels.argmax(1)"
+        "(B, C) are read as their argmax"
     )
     with pytest.raises(ValueError) as error:
         metric.update(features, next_tokens)
