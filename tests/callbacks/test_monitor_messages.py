@@ -229,7 +229,7 @@ def test_a_batch_that_changes_a_flatten_layers_features_is_skipped_with_the_reas
     with pytest.warns(
         UserWarning,
         match=r"layer 'proj' gives \(6, 2, 4\), 8 features with reduction='flatten' where "
-        r"earlier batches gave 12; such batches are skipped .* token_reduction='token' or 'mean'",
+        r"earlier batches gave 12; such batches are skipped .* token_reduction='token', 'mean' or 'last'",
     ):
         (results,) = trainer.validate(_Tokens(), DataLoader(batches, batch_size=None), verbose=False)
     assert results["rank/proj/flatten/spectrum_rows"] == 12  # the two batches of 12 features
