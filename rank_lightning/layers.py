@@ -1344,10 +1344,25 @@ def _decoder_of(module: nn.Module) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) and decoder is not module else None
 
 
+def _target_head_of(module: nn.Module) -> nn.Module | None:
+    """The output layer of a Hugging Face encoder-decoder model (``get_output_embeddings()``: T5's and BART's
+    ``lm_head``, Whisper's ``proj_out``), applied to the decoder's hidden states outside the decoder module; ``None``
+    for other modules."""
+    if _decoder_of(module) is None or isinstance(module, nn.Transformer):
+        return None
+    try:
+        head = module.get_output_embeddings()
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return None
+    return head if isinstance(head, nn.Module) and head is not module else None
+
+
 def decoder_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
     """The names of ``layers`` (``name -> module path``) in the decoder of an encoder-decoder model (``nn.Transformer``;
     a Hugging Face T5, BART, Marian, Whisper, ``EncoderDecoderModel``: a ``PreTrainedModel`` whose
-    ``config.is_encoder_decoder`` is true, whose decoder is ``get_decoder()``), the decoder itself included.
+    ``config.is_encoder_decoder`` is true, whose decoder is ``get_decoder()``), the decoder itself included, and the
+    layers at or inside the output layer that such a Hugging Face model applies to its decoder's hidden states
+    outside the decoder (its ``get_output_embeddings()``: T5's and BART's ``lm_head``, Whisper's ``proj_out``).
 
     Their tokens are the target's, not the source's: the batch's ``attention_mask`` (the encoder's) does not belong to
     them, even when source and target are padded to one length. The outermost such model on a layer's path decides;
@@ -1360,7 +1375,8 @@ def decoder_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
         for depth, module in enumerate(modules):
             decoder = _decoder_of(module)
             if decoder is not None:
-                if any(inner is decoder for inner in modules[depth + 1 :]):
+                head = _target_head_of(module)
+                if any(inner is decoder or inner is head for inner in modules[depth + 1 :]):
                     found.append(name)
                 break
     return found

@@ -646,13 +646,13 @@ def test_decoder_layers_are_those_inside_the_decoder_of_a_hugging_face_encoder_d
         "t5.decoder.block.1.layer.0.SelfAttention.q",
         "t5.decoder",
         "t5",  # holds both stacks
-        "t5.lm_head",
+        "t5.lm_head",  # applied to the decoder's hidden states: the target's tokens
         "bart.model.encoder.layers.0",
         "bart.model.decoder.layers.0",
         "gpt2.transformer.h.0",  # a decoder-only model has no encoder's mask to mistake
         "",
     ]
-    expected = ["t5.decoder.block.1", "t5.decoder.block.1.layer.0.SelfAttention.q", "t5.decoder"]
+    expected = ["t5.decoder.block.1", "t5.decoder.block.1.layer.0.SelfAttention.q", "t5.decoder", "t5.lm_head"]
     assert decoder_layers(net, {path or "net": path for path in paths}) == [*expected, "bart.model.decoder.layers.0"]
     assert decoder_layers(net.t5, {"block": "decoder.block.0", "encoder": "encoder.block.0"}) == ["block"]
 

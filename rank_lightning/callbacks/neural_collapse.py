@@ -16,10 +16,13 @@ from rank_lightning.callbacks.base import CurveMonitor, RowQuota, first_call_kee
 from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.neural_collapse import NC_METRICS, NeuralCollapse
 from rank_lightning.layers import (
+    DECODER_MASK_KEY,
+    MASK_KEY,
     BatchReader,
     FeatureLayer,
     check_label_rows,
     classifier_head,
+    decoder_layers,
     eval_mode,
     forward_batch,
     forward_hooks,
@@ -95,7 +98,8 @@ class NeuralCollapseMonitor(CurveMonitor):
         top_classes: measure the ``K`` classes with the most samples only (a vocabulary's next-token classes);
             ``None`` for every class.
         mask_key: where a token head's ``(B, T)`` attention mask is (:class:`~rank_lightning.layers.BatchReader`);
-            ``None``: the batch's ``decoder_attention_mask`` if it has one, else its ``attention_mask``.
+            ``None``: the batch's ``decoder_attention_mask`` if it has one, else its ``attention_mask`` (not for the
+            head of an encoder-decoder model, T5's ``lm_head``: the labels' -100 alone then, with a warning).
         memory_budget_mb: the most memory (MiB) the neural-collapse statistics may plan for; ``None`` for no limit.
 
     Raises:
@@ -167,6 +171,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.result: NeuralCollapse | None = None
         self._head_path: str | None = None
+        self._target_head = False  # the head reads an encoder-decoder's target tokens (set at setup)
 
     @property
     def head_path(self) -> str | None:
@@ -185,6 +190,9 @@ class NeuralCollapseMonitor(CurveMonitor):
     def prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_distinct_namespaces(trainer, self)
         self._head_path = self.find_head(pl_module)
+        # The head of an encoder-decoder (T5's lm_head) reads the decoder's tokens: never the encoder's mask.
+        by_default = self.reader.default_mask_lookup
+        self._target_head = by_default and bool(decoder_layers(pl_module, {self._head_path: self._head_path}))
         weight = getattr(pl_module.get_submodule(self._head_path), "weight", None)
         if isinstance(weight, Tensor) and weight.ndim == 2:
             # The head's (C, d) weight tells the plan before any training step (else the first batch's shapes do).
@@ -314,9 +322,20 @@ class NeuralCollapseMonitor(CurveMonitor):
 
     def _mask(self, batch: Any) -> Tensor | None:
         """The attention mask of a token head's rows: ``mask_key``'s, else the batch's decoder mask (a target's
-        tokens), else its ``attention_mask``; used only for ``(B, T, D)`` head inputs."""
+        tokens), else its ``attention_mask``; used only for ``(B, T, D)`` head inputs. The head of an encoder-decoder
+        model (:func:`~rank_lightning.layers.decoder_layers`) never takes the ``attention_mask``, the encoder's: without
+        a decoder mask its rows are left out by the labels' -100 alone, with a warning."""
         decoder = self.reader.decoder_mask(batch)
-        return decoder if decoder is not None else self.reader.mask(batch)
+        if decoder is not None or not self._target_head:
+            return decoder if decoder is not None else self.reader.mask(batch)
+        message = (
+            f"the head {self._head_path!r} reads the decoder's tokens of an encoder-decoder model, but the batch has "
+            f"no {DECODER_MASK_KEY!r} (its {MASK_KEY!r}, if any, is the encoder's and is not used): every target "
+            f"position whose label is not -100 is a sample. Put the target's mask in the batch as "
+            f"{DECODER_MASK_KEY!r} (e.g. labels != -100 for right-padded labels), or name it with mask_key."
+        )
+        self.warn_once(("decoder mask",), message)
+        return None
 
     def _update(
         self,
