@@ -343,11 +343,18 @@ class NeuralCollapseStatistics(Metric):
         sums merge only into a metric whose class means are the incoming metric's.
 
         Raises:
-            ValueError: first-pass sums into a metric whose means are fixed (they would be left out), second-pass sums
-                into a metric in its first pass, or a second pass around other class means.
+            ValueError: sums of a metric with another ``top_classes`` (its selection and second pass are of other
+                classes), first-pass sums into a metric whose means are fixed (they would be left out), second-pass
+                sums into a metric in its first pass, or a second pass around other class means.
         """
         incoming = incoming_state if isinstance(incoming_state, NeuralCollapseStatistics) else None
         state = incoming.metric_state if incoming is not None else incoming_state
+        selection = state.get("class_selection") if isinstance(state, dict) else None
+        if isinstance(selection, Tensor) and int(selection) != (self.top_classes or 0):
+            raise ValueError(
+                f"cannot merge a NeuralCollapseStatistics with top_classes={int(selection) or None}: this one has "
+                f"top_classes={self.top_classes}; merge metrics made with the same top_classes"
+            )
         if isinstance(state, dict) and {"class_counts", "second_counts"} <= set(state):
             second = incoming.second_pass if incoming is not None else bool(state["second_counts"].sum())
             advice = "merge the first passes, call start_second_pass() on the merged metric, then stream the second"

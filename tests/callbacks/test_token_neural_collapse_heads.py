@@ -116,3 +116,22 @@ def test_an_encoder_decoder_head_under_the_activation_monitor_reads_the_decoder_
                                _batches(decoder_mask=False))  # fmt: skip
     assert float(trainer.callback_metrics["rank/model.lm_head/token/spectrum_rows"]) == 2 * BATCH * LENGTH
     assert len(named) == 1 and "layer 'model.lm_head' is in the decoder of an encoder-decoder model" in named[0]
+
+
+@pytest.mark.parametrize("theirs", [3, None])
+@pytest.mark.parametrize("as_state", [False, True])
+def test_merging_statistics_of_another_top_classes_is_refused_naming_both(theirs: int | None, as_state: bool) -> None:
+    from rank_lightning.metrics import NeuralCollapseStatistics
+
+    g = torch.Generator().manual_seed(0)
+    mine, other = NeuralCollapseStatistics(5, 3, top_classes=2), NeuralCollapseStatistics(5, 3, top_classes=theirs)
+    for metric in (mine, other):
+        metric.update(torch.randn(8, 3, generator=g), torch.arange(8) % 5)
+    incoming = other.metric_state if as_state else other
+    with pytest.raises(ValueError, match=rf"top_classes={theirs}: this one has top_classes=2"):
+        mine.merge_state(incoming)
+    assert int(mine.class_selection) == 2 and int(mine.class_counts.sum()) == 8  # nothing merged
+    same = NeuralCollapseStatistics(5, 3, top_classes=2)
+    same.update(torch.randn(8, 3, generator=g), torch.arange(8) % 5)
+    mine.merge_state(same.metric_state if as_state else same)
+    assert int(mine.class_counts.sum()) == 16
