@@ -500,6 +500,35 @@ def _stack_layers(module: nn.Module, blocks: Sequence[str]) -> list[str]:
     return inner
 
 
+def _looped_block(module: nn.Module, weights: Sequence[str]) -> list[str]:
+    """The one block a Hugging Face model applies several times per forward pass, as a list of its path; else ``[]``.
+
+    A never-called container (a ModuleList) of one parameterised block inside a model whose ``config`` declares more
+    hidden layers (``num_hidden_layers``) than that one: ALBERT's encoder loops over its one ``AlbertLayerGroup``
+    (and the one ``AlbertLayer`` inside) ``num_hidden_layers`` times. Kept when the weight layers it applies, counted
+    once per application, are at least half of those the model applies; the deepest such block is chosen.
+    """
+    found: list[str] = []
+    configs: list[tuple[str, int]] = []  # (path prefix, num_hidden_layers) of the models holding the modules seen
+    for path, container in module.named_modules():
+        config = getattr(container, "config", None)
+        layers = getattr(config, "num_hidden_layers", None)
+        if _hugging_face_model(container) and isinstance(layers, int) and not isinstance(layers, bool):
+            configs.append((f"{path}." if path else "", layers))
+        if not _never_called(container) or len(container._modules) != 1:
+            continue
+        name, child = next(iter(container.named_children()))
+        block = f"{path}.{name}" if path else name
+        holding = [n for prefix, n in configs if block.startswith(prefix)]
+        if not holding or holding[-1] <= 1 or not _has_children(child) or _never_called(child):
+            continue
+        held = sum(w == block or w.startswith(f"{block}.") for w in weights)
+        applied = held * holding[-1]
+        if held and 2 * applied >= applied + len(weights) - held:
+            found.append(block)
+    return [max(found, key=lambda path: path.count("."))] if found else []  # the deepest; ties: the first
+
+
 def default_layers(module: nn.Module) -> dict[str, str]:
     """The layers watched when none are named: ``short name -> module path`` (a foreign layer is named by its path).
 
@@ -521,12 +550,17 @@ def default_layers(module: nn.Module) -> dict[str, str]:
        ``TransformerEncoder`` and ``TransformerDecoder``, the two towers of CLIP. When the chosen blocks are stacks,
        their layers are chosen instead, stack by stack in module order (the encoder's, then the decoder's), so that
        depth has more than two points.
-    3. Else, a network of layers (an MLP, a VGG-like CNN): its hidden representations. The head is the last weight
+    3. Else, the one block a weight-tied Hugging Face model applies several times per forward pass: the only block of
+       a ModuleList inside a model whose ``config.num_hidden_layers`` is larger (ALBERT's shared ``AlbertLayer``),
+       when the weight layers it applies, counted once per application, are at least half of the model's (the
+       deepest such block). It is measured at its first call of each batch, with a warning, or at every call with
+       ``repeated_calls="each"``.
+    4. Else, a network of layers (an MLP, a VGG-like CNN): its hidden representations. The head is the last weight
        layer, the hidden layers are the others. The activation modules (:data:`ACTIVATION_TYPES`) anywhere in the
        network are chosen when they are at least as many as the hidden layers (``nn.Sequential(Linear, ReLU,
        Linear, ReLU, Linear)``: the two ReLUs); else the hidden layers themselves (activations applied
        functionally, or one ``self.act`` shared by every layer, which would run several times per forward).
-    4. Else the children of the innermost wrapped network.
+    5. Else the children of the innermost wrapped network.
 
     A layer found inside a ``torch.compile`` wrapper is named without the wrapper's ``_orig_mod`` (``net.layers.0``
     for the path ``net._orig_mod.layers.0``), so a compiled model logs the keys of the eager one.
@@ -535,7 +569,7 @@ def default_layers(module: nn.Module) -> dict[str, str]:
     if blocks is not None:
         return blocks
     weights = _weight_layers(module)
-    chosen = _stack_layers(module, _repeated_blocks(module, weights, stacks=True))
+    chosen = _stack_layers(module, _repeated_blocks(module, weights, stacks=True)) or _looped_block(module, weights)
     if not chosen:
         hidden = weights[:-1]
         activations = [path for path, m in module.named_modules() if isinstance(m, ACTIVATION_TYPES)]
