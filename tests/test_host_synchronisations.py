@@ -474,3 +474,31 @@ def test_neural_collapse_second_pass_reads_once_per_batch(fake_cuda):
             with waits:
                 metric.update(*batch)
     assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)], waits.found
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_neural_collapse_of_token_rows_reads_once_per_batch(fake_cuda, second):
+    """Next-token classes: the label range (-100 aside), the 0 / 1 values of the integer attention mask and, in the
+    second pass, whether every label's class has a mean, in one read (three before: the token labels grouped, then
+    the mask's values, then the range)."""
+    from rank_lightning.metrics import NeuralCollapseStatistics
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 12, generator=generator)
+    labels = (torch.arange(24) % NUM_CLASSES).reshape(4, 6)
+    labels[:, -1] = -100
+    mask = (torch.arange(6) < torch.tensor([[6], [4], [5], [3]])).long()
+    metric = NeuralCollapseStatistics(NUM_CLASSES, 12)
+    if second:
+        metric.update(x, labels, mask=mask)
+        metric.start_second_pass()  # on the CPU: the fake tensors have no values to find the means with
+    waits = _Waits()
+    with fake_cuda:
+        for name in [*metric._defaults, *(["_means", "_present", "_row_of", "_directions"] if second else [])]:
+            setattr(metric, name, fake_cuda.from_tensor(getattr(metric, name)).to("cuda"))
+        for index in range(3):
+            batch = [fake_cuda.from_tensor(t).to("cuda") for t in (x, labels, torch.randn(4, 6, NUM_CLASSES), mask)]
+            waits.batch = index
+            with waits:
+                metric.update(*batch[:3], mask=batch[3])
+    assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)], waits.found

@@ -20,7 +20,8 @@ from rank_lightning.functional.neural_collapse import (
     neural_collapse_from_residuals,
     residual_moments,
 )
-from rank_lightning.functional.streaming import class_counts, counted_tokens, group_token_labels, row_moments
+from rank_lightning.functional.reductions import check_token_mask
+from rank_lightning.functional.streaming import IGNORE_INDEX, class_counts, row_moments
 from rank_lightning.layers import class_labels
 from rank_lightning.metrics.activation_spectrum import device_move_only
 from rank_lightning.validation import check_positive, check_positive_int, check_real
@@ -221,8 +222,8 @@ class NeuralCollapseStatistics(Metric):
         Raises:
             ValueError: shapes that do not match, or labels out of range.
         """
-        features, labels, logits, counted = self._token_rows(features, labels, logits, mask)
-        labels = self._check(features, labels, logits, counted)
+        features, labels, logits, counted, odd_mask = self._token_rows(features, labels, logits, mask)
+        labels = self._check(features, labels, logits, counted, odd_mask)
         if self._restored_second_pass and not self.second_pass:
             raise RuntimeError(
                 "the loaded state was saved during the second pass; call start_second_pass() (a collective) again "
@@ -262,11 +263,14 @@ class NeuralCollapseStatistics(Metric):
 
     def _token_rows(
         self, features: Tensor, labels: Tensor, logits: Tensor | None, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, tuple[Tensor, torch.dtype] | None]:
         """``(B, d)`` batches as they are (no row mask); ``(B, T, D)`` tokens as ``(B*T, D)`` rows, their labels
-        (0 where -100), ``(B*T, C)`` logits and which rows count (real tokens with a class, :func:`counted_tokens`)."""
+        (0 where -100), ``(B*T, C)`` logits and which rows count (real tokens with a class, as
+        :func:`~rank_lightning.functional.streaming.counted_tokens` counts them). A ``(B, T)`` mask of 0 / 1 numbers
+        also gives whether it holds other values and its dtype, a device flag that :meth:`_check` reads with the label
+        range (one read per batch)."""
         if features.ndim != 3:
-            return features, labels, logits, None
+            return features, labels, logits, None, None
         check_real("features", features)
         shape = tuple(features.shape)
         if labels.ndim != 2 or tuple(labels.shape) != shape[:2]:
@@ -277,11 +281,22 @@ class NeuralCollapseStatistics(Metric):
         if logits is not None and tuple(logits.shape) != (*shape[:2], self.num_classes):
             expected = (*shape[:2], self.num_classes)
             raise ValueError(f"logits of token features must be {expected}, got {tuple(logits.shape)}")
-        grouping = group_token_labels(labels, self.num_classes)
-        counted = counted_tokens(grouping, mask, features).reshape(-1)
+        if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+            raise ValueError(f"labels per token must be integer class indices, got dtype {labels.dtype}")
+        labels = labels.long().to(features.device)
+        labelled = labels != IGNORE_INDEX
+        odd_mask = None
+        if mask is None:
+            counted = labelled
+        elif isinstance(mask, Tensor) and mask.dtype != torch.bool and tuple(mask.shape) == shape[:2]:
+            # Whether it holds other values than 0 and 1 is read with the label range, not on its own.
+            odd_mask = (((mask != 0) & (mask != 1)).any(), mask.dtype)
+            counted = (mask != 0).to(features.device) & labelled
+        else:
+            counted = check_token_mask(mask, features) & labelled
         rows = features.reshape(-1, shape[2])
         flat_logits = None if logits is None else logits.reshape(-1, self.num_classes)
-        return rows, grouping.labels, flat_logits, counted
+        return rows, labels.masked_fill(~labelled, 0).reshape(-1), flat_logits, counted.reshape(-1), odd_mask
 
     def forward(  # type: ignore[override]
         self, features: Tensor, labels: Tensor, logits: Tensor | None = None, *, mask: Tensor | None = None
@@ -293,8 +308,16 @@ class NeuralCollapseStatistics(Metric):
         """
         self.update(features, labels, logits, mask=mask)
 
-    def _check(self, features: Tensor, labels: Tensor, logits: Tensor | None, counted: Tensor | None) -> Tensor:
-        """The labels as ``(B,)`` int64 on the features' device, once the batch is checked."""
+    def _check(
+        self,
+        features: Tensor,
+        labels: Tensor,
+        logits: Tensor | None,
+        counted: Tensor | None,
+        odd_mask: tuple[Tensor, torch.dtype] | None = None,
+    ) -> Tensor:
+        """The labels as ``(B,)`` int64 on the features' device, once the batch is checked (with a token batch's
+        mask, ``odd_mask`` of :meth:`_token_rows`)."""
         check_real("features", features)
         if logits is not None:
             check_real("logits", logits)
@@ -303,16 +326,27 @@ class NeuralCollapseStatistics(Metric):
         # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
         labels = class_labels(labels, features.shape[0]).to(features.device)
         if labels.numel():
-            # The label range and, in the second pass, whether a label's class has a mean: one read from a GPU.
-            reads = [labels.min(), labels.max()]
+            # The label range, whether a token mask holds other values than 0 and 1 and, in the second pass,
+            # whether a label's class has a mean: one read from a GPU.
+            reads = [labels.min(), labels.max(), labels.new_zeros(()) if odd_mask is None else odd_mask[0].to(labels)]
             if self.second_pass:
                 missing = self._row_of.to(labels.device)[labels.clamp(0, self.num_classes - 1)] == -2
                 if counted is not None:
                     missing &= counted.to(labels.device)
                 reads.append(missing.any().to(labels.dtype))
-            low, high, *missing_any = torch.stack(reads).tolist()
+            low, high, odd, *missing_any = torch.stack(reads).tolist()
+            if odd and odd_mask is not None:
+                raise ValueError(
+                    f"attention mask of dtype {odd_mask[1]} holds values other than 0 and 1; expected true / 1 at the "
+                    "real tokens and false / 0 at padding"
+                )
             if low < 0 or high >= self.num_classes:
-                raise ValueError(f"labels must lie in [0, {self.num_classes}), got {low}..{high}")
+                tokens = (
+                    f"; per-token labels may also be {IGNORE_INDEX} (a token without a class)"
+                    if counted is not None
+                    else ""
+                )
+                raise ValueError(f"labels must lie in [0, {self.num_classes}), got {low}..{high}{tokens}")
             if any(missing_any):
                 absent = sorted(set(labels[missing].tolist()))
                 raise ValueError(f"labels {absent} belong to classes that had no sample when the means were computed")

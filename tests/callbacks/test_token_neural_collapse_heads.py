@@ -135,3 +135,32 @@ def test_merging_statistics_of_another_top_classes_is_refused_naming_both(theirs
     same.update(torch.randn(8, 3, generator=g), torch.arange(8) % 5)
     mine.merge_state(same.metric_state if as_state else same)
     assert int(mine.class_counts.sum()) == 16
+
+
+@pytest.mark.parametrize(
+    ("labels", "mask", "message"),
+    [
+        (
+            torch.full((2, 3), -5),
+            torch.ones(2, 3, dtype=torch.long),
+            r"labels must lie in \[0, 5\), got -5\.\.-5; per-token labels may also be -100",
+        ),
+        (
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.full((2, 3), 2),
+            r"dtype torch.int64 holds values other than 0 and 1",
+        ),
+        (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4), r"attention mask of shape \(2, 4\) does not match"),
+    ],
+)
+def test_token_batches_keep_their_label_and_mask_checks(labels: Tensor, mask: Tensor, message: str) -> None:
+    """The label range and the mask's values are read together: neither check is lost."""
+    from rank_lightning.metrics import NeuralCollapseStatistics
+
+    metric = NeuralCollapseStatistics(5, 4)
+    for second in (False, True):
+        if second:
+            metric.update(torch.randn(5, 4), torch.arange(5))
+            metric.start_second_pass()
+        with pytest.raises(ValueError, match=message):
+            metric.update(torch.randn(2, 3, 4), labels, torch.zeros(2, 3, 5), mask=mask)
