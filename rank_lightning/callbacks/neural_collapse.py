@@ -302,11 +302,13 @@ class NeuralCollapseMonitor(CurveMonitor):
         second, quota = metric is not None, RowQuota(limit, started=metric is not None)
         with forward_hooks(pl_module, layers, first_call_keeper(self, path, captured)):
             with eval_mode(pl_module), torch.no_grad():
-                for batch, room in quota.batches(loaders):
+                for index, (batch, room) in enumerate(quota.batches(loaders)):
                     # The whole batch, as the steps get it (the module's batch-transfer hooks, the precision's cast).
                     batch = step_inputs(pl_module.trainer, batch)
                     y = cast(Tensor, self.reader.labels(batch, required=True, per_token=True))
-                    mask = self._mask(batch) if y.ndim == 2 else None  # labels per token: the head's rows are tokens
+                    # Labels per token: the head's rows are tokens. A mask's 0 / 1 values are checked here at a pass's
+                    # first batch, later by the metric in its one read of the batch (as the label range).
+                    mask = self._mask(batch, convert=index == 0) if y.ndim == 2 else None
                     captured.clear()
                     self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: captured)
                     features = captured.get("features")
@@ -320,14 +322,14 @@ class NeuralCollapseMonitor(CurveMonitor):
                     quota.took(take)
         return metric
 
-    def _mask(self, batch: Any) -> Tensor | None:
+    def _mask(self, batch: Any, *, convert: bool = True) -> Tensor | None:
         """The attention mask of a token head's rows: ``mask_key``'s, else the batch's decoder mask (a target's
         tokens), else its ``attention_mask``; used only for ``(B, T, D)`` head inputs. The head of an encoder-decoder
         model (:func:`~rank_lightning.layers.decoder_layers`) never takes the ``attention_mask``, the encoder's: without
         a decoder mask its rows are left out by the labels' -100 alone, with a warning."""
-        decoder = self.reader.decoder_mask(batch)
+        decoder = self.reader.decoder_mask(batch, convert=convert)
         if decoder is not None or not self._target_head:
-            return decoder if decoder is not None else self.reader.mask(batch)
+            return decoder if decoder is not None else self.reader.mask(batch, convert=convert)
         message = (
             f"the head {self._head_path!r} reads the decoder's tokens of an encoder-decoder model, but the batch has "
             f"no {DECODER_MASK_KEY!r} (its {MASK_KEY!r}, if any, is the encoder's and is not used): every target "

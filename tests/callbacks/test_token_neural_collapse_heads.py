@@ -164,3 +164,12 @@ def test_token_batches_keep_their_label_and_mask_checks(labels: Tensor, mask: Te
             metric.start_second_pass()
         with pytest.raises(ValueError, match=message):
             metric.update(torch.randn(2, 3, 4), labels, torch.zeros(2, 3, 5), mask=mask)
+
+
+def test_a_mask_of_other_values_in_a_later_batch_is_still_refused_by_the_monitor() -> None:
+    """The monitor checks a mask's values at a pass's first batch; the metric checks the later ones in its one read."""
+    module, batches = _model("t5"), _batches(decoder_mask=True)
+    batches[1]["decoder_attention_mask"] = batches[1]["decoder_attention_mask"] * 2
+    monitor = NeuralCollapseMonitor(head="model.lm_head", label_key="labels", top_classes=3, verbose=False)
+    with pytest.raises(ValueError, match=r"dtype torch.int64 holds values other than 0 and 1"):
+        quiet_trainer([monitor]).validate(module, DataLoader(batches, batch_size=None), verbose=False)
