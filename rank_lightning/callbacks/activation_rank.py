@@ -36,6 +36,7 @@ from rank_lightning.layers import (
     check_layer_types,
     eval_mode,
     forward_batch,
+    frozen_copies,
     measuring_without_grad,
     module_blocks,
     random_state_kept,
@@ -466,7 +467,9 @@ class ActivationRankMonitor(CurveMonitor):
         classes = f"{self._num_classes} classes" if self._num_classes else "no class metrics (num_classes unknown)"
         how = ""
         if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
-            how = " (default choice: the module has no blocks(); pass layers=[...] to choose)"
+            copies = frozen_copies(pl_module)
+            left_out = f"; frozen copies (momentum targets) left out: {', '.join(copies)}" if copies else ""
+            how = f" (default choice: the module has no blocks(){left_out}; pass layers=[...] to choose)"
         if str(getattr(stage, "value", stage)) == "predict":
             self.info("trainer.predict is not monitored (validation, training or test batches are)")
         elif stage == "test" and not self.cadence.on_test:

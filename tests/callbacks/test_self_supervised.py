@@ -1,5 +1,6 @@
 """Self-supervised learning: two views of a batch, momentum (EMA) target networks, the figure workers' pipes."""
 
+import copy
 import gc
 import io
 import os
@@ -8,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
@@ -16,8 +18,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from rank_lightning import figure_workers
-from rank_lightning.callbacks import ActivationRankMonitor
+from rank_lightning.callbacks import ActivationRankMonitor, WeightRankMonitor
 from rank_lightning.functional import effective_rank, total_cluster_variation
+from rank_lightning.layers import default_layers, frozen_copies
 from tests.callbacks.trainer_helpers import quiet_trainer
 
 
@@ -121,3 +124,107 @@ def test_views_run_one_after_the_other_are_read_at_the_first_with_advice(tmp_pat
     assert float(trainer.callback_metrics["rank_train/backbone.3/spectrum_rows"]) == 24  # the first view of 2 batches
     reuse = [str(w.message) for w in caught if "runs more than once per batch" in str(w.message)]
     assert len(reuse) == 1 and "the views of the batch in one pass (torch.cat" in reuse[0]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 12)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.relu(self.linear(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 12)
+        self.blocks = nn.Sequential(Block(), Block(), Block())
+        self.head = nn.Linear(12, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+class BYOL(pl.LightningModule):
+    """An online encoder and its momentum target (a frozen ``copy.deepcopy``), updated in ``optimizer_step``;
+    validation runs the online encoder only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.online = Encoder()
+        self.predictor = nn.Linear(6, 6)
+        self.target = copy.deepcopy(self.online).requires_grad_(False)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x = batch[0]
+        with torch.no_grad():
+            z = self.target(x + 0.1 * torch.randn_like(x))
+        p = self.predictor(self.online(x + 0.1 * torch.randn_like(x)))
+        return 2 - 2 * nn.functional.cosine_similarity(p, z).mean()
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.online(batch[0])
+
+    def update_target(self) -> None:
+        with torch.no_grad():
+            for online, target in zip(self.online.parameters(), self.target.parameters()):
+                target.lerp_(online, 0.5)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.update_target()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.online.parameters(), *self.predictor.parameters()], lr=0.5)
+
+
+class BatchEndBYOL(BYOL):
+    """The target updated in ``on_train_batch_end`` instead, which Lightning runs after the callbacks' own."""
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        pl.LightningModule.optimizer_step(self, *args, **kwargs)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.update_target()
+
+
+def _byol_loader(rows: int = 16) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(rows, 16, generator=torch.Generator().manual_seed(1))), batch_size=8)
+
+
+def test_the_default_layers_leave_out_a_frozen_momentum_copy(tmp_path, caplog):
+    # The online and target encoders were taken for two repeated blocks: one layer each, and 'target', never run by
+    # validation, named in a "not called" warning.
+    assert frozen_copies(BYOL()) == ["target"]
+    assert default_layers(BYOL()) == {f"online.blocks.{i}": f"online.blocks.{i}" for i in range(3)}
+    monitor = ActivationRankMonitor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(BYOL(), _byol_loader(), _byol_loader())
+    assert not [str(w.message) for w in caught if "was not called" in str(w.message)]
+    assert sorted(monitor.curves.history[0]) == ["online.blocks.0", "online.blocks.1", "online.blocks.2"]
+    assert "frozen copies (momentum targets) left out: target;" in caplog.text
+
+
+def test_frozen_blocks_of_a_stack_are_no_copies():
+    # Fine-tuning with the first blocks frozen: they run in the forward pass and stay among the default layers.
+    encoder = Encoder()
+    encoder.blocks[0].requires_grad_(False)
+    assert frozen_copies(encoder) == []
+    assert default_layers(encoder) == {f"blocks.{i}": f"blocks.{i}" for i in range(3)}
+
+
+@pytest.mark.parametrize("update_in_step", [False, True])
+def test_a_momentum_target_updated_after_the_weight_measurement_is_named(tmp_path, update_in_step):
+    monitor = WeightRankMonitor(layers=["target.head"], every_n_train_steps=1, metrics=["spectral_norm"])
+    model = BYOL() if update_in_step else BatchEndBYOL()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([monitor], max_steps=2, default_root_dir=tmp_path).fit(model, _byol_loader())
+    named = [str(w.message) for w in caught if "a frozen copy (a momentum / EMA target)" in str(w.message)]
+    assert len(named) == (not update_in_step)
+    final = float(torch.linalg.matrix_norm(model.target.head.weight.double(), 2))
+    measured = monitor.curves.history[2]["target.head"]["spectral_norm"]
+    assert (measured == pytest.approx(final, rel=1e-9)) == update_in_step  # else the weights before step 2's update
