@@ -228,3 +228,24 @@ def test_a_momentum_target_updated_after_the_weight_measurement_is_named(tmp_pat
     final = float(torch.linalg.matrix_norm(model.target.head.weight.double(), 2))
     measured = monitor.curves.history[2]["target.head"]["spectral_norm"]
     assert (measured == pytest.approx(final, rel=1e-9)) == update_in_step  # else the weights before step 2's update
+
+
+def _rankme(z: Tensor, eps: float) -> float:
+    """RankMe as Garrido et al. (2023) publish it: ``exp(-sum p log p)``, ``p_k = s_k / ||s||_1 + eps``."""
+    s = torch.linalg.svdvals(z.double())
+    p = s / s.sum() + eps
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def test_effective_rank_is_rankme_without_its_eps_by_the_documented_amounts():
+    g = torch.Generator().manual_seed(0)
+    found = []
+    for rows in (256, 2048):
+        full = torch.randn(rows, 512, generator=g)
+        low = torch.randn(rows, 10, generator=g) @ torch.randn(10, 512, generator=g)
+        for z in (full, low):
+            ours = float(effective_rank(z))
+            assert _rankme(z, 0.0) == pytest.approx(ours, rel=1e-11)
+            found.append((round(ours, 4), round(_rankme(z, 1e-7), 4)))
+    # docs/self-supervised.md, "RankMe and the package's effective rank"
+    assert found == [(236.8516, 236.8797), (9.9245, 9.9285), (494.6678, 494.8014), (9.9673, 9.9753)]
