@@ -124,7 +124,11 @@ class ActivationRankMonitor(CurveMonitor):
     N times) gives one curve per application. A batch that calls the layer another number of times than the pass's
     first (adaptive computation) is named in a warning: the ``k``-th application sums the rows of the batches that
     made at least ``k`` calls. Under DDP an application that ran on some processes only is named in a warning and
-    not logged (the sums of every process stay aligned). Calls made by the backward pass, where activation
+    not logged (the sums of every process stay aligned). Views of the batch run in one forward pass
+    (``torch.cat([view_1, view_2])``, SimCLR) give a ``(B, d)`` or ``(B, C, H, W)`` output ``k`` times the batch's
+    rows (in a batch that tells its size and has no attention mask): they are read as ``k`` views of every input,
+    view after view, and all rows are measured (``max_samples`` counts inputs; an input's label is that of each of its
+    views), with a warning naming the layer. Calls made by the backward pass, where activation
     checkpointing (``torch.utils.checkpoint``, ``gradient_checkpointing_enable()``) runs checkpointed modules again,
     are not calls of the batch: each batch's rows are measured once, as without checkpointing.
 
