@@ -302,8 +302,14 @@ def _serve(answers_fd: int) -> None:
     """A worker's loop: read pickled ``(job, rc)`` messages from standard input, draw each, write each answer to
     ``answers_fd`` (the original standard output; standard output itself goes to standard error)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
-    answers: IO[bytes] = os.fdopen(answers_fd, "wb")
-    requests = sys.stdin.buffer
+    # Closed on the way out: a file left open at exit is a ResourceWarning on the worker's standard error, which is
+    # the training process's.
+    with os.fdopen(answers_fd, "wb") as answers:
+        _answer(sys.stdin.buffer, answers)
+
+
+def _answer(requests: IO[bytes], answers: IO[bytes]) -> None:
+    """Draw each request of ``requests`` and write its answer to ``answers``, until the exit message or the end."""
     while True:
         try:
             request = _read_message(requests)

@@ -71,6 +71,7 @@ __all__ = [
     "feature_layer",
     "forward_batch",
     "forward_hooks",
+    "frozen_copies",
     "hidden_state",
     "match_layer_names",
     "match_layer_types",
@@ -445,19 +446,28 @@ def _weight_layers(module: nn.Module) -> list[str]:
     ]
 
 
-def _repeated_blocks(module: nn.Module, weights: Sequence[str], *, stacks: bool = False) -> list[str]:
+def _repeated_blocks(
+    module: nn.Module, weights: Sequence[str], *, stacks: bool = False, leave_out: tuple[str, ...] = ()
+) -> list[str]:
     """The repeated blocks holding the most weight layers, if they hold at least half of them; else nothing.
 
     One run of blocks of one kind is looked for first (ties: the deepest container, then the first); when no run
     holds half of the weight layers, the runs of one container together (Inception: blocks of several classes).
-    ``stacks``: stacks side by side are blocks of one kind (:func:`_block_runs`).
+    ``stacks``: stacks side by side are blocks of one kind (:func:`_block_runs`). ``leave_out``: path prefixes
+    (ending in ``.``) of modules that are no blocks, nor hold any.
     """
     single: list[list[str]] = []
     together: list[list[str]] = []
     for path, container in module.named_modules():
-        runs = _block_runs(container, stacks=stacks)
-        members = {name for run in runs for name in run}
         prefix = f"{path}." if path else ""
+        runs = _block_runs(container, stacks=stacks)
+        if leave_out:
+            runs = [
+                kept
+                for run in runs
+                if len(kept := [n for n in run if not (prefix + n + ".").startswith(leave_out)]) >= 2
+            ]
+        members = {name for run in runs for name in run}
         single += [[prefix + name for name in run] for run in runs]
         together += [[prefix + name for name, _ in container.named_children() if name in members]] if runs else []
     for candidates in (single, together):
@@ -471,6 +481,31 @@ def _repeated_blocks(module: nn.Module, weights: Sequence[str], *, stacks: bool 
         if chosen:
             return chosen
     return []
+
+
+def frozen_copies(module: nn.Module) -> list[str]:
+    """Paths of the submodules that are frozen copies of a sibling: of its class, with the same parameter names and
+    shapes, every parameter with ``requires_grad=False`` while the sibling has trainable ones. The momentum (EMA)
+    target network of BYOL and MoCo and DINO's teacher (a ``copy.deepcopy`` of the online network, updated outside
+    the optimizer) are such copies; :func:`default_layers` leaves them out. The children of a plain container
+    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) are never copies: frozen blocks of a stack (the first
+    layers of a model fine-tuned with them frozen) are part of its forward pass."""
+    found: list[str] = []
+    for path, container in module.named_modules():
+        if isinstance(container, _PLAIN_CONTAINERS):
+            continue
+        children = [(name, child) for name, child in container.named_children() if _parameter_count(child) > 0]
+        frozen = [(name, child) for name, child in children if not any(p.requires_grad for p in child.parameters())]
+        for name, child in frozen:
+            shapes = [(key, p.shape) for key, p in child.named_parameters()]
+            if any(
+                type(other) is type(child)
+                and any(p.requires_grad for p in other.parameters())
+                and [(key, p.shape) for key, p in other.named_parameters()] == shapes
+                for _, other in children
+            ):
+                found.append(f"{path}.{name}" if path else name)
+    return found
 
 
 def _stack_blocks(block: nn.Module) -> list[str] | None:
@@ -562,21 +597,32 @@ def default_layers(module: nn.Module) -> dict[str, str]:
        functionally, or one ``self.act`` shared by every layer, which would run several times per forward).
     5. Else the children of the innermost wrapped network.
 
+    Frozen copies are left out of every step (:func:`frozen_copies`): the momentum (EMA) target network of BYOL or
+    MoCo, DINO's teacher, a ``copy.deepcopy`` of a sibling whose parameters all have ``requires_grad=False`` while the
+    sibling trains. They run in ``training_step`` only, not in validation; name them to measure them
+    (``layers=["target.*"]`` with ``stage="train"``).
+
     A layer found inside a ``torch.compile`` wrapper is named without the wrapper's ``_orig_mod`` (``net.layers.0``
     for the path ``net._orig_mod.layers.0``), so a compiled model logs the keys of the eager one.
     """
     blocks = module_blocks(module)
     if blocks is not None:
         return blocks
-    weights = _weight_layers(module)
-    chosen = _stack_layers(module, _repeated_blocks(module, weights, stacks=True)) or _looped_block(module, weights)
+    copies = tuple(f"{path}." for path in frozen_copies(module))
+
+    def kept(paths: Iterable[str]) -> list[str]:
+        return [path for path in paths if not f"{path}.".startswith(copies)]
+
+    weights = kept(_weight_layers(module))
+    repeated = _repeated_blocks(module, weights, stacks=True, leave_out=copies)
+    chosen = _stack_layers(module, repeated) or _looped_block(module, weights)
     if not chosen:
         hidden = weights[:-1]
-        activations = [path for path, m in module.named_modules() if isinstance(m, ACTIVATION_TYPES)]
+        activations = kept(path for path, m in module.named_modules() if isinstance(m, ACTIVATION_TYPES))
         chosen = activations if activations and len(activations) >= len(hidden) else hidden
     if not chosen:
         prefix, network = list(_wrapped_networks(module))[-1]
-        chosen = [prefix + name for name, _ in network.named_children()]
+        chosen = kept(prefix + name for name, _ in network.named_children())
     # A compiled network is reached through its wrapper's ``_orig_mod``; its layers keep the names they have eagerly.
     return {eager_name(path): path for path in chosen}
 

@@ -713,7 +713,8 @@ class ActivationStream:
                 "second view of the batch, one pass per training loader). Only its first call of each batch is "
                 "measured; repeated_calls='each' measures each call as a layer of its own (<layer>@<k>). To measure "
                 "another, monitor a module that runs once per forward pass, make the extra passes outside the step, "
-                "or run the inputs of several training loaders in one pass (torch.cat)."
+                "or run the inputs of several training loaders or the views of the batch in one pass (torch.cat: "
+                "rows that are a multiple of the batch's are measured as views of its inputs)."
             )
             self._warn(name, "reuse", message)
             return
@@ -735,21 +736,52 @@ class ActivationStream:
         activations = self._batch_first(name, activations.detach())
         if activations is None:
             return
+        views = self._views(name, activations)
         if self._own_indices is not None:  # a combined batch of which some rows are repeats
             activations = activations[self._own_index_tensor(activations.device)]
         if name not in self._autocast:  # float32 outputs of a bf16 sublayer (a residual stream) carry its rounding
             self._autocast[name] = reduced_precision(activations, conv=name in self.channel_maps)
-        take = self._claim(activations.shape[0])
+        take = self._claim(activations.shape[0] // views)
         metric = self._metric_for(name, activations)
         if metric is None or (not take and metric.update_count):
             return
         # A process whose rows are all taken (or repeats) still sizes its states at its first batch: it joins the
         # pass's collective with sums of the same shapes as the others (zeros), not as a layer it never ran.
+        if views > 1:
+            # The first ``take`` rows of every view, and each input's label once per view.
+            activations = activations.unflatten(0, (views, -1))[:, :take].flatten(0, 1)
+            labels = None if self._labels is None else self._view_labels(take, views, activations.device)
+            if self._same_features(name, activations, metric):
+                self._update(name, metric, activations, labels, None)
+            return
         labels = None if self._labels is None else self._labels_of(name, activations, metric.reduction, take)
         mask = self._mask_of(name, activations)
         mask = None if mask is None else mask[:take].to(activations.device)
         if self._same_features(name, activations, metric):
             self._update(name, metric, activations[:take], labels, mask)
+
+    def _views(self, name: str, activations: Tensor) -> int:
+        """How many views of the batch's inputs a ``(B, d)`` or ``(B, C, H, W)`` output holds: ``k`` when its rows
+        are ``k >= 2`` times the batch's (``torch.cat`` of ``k`` views run in one forward pass, view after view),
+        said once per layer in a warning; else 1."""
+        rows, batch = activations.shape[0], self._batch
+        if activations.ndim == 3 or batch is None or rows == batch:
+            return 1
+        views = rows // batch
+        message = (
+            f"gives {tuple(activations.shape)} from a batch of {batch} inputs: read as {views} views of every input "
+            f"run in one forward pass (torch.cat of the views, one after another): all {rows} rows are measured, "
+            "max_samples counts inputs, and an input's label is that of each of its views."
+        )
+        self._warn(name, "views", message)
+        return views
+
+    def _view_labels(self, take: int, views: int, device: torch.device) -> Tensor | None:
+        """The labels of the rows of ``views`` views of the batch's first ``take`` inputs, view after view."""
+        labels = self._labels
+        if not isinstance(labels, Tensor) or labels.ndim != 1 or labels.shape[0] < take:
+            return self._grouping(take, device)  # the metric names labels of another shape
+        return labels[:take].to(device).repeat(views)
 
     def _update(
         self,
@@ -924,8 +956,15 @@ class ActivationStream:
         if activations.ndim != 3 or batch is None:
             if batch is None or shape[0] == batch:
                 return activations
+            # Views need a batch that tells its own size; with a mask, (B * T, D) rows may be tokens.
+            unmasked = self._mask is None and self._decoder_mask is None and self._batch_told == "the batch"
+            if shape[0] > batch and shape[0] % batch == 0 and self._own_indices is None and unmasked:
+                return activations  # views of the batch run in one forward pass (_views)
             told = f" (told by {self._batch_told})" if self._batch_told != "the batch" else ""
-            self._warn(name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}{told}.")
+            several = "" if shape[0] < batch else ", nor a multiple of it (views of the batch run in one pass)"
+            self._warn(
+                name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}{told}{several}."
+            )
             return None
         layout = self.layouts.get(name)
         if layout is None and (shape[0] == batch) != (shape[1] == batch):

@@ -36,6 +36,7 @@ from rank_lightning.layers import (
     check_layer_types,
     eval_mode,
     forward_batch,
+    frozen_copies,
     measuring_without_grad,
     module_blocks,
     random_state_kept,
@@ -123,7 +124,11 @@ class ActivationRankMonitor(CurveMonitor):
     N times) gives one curve per application. A batch that calls the layer another number of times than the pass's
     first (adaptive computation) is named in a warning: the ``k``-th application sums the rows of the batches that
     made at least ``k`` calls. Under DDP an application that ran on some processes only is named in a warning and
-    not logged (the sums of every process stay aligned). Calls made by the backward pass, where activation
+    not logged (the sums of every process stay aligned). Views of the batch run in one forward pass
+    (``torch.cat([view_1, view_2])``, SimCLR) give a ``(B, d)`` or ``(B, C, H, W)`` output ``k`` times the batch's
+    rows (in a batch that tells its size and has no attention mask): they are read as ``k`` views of every input,
+    view after view, and all rows are measured (``max_samples`` counts inputs; an input's label is that of each of its
+    views), with a warning naming the layer. Calls made by the backward pass, where activation
     checkpointing (``torch.utils.checkpoint``, ``gradient_checkpointing_enable()``) runs checkpointed modules again,
     are not calls of the batch: each batch's rows are measured once, as without checkpointing.
 
@@ -466,7 +471,9 @@ class ActivationRankMonitor(CurveMonitor):
         classes = f"{self._num_classes} classes" if self._num_classes else "no class metrics (num_classes unknown)"
         how = ""
         if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
-            how = " (default choice: the module has no blocks(); pass layers=[...] to choose)"
+            copies = frozen_copies(pl_module)
+            left_out = f"; frozen copies (momentum targets) left out: {', '.join(copies)}" if copies else ""
+            how = f" (default choice: the module has no blocks(){left_out}; pass layers=[...] to choose)"
         if str(getattr(stage, "value", stage)) == "predict":
             self.info("trainer.predict is not monitored (validation, training or test batches are)")
         elif stage == "test" and not self.cadence.on_test:

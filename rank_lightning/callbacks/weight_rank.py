@@ -18,7 +18,7 @@ from rank_lightning.distributed import SHARDINGS, fsdp_parameter_shapes, weight_
 from rank_lightning.files import writes_files
 from rank_lightning.functional.spectral import Spectrum, default_rank_tolerance, summarize
 from rank_lightning.functional.weights import DECOMPOSITIONS
-from rank_lightning.layers import check_layer_types, select_layers, unapplied_copies
+from rank_lightning.layers import check_layer_types, frozen_copies, select_layers, unapplied_copies
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -487,6 +487,7 @@ class WeightRankMonitor(CurveMonitor):
             self.info(f"trainer.{run} is not monitored (weights are measured during fit)")
         else:
             self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
+            self._check_copy_updates(pl_module, names)
         dtype = self.tolerance_dtype
         self.curves.describe(
             rank_tolerance=self.rank_tolerance,
@@ -537,6 +538,24 @@ class WeightRankMonitor(CurveMonitor):
             return
         self._last_monitored_step = step
         self._monitor(trainer, pl_module)
+
+    def _check_copy_updates(self, pl_module: pl.LightningModule, names: Sequence[str]) -> None:
+        """Warn when the step cadence measures a frozen copy (a momentum target) of a module that has its own
+        ``on_train_batch_end``: Lightning runs it after the callbacks', so an update of the copy there comes after
+        the measurement of its step."""
+        hook = getattr(type(pl_module).on_train_batch_end, "__qualname__", "")
+        if not self.cadence.by_step or hook == "ModelHooks.on_train_batch_end":
+            return
+        copies = [path for path in frozen_copies(pl_module) if any(f"{n}.".startswith(f"{path}.") for n in names)]
+        if copies:
+            message = (
+                f"measures {', '.join(copies)}, a frozen copy (a momentum / EMA target), at the end of the batch of "
+                f"each measured step (every_n_train_steps={self.cadence.every_n_train_steps}), in the callbacks' "
+                "on_train_batch_end, which Lightning runs before the module's own: a copy updated in the module's "
+                "on_train_batch_end is measured before that step's update. Update it in the module's optimizer_step "
+                "(after super().optimizer_step(...)) to measure it with the step's update."
+            )
+            self.warn_once(("copy updates",), message)
 
     def _checked_spectra(self, pl_module: pl.LightningModule, when: str) -> dict[str, Spectrum]:
         """:meth:`spectra`, with a warning (once per layer) naming every matrix that holds NaN or Inf, and every
