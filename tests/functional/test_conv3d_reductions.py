@@ -1,0 +1,70 @@
+"""Conv maps of 3-D convolutions, (B, C, D1, D2, D3): the conv reductions and the spectrum of their rows."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import rank_lightning.functional as F
+from rank_lightning.functional import reduce_activations
+from rank_lightning.metrics import ActivationSpectrum
+
+
+def _maps(seed: int = 0) -> torch.Tensor:
+    return torch.randn(3, 4, 2, 3, 5, generator=torch.Generator().manual_seed(seed))  # (B, C, T, H, W)
+
+
+def test_each_conv_reduction_of_5d_maps_equals_a_hand_made_reshape() -> None:
+    x = _maps()
+    positions = list(itertools.product(range(3), range(2), range(3), range(5)))  # (b, t, h, w), w fastest
+    channel = torch.stack([x[b, :, t, h, w] for b, t, h, w in positions])
+    flatten = torch.stack([torch.cat([x[b, c].reshape(-1) for c in range(4)]) for b in range(3)])
+    mean = torch.stack([torch.stack([x[b, c].sum() / 30 for c in range(4)]) for b in range(3)])
+    assert reduce_activations(x, "channel").shape == (90, 4)
+    torch.testing.assert_close(reduce_activations(x, "channel"), channel, rtol=0, atol=0)
+    torch.testing.assert_close(reduce_activations(x, "channel", dtype=torch.float64), channel.double(), rtol=0, atol=0)
+    torch.testing.assert_close(reduce_activations(x, "flatten"), flatten, rtol=0, atol=0)
+    assert reduce_activations(x, "flatten").shape == (3, 120)
+    torch.testing.assert_close(reduce_activations(x, "mean"), mean)
+    # Channels-last 3-d memory (torch.channels_last_3d) reduces to the same rows.
+    last = x.contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(reduce_activations(last, "channel"), channel, rtol=0, atol=0)
+
+
+def test_5d_maps_refuse_token_reductions_and_other_ranks_name_the_shapes() -> None:
+    with pytest.raises(ValueError, match=r"conv activations of shape \(3, 4, 2, 3, 5\); valid choices are "):
+        reduce_activations(_maps(), "token")
+    with pytest.raises(ValueError, match=r"expected .*conv maps \(B, C, H, W\) / \(B, C, D1, D2, D3\)"):
+        reduce_activations(torch.zeros(5), "channel")
+
+
+@pytest.mark.parametrize("reduction", ["channel", "flatten", "mean"])
+def test_the_spectrum_of_5d_maps_matches_a_float64_reference(reduction: str) -> None:
+    x = _maps(1)
+    labels = torch.tensor([0, 2, 2])
+    metric = ActivationSpectrum(num_classes=3, reduction=reduction, center="both")
+    metric.update(x[:1], labels[:1])  # two batches: the second goes around the first one's reference point
+    metric.update(x[1:], labels[1:])
+    result = metric.compute()
+    rows = {
+        "channel": x.double().permute(0, 2, 3, 4, 1).reshape(-1, 4),
+        "flatten": x.double().reshape(3, -1),
+        "mean": x.double().mean(dim=(2, 3, 4)),
+    }[reduction]
+    row_labels = labels.repeat_interleave(rows.shape[0] // 3)
+    assert (result.num_samples, result.num_features) == tuple(rows.shape)
+    expected = np.linalg.svd(rows.numpy(), compute_uv=False)
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values.numpy(), expected, rtol=1e-9, atol=1e-9)
+    centered = np.linalg.svd((rows - rows.mean(0)).numpy(), compute_uv=False)
+    # Three inputs centred span two dimensions: a Gram's zero eigenvalue is rounding, its root ~sqrt(eps) s_1.
+    atol = 1e-7 * centered[0]
+    np.testing.assert_allclose(result.centered.spectrum.singular_values.numpy(), centered, rtol=1e-9, atol=atol)
+    tcv = F.total_cluster_variation(rows, row_labels, num_classes=3)
+    assert float(result.total_cluster_variation) == pytest.approx(float(tcv), rel=1e-9)
+    if reduction == "channel":  # 180 rows of 4 features: the class Grams give the class-wise VR_1 exactly
+        assert result.classwise_source == "class_gram"
+        per_class = F.classwise_variance_ratio(rows, row_labels, k=1, num_classes=3)
+        np.testing.assert_allclose(result.classwise_variance_ratio.numpy(), per_class.numpy(), rtol=1e-9)
