@@ -68,3 +68,19 @@ def test_the_spectrum_of_5d_maps_matches_a_float64_reference(reduction: str) -> 
         assert result.classwise_source == "class_gram"
         per_class = F.classwise_variance_ratio(rows, row_labels, k=1, num_classes=3)
         np.testing.assert_allclose(result.classwise_variance_ratio.numpy(), per_class.numpy(), rtol=1e-9)
+
+
+def test_the_subsample_fallback_takes_the_positions_of_5d_maps_as_rows() -> None:
+    x, labels = _maps(2), torch.tensor([1, 0, 1])
+    # 4 channels over max_gram_features=2: the sample Gram of a subsample that keeps every one of the 90 positions.
+    metric = ActivationSpectrum(num_classes=2, reduction="channel", max_gram_features=2, max_samples=200)
+    metric.update(x[:2], labels[:2])
+    metric.update(x[2:], labels[2:])
+    result = metric.compute()
+    rows = x.double().permute(0, 2, 3, 4, 1).reshape(-1, 4)
+    assert (result.path, result.num_samples, result.spectrum_rows) == ("sample_gram", 90, 90)
+    expected = np.linalg.svd(rows.numpy(), compute_uv=False)
+    np.testing.assert_allclose(result.uncentered.spectrum.singular_values.numpy(), expected, rtol=1e-9)
+    per_class = F.classwise_variance_ratio(rows, labels.repeat_interleave(30), k=1, num_classes=2)
+    assert result.classwise_source == "sample"
+    np.testing.assert_allclose(result.classwise_variance_ratio.numpy(), per_class.numpy(), rtol=1e-9)
