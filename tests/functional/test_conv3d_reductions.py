@@ -84,3 +84,26 @@ def test_the_subsample_fallback_takes_the_positions_of_5d_maps_as_rows() -> None
     per_class = F.classwise_variance_ratio(rows, labels.repeat_interleave(30), k=1, num_classes=2)
     assert result.classwise_source == "sample"
     np.testing.assert_allclose(result.classwise_variance_ratio.numpy(), per_class.numpy(), rtol=1e-9)
+
+
+def test_the_batched_class_products_of_a_gpu_give_the_same_values_on_5d_maps(monkeypatch) -> None:
+    import rank_lightning.functional.streaming as streaming
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(12, 4, 2, 3, 3, generator=g), torch.randint(0, 3, (12,), generator=g)) for _ in range(2)]
+    looped = ActivationSpectrum(reduction="channel", num_classes=3)
+    for x, y in batches:
+        looped.update(x, y)
+    # The path off the CPU (one padded batched product of every class's positions), taken on the CPU.
+    monkeypatch.setattr(streaming, "_batched_class_products", lambda device: True)
+    blocks, original = [], streaming._padded_class_blocks
+    monkeypatch.setattr(streaming, "_padded_class_blocks", lambda *args: blocks.append(original(*args)) or blocks[-1])
+    batched = ActivationSpectrum(reduction="channel", num_classes=3)
+    for x, y in batches:
+        batched.update(x, y)
+    assert len(blocks) == 2 and blocks[0].shape[:2] == (3, 4)  # one product per batch: 3 classes x 4 channels
+    first, second = looped.compute(), batched.compute()
+    assert first.num_samples == second.num_samples == 2 * 12 * 18
+    torch.testing.assert_close(second.classwise_variance_ratio, first.classwise_variance_ratio, rtol=1e-10, atol=0)
+    for key, value in first.scalars().items():
+        assert second.scalars()[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
