@@ -135,3 +135,27 @@ def test_channels_last_3d_maps_of_a_video_swin_stage_keep_their_channels(tmp_pat
     assert results["rank/net.stage/channel/spectrum_rows"] == 6 * 2 * 3 * 3  # positions, not 6 * 6 * 2 * 3
     expected = float(s.square().sum() ** 2 / s.pow(4).sum())
     assert results["rank/net.stage/channel/participation_ratio"] == pytest.approx(expected, rel=2e-6)
+
+
+class _Trained(_Video):
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_rank_pretraining_measures_the_channel_rows_of_a_conv3d_block(tmp_path):
+    from rank_lightning.callbacks import RankPretraining
+
+    torch.manual_seed(0)
+    pool = [nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(6, 4)]
+    net = nn.Sequential(nn.Conv3d(3, 6, 3, padding=1), nn.ReLU(), *pool)
+    videos, labels = torch.randn(4, 3, 2, 5, 5), torch.arange(4)
+    with torch.no_grad():
+        s = torch.linalg.svdvals(_rows(net[1](net[0](videos)), "channel"))  # (4*2*5*5, 6) rows of the ReLU's maps
+    callback = RankPretraining(layer="net.1", num_batches=1, steps=1, lr=1e-3, reduction="channel", verbose=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(videos, labels), batch_size=4)
+    quiet_trainer([callback], max_steps=1, default_root_dir=tmp_path).fit(_Trained(net), loader)
+    expected = float(s.square().sum() ** 2 / s.pow(4).sum())
+    assert callback.results["net.1"]["r_before"] == pytest.approx(expected, rel=1e-6)
