@@ -82,6 +82,7 @@ def _monitor_against_reference(tmp_path, net, videos, labels, layers, reduction,
         for key, value in expected.items():
             logged = float(results[f"rank/{name}/{reduction}/{key}"])
             assert logged == pytest.approx(value, rel=2e-6), (name, key)
+    assert monitor.curves._facts["reduction"] == {"conv maps": reduction}  # the figures' caption names it
     return results
 
 
