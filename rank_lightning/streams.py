@@ -774,7 +774,7 @@ class ActivationStream:
             self._update(name, metric, activations[:take], labels, mask)
 
     def _views(self, name: str, activations: Tensor) -> int:
-        """How many views of the batch's inputs a ``(B, d)`` or ``(B, C, H, W)`` output holds: ``k`` when its rows
+        """How many views of the batch's inputs a ``(B, d)`` or conv map output holds: ``k`` when its rows
         are ``k >= 2`` times the batch's (``torch.cat`` of ``k`` views run in one forward pass, view after view),
         said once per layer in a warning; else 1."""
         rows, batch = activations.shape[0], self._batch
