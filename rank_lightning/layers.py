@@ -1332,7 +1332,7 @@ def channel_first_layers(model: nn.Module, layers: Mapping[str, str]) -> dict[st
 
 
 ChannelWidths = tuple[frozenset[int], frozenset[int]]
-"""``(token, all)`` widths of a layer whose 4-D outputs may be channels-last (:func:`channels_last_layers`)."""
+"""``(token, all)`` widths of a layer whose 4-D or 5-D outputs may be channels-last (:func:`channels_last_layers`)."""
 
 
 def _widths(module: nn.Module) -> tuple[set[int], set[int]]:
@@ -1354,14 +1354,15 @@ def _widths(module: nn.Module) -> tuple[set[int], set[int]]:
 
 
 def channels_last_layers(model: nn.Module, layers: Mapping[str, str]) -> dict[str, ChannelWidths]:
-    """The names of ``layers`` (``name -> module path``) whose 4-D outputs may be channels-last maps ``(B, H, W, C)``
-    (Swin's stages and blocks, which apply their Linear and LayerNorm layers over the last dimension), each with
-    ``(token, all)`` widths (:func:`_widths`): a layer holding a Linear or a norm over the last dimension.
+    """The names of ``layers`` (``name -> module path``) whose 4-D (5-D) outputs may be channels-last maps
+    ``(B, H, W, C)`` (``(B, T, H, W, C)``) (Swin's stages and blocks, which apply their Linear and LayerNorm layers
+    over the last dimension), each with ``(token, all)`` widths (:func:`_widths`): a layer holding a Linear or a norm
+    over the last dimension.
 
-    A 4-D output of such a layer is read as ``(B, H, W, C)`` and brought to ``(B, C, H, W)`` when its last dimension
-    is a width of those layers and its second is the width of no layer inside it (ConvNeXt's blocks, which permute
-    back to ``(B, C, H, W)``, give their channels in the second dimension); see
-    :class:`~rank_lightning.streams.ActivationStream`.
+    A 4-D output of such a layer is read as ``(B, H, W, C)`` and brought to ``(B, C, H, W)`` (a 5-D one, Video Swin's
+    ``(B, T, H, W, C)``, to ``(B, C, T, H, W)``) when its last dimension is a width of those layers and its second
+    is the width of no layer inside it (ConvNeXt's blocks, which permute back to ``(B, C, H, W)``, give their channels
+    in the second dimension); see :class:`~rank_lightning.streams.ActivationStream`.
     """
     found = {name: _widths(model.get_submodule(path)) for name, path in layers.items()}
     return {name: (frozenset(token), frozenset(widths)) for name, (token, widths) in found.items() if token}

@@ -61,6 +61,7 @@ __all__ = ["REPEATED_CALLS", "ActivationStream", "in_backward"]
 # What a layer called more than once per batch gives: its first call, or each call as a layer of its own.
 REPEATED_CALLS = ("first", "each")
 _KINDS = {4: "conv maps", 3: "tokens"}
+_MAX_NDIM = 5  # conv maps of up to three spatial dimensions: (B, C, D1, D2, D3) of a Conv3d
 _MIB = 2**20
 _FLOAT64_BYTES = 8
 # How ActivationSpectrum.compute starts its warning about class Grams that its budget left out.
@@ -70,6 +71,12 @@ _MORE_MEMORY = (
     "first monitored batch names the layers that have them). Raise memory_budget_mb, or leave "
     "'classwise_variance_ratio' out of metrics."
 )
+
+
+def _kind(ndim: int) -> int:
+    """The key of ``reductions`` for outputs of ``ndim`` dimensions: ``4`` for conv maps of any spatial dimensions
+    (``(B, C, H, W)``, ``(B, C, D1, D2, D3)``), else ``ndim``."""
+    return min(ndim, 4)
 
 
 def _distributed() -> bool:
@@ -82,7 +89,8 @@ class ActivationStream:
     Args:
         layers: ``logged name -> module path`` of the layers to hook, in depth order.
         num_classes: classes of the labels; ``None`` skips the class metrics.
-        reductions: reduction of conv (``4``) and token (``3``) outputs, e.g. ``{4: "channel", 3: "token"}``.
+        reductions: reduction of conv (``4``) and token (``3``) outputs, e.g. ``{4: "channel", 3: "token"}``; the
+            conv reduction serves the 5-D maps ``(B, C, D1, D2, D3)`` of 3-D convolutions too.
         spectrum_options: the :class:`~rank_lightning.metrics.ActivationSpectrum` settings every layer shares.
         batch_reader: where labels and the attention mask are in a batch. Under its default mask lookup
             (:attr:`~rank_lightning.layers.BatchReader.default_mask_lookup`) the token layers in the decoder of a
@@ -100,9 +108,10 @@ class ActivationStream:
             ``(B, C, L)`` (:func:`~rank_lightning.layers.channel_first_layers`): read as ``(B, C, L, 1)`` conv maps,
             reduced by the conv reduction (``reductions[4]``), unless ``C`` is the output's last dimension and not its
             second (a block that transposes its maps back to tokens, ``(B, L, C)``).
-        channels_last: ``logged name -> (token widths, all widths)`` of the layers whose 4-D outputs may be
-            channels-last ``(B, H, W, C)`` (:func:`~rank_lightning.layers.channels_last_layers`): such an output whose
-            last dimension is a token width and whose second is no width is permuted to ``(B, C, H, W)`` before the
+        channels_last: ``logged name -> (token widths, all widths)`` of the layers whose 4-D or 5-D outputs may be
+            channels-last ``(B, H, W, C)`` / ``(B, D1, D2, D3, C)``
+            (:func:`~rank_lightning.layers.channels_last_layers`): such an output whose last dimension is a token
+            width and whose second is no width is permuted to ``(B, C, H, W)`` / ``(B, C, D1, D2, D3)`` before the
             conv reduction, so that ``C`` (not ``H``) is what ``channel`` and ``mean`` keep.
         output_selector: which tensor of a layer's output is its hidden state (see
             :func:`~rank_lightning.layers.hidden_state`).
@@ -335,7 +344,7 @@ class ActivationStream:
                 ndim, states = int(saved["ndim"]), dict(saved["states"])
                 metric = self.metrics.get(name)
                 if metric is None:
-                    options = dict(self.spectrum_options, reduction=self.reductions.get(ndim) or "flatten")
+                    options = dict(self.spectrum_options, reduction=self.reductions.get(_kind(ndim)) or "flatten")
                     created.append(name)
                     metric = self._within_budget(name, int(states["feature_sum"].shape[0]), options)
                     metric = self._resumed_class_grams(name, metric, states)
@@ -719,19 +728,23 @@ class ActivationStream:
             self._warn(name, "reuse", message)
             return
         self._seen_this_batch.add(name)
-        if not isinstance(activations, Tensor) or activations.ndim not in (2, 3, 4):
+        if not isinstance(activations, Tensor) or not 2 <= activations.ndim <= _MAX_NDIM:
             shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(output).__name__
-            message = "not (B, d) features, (B, T, D) tokens or (B, C, H, W) conv maps; it is skipped."
+            message = (
+                "not (B, d) features, (B, T, D) tokens, (B, C, H, W) conv maps or (B, C, D1, D2, D3) 3-d conv maps; "
+                "it is skipped."
+            )
             self._warn(name, "shape", f"gives {shape}, {message} Set output_selector to pick its hidden state.")
             return
         if activations.ndim == 3 and name in self.channel_maps:
             channels = self.channel_maps[name]
             if channels is None or activations.shape[1] == channels or activations.shape[2] != channels:
                 activations = activations.unsqueeze(-1)  # a 1-d conv map (B, C, L): C features at each of L positions
-        if activations.ndim == 4 and name in self.channels_last:
+        if activations.ndim >= 4 and name in self.channels_last:
             token, widths = self.channels_last[name]
-            if activations.shape[3] in token and activations.shape[1] not in widths:
-                activations = activations.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+            if activations.shape[-1] in token and activations.shape[1] not in widths:
+                # (B, H, W, C) -> (B, C, H, W); (B, D1, D2, D3, C) -> (B, C, D1, D2, D3)
+                activations = activations.permute(0, activations.ndim - 1, *range(1, activations.ndim - 1))
                 self._name_channels_last(name, tuple(activations.shape))
         activations = self._batch_first(name, activations.detach())
         if activations is None:
@@ -761,7 +774,7 @@ class ActivationStream:
             self._update(name, metric, activations[:take], labels, mask)
 
     def _views(self, name: str, activations: Tensor) -> int:
-        """How many views of the batch's inputs a ``(B, d)`` or ``(B, C, H, W)`` output holds: ``k`` when its rows
+        """How many views of the batch's inputs a ``(B, d)`` or conv map output holds: ``k`` when its rows
         are ``k >= 2`` times the batch's (``torch.cat`` of ``k`` views run in one forward pass, view after view),
         said once per layer in a warning; else 1."""
         rows, batch = activations.shape[0], self._batch
@@ -800,15 +813,19 @@ class ActivationStream:
             metric.update(activations, labels, mask=mask)
 
     def _name_channels_last(self, name: str, shape: tuple[int, ...]) -> None:
-        """Say once per layer that its 4-D output was read as channels-last: a layout told from shapes."""
+        """Say once per layer that its 4-D or 5-D output was read as channels-last: a layout told from shapes."""
         if name in self._channels_last_named:
             return
         self._channels_last_named.add(name)
-        b, c, h, w = shape
+        c = shape[1]
+        given = (shape[0], *shape[2:], c)
+        last, first = (
+            ("(B, H, W, C)", "(B, C, H, W)") if len(shape) == 4 else ("(B, D1, D2, D3, C)", "(B, C, D1, D2, D3)")
+        )
         message = (
-            f"gives ({b}, {h}, {w}, {c}) outputs, read as channels-last (B, H, W, C) maps with C = {c}: their last "
+            f"gives {given} outputs, read as channels-last {last} maps with C = {c}: their last "
             "dimension is the width of the layer's Linear / norm layers over the last dimension, their second that "
-            "of none of its layers (Swin's stages and blocks). Monitor a layer whose output is (B, C, H, W) if that "
+            f"of none of its layers (Swin's stages and blocks). Monitor a layer whose output is {first} if that "
             "is not so."
         )
         self._warn(name, "channels last", message)
@@ -832,7 +849,7 @@ class ActivationStream:
             )
             self._warn(name, "dimensions", message)
             return False
-        reduction = self.reductions.get(activations.ndim) or "flatten"
+        reduction = self.reductions.get(_kind(activations.ndim)) or "flatten"
         found, expected = _num_features(activations, reduction), metric.num_features
         if expected is None or found == expected:
             return True
@@ -841,7 +858,7 @@ class ActivationStream:
             "token_reduction='token', 'mean' or 'last', or pad every batch to one length.",
             4: "inputs of several sizes change the 'flatten' features of conv maps: use conv_reduction='channel' or "
             "'mean', or one input size.",
-        }.get(activations.ndim, "its width changed.")
+        }.get(_kind(activations.ndim), "its width changed.")
         message = (
             f"gives {tuple(activations.shape)}, {found} features with reduction={reduction!r} where earlier batches "
             f"gave {expected}; such batches are skipped for this layer (its spectrum_rows counts the rest): "
@@ -985,7 +1002,7 @@ class ActivationStream:
         metric = self.metrics.get(name)
         if metric is not None or name in self._planned:
             return metric
-        reduction = self.reductions.get(activations.ndim)
+        reduction = self.reductions.get(_kind(activations.ndim))
         self.layer_ndims[name] = activations.ndim
         options = dict(self.spectrum_options, reduction=reduction or "flatten")
         with activations.device:  # the states are made where they live: no copies (on a GPU, each one waits)
@@ -1105,8 +1122,8 @@ class ActivationStream:
 
     def used_reductions(self) -> dict[str, str]:
         """``{"conv maps": reduction, "tokens": reduction}`` for the kinds of output the measured layers gave."""
-        ndims = sorted(set(self.layer_ndims.values()), reverse=True)
-        return {_KINDS[n]: self.reductions[n] for n in ndims if n in _KINDS}
+        kinds = sorted({_kind(n) for n in self.layer_ndims.values()}, reverse=True)
+        return {_KINDS[n]: self.reductions[n] for n in kinds if n in _KINDS}
 
     def compute(
         self, device: torch.device | str, *, metrics: tuple[str, ...], centered: bool, per_class: bool, when: str = ""
@@ -1226,7 +1243,7 @@ class ActivationStream:
         self._check_classes(name, result.class_counts, result.num_samples)
         self._check_cap(name, metric, result)
         self._check_zero(name, result, when)
-        reduction = self.reductions.get(self.layer_ndims.get(name, 2))
+        reduction = self.reductions.get(_kind(self.layer_ndims.get(name, 2)))
         prefix = f"{reduction}/" if reduction and self.layer_ndims.get(name, 2) > 2 else ""
         scalars = result.scalars(metrics, centered=centered, per_class=per_class)
         return {f"{prefix}{key}": value for key, value in scalars.items()}
@@ -1350,7 +1367,7 @@ def _num_features(activations: Tensor, reduction: str) -> int:
     if activations.ndim == 3:
         return activations.shape[1] * activations.shape[2] if reduction == "flatten" else activations.shape[2]
     if reduction == "flatten":
-        return activations.shape[1] * activations.shape[2] * activations.shape[3]
+        return math.prod(activations.shape[1:])
     return activations.shape[1]
 
 
@@ -1377,7 +1394,7 @@ def reduced_precision(activations: Tensor, *, conv: bool) -> tuple[torch.dtype, 
         return dtype, f"ran under {name} autocast (float32 outputs that add {name} results, a residual stream)"
     if activations.dtype != torch.float32:
         return None
-    conv = conv or activations.ndim == 4
+    conv = conv or activations.ndim >= 4
     reduced = reduced_float32_format(device, conv=conv)
     if reduced is None:
         return None

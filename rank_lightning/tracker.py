@@ -76,7 +76,8 @@ class RankTracker:
         max_samples: inputs measured per pass, spread evenly over ``num_batches`` when given; ``None`` for all.
         num_batches: batches a pass will see, for spreading ``max_samples``; ``None`` when unknown (then the first
             ``max_samples`` inputs are measured).
-        conv_reduction: ``(B, C, H, W)`` outputs: ``"channel"``, ``"flatten"`` or ``"mean"``.
+        conv_reduction: ``(B, C, H, W)`` (and ``(B, C, D1, D2, D3)``) outputs: ``"channel"``, ``"flatten"`` or
+            ``"mean"``.
         token_reduction: ``(B, T, D)`` outputs: ``"token"``, ``"flatten"``, ``"cls"``, ``"mean"`` or ``"last"``
             (each sequence's last real token, a decoder-only model's sequence embedding).
         metrics: which of :data:`~rank_lightning.metrics.ACTIVATION_METRICS` to compute.

@@ -95,9 +95,13 @@ class ActivationRankMonitor(CurveMonitor):
     reduction is part of the logged key of those layers. The 3-D outputs of 1-d conv layers, ``(B, C, L)`` (a
     ``Conv1d``, ``BatchNorm1d``, 1-d pooling, a block of such layers and activations, or an activation after one:
     :func:`~rank_lightning.layers.channel_first_layers`), are conv maps with one spatial dimension, reduced by
-    ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. The
-    channels-last ``(B, H, W, C)`` outputs of Swin's stages and blocks are read as ``(B, C, H, W)`` before the conv
-    reduction (:func:`~rank_lightning.layers.channels_last_layers` says when). Token layers
+    ``conv_reduction`` (``channel``: each of the L positions a sample with C features), never as tokens. The 5-D
+    outputs of 3-d conv layers, ``(B, C, D1, D2, D3)`` (``Conv3d``: video ``(B, C, T, H, W)``, volumetric images),
+    are conv maps with three spatial dimensions under the same reductions (``flatten``: C*D1*D2*D3 features;
+    ``channel``: each of the D1*D2*D3 positions a sample with C features; ``mean``: global average pool). The
+    channels-last ``(B, H, W, C)`` outputs of Swin's stages and blocks (``(B, T, H, W, C)`` in Video Swin) are read
+    as ``(B, C, H, W)`` (``(B, C, T, H, W)``) before the conv reduction
+    (:func:`~rank_lightning.layers.channels_last_layers` says when). Token layers
     laid out sequence-first, ``(T, B, D)`` (the default of ``nn.Transformer``), are read as ``(B, T, D)``: the layout
     comes from ``token_layout``, else from the
     ``batch_first`` flag of the layer or its nearest ancestor
@@ -199,7 +203,8 @@ class ActivationRankMonitor(CurveMonitor):
             batch), so that a loader sorted by class still gives rows of every class; a warning names the classes
             that got no row. Under DDP the W processes share it exactly (``max_samples // W`` each, one more on the
             first ``max_samples % W``), without the samples a ``DistributedSampler`` repeats. ``None`` for all.
-        conv_reduction: reduction of conv activations, the ``(B, C, L)`` maps of 1-d conv layers too.
+        conv_reduction: reduction of conv activations, the ``(B, C, L)`` maps of 1-d conv layers and the
+            ``(B, C, D1, D2, D3)`` maps of 3-d conv layers too.
         token_reduction: reduction of token activations.
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
         variance_ratio_ks: the ``k`` of the logged ``VR_k``.

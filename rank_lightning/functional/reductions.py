@@ -17,6 +17,10 @@ last        (not defined)                ``(B, D)``: the last token, position ``
                                          sequence embedding: the one token that has seen the whole sequence)
 ==========  ===========================  ========================================================================
 
+Conv maps of more spatial dimensions, ``(B, C, D1, D2, D3)`` of a 3-D convolution (video ``(B, C, T, H, W)``,
+volumetric images), take the same reductions over all their positions: ``flatten`` gives ``(B, C*D1*D2*D3)``,
+``channel`` ``(B*D1*D2*D3, C)`` (each position a sample) and ``mean`` ``(B, C)`` (global average pool).
+
 Two-dimensional inputs ``(B, d)`` are already matrices and are returned unchanged for every reduction, so one setting
 can serve all layers of a network.
 
@@ -72,7 +76,8 @@ def reduce_activations(
     """Reshape a batch of activations into an ``(N, d)`` samples x features matrix.
 
     Args:
-        x: ``(B, d)`` features, ``(B, T, D)`` tokens or ``(B, C, H, W)`` conv maps.
+        x: ``(B, d)`` features, ``(B, T, D)`` tokens, or ``(B, C, H, W)`` (or ``(B, C, D1, D2, D3)``, any number
+            of spatial dimensions) conv maps.
         reduction: one of ``"flatten"``, ``"channel"``, ``"mean"`` for conv maps; ``"flatten"``, ``"token"``,
             ``"cls"``, ``"mean"``, ``"last"`` for tokens; ignored (after validation) for 2-D input.
         dtype: convert to this dtype; ``"channel"`` then converts while it reorders (one copy instead of two).
@@ -93,7 +98,7 @@ def reduce_activations(
         raise ValueError(f"unknown reduction {reduction!r}; valid choices are {REDUCTIONS}")
     if x.ndim == 2:
         return _cast(x, dtype)
-    if x.ndim == 4:
+    if x.ndim >= 4:
         return _reduce_conv(x, reduction, dtype)
     if x.ndim == 3:
         if reduction not in TOKEN_REDUCTIONS:
@@ -114,7 +119,7 @@ def reduce_activations(
         return _cast(x, dtype).mean(dim=1)
     raise ValueError(
         f"activations of shape {tuple(x.shape)} are not supported; expected (B, d), tokens (B, T, D) "
-        "or conv maps (B, C, H, W)"
+        "or conv maps (B, C, H, W) / (B, C, D1, D2, D3)"
     )
 
 
@@ -127,12 +132,13 @@ def _reduce_conv(x: Tensor, reduction: str, dtype: torch.dtype | None) -> Tensor
     if reduction == "flatten":
         return _cast(x.flatten(1), dtype)
     if reduction == "channel":
+        # (B, C, *spatial) -> (B, *spatial, C) -> (B*prod(spatial), C): each position a sample.
+        last = (0, *range(2, x.ndim), 1)
         if dtype is None or dtype == x.dtype:
-            return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-        b, c, h, w = x.shape
-        out = torch.empty((b, h, w, c), dtype=dtype, device=x.device)
-        return out.copy_(x.permute(0, 2, 3, 1)).view(-1, c)
-    return _cast(x, dtype).mean(dim=(2, 3))
+            return x.permute(last).reshape(-1, x.shape[1])
+        out = torch.empty((x.shape[0], *x.shape[2:], x.shape[1]), dtype=dtype, device=x.device)
+        return out.copy_(x.permute(last)).view(-1, x.shape[1])
+    return _cast(x, dtype).mean(dim=tuple(range(2, x.ndim)))
 
 
 def _reduce_masked_tokens(x: Tensor, reduction: str, dtype: torch.dtype | None, keep: Tensor) -> Tensor:

@@ -627,7 +627,8 @@ def channel_gram_moments(
     2^18 values (at least 512 positions), so the copy stays in cache for the product.
 
     Args:
-        maps: ``(B, C, H, W)`` activations of any floating dtype.
+        maps: ``(B, C, H, W)`` activations of any floating dtype; maps of more spatial dimensions, ``(B, C, D1, D2,
+            D3)``, the same way, their ``D1*D2*D3`` positions taking the place of the ``H*W``.
         labels: ``(B,)`` int64 class of each input, in ``[0, num_classes)``, or their :class:`ClassGrouping`.
         num_classes: C; class counts and sums are returned when given together with ``labels``.
         gram: running float64 ``(C, C)`` feature Gram, added into its lower triangle in place (see
@@ -639,8 +640,9 @@ def channel_gram_moments(
     Returns:
         The batch's :class:`BatchMoments` over its ``B*H*W`` rows (of ``x - r``).
     """
-    batch, channels, height, width = maps.shape
-    flat = maps.reshape(batch, channels, height * width)
+    batch, channels = maps.shape[:2]
+    per_map = math.prod(maps.shape[2:])  # positions of one input's map
+    flat = maps.reshape(batch, channels, per_map)
     grouping = labels if isinstance(labels, ClassGrouping) else None
     labels = grouping.labels if grouping is not None else labels
     by_class = class_grams is not None and labels is not None
@@ -661,10 +663,10 @@ def channel_gram_moments(
             )
     counts = None
     if labels is not None and num_classes is not None:
-        counts = class_counts(labels, num_classes) * (height * width)
+        counts = class_counts(labels, num_classes) * per_map
         if class_sums is None:
             class_sums = _channel_class_sums(flat, labels, num_classes, reference)
-    return BatchMoments(batch * height * width, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
+    return BatchMoments(batch * per_map, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
 
 
 def _blockwise_channel_moments(

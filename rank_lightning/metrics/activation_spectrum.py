@@ -326,10 +326,11 @@ class ActivationSpectrum(Metric):
     Args:
         num_classes: number of classes of the labels passed to :meth:`update`; enables the total cluster variation
             and the class-wise variance ratio.
-        reduction: how conv ``(B, C, H, W)`` and token ``(B, T, D)`` activations become a matrix; one of
-            ``"flatten"``, ``"channel"``, ``"token"``, ``"cls"``, ``"mean"``, ``"last"`` (each sequence's last real
-            token: a decoder-only model's sequence embedding). With ``"channel"`` and ``"token"`` every position
-            inherits its input's label; with ``"token"``, ``(B, T)`` labels give each token its own.
+        reduction: how conv ``(B, C, H, W)`` / ``(B, C, D1, D2, D3)`` and token ``(B, T, D)`` activations become a
+            matrix; one of ``"flatten"``, ``"channel"``, ``"token"``, ``"cls"``, ``"mean"``, ``"last"`` (each
+            sequence's last real token: a decoder-only model's sequence embedding). With ``"channel"`` and
+            ``"token"`` every position inherits its input's label; with ``"token"``, ``(B, T)`` labels give each token
+            its own.
         center: ``False`` (the papers' convention), ``True`` (PCA convention), or ``"both"`` (one extra
             eigendecomposition from the same sums).
         variance_ratio_ks: the ``k`` of the reported ``VR_k`` scalars.
@@ -658,7 +659,8 @@ class ActivationSpectrum(Metric):
         """Add a batch of raw layer outputs.
 
         Args:
-            activations: ``(B, d)``, ``(B, T, D)`` or ``(B, C, H, W)``; any floating dtype.
+            activations: ``(B, d)``, ``(B, T, D)``, ``(B, C, H, W)`` or ``(B, C, D1, D2, D3)``; any floating
+                dtype.
             labels: ``(B,)`` integer class labels in ``[0, num_classes)``; ignored when ``num_classes`` is ``None``.
                 Also taken, as everywhere in the package (:data:`~rank_lightning.layers.LABEL_FORMS`): a ``(B, 1)``
                 column, booleans (classes 0 and 1) and one-hot rows ``(B, C)`` (their argmax); float values and soft
@@ -685,7 +687,7 @@ class ActivationSpectrum(Metric):
             self.input_eps = self.input_eps.clamp_min(torch.finfo(activations.dtype).eps)
         precision = resolve_gram_precision(self.gram_precision, activations.device)
         options = {"num_classes": self.num_classes, "precision": precision, **self._grams()}
-        if self.path == "gram" and self.reduction == "channel" and activations.ndim == 4:
+        if self.path == "gram" and self.reduction == "channel" and activations.ndim >= 4:
             self._ensure_reference(lambda: _channel_mean(activations))
             moments = channel_gram_moments(activations, labels, reference=self.reference, **options)
         else:
@@ -1416,12 +1418,14 @@ def _row_mean(rows: Tensor, real: Tensor | None) -> Tensor:
 
 
 def _channel_mean(maps: Tensor) -> Tensor:
-    """The float64 mean of every channel of ``(B, C, H, W)`` maps, the first batch's reference point.
+    """The float64 mean of every channel of ``(B, C, H, W)`` (or ``(B, C, D1, D2, D3)``) maps, the first batch's
+    reference point.
 
     Each input's map is summed in (at least) float32 first, then the ``(B, C)`` sums in float64: a float64 mean over
     ``(0, 2, 3)`` converts every value and reduces across strides, 20-25x slower for 250 maps of 64 x 32 x 32 on a
     CPU. The point is rounded to float32 anyway (:func:`~rank_lightning.functional.streaming.reference_point`): the
     sums are exact around any point, and one near the data keeps them free of cancellation.
     """
-    sums = maps.sum(dim=(2, 3), dtype=torch.promote_types(maps.dtype, torch.float32))
-    return sums.mean(dim=0, dtype=torch.float64) / (maps.shape[2] * maps.shape[3])
+    spatial = tuple(range(2, maps.ndim))
+    sums = maps.sum(dim=spatial, dtype=torch.promote_types(maps.dtype, torch.float32))
+    return sums.mean(dim=0, dtype=torch.float64) / math.prod(maps.shape[2:])
