@@ -71,8 +71,10 @@ class JacobianRankMonitor(CurveMonitor):
         every_n_epochs: measure every this many epochs of ``fit``.
         num_inputs: number of fixed inputs the ranks are averaged over.
         patch_size: side of the central square patch; ``None`` for the default. Only for ``(C, H, W)`` inputs.
-        patch: an explicit :class:`~rank_lightning.functional.jacobian.Patch` (any position, channels); exclusive
-            with ``patch_size``.
+        patch: an explicit :class:`~rank_lightning.functional.jacobian.Patch` (any position, channels), or, for
+            inputs of any shape (a video ``(C, T, H, W)``, features), a boolean mask of one input's shape or a 1-D
+            tensor of flat indices into it; exclusive with ``patch_size``. Every coordinate of a video is more than
+            :func:`~rank_lightning.functional.jacobian.partial_jacobian` takes: give it a patch.
         rank_tolerance: relative tolerance of the numerical rank; ``None`` is
             ``finfo(float32).eps * min(num_outputs, K)``, at least ``finfo(dtype).eps`` for a model whose weights are
             bfloat16 or float16 (``precision="bf16-true"``; the Jacobian is computed in the weights' dtype).
@@ -114,7 +116,7 @@ class JacobianRankMonitor(CurveMonitor):
         every_n_epochs: int = 1,
         num_inputs: int = 4,
         patch_size: int | None = None,
-        patch: Patch | None = None,
+        patch: Patch | Tensor | None = None,
         rank_tolerance: float | None = None,
         tolerance_size: Literal["min", "max"] = "min",
         chunk_size: int | None = None,
@@ -134,8 +136,11 @@ class JacobianRankMonitor(CurveMonitor):
         check_positive_int("patch_size", patch_size, allow_none=True)
         check_positive_int("chunk_size", chunk_size, allow_none=True)
         check_positive("rank_tolerance", rank_tolerance, allow_none=True)
-        if patch is not None and not isinstance(patch, Patch):
-            raise ValueError(f"patch must be a rank_lightning.functional.jacobian.Patch or None, got {patch!r}")
+        if patch is not None and not isinstance(patch, (Patch, Tensor)):
+            raise ValueError(
+                "patch must be a rank_lightning.functional.jacobian.Patch, a boolean mask of one input's shape, a 1-D "
+                f"tensor of flat indices or None, got {patch!r}"
+            )
         if patch is not None and patch_size is not None:
             raise ValueError(f"give patch or patch_size, not both (got patch={patch}, patch_size={patch_size})")
         self.layers = check_names("layers", layers)
@@ -176,14 +181,15 @@ class JacobianRankMonitor(CurveMonitor):
         self._layers = select_layers(module, self.layers, self.layer_types)
         return self.monitored
 
-    def resolve_patch(self, sample_shape: Sequence[int]) -> Patch | None:
+    def resolve_patch(self, sample_shape: Sequence[int]) -> Patch | Tensor | None:
         """The patch used for inputs of shape ``sample_shape``; ``None`` means all coordinates (non-image inputs).
 
         Raises:
             ValueError: ``patch_size`` for inputs that are not ``(C, H, W)`` images, or a patch that does not fit.
         """
-        if self.patch is not None:
+        if isinstance(self.patch, Patch):
             self.patch.mask(sample_shape)
+        if self.patch is not None:
             return self.patch
         if len(sample_shape) != 3:
             if self.patch_size is not None:
@@ -228,6 +234,10 @@ class JacobianRankMonitor(CurveMonitor):
         self.info(f"{len(self._layers)} blocks, {self.num_inputs} inputs, patch {self._patch_text()}: {names}")
 
     def _patch_text(self) -> str:
+        if isinstance(self.patch, Tensor):
+            if self.patch.dtype == torch.bool:
+                return f"a mask of {int(self.patch.sum())} coordinates"
+            return f"{self.patch.numel()} flat indices"
         if self.patch is not None:
             return str(self.patch)
         return "central, default size" if self.patch_size is None else f"central {self.patch_size}x{self.patch_size}"

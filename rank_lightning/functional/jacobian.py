@@ -207,6 +207,25 @@ def _forward_mode_context() -> Iterator[None]:
 # torch.func's error for an autograd.Function without setup_context, such as the reentrant checkpoint's.
 _UNTRANSFORMABLE_FUNCTION = "autograd.Function with functorch transforms"
 
+# The most bytes the K x K one-hot directions of a patch may take: K = 16,384 float32 coordinates. Past it the
+# Jacobian itself, (num_outputs, K), is rarely smaller, and allocating either would end the run out of memory.
+MAX_DIRECTION_BYTES = 2**30
+
+
+def _check_patch_size(num_directions: int, x: Tensor) -> None:
+    """Refuse a patch whose ``K x K`` directions would not fit in :data:`MAX_DIRECTION_BYTES` (all coordinates of a
+    video ``(C, T, H, W)`` or of a large non-image input), before anything is allocated."""
+    size = num_directions * num_directions * x.element_size()
+    if size <= MAX_DIRECTION_BYTES:
+        return
+    fits = math.isqrt(MAX_DIRECTION_BYTES // x.element_size())
+    raise ValueError(
+        f"the partial Jacobian over K = {num_directions:,} coordinates of inputs of shape {tuple(x.shape)} needs "
+        f"K x K directions of {size / 2**30:,.1f} GiB (and a Jacobian of K columns); at most {fits:,} coordinates "
+        "are taken: give a patch of fewer coordinates (patch=Patch(...) for (C, H, W) images, or a boolean mask or "
+        "flat indices of the input, e.g. a few pixels of one frame of a video)"
+    )
+
 
 def partial_jacobian(
     fn: Callable[[Tensor], JacobianOutput],
@@ -236,7 +255,9 @@ def partial_jacobian(
         dict.
 
     Raises:
-        ValueError: ``x`` is not floating point (integer token ids, which have no derivative).
+        ValueError: ``x`` is not floating point (integer token ids, which have no derivative), or a patch of more
+            coordinates than :data:`MAX_DIRECTION_BYTES` allows (``K x K`` directions over 1 GiB: every
+            coordinate of a video or of a large non-image input), refused before anything is allocated.
     """
     check_positive_int("chunk_size", chunk_size, allow_none=True)
     if not x.is_floating_point():
@@ -245,7 +266,9 @@ def partial_jacobian(
             "them does not exist (integer token ids of an embedding model have no derivative); the partial Jacobian "
             "rank needs real-valued inputs such as images or features"
         )
-    indices = _patch_indices(x.shape, patch).to(x.device)
+    indices = _patch_indices(x.shape, patch)
+    _check_patch_size(indices.numel(), x)
+    indices = indices.to(x.device)
     primal = x.detach().unsqueeze(0)
     flat_zeros = torch.zeros(primal.numel(), dtype=x.dtype, device=x.device)
 

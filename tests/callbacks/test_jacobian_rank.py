@@ -321,3 +321,40 @@ def test_float32_jacobians_of_reduced_precision_products_are_named(tmp_path, pre
     assert len(found) == (1 if named else 0), found
     if named:
         assert "Set rank_tolerance (at least 0.00781" in found[0] and "highest" in found[0]
+
+
+class _Video(pl.LightningModule):
+    """Two Conv3d blocks over (C, T, H, W) clips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block1 = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.ReLU())
+        self.block2 = nn.Conv3d(4, 2, 1)
+        self.head = nn.Linear(2, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block2(self.block1(x)).mean((2, 3, 4)))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+
+def test_a_video_takes_a_mask_patch_and_every_coordinate_is_refused_before_training(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    clips = torch.utils.data.TensorDataset(torch.randn(4, 3, 16, 48, 48, generator=generator), torch.arange(4))
+    model = _Video()
+    layers = {"block1": "block1", "block2": "block2"}
+    patch = torch.zeros(3, 16, 48, 48, dtype=torch.bool)
+    patch[:, 8, 20:22, 20:22] = True  # 2 x 2 pixels of frame 8, all channels: K = 12
+    monitor = JacobianRankMonitor(layers=list(layers), num_inputs=2, patch=patch, verbose=False)
+    make_trainer(tmp_path, [monitor]).validate(model, make_loader(clips))
+    reference = partial_jacobian_ranks(model.eval(), clips.tensors[0][:2], layers, patch)
+    for name, result in reference.items():
+        assert monitor.curves.history[-1][name]["rank"] == pytest.approx(float(result.ranks.double().mean()))
+    assert monitor.curves.history[-1]["block2"]["rank_max"] == 12
+    # Every one of the 110,592 coordinates of a clip: refused, naming the patch, before any training step.
+    every = JacobianRankMonitor(layers=list(layers), num_inputs=1, verbose=False)
+    with pytest.raises(ValueError, match=r"K = 110,592 coordinates of inputs of shape \(3, 16, 48, 48\).*patch"):
+        make_trainer(tmp_path / "every", [every]).validate(model, make_loader(clips))
+    with pytest.raises(ValueError, match="a boolean mask of one input's shape"):
+        JacobianRankMonitor(patch=[1, 2])

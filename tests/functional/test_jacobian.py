@@ -256,3 +256,25 @@ def test_bad_settings_are_refused_before_any_forward_pass(kwargs, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         partial_jacobian_ranks(Forbidden(), torch.randn(1, 4), [""], **kwargs)
+
+
+def test_every_coordinate_of_a_video_is_refused_before_anything_is_allocated():
+    calls = []
+
+    def fn(batch: torch.Tensor) -> torch.Tensor:
+        calls.append(batch.shape)
+        return batch.flatten(1)
+
+    video = torch.zeros(3, 16, 112, 112)  # (C, T, H, W): K = 602,112 coordinates, a K x K identity of 1.3 TiB
+    message = r"K = 602,112 coordinates of inputs of shape \(3, 16, 112, 112\).*1,350.6 GiB"
+    with pytest.raises(ValueError, match=message):
+        partial_jacobian(fn, video)
+    assert calls == []
+    # A patch of some pixels of one frame is taken: its Jacobian is the identity's columns at those coordinates.
+    patch = torch.zeros(3, 16, 112, 112, dtype=torch.bool)
+    patch[:, 8, 50:52, 50:52] = True
+    jacobian = partial_jacobian(fn, video, patch)
+    assert jacobian.shape == (video.numel(), 12)
+    assert torch.equal(jacobian[patch.flatten()], torch.eye(12))
+    with pytest.raises(ValueError, match=r"K = 16,385 coordinates.*at most 16,384"):
+        partial_jacobian(fn, torch.zeros(16_385))
