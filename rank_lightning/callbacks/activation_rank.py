@@ -45,7 +45,7 @@ from rank_lightning.layers import (
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.sampling import READABLE_ADVICE, UNREADABLE_LOADER, readable_beside, side_loader
-from rank_lightning.streams import REPEATED_CALLS, ActivationStream
+from rank_lightning.streams import REPEATED_CALLS, ActivationStream, _mib
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -890,8 +890,8 @@ class ActivationRankMonitor(CurveMonitor):
             size = sum(_state_bytes(layer["states"]) for part in streams for layer in part["layers"].values())
             processes = f" of {len(streams)} processes" if len(streams) > 1 else ""
             self.info(
-                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {size / 2**20:.1f} "
-                f"MiB of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
+                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {_mib(size)} MiB "
+                f"of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
             )
 
     def _pass_settings(self) -> dict[str, str]:
