@@ -195,7 +195,9 @@ class ActivationRankMonitor(CurveMonitor):
             that got no row. Under DDP the W processes share it exactly (``max_samples // W`` each, one more on the
             first ``max_samples % W``), without the samples a ``DistributedSampler`` repeats. ``None`` for all.
         conv_reduction: reduction of conv activations, the ``(B, C, L)`` maps of 1-d conv layers too.
-        token_reduction: reduction of token activations.
+        token_reduction: reduction of token activations ``(B, T, D)``: ``"token"`` (each real token a row),
+            ``"mean"``, ``"last"`` (each sequence's last real token, a decoder-only model's sequence embedding),
+            ``"cls"`` or ``"flatten"``; keys ``.../<reduction>/<metric>``.
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
         variance_ratio_ks: the ``k`` of the logged ``VR_k``.
         soft_rank_tau: threshold of the soft rank (Daneshmand et al. use 0.5 on BN-scaled features).
