@@ -659,7 +659,7 @@ class ActivationStream:
         total = _mib(sum(self._planned.values()))
         budget = "" if self.memory_budget_mb is None else f" of a {self.memory_budget_mb:g} MiB budget"
         largest = max(self._planned, key=self._planned.__getitem__)
-        detail = f"largest {largest!r}: {_mib(self._planned[largest])} MiB"
+        detail = f"largest {self._logged_name(largest)!r}: {_mib(self._planned[largest])} MiB"
         plan = f"state of {len(self._planned)} layers: {total} MiB{budget} on {', '.join(devices)} ({detail})"
         self._info(plan + self._class_gram_plan())
 
@@ -668,8 +668,12 @@ class ActivationStream:
         planned = [name for name in self._all_layers() if name in self._class_grams]
         if not planned:
             return ""
-        have = [repr(name) for name in planned if self._class_grams[name] is None]
-        without = [f"{name!r} ({self._class_grams[name]})" for name in planned if self._class_grams[name] is not None]
+        have = [repr(self._logged_name(name)) for name in planned if self._class_grams[name] is None]
+        without = [
+            f"{self._logged_name(name)!r} ({self._class_grams[name]})"
+            for name in planned
+            if self._class_grams[name] is not None
+        ]
         text = f"; class Grams (class-wise VR) of {', '.join(have) if have else 'no layer'}"
         return text + (f"; not of {'; '.join(without)}" if without else "")
 

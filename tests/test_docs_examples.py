@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from rank_lightning.cli import check_linked_settings, main, resolve_config
-from rank_lightning.layers import select_layers
+from rank_lightning.layers import classifier_head, select_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -335,6 +335,18 @@ def test_the_documented_block_index_pattern_selects_the_blocks_of_a_six_block_mo
     model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"encoder": torch.nn.ModuleDict({"block": blocks})})})
     chosen = select_layers(model, ast.literal_eval(recipe.group(1)))
     assert list(chosen.values()) == [f"model.encoder.block.{i}" for i in range(6)]
+
+
+def test_the_documented_language_model_head_names_a_module_of_the_pages_language_model():
+    # docs/transformers.md's LightningModule holds GPT2LMHeadModel as `self.model`: its head is `model.lm_head`.
+    text = (ROOT / "docs/transformers.md").read_text()
+    assert "self.model = GPT2LMHeadModel(" in text
+    heads = re.findall(r'head="([^"]+)"', text.split("### Neural collapse of the next-token classes")[1])
+    assert heads, "the next-token neural collapse section names no head"
+    layers = {"transformer": torch.nn.Linear(4, 4), "lm_head": torch.nn.Linear(4, 10)}
+    module = torch.nn.ModuleDict({"model": torch.nn.ModuleDict(layers)})
+    for head in heads:
+        assert classifier_head(module, head) == "model.lm_head"
 
 
 def test_every_inline_call_of_the_prose_takes_its_arguments():

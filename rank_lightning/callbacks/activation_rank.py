@@ -46,7 +46,7 @@ from rank_lightning.layers import (
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.sampling import READABLE_ADVICE, UNREADABLE_LOADER, readable_beside, side_loader
-from rank_lightning.streams import REPEATED_CALLS, ActivationStream
+from rank_lightning.streams import REPEATED_CALLS, ActivationStream, _mib
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -205,7 +205,9 @@ class ActivationRankMonitor(CurveMonitor):
             first ``max_samples % W``), without the samples a ``DistributedSampler`` repeats. ``None`` for all.
         conv_reduction: reduction of conv activations, the ``(B, C, L)`` maps of 1-d conv layers and the
             ``(B, C, D1, D2, D3)`` maps of 3-d conv layers too.
-        token_reduction: reduction of token activations.
+        token_reduction: reduction of token activations ``(B, T, D)``: ``"token"`` (each real token a row),
+            ``"mean"``, ``"last"`` (each sequence's last real token, a decoder-only model's sequence embedding),
+            ``"cls"`` or ``"flatten"``; keys ``.../<reduction>/<metric>``.
         metrics: which of ``ACTIVATION_METRICS`` to log; by default all but ``alpha_req``.
         variance_ratio_ks: the ``k`` of the logged ``VR_k``.
         soft_rank_tau: threshold of the soft rank (Daneshmand et al. use 0.5 on BN-scaled features).
@@ -902,8 +904,8 @@ class ActivationRankMonitor(CurveMonitor):
             size = sum(_state_bytes(layer["states"]) for part in streams for layer in part["layers"].values())
             processes = f" of {len(streams)} processes" if len(streams) > 1 else ""
             self.info(
-                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {size / 2**20:.1f} "
-                f"MiB of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
+                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {_mib(size)} MiB "
+                f"of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
             )
 
     def _pass_settings(self) -> dict[str, str]:

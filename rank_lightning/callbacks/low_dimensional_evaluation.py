@@ -115,13 +115,13 @@ class LowDimensionalEvaluation(RankCallback):
         self.every_n_epochs = every_n_epochs
         self.cadence = Cadence(every_n_epochs, on_validate=False)
         self.max_batches = max_batches
-        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
-        if self.reduction not in SAMPLE_REDUCTIONS:
+        if reduction in REDUCTIONS and reduction not in SAMPLE_REDUCTIONS:
             # "channel" and "token" give several rows per input, which the labels (one per input) do not match.
             raise ValueError(
                 f"reduction {reduction!r} gives one row per position or token, but the classifier is trained on one "
                 f"embedding per input; valid choices are: {', '.join(SAMPLE_REDUCTIONS)}"
             )
+        self.reduction = check_choice("reduction", reduction, SAMPLE_REDUCTIONS)
         self.reader = BatchReader(input_key, label_key, label_fn)
         self.results: dict[int, float] = {}
         self._layer: FeatureLayer | None = None

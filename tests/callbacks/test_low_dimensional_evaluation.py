@@ -161,6 +161,11 @@ def test_reductions_with_several_rows_per_input_are_refused(reduction: str) -> N
     assert LowDimensionalEvaluation(reduction="mean").reduction == "mean"
 
 
+def test_an_unknown_reduction_lists_only_the_reductions_taken() -> None:
+    with pytest.raises(ValueError, match=r"^unknown reduction 'lasst'; valid choices are: flatten, cls, mean, last$"):
+        LowDimensionalEvaluation(reduction="lasst")
+
+
 class _DictBatches(_Digits):
     """Dict batches whose entries ``forward`` takes by name, as a Hugging Face model in a LightningModule does."""
 

@@ -44,6 +44,17 @@ def _fit(root: Path, options: dict, kill_at: int | None = None, ckpt: Path | Non
     return watched
 
 
+def test_the_size_of_the_sums_a_checkpoint_holds_is_printed_as_the_memory_plan_prints_sizes(tmp_path, monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(ActivationRankMonitor, "info", lambda self, message: said.append(message))
+    _fit(tmp_path, {}, num_classes=None)
+    window = [message for message in said if message.startswith("the checkpoint at step")]
+    assert window == [
+        "the checkpoint at step 2 holds the open window of step 4 (1 of window_batches=3 batches): 0.00491 MiB of "
+        "float64 sums, so that a fit resumed from it measures the whole window"
+    ]
+
+
 @pytest.mark.parametrize(
     ("options", "kill_at", "monitor", "rows"),
     [
