@@ -34,8 +34,8 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
       (``I``: its ``intermediate_size``): ``gate (I) | up (I)``, named ``<layer>.gate_proj`` and ``<layer>.up_proj``.
     * GPT-BigCode ``GPTBigCodeAttention.c_attn`` (an ``nn.Linear``): with ``multi_query``,
       ``q (E) | k (D) | v (D)``; else per head, ``q (D) | k (D) | v (D)``.
-    * timm's ``Attention.qkv`` (``timm.layers.attention``, the attention of its ViTs):
-      ``q (H * D) | k (H * D) | v (H * D)``.
+    * timm's ``Attention.qkv`` (``timm.layers.attention``, the attention of its ViTs; defined in
+      ``timm.models.vision_transformer`` by earlier timm 1.0 releases): ``q (H * D) | k (H * D) | v (H * D)``.
 
     The class is recognised by its name and defining module, not a subclass's (whose forward pass may cut the
     output another way). A layer of one of these classes whose weight does not hold its layout, or whose settings
@@ -445,7 +445,8 @@ def _fused_rows(
         if getattr(parent, "multi_query", None) is False:
             return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3 * head_dim), split(3 * [head_dim])
         return _UNREAD_SETTINGS
-    if _class_is(parent, "timm.layers.attention", "Attention") and child == "qkv":
+    timm_vit = ("timm.layers.attention", "timm.models.vision_transformer")  # where later / earlier timm defines it
+    if any(_class_is(parent, where, "Attention") for where in timm_vit) and child == "qkv":
         head, heads = _int(parent, "head_dim"), _int(parent, "num_heads")  # reshape(B, N, 3, heads, head_dim)
         return _UNREAD_SETTINGS if head is None or heads is None else (FUSED_PARTS, (heads * head,) * 3, None)
     return None

@@ -182,6 +182,19 @@ def test_timm_vit_qkv_parts_are_the_states_of_its_attention(monkeypatch):
 
 
 @pytest.mark.slow
+def test_timm_vit_attention_of_earlier_timm_releases_is_split_as_well():
+    # timm 1.0.3 (the lowest supported) defines its ViT's Attention in timm.models.vision_transformer, not
+    # timm.layers.attention: its qkv was read as one (3E, E) matrix, with no warning.
+    attention = type("Attention", (nn.Module,), {"__module__": "timm.models.vision_transformer"})()
+    attention.num_heads, attention.head_dim, attention.qkv = 3, 4, nn.Linear(12, 36)
+    matrices = matrices_of("blocks.0.attn.qkv", attention.qkv, parent=attention)
+    assert [m.name for m in matrices] == [f"blocks.0.attn.qkv.{part}" for part in QKV]
+    weight = attention.qkv.weight.detach()
+    for matrix, rows in zip(matrices, weight.chunk(3)):
+        torch.testing.assert_close(matrix.from_stored(weight), rows, rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_fused_parts_of_dtensor_shards_equal_those_of_the_whole_weights(tmp_path):
     from tests.fused_sharded_helpers import worker
 
