@@ -3,6 +3,7 @@ WeightRankMonitor reads are the queries, keys, values (gates, ups) that the mode
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,6 +193,32 @@ def test_timm_vit_attention_of_earlier_timm_releases_is_split_as_well():
     weight = attention.qkv.weight.detach()
     for matrix, rows in zip(matrices, weight.chunk(3)):
         torch.testing.assert_close(matrix.from_stored(weight), rows, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["GPTNeoX", "Phi3", "GPTBigCode"])
+@pytest.mark.parametrize("implementation", ["SdpaAttention", "FlashAttention2"])
+def test_the_attention_subclasses_of_transformers_4_are_split_as_their_base(family, implementation):
+    # transformers 4.x builds GPTNeoXSdpaAttention (its default attn_implementation) or ...FlashAttention2, not
+    # GPTNeoXAttention: their fused projections were read as one (3E, E) matrix, with no warning.
+    module = {"GPTNeoX": "gpt_neox", "Phi3": "phi3", "GPTBigCode": "gpt_bigcode"}[family]
+    child = {"GPTNeoX": "query_key_value", "Phi3": "qkv_proj", "GPTBigCode": "c_attn"}[family]
+    cls = type(
+        f"{family}{implementation}", (nn.Module,), {"__module__": f"transformers.models.{module}.modeling_{module}"}
+    )
+    attention = cls()  # 3 heads of 4, as many keys and values: the settings each forward pass reads
+    attention.head_size = attention.head_dim = 4
+    attention.num_heads = attention.num_key_value_heads = 3
+    attention.config = SimpleNamespace(num_attention_heads=3)
+    attention.is_cross_attention = attention.multi_query = False
+    setattr(attention, child, nn.Linear(12, 36))
+    layer = getattr(attention, child)
+    matrices = matrices_of(f"attn.{child}", layer, parent=attention)
+    assert [m.name for m in matrices] == [f"attn.{child}.{part}" for part in QKV]
+    weight = layer.weight.detach()
+    # Phi-3: all queries, keys, values; the others per head q | k | v, (heads, part, head_dim, in).
+    parts = weight.chunk(3) if family == "Phi3" else weight.view(3, 3, 4, 12).unbind(1)
+    for matrix, rows in zip(matrices, parts):
+        torch.testing.assert_close(matrix.from_stored(weight), rows.reshape(12, 12), rtol=0, atol=0)
 
 
 @pytest.mark.slow
