@@ -12,6 +12,7 @@ from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.weight_matrices import matrices_of, parent_layer
+from tests.fused_sharded_helpers import attention_layer
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,7 +110,9 @@ def test_fused_qkv_parts_are_the_heads_the_model_splits(variant, monkeypatch):
     captured: list = []
     if variant == "bloom":  # view(B, T, heads, 3, head_dim)
         config = transformers.BloomConfig(hidden_size=12, n_head=3, n_layer=1, vocab_size=11)
-        model, path, split = transformers.BloomModel(config), "h.0.self_attention.query_key_value", "_reshape"
+        model, path = transformers.BloomModel(config), "h.0.self_attention.query_key_value"
+        # transformers 5's _reshape; 4.x's _split_heads gives (B, T, heads, head_dim) as Falcon's does.
+        split = "_reshape" if hasattr(model.get_submodule(path.rsplit(".", 1)[0]), "_reshape") else "_split_heads"
     else:
         options = {
             "falcon-mha": dict(multi_query=False, new_decoder_architecture=False, num_kv_heads=3),
@@ -126,7 +129,7 @@ def test_fused_qkv_parts_are_the_heads_the_model_splits(variant, monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, 11, (2, 5)))
     states = captured[0]
-    if variant == "bloom":  # (B, heads, T, head_dim)
+    if split == "_reshape":  # (B, heads, T, head_dim)
         states = [_heads_last(state) for state in states]
     elif variant == "falcon-gqa":  # (B, T, heads, head_dim), each group's key and value broadcast to its queries
         group = config.num_attention_heads // config.num_kv_heads
@@ -244,7 +247,7 @@ def _neox_attention() -> nn.Module:
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
     torch.manual_seed(0)
-    return GPTNeoXAttention(transformers.GPTNeoXConfig(hidden_size=12, num_attention_heads=3), 0)
+    return attention_layer(GPTNeoXAttention, transformers.GPTNeoXConfig(hidden_size=12, num_attention_heads=3))
 
 
 def test_fused_parts_of_fsdp1_slices_and_zero3_placeholders_are_found_from_the_full_shape():
@@ -286,7 +289,7 @@ def test_a_fused_layout_whose_rows_do_not_match_the_layer_is_one_matrix():
     with pytest.warns(UserWarning, match=unread):
         assert len(matrices_of("a.query_key_value", nn.Linear(12, 36), parent=attention)) == 1
     # A subclass may cut the output another way, and a Linear of that name elsewhere holds no known parts.
-    subclass = type("MyAttention", (type(_neox_attention()),), {})(attention.config, 0)
+    subclass = attention_layer(type("MyAttention", (type(_neox_attention()),), {}), attention.config)
     assert len(matrices_of("a.query_key_value", subclass.query_key_value, parent=subclass)) == 1
     assert len(matrices_of("a.query_key_value", subclass.query_key_value, parent=nn.Module())) == 1
 
