@@ -16,7 +16,7 @@ from tests.fused_sharded_helpers import attention_layer
 
 transformers = pytest.importorskip("transformers")
 
-try:  # attention implementations registered by name, in later transformers than 4.40
+try:  # attention implementations registered by name: later transformers than the lowest supported (4.43)
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError:
