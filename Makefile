@@ -53,7 +53,7 @@ test: lint package docs
 
 # The tests on the lowest versions that pyproject.toml declares (constraints/minimum.txt), in a venv of their own.
 # torch and torchvision are not pinned: MIN_TORCH is what pip installs first, e.g.
-# make test-min MIN_TORCH="torch==2.4.1 torchvision==0.19.1 --index-url https://download.pytorch.org/whl/cpu"
+# MIN_TORCH="torch==2.4.1 torchvision==0.19.1 --index-url https://download.pytorch.org/whl/cpu" make test-min
 VENV_MIN ?= .venv-min
 MIN_TORCH ?= torch torchvision
 
