@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # through a .pth file: they need newer requests/urllib3 than torchattacks (a dev dependency) accepts.
 TOOLS ?= .venv-tools
 
-.PHONY: setup tools quickstart test lint package docs format bench clean
+.PHONY: setup tools quickstart test test-min lint package docs format bench clean
 
 # The stamp depends on pyproject.toml, so changed dependencies are installed again.
 $(VENV)/.installed: pyproject.toml
@@ -51,6 +51,24 @@ docs: tools
 test: lint package docs
 	$(BIN)/python -m pytest -q
 
+# The tests on the lowest versions that pyproject.toml declares (constraints/minimum.txt), in a venv of their own.
+# torch and torchvision are not pinned: MIN_TORCH is what pip installs first, e.g.
+# MIN_TORCH="torch==2.4.1 torchvision==0.19.1 --index-url https://download.pytorch.org/whl/cpu" make test-min
+VENV_MIN ?= .venv-min
+MIN_TORCH ?= torch torchvision
+
+$(VENV_MIN)/.installed: pyproject.toml constraints/minimum.txt
+	@echo "setting up $(VENV_MIN) with the minimum versions of constraints/minimum.txt: minutes on a fresh machine"
+	$(PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_MIN)/bin/python -m pip install --quiet $(MIN_TORCH)
+	$(VENV_MIN)/bin/python -m pip install --quiet -r constraints/minimum.txt
+	$(VENV_MIN)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+test-min: $(VENV_MIN)/.installed
+	$(VENV_MIN)/bin/python -m pytest -q
+
 format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
@@ -61,4 +79,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_gram_update.py
 
 clean:
-	rm -rf $(VENV) $(TOOLS) runs wandb build dist docs/_build .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) $(VENV_MIN) runs wandb build dist docs/_build .pytest_cache .ruff_cache

@@ -253,7 +253,10 @@ def unapplied_copies(module: nn.Module) -> set[str]:
             continue
         try:
             copies = dict(layer.modules_to_save.items())
-            active = list(layer.active_adapters)
+            # peft 0.14's wrapper names its one active adapter in ``active_adapter`` only.
+            active = getattr(layer, "active_adapters", None)
+            active = layer.active_adapter if active is None else active
+            active = [active] if isinstance(active, str) else list(active)
             passthrough = bool(layer.disable_adapters) or not active or any(a not in copies for a in active)
         except (AttributeError, TypeError):
             continue

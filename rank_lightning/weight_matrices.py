@@ -34,8 +34,8 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
       (``I``: its ``intermediate_size``): ``gate (I) | up (I)``, named ``<layer>.gate_proj`` and ``<layer>.up_proj``.
     * GPT-BigCode ``GPTBigCodeAttention.c_attn`` (an ``nn.Linear``): with ``multi_query``,
       ``q (E) | k (D) | v (D)``; else per head, ``q (D) | k (D) | v (D)``.
-    * timm's ``Attention.qkv`` (``timm.layers.attention``, the attention of its ViTs):
-      ``q (H * D) | k (H * D) | v (H * D)``.
+    * timm's ``Attention.qkv`` (``timm.layers.attention``, the attention of its ViTs; defined in
+      ``timm.models.vision_transformer`` by earlier timm 1.0 releases): ``q (H * D) | k (H * D) | v (H * D)``.
     * CodeGen ``CodeGenAttention.qkv_proj``: in every one of its ``mp_num`` (4) blocks of ``3 E / mp_num`` rows,
       ``q | v | k`` (values before keys), ``E / mp_num`` rows each; named, like every split, in the order q, k, v.
     * GPT-NeoX-Japanese ``GPTNeoXJapaneseAttention.query_key_value``, Persimmon
@@ -63,8 +63,10 @@ is read as ``(out, fan_in)``, the layout of ``nn.Linear`` (rows are output units
       :func:`parent_layer`), and ``k (Dk) | v (Dv)`` per head for its ``AttentionDownsample.kv``.
 
     The class is recognised by its name and defining module, not a subclass's (whose forward pass may cut the
-    output another way). A layer of one of these classes whose weight does not hold its layout, or whose settings
-    (head size, head counts) are not found, is one matrix with a warning naming it; a cross-attention
+    output another way), except transformers 4.x's ``SdpaAttention`` and ``FlashAttention2`` subclasses of the
+    GPT-NeoX, Phi-3 and GPT-BigCode attentions (what their ``attn_implementation`` picks), which cut it as their
+    base. A layer of one of these classes whose weight does not hold its layout, or whose settings (head size, head
+    counts) are not found, is one matrix with a warning naming it; a cross-attention
     ``GPTBigCodeAttention`` (whose forward pass takes keys and values of one head's width) and every other fused
     ``nn.Linear`` (a ``query_key_value`` or ``qkv`` of a model not named here, models loaded with
     ``trust_remote_code``) are one matrix, as are fused 1x1 convolutions (MaxViT's ``Attention2d``, LeViT with
@@ -398,6 +400,12 @@ def _fused_parts(path: str, module: nn.Module, shapes: ParameterShapes | None) -
 _TRANSFORMERS = "transformers.models.{0}.modeling_{0}"
 
 
+def _attention_classes(model: str) -> tuple[str, ...]:
+    """``<model>Attention`` and the subclasses that transformers 4.x picks by ``attn_implementation`` (sdpa, the
+    default, and flash-attention 2), whose forward passes cut the fused output as ``<model>Attention``'s."""
+    return f"{model}Attention", f"{model}SdpaAttention", f"{model}FlashAttention2"
+
+
 def _class_is(module: nn.Module | None, where: str, *names: str) -> bool:
     """Whether ``module``'s own class (not a subclass, whose forward pass may cut the output another way) is one of
     ``names`` defined in the module ``where``; recognised by name, so its package is never imported here."""
@@ -428,7 +436,10 @@ def _fused_rows(
     named in the module docstring (a GPT-BigCode cross-attention included); :data:`_UNREAD_SETTINGS` for a layer of
     such a class whose settings (head size, head counts) are not found or do not fit its layout.
     """
-    if _class_is(parent, _TRANSFORMERS.format("gpt_neox"), "GPTNeoXAttention") and child == "query_key_value":
+    if (
+        _class_is(parent, _TRANSFORMERS.format("gpt_neox"), *_attention_classes("GPTNeoX"))
+        and child == "query_key_value"
+    ):
         head = _int(parent, "head_size")  # view(..., heads, 3 * head_size), then chunk(3): per head q | k | v
         return _UNREAD_SETTINGS if head is None else (FUSED_PARTS, (head,) * 3, 3 * head)
     if _class_is(parent, _TRANSFORMERS.format("bloom"), "BloomAttention") and child == "query_key_value":
@@ -452,7 +463,7 @@ def _fused_rows(
         if getattr(parent, "multi_query", None) is False:
             return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3, head_dim)
         return _UNREAD_SETTINGS
-    if _class_is(parent, _TRANSFORMERS.format("phi3"), "Phi3Attention") and child == "qkv_proj":
+    if _class_is(parent, _TRANSFORMERS.format("phi3"), *_attention_classes("Phi3")) and child == "qkv_proj":
         head, heads = _int(parent, "head_dim"), _int(parent, "config", "num_attention_heads")
         kv_heads = _int(parent, "num_key_value_heads")
         if head is None or heads is None or kv_heads is None:
@@ -461,7 +472,7 @@ def _fused_rows(
     if _class_is(parent, _TRANSFORMERS.format("phi3"), "Phi3MLP") and child == "gate_up_proj":
         size = _int(parent, "config", "intermediate_size")  # chunk(2): gate, then up
         return _UNREAD_SETTINGS if size is None else (GATE_UP_PARTS, (size, size), None)
-    if _class_is(parent, _TRANSFORMERS.format("gpt_bigcode"), "GPTBigCodeAttention") and child == "c_attn":
+    if _class_is(parent, _TRANSFORMERS.format("gpt_bigcode"), *_attention_classes("GPTBigCode")) and child == "c_attn":
         head, heads, kv = _int(parent, "head_dim"), _int(parent, "num_heads"), _int(parent, "kv_dim")
         if head is None or heads is None:
             return _UNREAD_SETTINGS
@@ -472,7 +483,8 @@ def _fused_rows(
         if getattr(parent, "multi_query", None) is False:
             return FUSED_PARTS, (head,) * 3, 3 * head  # view(..., heads, 3 * head_dim), split(3 * [head_dim])
         return _UNREAD_SETTINGS
-    if _class_is(parent, "timm.layers.attention", "Attention") and child == "qkv":
+    timm_vit = ("timm.layers.attention", "timm.models.vision_transformer")  # where later / earlier timm defines it
+    if any(_class_is(parent, where, "Attention") for where in timm_vit) and child == "qkv":
         head, heads = _int(parent, "head_dim"), _int(parent, "num_heads")  # reshape(B, N, 3, heads, head_dim)
         return _UNREAD_SETTINGS if head is None or heads is None else (FUSED_PARTS, (heads * head,) * 3, None)
     cls = type(parent)

@@ -7,6 +7,7 @@ weight reading.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -26,6 +27,12 @@ SHARDED = {"neox": 0, "neox_cols": 1, "falcon": 0, "phi3": 0}
 """Layer -> dimension of its fused weight that the processes split (0: rows, 1: columns)."""
 
 
+def attention_layer(cls: type[nn.Module], config) -> nn.Module:
+    """``cls(config, 0)`` (layer index 0), or ``cls(config)`` where this transformers takes no layer index there
+    (4.x's GPT-NeoX and Falcon attentions)."""
+    return cls(config, 0) if len(inspect.signature(cls).parameters) > 1 else cls(config)
+
+
 def attentions() -> nn.Module:
     """GPT-NeoX's (heads interleaved), Falcon's grouped-query (groups interleaved) and Phi-3's (parts of unequal size)
     attention layers, whose rows a two-way split cuts inside a part: row 18 of 36 (the second head's keys), 15 of 30
@@ -33,11 +40,13 @@ def attentions() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Module()
     neox = GPTNeoXConfig(hidden_size=12, num_attention_heads=3)
-    model.neox, model.neox_cols = GPTNeoXAttention(neox, 0), GPTNeoXAttention(neox, 0)
-    model.falcon = FalconAttention(
-        FalconConfig(hidden_size=18, num_attention_heads=9, num_kv_heads=3, new_decoder_architecture=True), 0
+    model.neox, model.neox_cols = attention_layer(GPTNeoXAttention, neox), attention_layer(GPTNeoXAttention, neox)
+    model.falcon = attention_layer(
+        FalconAttention,
+        FalconConfig(hidden_size=18, num_attention_heads=9, num_kv_heads=3, new_decoder_architecture=True),
     )
-    model.phi3 = Phi3Attention(Phi3Config(hidden_size=12, num_attention_heads=6, num_key_value_heads=2), 0)
+    phi3 = Phi3Config(hidden_size=12, num_attention_heads=6, num_key_value_heads=2)
+    model.phi3 = attention_layer(Phi3Attention, phi3)
     return model
 
 

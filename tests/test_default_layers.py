@@ -343,6 +343,14 @@ def _hugging_face_vit() -> nn.Module:
     return ViTForImageClassification(config)
 
 
+def _vit_blocks(model: nn.Module) -> list[str]:
+    """The paths of the ViT's two ``ViTLayer`` blocks, as this transformers names them: ``vit.layers.<i>`` from
+    transformers 5 on, ``vit.encoder.layer.<i>`` before."""
+    blocks = [path for path, module in model.named_modules() if type(module).__name__ == "ViTLayer"]
+    assert blocks in (["vit.layers.0", "vit.layers.1"], ["vit.encoder.layer.0", "vit.encoder.layer.1"])
+    return blocks
+
+
 def _tokens() -> torch.Tensor:
     return torch.randint(0, 50, (2, 8))
 
@@ -350,8 +358,11 @@ def _tokens() -> torch.Tensor:
 IMAGE = (2, 1, 8, 8)
 RESNET_LAYERS = ["layer1", "layer2", "layer3", "layer4"]
 
-# name: (model factory, input factory, expected default choice (module paths, in order))
-ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], list[str]]] = {
+# name: (model factory, input factory, expected default choice (module paths, in order, or read from the model))
+ZOO: dict[
+    str,
+    tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], list[str] | Callable[[nn.Module], list[str]]],
+] = {
     "module_dict_cnn": (ModuleDictCNN, lambda: torch.randn(IMAGE), ["blocks.conv1", "blocks.conv2", "blocks.conv3"]),
     "hugging_face_gpt": (
         GPTLMHeadModel,
@@ -376,7 +387,7 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], list[s
     "transformers_mistral": (_decoder_only("Mistral"), _tokens, ["model.layers.0", "model.layers.1"]),
     "transformers_qwen2": (_decoder_only("Qwen2"), _tokens, ["model.layers.0", "model.layers.1"]),
     "transformers_gpt_neox": (_decoder_only("GPTNeoX"), _tokens, ["gpt_neox.layers.0", "gpt_neox.layers.1"]),
-    "transformers_vit": (_hugging_face_vit, lambda: torch.randn(2, 3, 8, 8), ["vit.layers.0", "vit.layers.1"]),
+    "transformers_vit": (_hugging_face_vit, lambda: torch.randn(2, 3, 8, 8), _vit_blocks),
     "torchvision_vit": (
         _torchvision_vit,
         lambda: torch.randn(2, 3, 8, 8),
@@ -433,6 +444,8 @@ def test_the_default_is_the_repeated_blocks_and_each_runs_once(name):
     torch.manual_seed(0)
     make_model, make_input, expected = ZOO[name]
     model = make_model()
+    if callable(expected):
+        expected = expected(model)
     chosen = default_layers(model)
     assert list(chosen.values()) == expected
     assert list(chosen) == expected  # a foreign model's layers are named by their module path

@@ -3,6 +3,7 @@ WeightRankMonitor reads are the queries, keys, values (gates, ups) that the mode
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,10 +12,15 @@ from torch import nn
 
 from rank_lightning.callbacks import WeightRankMonitor
 from rank_lightning.weight_matrices import matrices_of, parent_layer
+from tests.fused_sharded_helpers import attention_layer
 
 transformers = pytest.importorskip("transformers")
-from transformers import AttentionInterface  # noqa: E402
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+try:  # attention implementations registered by name: later transformers than the lowest supported (4.43)
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError:
+    AttentionInterface = ALL_ATTENTION_FUNCTIONS = None
 
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -67,6 +73,10 @@ def _heads_last(state: torch.Tensor) -> torch.Tensor:
     return state.transpose(1, 2).flatten(2)
 
 
+@pytest.mark.skipif(
+    AttentionInterface is None,
+    reason=f"needs transformers' AttentionInterface, not in transformers {transformers.__version__}",
+)
 @pytest.mark.parametrize("family", ["GPTNeoX", "Phi3", "GPTBigCode-mha", "GPTBigCode-mqa"])
 def test_fused_qkv_parts_are_the_states_the_attention_receives(family, monkeypatch):
     torch.manual_seed(0)
@@ -100,7 +110,9 @@ def test_fused_qkv_parts_are_the_heads_the_model_splits(variant, monkeypatch):
     captured: list = []
     if variant == "bloom":  # view(B, T, heads, 3, head_dim)
         config = transformers.BloomConfig(hidden_size=12, n_head=3, n_layer=1, vocab_size=11)
-        model, path, split = transformers.BloomModel(config), "h.0.self_attention.query_key_value", "_reshape"
+        model, path = transformers.BloomModel(config), "h.0.self_attention.query_key_value"
+        # transformers 5's _reshape; 4.x's _split_heads gives (B, T, heads, head_dim) as Falcon's does.
+        split = "_reshape" if hasattr(model.get_submodule(path.rsplit(".", 1)[0]), "_reshape") else "_split_heads"
     else:
         options = {
             "falcon-mha": dict(multi_query=False, new_decoder_architecture=False, num_kv_heads=3),
@@ -117,7 +129,7 @@ def test_fused_qkv_parts_are_the_heads_the_model_splits(variant, monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, 11, (2, 5)))
     states = captured[0]
-    if variant == "bloom":  # (B, heads, T, head_dim)
+    if split == "_reshape":  # (B, heads, T, head_dim)
         states = [_heads_last(state) for state in states]
     elif variant == "falcon-gqa":  # (B, T, heads, head_dim), each group's key and value broadcast to its queries
         group = config.num_attention_heads // config.num_kv_heads
@@ -174,6 +186,45 @@ def test_timm_vit_qkv_parts_are_the_states_of_its_attention(monkeypatch):
 
 
 @pytest.mark.slow
+def test_timm_vit_attention_of_earlier_timm_releases_is_split_as_well():
+    # timm 1.0.3 (the lowest supported) defines its ViT's Attention in timm.models.vision_transformer, not
+    # timm.layers.attention: its qkv was read as one (3E, E) matrix, with no warning.
+    attention = type("Attention", (nn.Module,), {"__module__": "timm.models.vision_transformer"})()
+    attention.num_heads, attention.head_dim, attention.qkv = 3, 4, nn.Linear(12, 36)
+    matrices = matrices_of("blocks.0.attn.qkv", attention.qkv, parent=attention)
+    assert [m.name for m in matrices] == [f"blocks.0.attn.qkv.{part}" for part in QKV]
+    weight = attention.qkv.weight.detach()
+    for matrix, rows in zip(matrices, weight.chunk(3)):
+        torch.testing.assert_close(matrix.from_stored(weight), rows, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["GPTNeoX", "Phi3", "GPTBigCode"])
+@pytest.mark.parametrize("implementation", ["SdpaAttention", "FlashAttention2"])
+def test_the_attention_subclasses_of_transformers_4_are_split_as_their_base(family, implementation):
+    # transformers 4.x builds GPTNeoXSdpaAttention (its default attn_implementation) or ...FlashAttention2, not
+    # GPTNeoXAttention: their fused projections were read as one (3E, E) matrix, with no warning.
+    module = {"GPTNeoX": "gpt_neox", "Phi3": "phi3", "GPTBigCode": "gpt_bigcode"}[family]
+    child = {"GPTNeoX": "query_key_value", "Phi3": "qkv_proj", "GPTBigCode": "c_attn"}[family]
+    cls = type(
+        f"{family}{implementation}", (nn.Module,), {"__module__": f"transformers.models.{module}.modeling_{module}"}
+    )
+    attention = cls()  # 3 heads of 4, as many keys and values: the settings each forward pass reads
+    attention.head_size = attention.head_dim = 4
+    attention.num_heads = attention.num_key_value_heads = 3
+    attention.config = SimpleNamespace(num_attention_heads=3)
+    attention.is_cross_attention = attention.multi_query = False
+    setattr(attention, child, nn.Linear(12, 36))
+    layer = getattr(attention, child)
+    matrices = matrices_of(f"attn.{child}", layer, parent=attention)
+    assert [m.name for m in matrices] == [f"attn.{child}.{part}" for part in QKV]
+    weight = layer.weight.detach()
+    # Phi-3: all queries, keys, values; the others per head q | k | v, (heads, part, head_dim, in).
+    parts = weight.chunk(3) if family == "Phi3" else weight.view(3, 3, 4, 12).unbind(1)
+    for matrix, rows in zip(matrices, parts):
+        torch.testing.assert_close(matrix.from_stored(weight), rows.reshape(12, 12), rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_fused_parts_of_dtensor_shards_equal_those_of_the_whole_weights(tmp_path):
     from tests.fused_sharded_helpers import worker
 
@@ -196,7 +247,7 @@ def _neox_attention() -> nn.Module:
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
     torch.manual_seed(0)
-    return GPTNeoXAttention(transformers.GPTNeoXConfig(hidden_size=12, num_attention_heads=3), 0)
+    return attention_layer(GPTNeoXAttention, transformers.GPTNeoXConfig(hidden_size=12, num_attention_heads=3))
 
 
 def test_fused_parts_of_fsdp1_slices_and_zero3_placeholders_are_found_from_the_full_shape():
@@ -238,7 +289,7 @@ def test_a_fused_layout_whose_rows_do_not_match_the_layer_is_one_matrix():
     with pytest.warns(UserWarning, match=unread):
         assert len(matrices_of("a.query_key_value", nn.Linear(12, 36), parent=attention)) == 1
     # A subclass may cut the output another way, and a Linear of that name elsewhere holds no known parts.
-    subclass = type("MyAttention", (type(_neox_attention()),), {})(attention.config, 0)
+    subclass = attention_layer(type("MyAttention", (type(_neox_attention()),), {}), attention.config)
     assert len(matrices_of("a.query_key_value", subclass.query_key_value, parent=subclass)) == 1
     assert len(matrices_of("a.query_key_value", subclass.query_key_value, parent=nn.Module())) == 1
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torchmetrics.metric
+from packaging.version import Version
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,12 +41,24 @@ from rank_lightning.streams import ActivationStream
 
 NUM_CLASSES = 5
 _COPIES = {"aten::_to_copy", "aten::copy_", "aten::_copy_from"}
+# torchmetrics < 1.9 records a Metric's device as the CPU at construction (1.9 takes the default device, where the
+# package makes its states), so ``Metric.to(device)`` in ``ActivationStream._metric_for`` moves a one-element probe
+# (``_dummy_tensor``) from the host to the GPU, once per layer at its first batch: "no copy at all" does not hold there.
+# Those probe copies, and only those, are counted apart on those versions; on 1.9 and later they fail as any copy.
+_PROBE_COPIES = Version(torchmetrics.__version__) < Version("1.9")
 
 
 def _source() -> str:
     """The innermost frames of the package that led here."""
     frames = [f for f in traceback.extract_stack() if "/rank_lightning/" in f.filename.replace("\\", "/")]
     return " <- ".join(f"{f.filename.rsplit('rank_lightning', 1)[-1]}:{f.lineno}" for f in frames[::-1][:3])
+
+
+def _torchmetrics_probe() -> bool:
+    """Whether torchmetrics' ``Metric._apply`` is moving its one-element device probe (``_dummy_tensor``) here."""
+    frames = traceback.extract_stack()
+    metric_py = [f for f in frames if f.filename.replace("\\", "/").endswith("torchmetrics/metric.py")]
+    return any(f.name == "_apply" and "_dummy_tensor" in (f.line or "") for f in metric_py)
 
 
 class _Waits(TorchDispatchMode):
@@ -55,6 +68,7 @@ class _Waits(TorchDispatchMode):
         super().__init__()
         self.batch = 0
         self.found: list[tuple[int, str, str]] = []
+        self.probes: list[tuple[int, str]] = []  # torchmetrics < 1.9's device probe (_PROBE_COPIES)
         self._in_list = 0
 
     def __enter__(self):
@@ -79,7 +93,9 @@ class _Waits(TorchDispatchMode):
     def _record(self, what: str) -> None:
         # Only the package's own: a model may wait in its forward (transformers copies small tensors from the host).
         source = _source()
-        if source:
+        if source and _PROBE_COPIES and what.startswith("copy") and _torchmetrics_probe():
+            self.probes.append((self.batch, what))
+        elif source:
             self.found.append((self.batch, what, source))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -161,6 +177,8 @@ def _stream_on_fake_cuda(
         assert stream.metrics.keys() == layers.keys()
         assert all(m.update_count == len(batches) and m.gram.device.type == "cuda" for m in stream.metrics.values())
         stream.stop()
+    # Where the probe moves (torchmetrics < 1.9): an empty tensor and the element, once per layer, at the first batch.
+    assert waits.probes == ([(0, "copy ['cpu', 'cuda']")] * 2 * len(layers) if _PROBE_COPIES else []), waits.probes
     return waits, len(calls)
 
 

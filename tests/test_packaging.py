@@ -33,3 +33,22 @@ def test_citation_cites_the_four_papers():
     first_authors = [reference["authors"][0]["family-names"] for reference in citation["references"]]
     assert first_authors == ["Feng", "Zangrando", "Sanyal", "Daneshmand"]
     assert all(reference["identifiers"][0]["value"].startswith("arXiv:") for reference in citation["references"])
+
+
+def test_the_minimum_constraints_pin_every_declared_lower_bound():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    lines = (ROOT / "constraints" / "minimum.txt").read_text().splitlines()
+    pinned = {r.name: r for r in (Requirement(line) for line in lines if line.strip() and not line.startswith("#"))}
+    unpinned = {"torch", "torchvision", "deepspeed", "ruff", "weightwatcher"}  # see constraints/minimum.txt
+    assert {r.name for r in declared} - unpinned == set(pinned)
+    for requirement in declared:
+        if requirement.name in unpinned:
+            continue
+        (bound,) = [s.version for s in requirement.specifier if s.operator == ">="]
+        (pin,) = [s.version for s in pinned[requirement.name].specifier if s.operator == "=="]
+        assert Version(pin) == Version(bound), requirement.name
+        assert pinned[requirement.name].extras == requirement.extras, requirement.name

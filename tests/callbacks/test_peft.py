@@ -192,3 +192,19 @@ def test_the_trained_copy_of_a_module_to_save_is_measured_not_its_frozen_origina
     assert [name for name in typed if name.startswith(head)] == [f"{head}.modules_to_save.default"]
     with module.model.disable_adapter():  # the original is what the forward pass applies now
         assert [name for name in monitor.select(module) if name.startswith(head)] == [f"{head}.original_module"]
+
+
+def test_a_wrapper_that_names_one_active_adapter_gives_its_unapplied_copies_too():
+    # peft 0.14 (the lowest supported) names a ModulesToSaveWrapper's adapter in active_adapter only: the wrapper was
+    # passed over, so its frozen original was chosen beside the copy that the forward pass applies.
+    from rank_lightning.layers import unapplied_copies
+
+    wrapper = type("ModulesToSaveWrapper", (nn.Module,), {"__module__": "peft.utils.other"})()
+    wrapper.original_module, wrapper.modules_to_save = nn.Linear(4, 2), nn.ModuleDict({"default": nn.Linear(4, 2)})
+    wrapper.active_adapter, wrapper.disable_adapters = "default", False
+    model = nn.Sequential(wrapper)
+    assert unapplied_copies(model) == {"0.original_module"}
+    wrapper.disable_adapters = True
+    assert unapplied_copies(model) == {"0.modules_to_save.default"}
+    wrapper.disable_adapters, wrapper.active_adapter = False, "other"  # no copy of its own here: the original
+    assert unapplied_copies(model) == {"0.modules_to_save.default"}

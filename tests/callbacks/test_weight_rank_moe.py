@@ -7,10 +7,18 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
+import transformers
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM
+from transformers.models.mixtral import modeling_mixtral
 
 from rank_lightning.callbacks import WeightRankMonitor
+
+# transformers 4.x holds Mixtral's experts as one MLP module per expert, not MixtralExperts' 3-D stacks.
+needs_mixtral_experts = pytest.mark.skipif(
+    not hasattr(modeling_mixtral, "MixtralExperts"),
+    reason=f"needs transformers' MixtralExperts, not in transformers {transformers.__version__}",
+)
 
 HIDDEN, INTERMEDIATE, EXPERTS, LAYERS = 16, 24, 4, 2
 PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -56,6 +64,7 @@ def _expected_matrices(module: MoELanguageModel) -> dict[str, torch.Tensor]:
     return matrices
 
 
+@needs_mixtral_experts
 def test_the_default_choice_reads_every_expert_of_every_layer(module):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing in Mixtral is left unread
@@ -69,6 +78,7 @@ def test_the_default_choice_reads_every_expert_of_every_layer(module):
     assert len(names) == LAYERS * (EXPERTS * len(PARTS) + 4) + 1
 
 
+@needs_mixtral_experts
 def test_expert_metrics_equal_float64_svdvals_of_each_experts_slice(module):
     monitor = WeightRankMonitor(decomposition="svd", tail_ranks=(1, 5), verbose=False)
     spectra, measured = monitor.spectra(module), monitor.measure(module)
@@ -90,6 +100,7 @@ def test_expert_metrics_equal_float64_svdvals_of_each_experts_slice(module):
     assert measured[f"model.model.layers.0.mlp.experts.0.{PARTS[0]}"]["numerical_rank"] == min(HIDDEN, INTERMEDIATE)
 
 
+@needs_mixtral_experts
 def test_experts_are_chosen_by_name_pattern_and_type(module):
     exact = WeightRankMonitor(layers=["model.model.layers.0.mlp.experts"], verbose=False).select(module)
     assert exact == _expert_names(0)
@@ -106,6 +117,7 @@ def test_experts_are_chosen_by_name_pattern_and_type(module):
     assert (spectrum.num_samples, spectrum.num_features) == (2 * INTERMEDIATE, HIDDEN)
 
 
+@needs_mixtral_experts
 def test_all_experts_of_a_shape_are_decomposed_in_one_batch(module, monkeypatch):
     import rank_lightning.functional.weights as weights
 
