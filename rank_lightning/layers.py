@@ -68,6 +68,7 @@ __all__ = [
     "decoder_layers",
     "default_layers",
     "eval_mode",
+    "expert_layers",
     "feature_layer",
     "forward_batch",
     "forward_hooks",
@@ -1463,6 +1464,27 @@ def decoder_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
                 if any(inner is decoder or inner is head for inner in modules[depth + 1 :]):
                     found.append(name)
                 break
+    return found
+
+
+def expert_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
+    """The names of ``layers`` (``name -> module path``) at or inside a routed expert of a mixture-of-experts layer: a
+    member of a ``ModuleList`` or ``ModuleDict`` held as ``experts`` (Switch Transformers' ``experts.expert_<e>``,
+    the ``experts.<e>`` of ``transformers`` 4.x Mixtral and Qwen-MoE blocks).
+
+    Such a module is called on the tokens routed to it, ``(n_routed, d)`` rows whose number changes from batch to
+    batch and belongs to no input of the batch. Fused experts (``transformers`` 5.x ``MixtralExperts``, one 3-D
+    weight for every expert) hold no module per expert and are not listed.
+    """
+    found = []
+    for name, path in layers.items():
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) - 1):
+            if parts[depth] == "experts":
+                container = model.get_submodule(".".join(parts[: depth + 1]))
+                if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+                    found.append(name)
+                    break
     return found
 
 

@@ -49,6 +49,7 @@ from rank_lightning.layers import (
     check_label_rows,
     class_labels,
     decoder_layers,
+    expert_layers,
     forward_hooks,
     hidden_state,
     several_loaders_advice,
@@ -77,6 +78,29 @@ def _kind(ndim: int) -> int:
     """The key of ``reductions`` for outputs of ``ndim`` dimensions: ``4`` for conv maps of any spatial dimensions
     (``(B, C, H, W)``, ``(B, C, D1, D2, D3)``), else ``ndim``."""
     return min(ndim, 4)
+
+
+def _token_positions(batch: Any, size: int | None, *masks: Tensor | None) -> frozenset[int]:
+    """The token positions ``T`` of a batch of ``size`` sequences: the second dimension of its ``(B, T)`` masks and of
+    the ``(B, T)`` integer tensors it holds (token ids, labels per token)."""
+    if size is None:
+        return frozenset()
+    items = list(batch.values()) if isinstance(batch, Mapping) else batch
+    items = items if isinstance(items, (tuple, list)) else [items]
+    tokens = [item for item in items if isinstance(item, Tensor) and not item.is_floating_point()]
+    found = (t for t in (*tokens, *masks) if isinstance(t, Tensor) and t.ndim == 2 and t.shape[0] == size)
+    return frozenset(t.shape[1] for t in found)
+
+
+def _flattened_tokens(shape: tuple[int, ...], batch: int) -> str:
+    """Why a ``(B * T, d)`` output of a batch of ``B`` sequences of ``T`` tokens is skipped."""
+    return (
+        f"gives {shape} from a batch of {batch} sequences of {shape[0] // batch} tokens: the batch's {shape[0]} "
+        "token positions flattened into rows (a mixture-of-experts router or fused experts layer reads (B, T, D) "
+        "as (B * T, D)), neither one row per input nor views of the batch; it is skipped. Monitor the block that "
+        "returns (B, T, D) (the sparse MoE block), or measure these rows as they come with unbatched=True in a "
+        "monitor of its own (every position, padded ones included; no class metrics)."
+    )
 
 
 def _distributed() -> bool:
@@ -132,6 +156,11 @@ class ActivationStream:
             in the memory budget as a layer. A batch that calls it another number of times than the pass's first is
             named in a warning, and the ``k``-th application sums the rows of the batches that made at least ``k``
             calls; under DDP the applications some processes did not run are named in a warning and not logged.
+        unbatched: read every layer's output as rows with no batch dimension: all ``N`` rows of a ``(N, d)`` output,
+            whatever ``N`` (the tokens routed to an expert, a router's logits over the batch's flattened positions),
+            with no mask and no labels; a batch to which ``max_samples`` gives no input gives no rows. Without it,
+            the layers at or inside a routed expert (:func:`~rank_lightning.layers.expert_layers`) are skipped with a
+            warning, and so is a ``(B * T, d)`` output of a batch of ``B`` sequences of ``T`` tokens.
     """
 
     def __init__(
@@ -152,9 +181,11 @@ class ActivationStream:
         warn: Callable[[str, str, str], None] | None = None,
         info: Callable[[str], None] | None = None,
         repeated_calls: str = "first",
+        unbatched: bool = False,
     ) -> None:
         self.layers = dict(layers)
         self.repeated_calls = repeated_calls
+        self.unbatched = unbatched
         # The applications after the first of the layers called more than once per batch (repeated_calls="each"):
         # ``<layer>@<k> -> (layer, k)``, k >= 2; and the most calls of each layer in a batch of the current pass.
         self._applications: dict[str, tuple[str, int]] = {}
@@ -178,6 +209,7 @@ class ActivationStream:
         self.layer_ndims: dict[str, int] = {}
         self._decoder_layers: frozenset[str] = frozenset()  # the layers that read the decoder's mask
         self._unmasked_layers: frozenset[str] = frozenset()  # the layers that no mask of the batch belongs to
+        self._expert_layers: frozenset[str] = frozenset()  # the layers called on the tokens routed to an expert
         self._planned: dict[str, int] = {}
         self._reported_plan: dict[str, int] = {}  # printed once, and again only if layers are added
         # The layers whose class Grams are decided at the end of the batch that first called them: their width, and
@@ -201,6 +233,7 @@ class ActivationStream:
         self._token_groupings: dict[torch.device, ClassGrouping] = {}
         self._mask: Tensor | None = None
         self._decoder_mask: Tensor | None = None
+        self._positions: frozenset[int] = frozenset()  # the token positions T of the batch's (B, T) inputs and masks
         self._cls_counted: set[bool] = set()  # the masks whose left padding the current batch counted
         self._seen_this_batch: set[str] = set()
         self._calls_in_batch: dict[str, int] = {}  # the calls of each layer in the current batch
@@ -256,6 +289,7 @@ class ActivationStream:
         self._decoder_layers = frozenset(decoder_layers(module, self.layers) if reads_decoder_mask else ())
         # An image tower's patches are not the text's tokens: the batch's attention_mask is not theirs either.
         self._unmasked_layers = frozenset(unmasked_layers(module, self.layers) if reads_decoder_mask else ())
+        self._expert_layers = frozenset(expert_layers(module, self.layers))
         self._hooks.enter_context(forward_hooks(module, layers, self._hook))
         self._own_left = [None if _collection(loader) else own_samples(loader) for loader in loaders]
         combined = {index: CombinedOwnRows(loader) for index, loader in enumerate(loaders) if _collection(loader)}
@@ -435,6 +469,7 @@ class ActivationStream:
             if self._batch is None and isinstance(known, Tensor) and known.ndim:
                 # Labels tell the batch size even without class metrics.
                 self._batch, self._batch_told = known.shape[0], told
+        self._positions = _token_positions(batch, self._batch, self._mask, self._decoder_mask)
         self._own_loader = loader
         self._own_rows = self._count_own(loader) if self._batch is not None else None
         if self._own_indices is not None:
@@ -732,6 +767,8 @@ class ActivationStream:
             self._warn(name, "reuse", message)
             return
         self._seen_this_batch.add(name)
+        if self._not_batch_rows(name, activations):
+            return
         if not isinstance(activations, Tensor) or not 2 <= activations.ndim <= _MAX_NDIM:
             shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(output).__name__
             message = (
@@ -776,6 +813,59 @@ class ActivationStream:
         mask = None if mask is None else mask[:take].to(activations.device)
         if self._same_features(name, activations, metric):
             self._update(name, metric, activations[:take], labels, mask)
+
+    def _not_batch_rows(self, name: str, activations: Any) -> bool:
+        """Whether this output is done with before the batch's layout is read: an integer or boolean tensor (skipped,
+        with a warning), the rows of a routed expert (skipped, with a warning) or, with ``unbatched``, any output
+        (its ``(N, d)`` rows streamed as they come: :meth:`_unbatched_rows`)."""
+        if isinstance(activations, Tensor) and not activations.is_floating_point():
+            dtype = str(activations.dtype).removeprefix("torch.")
+            message = (
+                f"gives a {dtype} tensor of shape {tuple(activations.shape)}: indices or a mask (such as the experts "
+                "a router chose), not a hidden state; it is skipped. Set output_selector to pick its hidden state "
+                "(Switch Transformers' router returns (expert_index, router_probs, router_logits): output_selector=2 "
+                "in a monitor of its own)."
+            )
+            self._warn(name, "dtype", message)
+            return True
+        if self.unbatched:
+            self._unbatched_rows(name, activations)
+            return True
+        if self._applications.get(name, (name, 1))[0] in self._expert_layers:
+            shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(activations).__name__
+            message = (
+                f"gives {shape}: it is an expert of a mixture-of-experts layer, called on the tokens routed to it, "
+                "whose rows belong to no input of the batch and whose number changes from batch to batch; it is "
+                "skipped. Measure its rows as they come with unbatched=True in a monitor of its own (no class metrics)."
+            )
+            self._warn(name, "routed", message)
+            return True
+        return False
+
+    def _unbatched_rows(self, name: str, activations: Any) -> None:
+        """Stream every row of a ``(N, d)`` output whatever ``N`` (``unbatched``): no mask and no labels, its rows
+        belonging to no input; a batch to which ``max_samples`` gives no input gives no rows."""
+        if not isinstance(activations, Tensor) or activations.ndim != 2:
+            shape = tuple(activations.shape) if isinstance(activations, Tensor) else type(activations).__name__
+            message = "not the (N, d) rows that unbatched=True measures; it is skipped. Set output_selector to pick "
+            message += "them (one 2-d tensor)."
+            self._warn(name, "shape", f"gives {shape}, {message}")
+            return
+        activations = activations.detach()
+        if name not in self._autocast:
+            self._autocast[name] = reduced_precision(activations, conv=False)
+        take = self._claim(activations.shape[0] if self._batch is None else self._batch)
+        metric = self._metric_for(name, activations)
+        if metric is None or (not take and metric.update_count):
+            return
+        if self._labels is not None:
+            message = (
+                "is measured with unbatched=True: its rows belong to no input of the batch, so no label is theirs and "
+                "its class metrics (TCV, class-wise VR) are not logged."
+            )
+            self._warn(name, "unbatched labels", message)
+        if self._same_features(name, activations, metric):
+            self._update(name, metric, activations if take else activations[:0], None, None)
 
     def _views(self, name: str, activations: Tensor) -> int:
         """How many views of the batch's inputs a ``(B, d)`` or conv map output holds: ``k`` when its rows
@@ -979,10 +1069,19 @@ class ActivationStream:
                 return activations
             # Views need a batch that tells its own size; with a mask, (B * T, D) rows may be tokens.
             unmasked = self._mask is None and self._decoder_mask is None and self._batch_told == "the batch"
-            if shape[0] > batch and shape[0] % batch == 0 and self._own_indices is None and unmasked:
+            multiple = shape[0] > batch and shape[0] % batch == 0
+            if multiple and len(shape) == 2 and shape[0] // batch in self._positions:
+                self._warn(name, "flattened", _flattened_tokens(shape, batch))
+                return None
+            if multiple and self._own_indices is None and unmasked:
                 return activations  # views of the batch run in one forward pass (_views)
             told = f" (told by {self._batch_told})" if self._batch_told != "the batch" else ""
             several = "" if shape[0] < batch else ", nor a multiple of it (views of the batch run in one pass)"
+            if multiple:
+                several = (
+                    f"; its rows are {shape[0] // batch} times the batch's, which are read as views of the batch "
+                    "only in a batch that tells its own size, has no attention mask and holds no repeated rows"
+                )
             self._warn(
                 name, "batch", f"gives {shape}, with no leading dimension of the batch size {batch}{told}{several}."
             )

@@ -109,6 +109,9 @@ class RankTracker:
             batch's ``decoder_attention_mask`` instead (:func:`~rank_lightning.layers.decoder_layers`), and the
             layers in an image tower that takes no attention mask none (:func:`~rank_lightning.layers.unmasked_layers`);
             another ``mask_key`` names the mask of every layer.
+        unbatched: measure all ``N`` rows of every layer's ``(N, d)`` output whatever ``N``, with no mask and no
+            labels: the tokens routed to an expert of a mixture-of-experts layer, a router's logits, as in
+            :class:`~rank_lightning.callbacks.ActivationRankMonitor`.
 
     Raises:
         ValueError: a bad setting, or a layer name that matches no layer of ``model`` (the valid names listed).
@@ -143,6 +146,7 @@ class RankTracker:
         label_key: int | str | None = None,
         label_fn: Callable[[Any], Tensor] | None = None,
         mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
+        unbatched: bool = False,
     ) -> None:
         for name, value in (("max_samples", max_samples), ("num_classes", num_classes), ("num_batches", num_batches)):
             check_positive_int(name, value, allow_none=True)
@@ -157,6 +161,7 @@ class RankTracker:
             3: check_choice("token_reduction", token_reduction, TOKEN_REDUCTIONS),
         }
         layout = check_choice("token_layout", token_layout, TOKEN_LAYOUTS)
+        check_choice("unbatched", unbatched, (False, True))
         spectrum_options = dict(
             center=center,
             alpha_req_range=alpha_req_range,
@@ -185,6 +190,7 @@ class RankTracker:
             channels_last=channels_last_layers(model, self.layers),
             output_selector=output_selector,
             repeated_calls=check_choice("repeated_calls", repeated_calls, REPEATED_CALLS),
+            unbatched=unbatched,
             max_samples=max_samples,
             memory_budget_mb=memory_budget_mb,
             warn=self._warn_once,

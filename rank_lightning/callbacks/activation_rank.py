@@ -130,7 +130,9 @@ class ActivationRankMonitor(CurveMonitor):
     made at least ``k`` calls. Under DDP an application that ran on some processes only is named in a warning and
     not logged (the sums of every process stay aligned). Views of the batch run in one forward pass
     (``torch.cat([view_1, view_2])``, SimCLR) give a ``(B, d)`` or ``(B, C, H, W)`` output ``k`` times the batch's
-    rows (in a batch that tells its size and has no attention mask): they are read as ``k`` views of every input,
+    rows (in a batch that tells its size and has no attention mask, where ``k`` is not the length ``T`` of its
+    ``(B, T)`` token ids, whose ``B * T`` flattened positions a mixture-of-experts router gives: see
+    ``unbatched``): they are read as ``k`` views of every input,
     view after view, and all rows are measured (``max_samples`` counts inputs; an input's label is that of each of its
     views), with a warning naming the layer. Calls made by the backward pass, where activation
     checkpointing (``torch.utils.checkpoint``, ``gradient_checkpointing_enable()``) runs checkpointed modules again,
@@ -256,6 +258,15 @@ class ActivationRankMonitor(CurveMonitor):
             function ``output -> Tensor``; ``None`` follows :func:`~rank_lightning.layers.hidden_state`'s rule.
         repeated_calls: what a layer called more than once per batch gives: ``"first"`` its first call of each
             batch, with a warning; ``"each"`` every call, the ``k``-th as layer ``<layer>@<k>`` (see above).
+        unbatched: read every monitored layer's output as rows with no batch dimension: all ``N`` rows of a
+            ``(N, d)`` output, whatever ``N``, with no mask and no labels (no class metrics), for the layers of a
+            mixture of experts whose rows are not the batch's inputs: a routed expert, called on the ``(n_routed,
+            d)`` tokens routed to it, or a router whose ``(B * T, E)`` logits cover every position of the batch,
+            padded ones included. A batch to which ``max_samples`` gives no input gives no rows; outputs of other
+            shapes are skipped with a warning. Use a monitor of its own (``namespace``) beside the one of the
+            blocks. Without it, a layer at or inside a routed expert (:func:`~rank_lightning.layers.expert_layers`)
+            is skipped with a warning, and so is a ``(B * T, d)`` output of a batch of ``B`` sequences of ``T``
+            tokens (token ids, labels or mask ``(B, T)``), never read as ``T`` views of the batch.
         log_per_class: also log the class-wise VR of every class, not only their mean.
         max_gram_features: largest d for the exact d x d Gram; wider layers use the subsample fallback of
             :class:`~rank_lightning.metrics.ActivationSpectrum` (a warning names the layer once).
@@ -362,6 +373,7 @@ class ActivationRankMonitor(CurveMonitor):
         mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
         output_selector: OutputSelector | None = None,
         repeated_calls: Literal["first", "each"] = "first",
+        unbatched: bool = False,
         log_per_class: bool = False,
         max_gram_features: int = 4096,
         memory_budget_mb: float | None = 4096.0,
@@ -375,8 +387,7 @@ class ActivationRankMonitor(CurveMonitor):
         # The arguments, checked and stored by _configure: this signature alone is near the function length limit.
         self._configure({name: value for name, value in locals().items() if name != "self"})
         self._layers: dict[str, str] = {}
-        self._layouts: dict[str, bool] = {}
-        self._ambiguous_layouts: dict[str, bool] = {}
+        self._layouts, self._ambiguous_layouts = dict[str, bool](), dict[str, bool]()
         self._channel_maps: dict[str, int | None] = {}
         self._channels_last: dict[str, tuple[frozenset[int], frozenset[int]]] = {}
         self._num_classes: int | None = None
@@ -424,6 +435,7 @@ class ActivationRankMonitor(CurveMonitor):
         self.log_per_class = o["log_per_class"]
         self.output_selector, self.memory_budget_mb = o["output_selector"], o["memory_budget_mb"]
         self.repeated_calls = check_choice("repeated_calls", o["repeated_calls"], REPEATED_CALLS)
+        self.unbatched = check_choice("unbatched", o["unbatched"], (False, True))
         keys = {key: o[key] for key in ("input_key", "label_key", "label_fn", "mask_key")}
         self.batch_reader = BatchReader(**keys)
         spectrum = (
@@ -506,6 +518,7 @@ class ActivationRankMonitor(CurveMonitor):
             warn=self._warn_layer,
             info=self.info,
             repeated_calls=self.repeated_calls,
+            unbatched=self.unbatched,
         )
         options = self.spectrum_options
         dtype = options["tolerance_dtype"]
@@ -929,6 +942,8 @@ class ActivationRankMonitor(CurveMonitor):
         }
         if self.repeated_calls != "first":  # the windows saved before the option existed measured first calls
             settings["repeated_calls"] = self.repeated_calls
+        if self.unbatched:  # rows of every number, which a monitor without it skips
+            settings["unbatched"] = self.unbatched
         return {name: repr(value) for name, value in settings.items()}
 
     def _continue_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
