@@ -32,11 +32,28 @@ __all__ = [
     "check_positive_ints",
     "check_real",
     "check_tolerance_dtype",
+    "count_of",
+    "mib_text",
 ]
 
 T = TypeVar("T")
 
 _TOLERANCE_DTYPES = ("input", "float16", "bfloat16", "float32", "float64")
+
+_MIB = 2**20
+
+
+def count_of(number: int, noun: str, plural: str | None = None) -> str:
+    """``number`` and ``noun`` as the package's messages print a count: ``"1 layer"``, ``"3 layers"``, ``"2 weight
+    matrices"`` (``plural`` when it is not ``noun + "s"``)."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
+def mib_text(size: float) -> str:
+    """``size`` bytes in MiB, as every size in the package's messages is printed: 3 significant digits, one decimal
+    from 100 MiB (``"0.25"``, ``"42.7"``, ``"98410.2"``); the unit is left to the message."""
+    value = size / _MIB
+    return f"{value:.1f}" if value >= 100 else f"{value:.3g}"
 
 
 class SetupError(RuntimeError):

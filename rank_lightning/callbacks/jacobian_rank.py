@@ -17,7 +17,14 @@ from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
 from rank_lightning.functional.streaming import reduced_float32_format
 from rank_lightning.layers import BatchReader, check_layer_types, random_state_kept, select_layers
-from rank_lightning.validation import check_bool, check_choice, check_names, check_positive, check_positive_int
+from rank_lightning.validation import (
+    check_bool,
+    check_choice,
+    check_names,
+    check_positive,
+    check_positive_int,
+    count_of,
+)
 
 __all__ = ["JacobianRankMonitor"]
 
@@ -231,13 +238,14 @@ class JacobianRankMonitor(CurveMonitor):
         check_distinct_namespaces(trainer, self)
         self.select(pl_module)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
-        self.info(f"{len(self._layers)} blocks, {self.num_inputs} inputs, patch {self._patch_text()}: {names}")
+        blocks, inputs = count_of(len(self._layers), "block"), count_of(self.num_inputs, "input")
+        self.info(f"{blocks}, {inputs}, patch {self._patch_text()}: {names}")
 
     def _patch_text(self) -> str:
         if isinstance(self.patch, Tensor):
             if self.patch.dtype == torch.bool:
-                return f"a mask of {int(self.patch.sum())} coordinates"
-            return f"{self.patch.numel()} flat indices"
+                return f"a mask of {count_of(int(self.patch.sum()), 'coordinate')}"
+            return count_of(self.patch.numel(), "flat index", "flat indices")
         if self.patch is not None:
             return str(self.patch)
         return "central, default size" if self.patch_size is None else f"central {self.patch_size}x{self.patch_size}"
