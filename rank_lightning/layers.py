@@ -1512,6 +1512,17 @@ def _default_place(batch: Any, keys: Sequence[str], index: int) -> str:
     return f"index {index} or one of {list(keys)}"
 
 
+def key_advice(batch: Any, what: str) -> str:
+    """What to set for a value ``what`` of ``batch`` that is not where it was looked for: its ``<what>_key`` (a key of
+    a dict batch, an index of a tuple or list batch) or ``<what>_fn``; only the function for a batch of another type,
+    which has neither."""
+    if isinstance(batch, Mapping):
+        return f"set {what}_key (a key of the dict batch) or {what}_fn"
+    if isinstance(batch, (tuple, list)):
+        return f"set {what}_key (an index of the {type(batch).__name__} batch) or {what}_fn"
+    return f"set {what}_fn (a batch of type {type(batch).__name__} has no index or key for {what}_key)"
+
+
 def several_loaders_advice(batch: Any) -> str:
     """Advice for the labels of a batch that looks like a batch of several loaders (a dict or list of per-loader
     batches, as Lightning's ``CombinedLoader`` gives them: no tensor of its own, a tuple, list or dict in it); else
@@ -1810,7 +1821,7 @@ class BatchReader:
         if refused:
             advice = f"class metrics need {LABEL_FORMS}; {label_advice(value)}"
         else:
-            advice = "set label_key (an index for tuples, a key for dicts) or label_fn"
+            advice = key_advice(batch, "label")
         advice += several_loaders_advice(batch)
         raise ValueError(f"cannot find integer class labels at {self._label_where(batch, found)}; {advice}")
 

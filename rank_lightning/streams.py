@@ -51,6 +51,7 @@ from rank_lightning.layers import (
     decoder_layers,
     forward_hooks,
     hidden_state,
+    key_advice,
     several_loaders_advice,
     unmasked_layers,
 )
@@ -542,7 +543,7 @@ class ActivationStream:
         if labels is None:
             where = self.batch_reader.label_source(batch, per_token=True)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
-            advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
+            advice = f"class-wise VR) are not logged; {key_advice(batch, 'label')}." + several_loaders_advice(batch)
             # Read back from the device at a pass's first batch only: the warning is given once.
             refused = self.batch_reader.refused_label_advice(batch) if self.batches_seen == 0 else ""
             if refused:

@@ -116,3 +116,27 @@ def test_one_batch_and_one_row_are_singular(tmp_path) -> None:
         "ActivationRankMonitor: layer 'net.0' was measured on 1 row, fewer than its 4 features: its ranks are at most "
         "1 (raise max_samples to measure more rows)."
     ]
+
+
+class _Unlabelled(SmallClassifier):
+    """Trained on batches of inputs alone."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
+
+
+def test_the_advice_for_missing_labels_fits_the_batch_type(tmp_path) -> None:
+    with pytest.raises(ValueError, match=re.escape("(found nothing); set label_key (an index of the list batch) or")):
+        BatchReader(label_key=1).labels([torch.ones(2, 3)])
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=8)
+    model = _Unlabelled((5, 4, 3))
+    monitor = ActivationRankMonitor(layers=["net.0"], num_classes=3, verbose=False)
+    with pytest.warns(UserWarning) as caught:
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, loader, loader)
+    said = [str(warning.message) for warning in caught if "no class labels" in str(warning.message)]
+    assert said == [
+        "ActivationRankMonitor: num_classes=3 but no class labels at index 1 in a list batch of length 1 (found "
+        "nothing); the class metrics (TCV, class-wise VR) are not logged; set label_key (an index of the list batch) "
+        "or label_fn."
+    ]
