@@ -140,3 +140,18 @@ def test_the_advice_for_missing_labels_fits_the_batch_type(tmp_path) -> None:
         "nothing); the class metrics (TCV, class-wise VR) are not logged; set label_key (an index of the list batch) "
         "or label_fn."
     ]
+
+
+def test_fewer_jacobian_inputs_than_num_inputs_are_named(tmp_path) -> None:
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(3, 5), torch.randint(0, 3, (3,))), batch_size=3)
+    monitor = JacobianRankMonitor(layers=["net.0"], num_inputs=8, verbose=False)
+    with pytest.warns(UserWarning) as caught:
+        trainer = quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path)
+        trainer.fit(SmallClassifier((5, 4, 3)), loader, loader)
+    said = [str(warning.message) for warning in caught if "num_inputs" in str(warning.message)]
+    assert said == [
+        "JacobianRankMonitor: num_inputs=8, but the validation data holds 3 inputs only: the ranks are averaged over "
+        "those"
+    ]
+    assert monitor.inputs.shape == (3, 5)

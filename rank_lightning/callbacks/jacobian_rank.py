@@ -282,6 +282,10 @@ class JacobianRankMonitor(CurveMonitor):
         """``block -> metric -> value`` at the fixed inputs (captured now if need be); ``None`` without data."""
         if self._inputs is None:
             self._inputs = self._capture_inputs(trainer)
+            if self._inputs is not None and self._inputs.shape[0] < self.num_inputs:
+                found = count_of(self._inputs.shape[0], "input")
+                message = f"num_inputs={self.num_inputs}, but the validation data holds {found} only: the ranks are "
+                self.warn_once(("few inputs",), message + "averaged over those")
         if self._inputs is None:
             self.warn_once(("no validation data",), "no validation data to take inputs from; nothing measured")
             return None
