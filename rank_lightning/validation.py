@@ -2,7 +2,8 @@
 
 Every message says which argument was wrong, what it got and what it accepts (``every_n_epochs must be a positive
 integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``). A check that passes returns the value
-(``self.lr = check_positive("lr", lr)``), as given or, for a list setting, as a tuple.
+(``self.lr = check_positive("lr", lr)``), as given or, for a list setting, as a tuple. The messages of the package
+print their counts with :func:`count_of` (``"1 layer"``, ``"3 layers"``) and their sizes with :func:`mib_text`.
 """
 
 from __future__ import annotations
