@@ -1527,6 +1527,27 @@ def _describe(batch: Any) -> str:
     return f"a batch of type {type(batch).__name__}"
 
 
+def _default_place(batch: Any, keys: Sequence[str], index: int) -> str:
+    """Where a value is looked for in ``batch`` without a key of its own, in words: the ``keys`` of a dict batch, the
+    ``index`` of a tuple or list batch, both for a batch of another type."""
+    if isinstance(batch, Mapping):
+        return f"one of {list(keys)}"
+    if isinstance(batch, (tuple, list)):
+        return f"index {index}"
+    return f"index {index} or one of {list(keys)}"
+
+
+def key_advice(batch: Any, what: str) -> str:
+    """What to set for a value ``what`` of ``batch`` that is not where it was looked for: its ``<what>_key`` (a key of
+    a dict batch, an index of a tuple or list batch) or ``<what>_fn``; only the function for a batch of another type,
+    which has neither."""
+    if isinstance(batch, Mapping):
+        return f"set {what}_key (a key of the dict batch) or {what}_fn"
+    if isinstance(batch, (tuple, list)):
+        return f"set {what}_key (an index of the {type(batch).__name__} batch) or {what}_fn"
+    return f"set {what}_fn (a batch of type {type(batch).__name__} has no index or key for {what}_key)"
+
+
 def several_loaders_advice(batch: Any) -> str:
     """Advice for the labels of a batch that looks like a batch of several loaders (a dict or list of per-loader
     batches, as Lightning's ``CombinedLoader`` gives them: no tensor of its own, a tuple, list or dict in it); else
@@ -1762,7 +1783,7 @@ class BatchReader:
             return batch
         value = self._lookup(batch, self.input_key, INPUT_KEYS, 0)
         if not isinstance(value, Tensor):
-            where = repr(self.input_key) if self.input_key is not None else f"index 0 or one of {list(INPUT_KEYS)}"
+            where = repr(self.input_key) if self.input_key is not None else _default_place(batch, INPUT_KEYS, 0)
             raise ValueError(f"cannot find the inputs at {where} in {_describe(batch)}; set input_key")
         return value
 
@@ -1775,13 +1796,13 @@ class BatchReader:
         if self.label_fn is not None:
             where = "label_fn"
         else:
-            where = repr(self.label_key) if self.label_key is not None else f"index 1 or one of {list(LABEL_KEYS)}"
+            where = repr(self.label_key) if self.label_key is not None else _default_place(batch, LABEL_KEYS, 1)
         return f"{where} in {_describe(batch)} (found {found})"
 
     def label_source(self, batch: Any, *, per_token: bool = False) -> str:
         """Where the labels of ``batch`` were looked for and what was found there, as a short text.
 
-        For example ``"index 1 or one of ['y', ...] in a dict batch with keys ['x', 'w'] (found nothing)"`` or
+        For example ``"one of ['y', ...] in a dict batch with keys ['x', 'w'] (found nothing)"`` or
         ``"'y' in a dict batch with keys ['x', 'y'] (found a Tensor torch.float32 of shape (4, 3), one-hot: read as
         its argmax)"``: the text of :meth:`labels`' error, for a caller that warns instead of failing when labels
         are optional.
@@ -1825,7 +1846,7 @@ class BatchReader:
         if refused:
             advice = f"class metrics need {LABEL_FORMS}; {label_advice(value)}"
         else:
-            advice = "set label_key (an index for tuples, a key for dicts) or label_fn"
+            advice = key_advice(batch, "label")
         advice += several_loaders_advice(batch)
         raise ValueError(f"cannot find integer class labels at {self._label_where(batch, found)}; {advice}")
 

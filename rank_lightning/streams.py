@@ -52,11 +52,13 @@ from rank_lightning.layers import (
     expert_layers,
     forward_hooks,
     hidden_state,
+    key_advice,
     several_loaders_advice,
     unmasked_layers,
 )
 from rank_lightning.metrics import ActivationSpectrum
 from rank_lightning.sampling import CombinedOwnRows, own_samples, process_share
+from rank_lightning.validation import count_of, mib_text
 
 __all__ = ["REPEATED_CALLS", "ActivationStream", "in_backward"]
 # What a layer called more than once per batch gives: its first call, or each call as a layer of its own.
@@ -576,7 +578,7 @@ class ActivationStream:
         if labels is None:
             where = self.batch_reader.label_source(batch, per_token=True)
             message = f"num_classes={self.num_classes} but no class labels at {where}; the class metrics (TCV, "
-            advice = "class-wise VR) are not logged. Set label_key or label_fn." + several_loaders_advice(batch)
+            advice = f"class-wise VR) are not logged; {key_advice(batch, 'label')}." + several_loaders_advice(batch)
             # Read back from the device at a pass's first batch only: the warning is given once.
             refused = self.batch_reader.refused_label_advice(batch) if self.batches_seen == 0 else ""
             if refused:
@@ -691,11 +693,12 @@ class ActivationStream:
 
     def _report_plan(self) -> None:
         devices = sorted({str(metric.device) for metric in self.metrics.values()})
-        total = _mib(sum(self._planned.values()))
+        total = mib_text(sum(self._planned.values()))
         budget = "" if self.memory_budget_mb is None else f" of a {self.memory_budget_mb:g} MiB budget"
         largest = max(self._planned, key=self._planned.__getitem__)
-        detail = f"largest {self._logged_name(largest)!r}: {_mib(self._planned[largest])} MiB"
-        plan = f"state of {len(self._planned)} layers: {total} MiB{budget} on {', '.join(devices)} ({detail})"
+        detail = f" (largest {self._logged_name(largest)!r}: {mib_text(self._planned[largest])} MiB)"
+        detail = detail if len(self._planned) > 1 else ""  # one layer: the total is its own
+        plan = f"state of {count_of(len(self._planned), 'layer')}: {total} MiB{budget} on {', '.join(devices)}{detail}"
         self._info(plan + self._class_gram_plan())
 
     def _class_gram_plan(self) -> str:
@@ -1132,17 +1135,18 @@ class ActivationStream:
         if metric.path_for(num_features) != "gram" and unplanned > 1:
             metric, planned = self._sized(num_features, options, min(own, left / unplanned))
         if planned > left:
-            used = sum(self._planned.values()) / _MIB
-            needs = f"layer {name!r} ({num_features} features) needs {planned / _MIB:.3g} MiB of state even on its "
+            used = sum(self._planned.values())
+            needs = f"layer {name!r} ({num_features} features) needs {mib_text(planned)} MiB of state even on its "
             needs += "fallback path"
             advice = "Monitor fewer layers, raise memory_budget_mb, or lower max_gram_features."
             sums = (self.num_classes or 0) * num_features * _FLOAT64_BYTES
             if 2 * sums > planned:
                 # Mostly the class sums (a vocabulary's worth of classes), which no path makes smaller.
-                needs += f" ({sums / _MIB:.3g} MiB of it the sums of its {self.num_classes} classes, on every path)"
+                classes = count_of(self.num_classes, "class", "classes")
+                needs += f" ({mib_text(sums)} MiB of it the sums of its {classes}, on every path)"
                 advice = "Raise memory_budget_mb, monitor fewer layers, or pass fewer classes (num_classes)."
             if used:
-                where = f", but the other monitored layers already plan {used:.3g} MiB of the "
+                where = f", but the other monitored layers already plan {mib_text(used)} MiB of the "
             else:
                 where = ", more than all of the "
             raise MemoryError(f"{needs}{where}memory_budget_mb={self.memory_budget_mb:g}. {advice}")
@@ -1170,7 +1174,7 @@ class ActivationStream:
             self._undecided[name] = (d, metric, planned)
         else:
             self._class_grams[name] = (
-                f"{_class_grams(self.num_classes, d)} are more than the {_mib(left - exact_bytes)} MiB that its "
+                f"{_class_grams(self.num_classes, d)} are more than the {mib_text(left - exact_bytes)} MiB that its "
                 "spectrum and those of the layers planned before it leave"
             )
         return exact, exact_bytes
@@ -1199,7 +1203,8 @@ class ActivationStream:
                 continue
             if first_refused is None:
                 first_refused = name
-                why = f"more than an even share, {_mib(share)} MiB, of the {_mib(left)} MiB that the spectra leave"
+                why = f"more than an even share, {mib_text(share)} MiB, of the {mib_text(left)} MiB that the spectra "
+                why += "leave"
             else:
                 why = f"no smaller than those of {first_refused!r}, which exceed their even share"
             self._class_grams[name] = f"{_class_grams(self.num_classes, d)} are {why}"
@@ -1425,7 +1430,8 @@ class ActivationStream:
             capped = f"comes from the {result.path!r} path ({rows} rows), so its ranks are at most {cap}."
             self._warn(name, "path", message + capped)
         elif cap is not None and d is not None and cap < d:
-            message = f"was measured on {result.num_samples} rows, fewer than its {d} features: its ranks are at "
+            message = f"was measured on {count_of(result.num_samples, 'row')}, fewer than its {d} features: its ranks "
+            message += "are at "
             more = "raise max_samples" if self._max_samples_reached else "measure more batches"
             self._warn(name, "rows", message + f"most {cap} ({more} to measure more rows).")
 
@@ -1439,15 +1445,10 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
-def _mib(size: float) -> str:
-    """``size`` bytes in MiB, as the memory plan prints them."""
-    mib = size / _MIB
-    return f"{mib:.1f}" if mib >= 100 else f"{mib:.3g}"
-
-
 def _class_grams(num_classes: int, d: int) -> str:
     """The class Grams of a layer of ``d`` features and their size, in words."""
-    return f"its {num_classes} class Grams of {d} x {d}, {_mib(num_classes * d * d * _FLOAT64_BYTES)} MiB,"
+    size = mib_text(num_classes * d * d * _FLOAT64_BYTES)
+    return f"its {count_of(num_classes, 'class Gram')} of {d} x {d}, {size} MiB,"
 
 
 def _collection(loader: Any) -> bool:

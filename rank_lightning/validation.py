@@ -2,7 +2,8 @@
 
 Every message says which argument was wrong, what it got and what it accepts (``every_n_epochs must be a positive
 integer, got 0``; ``unknown stage 'test'; valid choices are: val, train``). A check that passes returns the value
-(``self.lr = check_positive("lr", lr)``), as given or, for a list setting, as a tuple.
+(``self.lr = check_positive("lr", lr)``), as given or, for a list setting, as a tuple. The messages of the package
+print their counts with :func:`count_of` (``"1 layer"``, ``"3 layers"``) and their sizes with :func:`mib_text`.
 """
 
 from __future__ import annotations
@@ -32,11 +33,28 @@ __all__ = [
     "check_positive_ints",
     "check_real",
     "check_tolerance_dtype",
+    "count_of",
+    "mib_text",
 ]
 
 T = TypeVar("T")
 
 _TOLERANCE_DTYPES = ("input", "float16", "bfloat16", "float32", "float64")
+
+_MIB = 2**20
+
+
+def count_of(number: int, noun: str, plural: str | None = None) -> str:
+    """``number`` and ``noun`` as the package's messages print a count: ``"1 layer"``, ``"3 layers"``, ``"2 weight
+    matrices"`` (``plural`` when it is not ``noun + "s"``)."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
+def mib_text(size: float) -> str:
+    """``size`` bytes in MiB, as every size in the package's messages is printed: 3 significant digits, one decimal
+    from 100 MiB (``"0.25"``, ``"42.7"``, ``"98410.2"``); the unit is left to the message."""
+    value = size / _MIB
+    return f"{value:.1f}" if value >= 100 else f"{value:.3g}"
 
 
 class SetupError(RuntimeError):

@@ -46,7 +46,7 @@ from rank_lightning.layers import (
 )
 from rank_lightning.metrics import ACTIVATION_METRICS, DEFAULT_ACTIVATION_METRICS, ActivationSpectrum
 from rank_lightning.sampling import READABLE_ADVICE, UNREADABLE_LOADER, readable_beside, side_loader
-from rank_lightning.streams import REPEATED_CALLS, ActivationStream, _mib
+from rank_lightning.streams import REPEATED_CALLS, ActivationStream
 from rank_lightning.validation import (
     check_bool,
     check_choice,
@@ -55,6 +55,8 @@ from rank_lightning.validation import (
     check_names,
     check_positive,
     check_positive_int,
+    count_of,
+    mib_text,
 )
 
 __all__ = ["ACTIVATION_METRICS", "REPEATED_CALLS", "STAGES", "TOKEN_LAYOUTS", "ActivationRankMonitor"]
@@ -487,7 +489,9 @@ class ActivationRankMonitor(CurveMonitor):
         check_distinct_namespaces(trainer, self)  # after this monitor's own settings are checked
         self._num_classes = self.num_classes or _num_classes_of(pl_module, trainer)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
-        classes = f"{self._num_classes} classes" if self._num_classes else "no class metrics (num_classes unknown)"
+        classes = "no class metrics (num_classes unknown)"
+        if self._num_classes:
+            classes = count_of(self._num_classes, "class", "classes")
         how = ""
         if self.layers is None and self.layer_types is None and module_blocks(pl_module) is None:
             copies = frozen_copies(pl_module)
@@ -500,7 +504,7 @@ class ActivationRankMonitor(CurveMonitor):
             self.info(f"trainer.test is not monitored ({why})")
         else:
             data = f", the test data under {self.curves.namespace}{TEST_SUFFIX}/" if stage == "test" else ""
-            self.info(f"monitoring {len(self._layers)} layers{how}, {classes}{data}: {names}")
+            self.info(f"monitoring {count_of(len(self._layers), 'layer')}{how}, {classes}{data}: {names}")
         self._stop()
         self._stream = ActivationStream(
             self._layers,
@@ -917,8 +921,9 @@ class ActivationRankMonitor(CurveMonitor):
             size = sum(_state_bytes(layer["states"]) for part in streams for layer in part["layers"].values())
             processes = f" of {len(streams)} processes" if len(streams) > 1 else ""
             self.info(
-                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): {_mib(size)} MiB "
-                f"of float64 sums{processes}, so that a fit resumed from it measures the whole {whole}"
+                f"the checkpoint at step {trainer.global_step} holds the open {what} ({streamed}): "
+                f"{mib_text(size)} MiB of float64 sums{processes}, so that a fit resumed from it measures the whole "
+                f"{whole}"
             )
 
     def _pass_settings(self) -> dict[str, str]:
@@ -1000,7 +1005,8 @@ class ActivationRankMonitor(CurveMonitor):
         processes = len(saved["streams"]) if isinstance(saved.get("streams"), list) else 1
         if processes != trainer.world_size:
             return (
-                f"it was saved by {processes} process(es) and the fit runs on {trainer.world_size}, each streaming "
+                f"it was saved by {count_of(processes, 'process', 'processes')} and the fit runs on "
+                f"{trainer.world_size}, each streaming "
                 "batches of its own"
             )
         if not isinstance(self._saved_stream(trainer, saved), dict):

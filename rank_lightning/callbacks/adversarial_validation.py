@@ -45,7 +45,7 @@ from rank_lightning.files import RunFiles, writes_files
 from rank_lightning.layers import BatchReader, FeatureLayer, capture_features, check_label_rows, feature_layer
 from rank_lightning.plotting import adversarial_figure
 from rank_lightning.sampling import process_share
-from rank_lightning.validation import check_choices, check_positive, check_positive_int
+from rank_lightning.validation import check_choices, check_positive, check_positive_int, count_of
 
 __all__ = ["AdversarialValidation", "grey_levels"]
 
@@ -305,7 +305,8 @@ class AdversarialValidation(RankCallback):
         trained = [point for points in self.history.values() for point in points if point != self._initial_point]
         if fresh and trained:
             self._restart_history()
-            self.info(f"a fresh fit: a new history, without the {len(trained)} evaluation(s) of the earlier model")
+            evaluations = count_of(len(trained), "evaluation")
+            self.info(f"a fresh fit: a new history, without the {evaluations} of the earlier model")
         super().setup(trainer, pl_module, stage)
 
     def _restart_history(self) -> None:

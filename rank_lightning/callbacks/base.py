@@ -28,7 +28,7 @@ from rank_lightning.figure_workers import figure_workers
 from rank_lightning.files import replace_file, unwritten_warning
 from rank_lightning.plotting import save_figure
 from rank_lightning.sampling import combined_parts, own_samples, side_loader
-from rank_lightning.validation import check_bool, check_positive_int
+from rank_lightning.validation import check_bool, check_positive_int, count_of
 
 __all__ = [
     "Cadence",
@@ -353,8 +353,9 @@ class Cadence:
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         period = self.every_n_train_steps * accumulate
         if self.window_batches > period:
+            batches = count_of(period, "training batch", "training batches")
             raise ValueError(
-                f"window_batches={self.window_batches} exceeds the {period} training batches between two "
+                f"window_batches={self.window_batches} exceeds the {batches} between two "
                 f"measurements (every_n_train_steps={self.every_n_train_steps} x accumulate_grad_batches="
                 f"{accumulate}); choose window_batches <= {period}"
             )
@@ -667,7 +668,8 @@ class CurveMonitor(RankCallback):
         trained = [point for point in self.curves.epochs if point != self.curves.initial_point]
         if fresh and trained:
             self.curves.restart()
-            self.info(f"a fresh fit: the curves start anew, without the {len(trained)} point(s) of the earlier fit")
+            points = count_of(len(trained), "point")
+            self.info(f"a fresh fit: the curves start anew, without the {points} of the earlier fit")
         super().setup(trainer, pl_module, stage)
 
     def initial_point_due(self, trainer: pl.Trainer) -> bool:

@@ -131,7 +131,7 @@ from rank_lightning.plotting import (
     figure_filename,
     layer_curves_figure,
 )
-from rank_lightning.validation import check_bool, check_choice, check_positive_int
+from rank_lightning.validation import check_bool, check_choice, check_positive_int, count_of
 
 __all__ = [
     "FIGURE_DIR",
@@ -808,8 +808,8 @@ class LayerCurves:
         trained = [epoch for epoch in self._history if epoch != INITIAL_EPOCH]
         if trained:
             raise RuntimeError(
-                f"LayerCurves({self.namespace!r}) holds {len(trained)} trained point(s) keyed by epoch; it cannot be "
-                "keyed by step from now on"
+                f"LayerCurves({self.namespace!r}) holds {count_of(len(trained), 'trained point')} keyed by epoch; it "
+                "cannot be keyed by step from now on"
             )
         self.x_axis = "step"
         self._facts["x_axis"] = "step"

@@ -17,7 +17,14 @@ from rank_lightning.callbacks.curves import check_distinct_namespaces
 from rank_lightning.functional.jacobian import PartialJacobianRank, Patch, partial_jacobian_ranks
 from rank_lightning.functional.streaming import reduced_float32_format
 from rank_lightning.layers import BatchReader, check_layer_types, random_state_kept, select_layers
-from rank_lightning.validation import check_bool, check_choice, check_names, check_positive, check_positive_int
+from rank_lightning.validation import (
+    check_bool,
+    check_choice,
+    check_names,
+    check_positive,
+    check_positive_int,
+    count_of,
+)
 
 __all__ = ["JacobianRankMonitor"]
 
@@ -231,13 +238,14 @@ class JacobianRankMonitor(CurveMonitor):
         check_distinct_namespaces(trainer, self)
         self.select(pl_module)
         names = ", ".join(name if name == path else f"{name} ({path})" for name, path in self._layers.items())
-        self.info(f"{len(self._layers)} blocks, {self.num_inputs} inputs, patch {self._patch_text()}: {names}")
+        blocks, inputs = count_of(len(self._layers), "block"), count_of(self.num_inputs, "input")
+        self.info(f"{blocks}, {inputs}, patch {self._patch_text()}: {names}")
 
     def _patch_text(self) -> str:
         if isinstance(self.patch, Tensor):
             if self.patch.dtype == torch.bool:
-                return f"a mask of {int(self.patch.sum())} coordinates"
-            return f"{self.patch.numel()} flat indices"
+                return f"a mask of {count_of(int(self.patch.sum()), 'coordinate')}"
+            return count_of(self.patch.numel(), "flat index", "flat indices")
         if self.patch is not None:
             return str(self.patch)
         return "central, default size" if self.patch_size is None else f"central {self.patch_size}x{self.patch_size}"
@@ -274,6 +282,10 @@ class JacobianRankMonitor(CurveMonitor):
         """``block -> metric -> value`` at the fixed inputs (captured now if need be); ``None`` without data."""
         if self._inputs is None:
             self._inputs = self._capture_inputs(trainer)
+            if self._inputs is not None and self._inputs.shape[0] < self.num_inputs:
+                found = count_of(self._inputs.shape[0], "input")
+                message = f"num_inputs={self.num_inputs}, but the validation data holds {found} only: the ranks are "
+                self.warn_once(("few inputs",), message + "averaged over those")
         if self._inputs is None:
             self.warn_once(("no validation data",), "no validation data to take inputs from; nothing measured")
             return None

@@ -31,7 +31,7 @@ from rank_lightning.layers import (
 from rank_lightning.metrics import NeuralCollapseStatistics
 from rank_lightning.metrics.neural_collapse import check_neural_collapse_memory
 from rank_lightning.sampling import process_share
-from rank_lightning.validation import check_choices, check_positive, check_positive_int
+from rank_lightning.validation import check_choices, check_positive, check_positive_int, count_of
 
 __all__ = ["NC_METRICS", "NeuralCollapseMonitor"]
 
@@ -95,8 +95,9 @@ class NeuralCollapseMonitor(CurveMonitor):
         log_at_init: also measure the untrained model at the start of a fresh ``fit``.
         figures_every_n_epochs: also draw the figures after every this many monitored epochs.
         verbose: report the head at setup (rank zero).
-        top_classes: measure the ``K`` classes with the most samples only (a vocabulary's next-token classes);
-            ``None`` for every class.
+        top_classes: measure the ``K`` classes with the most samples only (a vocabulary's next-token classes), their
+            samples counted in the first of each measurement's two passes (over all processes; ties go to the smaller
+            class index); ``None`` for every class.
         mask_key: where a token head's ``(B, T)`` attention mask is (:class:`~rank_lightning.layers.BatchReader`);
             ``None``: the batch's ``decoder_attention_mask`` if it has one, else its ``attention_mask`` (not for the
             head of an encoder-decoder model, T5's ``lm_head``: the labels' -100 alone then, with a warning).
@@ -268,7 +269,10 @@ class NeuralCollapseMonitor(CurveMonitor):
             return  # the selected classes are the top_classes most frequent: the others are not measured anyway
         present = metric.num_classes - len(absent)
         if present < 2:
-            effect = f"with {present} class every metric is NaN (neural collapse compares two classes or more)"
+            effect = (
+                f"with {count_of(present, 'class', 'classes')} every metric is NaN (neural collapse compares two "
+                "classes or more)"
+            )
         else:
             nc4 = "nc4 counts a sample the head assigns to an absent class as a disagreement"
             if self.top_classes is not None:

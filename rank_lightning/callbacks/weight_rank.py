@@ -27,6 +27,7 @@ from rank_lightning.validation import (
     check_names,
     check_positive,
     check_tolerance_dtype,
+    count_of,
 )
 from rank_lightning.weight_matrices import (
     LORA_UPDATE_SUFFIX,
@@ -486,7 +487,7 @@ class WeightRankMonitor(CurveMonitor):
             # Weights are measured during fit: an evaluation run leaves them as the fit or the checkpoint has them.
             self.info(f"trainer.{run} is not monitored (weights are measured during fit)")
         else:
-            self.info(f"monitoring {len(names)} weight matrices: {', '.join(names)}")
+            self.info(f"monitoring {count_of(len(names), 'weight matrix', 'weight matrices')}: {', '.join(names)}")
             self._check_copy_updates(pl_module, names)
         dtype = self.tolerance_dtype
         self.curves.describe(

@@ -71,6 +71,8 @@ from rank_lightning.validation import (
     check_positive_ints,
     check_real,
     check_tolerance_dtype,
+    count_of,
+    mib_text,
 )
 
 __all__ = [
@@ -853,7 +855,8 @@ class ActivationSpectrum(Metric):
                     f"labels must have shape ({batch},) to match the activations, got {tuple(given.shape)}"
                 )
             if len(labels.counts) != self.num_classes:
-                raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
+                grouped = count_of(len(labels.counts), "class", "classes")
+                raise ValueError(f"labels are grouped into {grouped}, not {self.num_classes}")
             return labels
         try:
             # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
@@ -884,7 +887,8 @@ class ActivationSpectrum(Metric):
             raise ValueError(f"labels per token must have shape (B, T) = {expected} of the activations, got {shape}")
         if isinstance(labels, ClassGrouping):
             if len(labels.counts) != self.num_classes:
-                raise ValueError(f"labels are grouped into {len(labels.counts)} classes, not {self.num_classes}")
+                grouped = count_of(len(labels.counts), "class", "classes")
+                raise ValueError(f"labels are grouped into {grouped}, not {self.num_classes}")
             return labels
         return group_token_labels(labels, self.num_classes)
 
@@ -1147,10 +1151,11 @@ class ActivationSpectrum(Metric):
     def _warn_class_grams_over_budget(self) -> None:
         """Say that the class-wise variance ratio asked for is not computed: its class Grams exceed the budget."""
         d, classes = self.feature_sum.shape[-1], self.num_classes
-        needs = (classes + 1) * d * d * _FLOAT64_BYTES / 2**20
+        needs = (classes + 1) * d * d * _FLOAT64_BYTES
         warnings.warn(
-            f"ActivationSpectrum: the class-wise variance ratio is not computed: its {classes} class Grams of {d} x "
-            f"{d} float64 and the Gram need {needs:.6g} MiB, more than the {self.memory_budget_bytes / 2**20:.6g} MiB "
+            f"ActivationSpectrum: the class-wise variance ratio is not computed: its {count_of(classes, 'class Gram')} "
+            f"of {d} x {d} float64 and the Gram need {mib_text(needs)} MiB, more than the "
+            f"{self.memory_budget_bytes / 2**20:.6g} MiB "
             "of memory budget it was given (memory_budget_mb); raise it, or leave the class-wise "
             "variance ratio out (classwise=False)",
             RuntimeWarning,
@@ -1383,7 +1388,7 @@ def _kept(shapes: dict[str, tuple[int, ...]], fallback_size: int) -> str:
         kept = f"a sketch of {shapes['sketch'][0]} rows"
     else:
         kept = f"a subsample of {fallback_size} rows"
-    return f"{kept} of {d} features ({classes} classes)"
+    return f"{kept} of {count_of(d, 'feature')} ({count_of(classes, 'class', 'classes')})"
 
 
 def device_move_only(fn: Any) -> Any:

@@ -24,7 +24,7 @@ from rank_lightning.functional.reductions import check_token_mask
 from rank_lightning.functional.streaming import IGNORE_INDEX, class_counts, row_moments
 from rank_lightning.layers import class_labels
 from rank_lightning.metrics.activation_spectrum import device_move_only
-from rank_lightning.validation import check_positive, check_positive_int, check_real
+from rank_lightning.validation import check_positive, check_positive_int, check_real, count_of, mib_text
 
 __all__ = ["NeuralCollapseStatistics", "check_neural_collapse_memory", "neural_collapse_memory_mb"]
 
@@ -71,11 +71,12 @@ def check_neural_collapse_memory(
         planned_fits = neural_collapse_memory_mb(num_classes, num_features, fits)
         advice = (
             f"set top_classes to measure the K most frequent classes only (top_classes={fits} plans "
-            f"{planned_fits:.4g} MiB), or raise memory_budget_mb"
+            f"{mib_text(planned_fits * _MIB)} MiB), or raise memory_budget_mb"
         )
+    classes, features = count_of(num_classes, "class", "classes"), count_of(num_features, "feature")
     raise MemoryError(
-        f"neural collapse of {num_classes} classes of {num_features} features with top_classes={top_classes} plans "
-        f"{planned:.4g} MiB ({pairs:.4g} MiB of it for the {selected} x {selected} class pairs of NC2 and the CDNV), "
+        f"neural collapse of {classes} of {features} with top_classes={top_classes} plans {mib_text(planned * _MIB)} "
+        f"MiB ({mib_text(pairs * _MIB)} MiB of it for the {selected} x {selected} class pairs of NC2 and the CDNV), "
         f"more than memory_budget_mb={memory_budget_mb:g}; {advice}"
     )
 

@@ -152,7 +152,7 @@ def test_sums_saved_by_two_processes_are_not_continued_by_one(tmp_path: Path) ->
     (state,) = [state["open_epoch"] for state in checkpoint["callbacks"].values() if "open_epoch" in state]
     state["streams"] = [state.pop("stream")] * 2  # as two processes save them
     torch.save(checkpoint, tmp_path / "two.ckpt")
-    message = r"holds the sums of 3 of its batches, .*: it was saved by 2 process\(es\) and the fit runs on 1, each"
+    message = r"holds the sums of 3 of its batches, .*: it was saved by 2 processes and the fit runs on 1, each"
     with pytest.warns(UserWarning, match=message):
         resumed = _fit(tmp_path, {}, ckpt=tmp_path / "two.ckpt")
     assert resumed.curves.history[1]["net.0"]["spectrum_rows"] == 20  # the 5 batches after the resume

@@ -108,7 +108,7 @@ def test_class_grams_beyond_the_budget_are_planned_out_and_named_in_a_warning() 
     messages = [str(w.message) for w in caught if "class-wise" in str(w.message)]
     assert messages == [
         "ActivationSpectrum: the class-wise variance ratio is not computed: its 1000 class Grams of 512 x 512 float64 "
-        "and the Gram need 2002 MiB, more than the 1024 MiB of memory budget it was given (memory_budget_mb); raise "
+        "and the Gram need 2002.0 MiB, more than the 1024 MiB of memory budget it was given (memory_budget_mb); raise "
         "it, or leave the class-wise variance ratio out (classwise=False)"
     ]
 
@@ -180,8 +180,8 @@ def test_class_sums_beyond_the_budget_are_named_before_anything_is_allocated(tmp
     monitor = ActivationRankMonitor(layers=["features"], num_classes=50257, memory_budget_mb=100, verbose=False)
     trainer = quiet_trainer([monitor], default_root_dir=tmp_path)
     expected = (
-        "layer 'features' (768 features) needs 295 MiB of state even on its fallback path (294 MiB of it the sums of "
-        "its 50257 classes, on every path), more than all of the memory_budget_mb=100. Raise memory_budget_mb, "
+        "layer 'features' (768 features) needs 294.9 MiB of state even on its fallback path (294.5 MiB of it the sums "
+        "of its 50257 classes, on every path), more than all of the memory_budget_mb=100. Raise memory_budget_mb, "
         "monitor fewer layers, or pass fewer classes (num_classes)."
     )
     with pytest.raises(MemoryError) as error:

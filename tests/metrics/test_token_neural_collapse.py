@@ -97,10 +97,10 @@ def test_most_frequent_classes_break_ties_by_the_smaller_class_and_skip_absent_o
 
 def test_a_vocabulary_without_top_classes_is_refused_before_any_sample() -> None:
     message = (
-        r"neural collapse of 50257 classes of 16 features with top_classes=None plans 9.639e\+04 MiB "
-        r"\(9.635e\+04 MiB of it for the 50257 x 50257 class pairs of NC2 and the CDNV\), more than "
+        r"neural collapse of 50257 classes of 16 features with top_classes=None plans 96393.3 MiB "
+        r"\(96350.3 MiB of it for the 50257 x 50257 class pairs of NC2 and the CDNV\), more than "
         r"memory_budget_mb=4096; set top_classes to measure the K most frequent classes only \(top_classes=8192 "
-        r"plans 2588 MiB\), or raise memory_budget_mb"
+        r"plans 2587.5 MiB\), or raise memory_budget_mb"
     )
     with pytest.raises(MemoryError, match=message):
         NeuralCollapseStatistics(50257, 16)
