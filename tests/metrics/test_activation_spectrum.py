@@ -1031,7 +1031,7 @@ def test_class_metrics_are_not_reported_without_a_labelled_row() -> None:
     ("shape", "reduction", "match"),
     [
         ((6,), "flatten", r"activations of shape \(6,\) are not supported"),
-        ((2, 3, 4, 5, 6), "flatten", r"activations of shape \(2, 3, 4, 5, 6\) are not supported"),
+        ((2, 3, 4, 5, 6), "token", r"conv activations of shape \(2, 3, 4, 5, 6\); valid choices"),
         ((5, 3, 4, 4), "cls", r"conv activations of shape \(5, 3, 4, 4\); valid choices"),
         ((5, 3, 4), "channel", r"token activations of shape \(5, 3, 4\); valid choices"),
     ],
