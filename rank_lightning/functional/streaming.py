@@ -322,14 +322,20 @@ def _nonfinite(feature_sum: Tensor) -> Tensor:
 
 
 def _class_moments(
-    labels: Tensor | None, num_classes: int | None, sums: Tensor, repeats: int = 1, row_mask: Tensor | None = None
+    labels: Tensor | None,
+    num_classes: int | None,
+    sums: Tensor,
+    repeats: int = 1,
+    row_mask: Tensor | None = None,
+    into: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Rows per class (each label counting ``repeats`` rows; with ``row_mask``, only where it is true) and per-class
-    sums of ``sums`` (one row per label)."""
+    sums of ``sums`` (one row per label), added into ``into`` where given."""
     if labels is None or num_classes is None:
         return None, None
     counts = class_counts(labels, num_classes, row_mask=row_mask) * repeats
-    class_sums = sums.new_zeros(num_classes, sums.shape[1]).index_add_(0, labels, sums)
+    class_sums = sums.new_zeros(num_classes, sums.shape[1]) if into is None else into
+    class_sums = class_sums.index_add_(0, labels, sums)
     return counts, class_sums
 
 
@@ -489,6 +495,7 @@ def row_moments(
     sorted_counts: Sequence[int] | None = None,
     row_mask: Tensor | None = None,
     chunk_bytes: int | None = UPDATE_CHUNK_BYTES,
+    class_sums: Tensor | None = None,
 ) -> BatchMoments:
     """First moments of a batch of rows; with ``gram``, also adds the batch's Gram into its lower triangle.
 
@@ -521,6 +528,8 @@ def row_moments(
             take more is added a chunk of rows at a time (at least one row), each chunk's moments summed, with no
             read back to the host. The chunks change the order of the float64 additions only (the sums agree with
             those of one pass to about 1e-15 relative). ``None``: one pass whatever the size.
+        class_sums: ``(C, d)`` float64 sums the batch's class sums are added into in place (and returned), instead
+            of new ones: the chunks of a batch share one (C may be a vocabulary).
 
     Returns:
         The batch's :class:`BatchMoments` (of ``x - r``); with ``row_mask``, its ``num_rows`` is a device tensor.
@@ -541,7 +550,7 @@ def row_moments(
             shifted = fill(~row_mask.unsqueeze(1), 0)
             num_rows = row_mask.sum()
         feature_sum = shifted.sum(dim=0)
-        counts, class_sums = _class_moments(labels, num_classes, shifted, row_mask=row_mask)
+        counts, class_sums = _class_moments(labels, num_classes, shifted, row_mask=row_mask, into=class_sums)
         with gram_product_dtype(precision) as dtype:
             factor = shifted.to(dtype)
             if class_grams is not None and labels is not None:
@@ -569,6 +578,7 @@ def _chunked_row_moments(
     into in place by each chunk). Sorted rows keep their per-class counts, cut at the chunks' bounds on the host."""
     bounds = list(itertools.accumulate(sorted_counts, initial=0)) if sorted_counts is not None else None
     total: BatchMoments | None = None
+    class_sums = None  # the first chunk's, which the others add into
     for start in range(0, rows.shape[0], step):
         stop = min(start + step, rows.shape[0])
         counts = None
@@ -585,9 +595,14 @@ def _chunked_row_moments(
             sorted_counts=counts,
             row_mask=None if row_mask is None else row_mask[start:stop],
             chunk_bytes=None,
+            class_sums=class_sums,
         )
+        class_sums = part.class_sums
         # Summed as they come: one chunk's moments (and class sums, C x d) held at a time.
-        total = part if total is None else BatchMoments(*(_add_sums(a, b) for a, b in zip(total, part)))
+        if total is None:
+            total = part
+        else:  # the class sums are already the total's
+            total = BatchMoments(*(_add_sums(a, b) for a, b in zip(total[:5], part[:5])), class_sums)
     assert total is not None
     return total._replace(nonfinite=_nonfinite(total.feature_sum))
 

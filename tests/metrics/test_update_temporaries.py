@@ -21,6 +21,7 @@ class _Largest(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.largest: dict[torch.dtype, int] = {}
+        self.sizes: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -28,6 +29,7 @@ class _Largest(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 size = t.untyped_storage().nbytes()
+                self.sizes.append(size)
                 self.largest[t.dtype] = max(self.largest.get(t.dtype, 0), size)
         return out
 
@@ -81,6 +83,18 @@ def test_token_rows_are_added_a_chunk_at_a_time(precision, labels):
     # Float64 products: the order of the additions changes. Float32 products: each chunk's product is rounded to
     # float32 (then added in float64) instead of the batch's, which agree to float32's rounding.
     _assert_same_sums(chunked, whole, 1e-15 if precision == "float64" else 1e-5)
+
+
+def test_the_chunks_of_a_batch_add_into_one_set_of_class_sums():
+    """Next-token classes: the (V, d) class sums, as large as the states, are made once per batch, not per chunk."""
+    x = _batch((8, 128, 64))
+    y = torch.randint(0, 2000, (8, 128), generator=torch.Generator().manual_seed(1))
+    options = {"reduction": "token", "num_classes": 2000, "classwise": False}
+    chunked, largest = _updated(CHUNK_MB, x, y, **options)  # 32 chunks of 32 rows
+    whole, _ = _updated(1024, x, y, **options)
+    assert largest.sizes.count(2000 * 64 * 8) == 1
+    assert torch.equal(chunked.class_sums, whole.class_sums)  # added row by row in the same order
+    assert torch.equal(chunked.class_counts, whole.class_counts)
 
 
 @pytest.mark.parametrize(("shape", "masked"), [((16, 64, 32), False), ((16, 64, 32), True), ((16, 32, 8, 8), False)])
