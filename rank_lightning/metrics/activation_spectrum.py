@@ -377,7 +377,8 @@ class ActivationSpectrum(Metric):
             ``last_index=None`` for the last numerically non-zero one.
         update_chunk_mb: the most MiB of a float64 copy of a batch's rows that :meth:`update` makes (default 256):
             a larger batch is shifted, converted and multiplied a chunk of rows at a time (the ``"mean"`` reduction
-            of tokens and maps takes its float64 means a chunk of inputs at a time), so that the per-batch
+            of tokens and maps takes its float64 means a chunk of inputs at a time; the fallbacks sketch and
+            subsample a chunk of rows at a time), so that the per-batch
             temporaries stay bounded whatever the batch (a bf16 (8, 4096, 4096) batch of hidden states would
             otherwise be 1 GiB of float64 rows per hooked layer). Chunks change the order of the float64 additions
             only (about 1e-15 relative). :attr:`largest_update_bytes` says how large the largest one was.
@@ -981,8 +982,16 @@ class ActivationSpectrum(Metric):
         keys = torch.rand(rows.shape[0], generator=self._rng(rows.device), dtype=torch.float64, device=rows.device)
         if real is not None:
             keys = keys.masked_fill(~real, math.inf)
-        kept = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0]) if self.sample_rows else None
-        sample = subsample_update(kept, rows, keys, labels, capacity=self.fallback_size)
+        sample = None
+        if self.sample_rows:
+            sample = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0])
+        # A chunk of rows at a time (update_chunk_mb): the bottom-k of the chunks one after another is that of the
+        # batch (the same rows, kept in another order), without the batch's rows in float32 beside the subsample.
+        step = rows_per_chunk(rows.shape[1], self.update_chunk_bytes)
+        for start in range(0, rows.shape[0], step):
+            part = slice(start, start + step)
+            chunk_labels = None if labels is None else labels[part]
+            sample = subsample_update(sample, rows[part], keys[part], chunk_labels, capacity=self.fallback_size)
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
 
     @override

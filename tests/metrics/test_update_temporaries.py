@@ -183,3 +183,15 @@ def test_the_memory_plan_names_the_largest_per_batch_temporary(chunk_mb, said):
     assert messages[0] == (
         f"state of 2 layers: 0.0329 MiB on cpu (largest 'proj': 0.0323 MiB); per-batch temporary up to {said}"
     )
+
+
+def test_the_subsample_takes_a_batch_a_chunk_of_rows_at_a_time():
+    x = _batch((8, 128, 64), torch.bfloat16)
+    options = {"reduction": "token", "max_gram_features": 32, "max_samples": 100}
+    chunked, largest = _updated(CHUNK_MB, x, **options)  # 32 chunks of 32 rows
+    whole, whole_largest = _updated(1024, x, **options)
+    assert whole_largest.largest[torch.float32] == 1024 * 64 * 4  # the batch's rows in float32
+    assert largest.largest[torch.float32] <= (100 + 32) * 64 * 4  # the subsample and one chunk
+    by_key = [torch.sort(m.sample_keys[0]) for m in (chunked, whole)]
+    assert torch.equal(by_key[0].values, by_key[1].values)  # the same rows, kept in another order
+    assert torch.equal(chunked.sample_rows[0][by_key[0].indices], whole.sample_rows[0][by_key[1].indices])
