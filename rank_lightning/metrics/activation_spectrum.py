@@ -438,7 +438,7 @@ class ActivationSpectrum(Metric):
         self.alpha_req_range = check_alpha_req_range(alpha_req_range)
         check_positive("update_chunk_mb", update_chunk_mb)
         self.update_chunk_bytes = max(1, int(update_chunk_mb * 2**20))
-        # The largest float64 row temporary an update has made (bytes; see update_temporary_bytes).
+        # The largest float64 row temporary an update has made, in bytes (the memory plan prints it).
         self.largest_update_bytes = 0
         check_positive_int("classwise_k", classwise_k)
         check_choice("classwise_center", classwise_center, (False, True))
