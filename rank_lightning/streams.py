@@ -699,7 +699,16 @@ class ActivationStream:
         detail = f" (largest {self._logged_name(largest)!r}: {mib_text(self._planned[largest])} MiB)"
         detail = detail if len(self._planned) > 1 else ""  # one layer: the total is its own
         plan = f"state of {count_of(len(self._planned), 'layer')}: {total} MiB{budget} on {', '.join(devices)}{detail}"
-        self._info(plan + self._class_gram_plan())
+        self._info(plan + self._temporary_plan() + self._class_gram_plan())
+
+    def _temporary_plan(self) -> str:
+        """The largest float64 temporary of a layer's update in the batches so far (``update_chunk_mb`` bounds it),
+        in words: it comes on top of the states, once at a time, at each layer's forward hook."""
+        sizes = {name: metric.largest_update_bytes for name, metric in self.metrics.items()}
+        if not sizes or not max(sizes.values()):
+            return ""
+        name = max(sizes, key=sizes.__getitem__)
+        return f"; per-batch temporary up to {mib_text(sizes[name])} MiB ({self._logged_name(name)!r})"
 
     def _class_gram_plan(self) -> str:
         """Which planned layers have class Grams (the class-wise VR) and why the others have none, in words."""

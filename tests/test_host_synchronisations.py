@@ -520,3 +520,32 @@ def test_neural_collapse_of_token_rows_reads_once_per_batch(fake_cuda, second):
             with waits:
                 metric.update(*batch[:3], mask=batch[3])
     assert [(batch, what) for batch, what, _ in waits.found] == [(i, "value read back") for i in range(3)], waits.found
+
+
+@pytest.mark.parametrize("reduction", ["token", "mean"])
+@pytest.mark.parametrize("fallback", [None, "sketch"])
+def test_updates_in_chunks_wait_no_more(monkeypatch, fake_cuda, reduction, fallback):
+    """Batches past ``update_chunk_mb`` go a chunk of rows (or of inputs, for float64 means) at a time: the chunks
+    are cut from the shapes alone, and the class counts of each chunk from the batch's, on the host."""
+    monkeypatch.setattr(ActivationSpectrum, "_rng", lambda self, device: torch.Generator())
+    chunked = []
+    cut = streaming._chunked_row_moments
+    monkeypatch.setattr(streaming, "_chunked_row_moments", lambda *args: chunked.append(args[2]) or cut(*args))
+    options = {"update_chunk_mb": 16 * 16 * 8 / 2**20}  # 16 rows of 16 features: 5 chunks of a batch's 80 tokens
+    if fallback:
+        options.update(max_gram_features=8, fallback=fallback, max_samples=40)
+    waits, groupings = _stream_on_fake_cuda(
+        monkeypatch,
+        fake_cuda,
+        _Tokens,
+        {"block": "block", "head": "head"},
+        _token_batches(3),
+        reductions={3: reduction},
+        options=options,
+    )
+    # Token rows in chunks of 2048 bytes of float64 rows, halved where class Grams by padded products may double
+    # them: 8 rows of the block's 16 features (16 on the sketch, which has no Grams), 25 of the head's 5, every batch.
+    assert chunked == ([8 if fallback is None else 16, 25] * 3 if reduction == "token" else [])
+    assert groupings == 3
+    assert [what for what, _ in waits.at(0)] == ["value read back"]  # the mask's values
+    assert [entry for entry in waits.found if entry[0] > 0] == []

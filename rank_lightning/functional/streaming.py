@@ -59,10 +59,12 @@ __all__ = [
     "AUTO_GRAM_PRECISION",
     "GRAM_PRECISIONS",
     "IGNORE_INDEX",
+    "UPDATE_CHUNK_BYTES",
     "BatchMoments",
     "ClassGrouping",
     "SketchUpdate",
     "Subsample",
+    "channel_block_values",
     "channel_gram_moments",
     "class_counts",
     "classwise_variance_ratio_from_grams",
@@ -78,6 +80,9 @@ __all__ = [
     "reference_point",
     "resolve_gram_precision",
     "row_moments",
+    "row_temporary_values",
+    "rows_per_chunk",
+    "sketch_draws",
     "sketch_spectrum",
     "subsample_spectrum",
     "subsample_update",
@@ -106,6 +111,38 @@ _MIN_BLOCK_ROWS = 512
 # Padded class blocks (see _batched_class_products) may hold at most this many times the batch's inputs: classes of
 # very unequal size in a batch, or more classes than inputs, go one product per class.
 _MAX_PADDING = 2.0
+
+UPDATE_CHUNK_BYTES = 256 * 2**20
+"""The default bound of a batch's float64 row temporaries in :func:`row_moments` (``chunk_bytes``), 256 MiB: rows
+past it are shifted, converted and multiplied a chunk at a time, so that (8, 4096, 4096) bf16 hidden states (256 MiB)
+never stand as a 1 GiB float64 copy beside the model on its device."""
+
+
+def rows_per_chunk(num_features: int, chunk_bytes: int | None) -> int | None:
+    """Rows of ``num_features`` float64 values per chunk of at most ``chunk_bytes`` (at least one row); ``None``
+    without a bound."""
+    if chunk_bytes is None:
+        return None
+    return max(1, chunk_bytes // (8 * max(num_features, 1)))
+
+
+def row_temporary_values(
+    num_rows: int, num_features: int, chunk_bytes: int | None, device: torch.device, *, class_blocks: bool = False
+) -> int:
+    """The most float64 values of one temporary of :func:`row_moments` for ``num_rows`` rows on ``device``: a chunk's
+    shifted rows or, with ``class_blocks`` (class Grams of sorted rows) off the CPU, its zero-padded class blocks,
+    which may hold twice its rows (the chunks are halved for them)."""
+    factor = int(_MAX_PADDING) if class_blocks and _batched_class_products(device) else 1
+    step = rows_per_chunk(num_features, _row_chunk_bytes(chunk_bytes, class_blocks, device))
+    return factor * (num_rows if step is None else min(num_rows, step)) * num_features
+
+
+def _row_chunk_bytes(chunk_bytes: int | None, class_blocks: bool, device: torch.device) -> int | None:
+    """The bytes of a chunk's float64 rows: ``chunk_bytes``, less where padded class blocks may double them."""
+    if chunk_bytes is None or not (class_blocks and _batched_class_products(device)):
+        return chunk_bytes
+    return int(chunk_bytes // _MAX_PADDING)
+
 
 GRAM_PRECISIONS: tuple[str, ...] = ("float64", "float32", "tf32", "auto")
 """How the per-batch Gram products are computed; the running sums are float64 in every case.
@@ -285,14 +322,20 @@ def _nonfinite(feature_sum: Tensor) -> Tensor:
 
 
 def _class_moments(
-    labels: Tensor | None, num_classes: int | None, sums: Tensor, repeats: int = 1, row_mask: Tensor | None = None
+    labels: Tensor | None,
+    num_classes: int | None,
+    sums: Tensor,
+    repeats: int = 1,
+    row_mask: Tensor | None = None,
+    into: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Rows per class (each label counting ``repeats`` rows; with ``row_mask``, only where it is true) and per-class
-    sums of ``sums`` (one row per label)."""
+    sums of ``sums`` (one row per label), added into ``into`` where given."""
     if labels is None or num_classes is None:
         return None, None
     counts = class_counts(labels, num_classes, row_mask=row_mask) * repeats
-    class_sums = sums.new_zeros(num_classes, sums.shape[1]).index_add_(0, labels, sums)
+    class_sums = sums.new_zeros(num_classes, sums.shape[1]) if into is None else into
+    class_sums = class_sums.index_add_(0, labels, sums)
     return counts, class_sums
 
 
@@ -451,6 +494,8 @@ def row_moments(
     precision: str = "float64",
     sorted_counts: Sequence[int] | None = None,
     row_mask: Tensor | None = None,
+    chunk_bytes: int | None = UPDATE_CHUNK_BYTES,
+    class_sums: Tensor | None = None,
 ) -> BatchMoments:
     """First moments of a batch of rows; with ``gram``, also adds the batch's Gram into its lower triangle.
 
@@ -479,19 +524,33 @@ def row_moments(
             ``rows[row_mask]``), e.g. the real tokens of a padded batch
             (:func:`~rank_lightning.functional.reductions.masked_token_rows`). The other rows are zeroed after the
             shift, whatever they hold, and their Gram products add zeros; no count is read back to the host.
+        chunk_bytes: the most bytes of a float64 copy of the rows (:data:`UPDATE_CHUNK_BYTES`); a batch whose rows
+            take more is added a chunk of rows at a time (at least one row), each chunk's moments summed, with no
+            read back to the host. The chunks change the order of the float64 additions only (the sums agree with
+            those of one pass to about 1e-15 relative). ``None``: one pass whatever the size.
+        class_sums: ``(C, d)`` float64 sums the batch's class sums are added into in place (and returned), instead
+            of new ones: the chunks of a batch share one (C may be a vocabulary).
 
     Returns:
         The batch's :class:`BatchMoments` (of ``x - r``); with ``row_mask``, its ``num_rows`` is a device tensor.
     """
     num_rows, num_features = rows.shape
+    class_blocks = class_grams is not None and labels is not None and sorted_counts is not None
+    step = rows_per_chunk(num_features, _row_chunk_bytes(chunk_bytes, class_blocks, rows.device))
+    if step is not None and num_rows > step:
+        return _chunked_row_moments(
+            rows, labels, step, num_classes, gram, class_grams, reference, precision, sorted_counts, row_mask
+        )
     # A batch of a few rows is a handful of small operations: one thread does them several times faster.
     with serial_if_small(rows, num_rows * num_features * num_features, _SERIAL_UPDATE_BELOW):
         shifted = rows.to(torch.float64) if reference is None else torch.sub(rows, reference.to(torch.float64))
         if row_mask is not None:
-            shifted = shifted.masked_fill(~row_mask.unsqueeze(1), 0)
+            # In place on a copy of the rows' own: no second float64 temporary of the batch.
+            fill = shifted.masked_fill_ if shifted.data_ptr() != rows.data_ptr() else shifted.masked_fill
+            shifted = fill(~row_mask.unsqueeze(1), 0)
             num_rows = row_mask.sum()
         feature_sum = shifted.sum(dim=0)
-        counts, class_sums = _class_moments(labels, num_classes, shifted, row_mask=row_mask)
+        counts, class_sums = _class_moments(labels, num_classes, shifted, row_mask=row_mask, into=class_sums)
         with gram_product_dtype(precision) as dtype:
             factor = shifted.to(dtype)
             if class_grams is not None and labels is not None:
@@ -501,6 +560,60 @@ def row_moments(
         # The norm reduces without the N x d temporary of rows.square().
         sum_squares = torch.linalg.vector_norm(shifted).square()
     return BatchMoments(num_rows, _nonfinite(feature_sum), feature_sum, sum_squares, counts, class_sums)
+
+
+def _chunked_row_moments(
+    rows: Tensor,
+    labels: Tensor | None,
+    step: int,
+    num_classes: int | None,
+    gram: Tensor | None,
+    class_grams: Tensor | None,
+    reference: Tensor | None,
+    precision: str,
+    sorted_counts: Sequence[int] | None,
+    row_mask: Tensor | None,
+) -> BatchMoments:
+    """:func:`row_moments` of ``rows`` taken ``step`` rows at a time, the chunks' moments summed (the Grams are added
+    into in place by each chunk). Sorted rows keep their per-class counts, cut at the chunks' bounds on the host."""
+    bounds = list(itertools.accumulate(sorted_counts, initial=0)) if sorted_counts is not None else None
+    total: BatchMoments | None = None
+    class_sums = None  # the first chunk's, which the others add into
+    for start in range(0, rows.shape[0], step):
+        stop = min(start + step, rows.shape[0])
+        counts = None
+        if bounds is not None:
+            counts = [max(0, min(high, stop) - max(low, start)) for low, high in itertools.pairwise(bounds)]
+        part = row_moments(
+            rows[start:stop],
+            None if labels is None else labels[start:stop],
+            num_classes=num_classes,
+            gram=gram,
+            class_grams=class_grams,
+            reference=reference,
+            precision=precision,
+            sorted_counts=counts,
+            row_mask=None if row_mask is None else row_mask[start:stop],
+            chunk_bytes=None,
+            class_sums=class_sums,
+        )
+        class_sums = part.class_sums
+        # Summed as they come: one chunk's moments (and class sums, C x d) held at a time.
+        if total is None:
+            total = part
+        else:  # the class sums are already the total's
+            total = BatchMoments(*(_add_sums(a, b) for a, b in zip(total[:5], part[:5])), class_sums)
+    assert total is not None
+    return total._replace(nonfinite=_nonfinite(total.feature_sum))
+
+
+def _add_sums(a: Any, b: Any) -> Any:
+    """``a + b`` in place where ``a`` is a tensor (a chunk's own sums), ``None`` where both are."""
+    if a is None:
+        return None
+    if isinstance(a, Tensor):
+        return a.add_(b)
+    return a + b
 
 
 def _add_product(target: Tensor, columns: Tensor) -> None:
@@ -808,6 +921,21 @@ def _channel_blocks(flat: Tensor, index: Tensor | None, count: int, shift: Tenso
         yield block.view(channels, -1)
 
 
+def channel_block_values(maps: Tensor, class_blocks: bool = False) -> int:
+    """The most values of a shifted block that :func:`channel_gram_moments` copies out of ``maps`` (``(B, C, ...)``)
+    at a time: blocks of about 2^18 values on a CPU and 2^24 elsewhere, at least one input's map (and 512
+    positions); with ``class_blocks`` off the CPU, the padded class blocks too (at most 2^24 values, twice the
+    batch)."""
+    batch, channels = maps.shape[:2]
+    positions = math.prod(maps.shape[2:])
+    values = _BLOCK_VALUES if maps.device.type == "cpu" else _CUDA_BLOCK_VALUES
+    step = max(1, values // max(channels * positions, 1), -(-_MIN_BLOCK_ROWS // max(positions, 1)))
+    largest = min(step, batch) * channels * positions
+    if class_blocks and _batched_class_products(maps.device):
+        largest = max(largest, min(_CUDA_BLOCK_VALUES, int(_MAX_PADDING * batch * channels * positions)))
+    return largest
+
+
 def _channel_class_sums(flat: Tensor, labels: Tensor, num_classes: int, reference: Tensor | None) -> Tensor:
     """Per-class sums of the shifted positions, for labelled maps whose Grams are not kept per class."""
     sums = flat.sum(dim=2, dtype=torch.float64)  # (B, C)
@@ -943,10 +1071,18 @@ def count_sketch(rows: Tensor, num_buckets: int, generator: torch.Generator) -> 
     Returns:
         The batch's :class:`SketchUpdate`; ``sketch.index_add_(0, u.buckets, u.rows)`` adds it.
     """
-    n, device = rows.shape[0], rows.device
-    buckets = torch.randint(num_buckets, (n,), generator=generator, device=device)
-    signs = torch.randint(2, (n,), generator=generator, dtype=torch.float64, device=device) * 2 - 1
+    buckets, signs = sketch_draws(rows.shape[0], num_buckets, generator, rows.device)
     return SketchUpdate(buckets, rows * signs.unsqueeze(1), signs)
+
+
+def sketch_draws(
+    num_rows: int, num_buckets: int, generator: torch.Generator, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The buckets (int64) and float64 signs of :func:`count_sketch` for ``num_rows`` rows, drawn as it draws them:
+    a batch's rows can then be signed and added a chunk at a time."""
+    buckets = torch.randint(num_buckets, (num_rows,), generator=generator, device=device)
+    signs = torch.randint(2, (num_rows,), generator=generator, dtype=torch.float64, device=device) * 2 - 1
+    return buckets, signs
 
 
 def sketch_spectrum(

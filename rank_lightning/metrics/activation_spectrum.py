@@ -39,14 +39,15 @@ from rank_lightning.functional.spectral import (
 )
 from rank_lightning.functional.streaming import (
     GRAM_PRECISIONS,
+    UPDATE_CHUNK_BYTES,
     BatchMoments,
     ClassGrouping,
     Subsample,
+    channel_block_values,
     channel_gram_moments,
     class_counts,
     classwise_variance_ratio_from_grams,
     classwise_variance_ratio_from_sample,
-    count_sketch,
     counted_tokens,
     group_by_class,
     group_token_labels,
@@ -55,6 +56,9 @@ from rank_lightning.functional.streaming import (
     reference_point,
     resolve_gram_precision,
     row_moments,
+    row_temporary_values,
+    rows_per_chunk,
+    sketch_draws,
     sketch_spectrum,
     subsample_spectrum,
     subsample_update,
@@ -373,6 +377,13 @@ class ActivationSpectrum(Metric):
         alpha_req_range: ``(first_index, last_index)``, the 1-based ranks of the eigenvalues that the alpha-ReQ
             fit covers (:func:`~rank_lightning.functional.alpha_req`; Agrawal et al. fit ranks 11 to 100);
             ``last_index=None`` for the last numerically non-zero one.
+        update_chunk_mb: the most MiB of a float64 copy of a batch's rows that :meth:`update` makes (default 256):
+            a larger batch is shifted, converted and multiplied a chunk of rows at a time (the ``"mean"`` reduction
+            of tokens and maps takes its float64 means a chunk of inputs at a time; the fallbacks sketch and
+            subsample a chunk of rows at a time), so that the per-batch
+            temporaries stay bounded whatever the batch (a bf16 (8, 4096, 4096) batch of hidden states would
+            otherwise be 1 GiB of float64 rows per hooked layer). Chunks change the order of the float64 additions
+            only (about 1e-15 relative). :attr:`largest_update_bytes` says how large the largest one was.
         kwargs: passed to :class:`torchmetrics.Metric`.
 
     Example::
@@ -412,6 +423,7 @@ class ActivationSpectrum(Metric):
         tolerance_dtype: str | torch.dtype | None = None,
         gram_precision: Literal["float64", "float32", "tf32", "auto"] = "float64",
         alpha_req_range: tuple[int, int | None] = (1, None),
+        update_chunk_mb: float = UPDATE_CHUNK_BYTES / 2**20,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -426,6 +438,10 @@ class ActivationSpectrum(Metric):
         self.gram_precision = check_choice("gram_precision", gram_precision, GRAM_PRECISIONS)
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, ("min", "max"))
         self.alpha_req_range = check_alpha_req_range(alpha_req_range)
+        check_positive("update_chunk_mb", update_chunk_mb)
+        self.update_chunk_bytes = max(1, int(update_chunk_mb * 2**20))
+        # The largest float64 row temporary an update has made, in bytes (the memory plan prints it).
+        self.largest_update_bytes = 0
         check_positive_int("classwise_k", classwise_k)
         check_choice("classwise_center", classwise_center, (False, True))
         check_bool("classwise", classwise)
@@ -692,19 +708,36 @@ class ActivationSpectrum(Metric):
         if self.path == "gram" and self.reduction == "channel" and activations.ndim >= 4:
             self._ensure_reference(lambda: _channel_mean(activations))
             moments = channel_gram_moments(activations, labels, reference=self.reference, **options)
+            by_class = labels is not None and options.get("class_grams") is not None
+            self._note_temporary(channel_block_values(activations, by_class))
         else:
             rows, labels, counts, real = self._rows(activations, labels, mask)
             if rows.shape[0] == 0:
                 return
             self._ensure_reference(lambda: _row_mean(rows, real), until_rows=real is not None)
+            chunk = self.update_chunk_bytes
             moments = row_moments(
-                rows, labels, reference=self.reference, sorted_counts=counts, row_mask=real, **options
+                rows,
+                labels,
+                reference=self.reference,
+                sorted_counts=counts,
+                row_mask=real,
+                chunk_bytes=chunk,
+                **options,
+            )
+            class_blocks = counts is not None and options.get("class_grams") is not None
+            self._note_temporary(
+                row_temporary_values(*rows.shape, chunk, rows.device, class_blocks=class_blocks and labels is not None)
             )
             if self.path == "sketch":
                 self._add_to_sketch(rows, real)
             elif self.path == "sample_gram":
                 self._add_to_subsample(rows, labels, real)
         self._add_moments(moments)
+
+    def _note_temporary(self, values: int) -> None:
+        """Keep the largest float64 row temporary of the updates so far, ``values`` float64 values."""
+        self.largest_update_bytes = max(self.largest_update_bytes, 8 * values)
 
     def _leave_inference_mode(self) -> None:
         """Copy the states made under ``torch.inference_mode`` (allocated by its first batch, or by a reset there, as
@@ -788,15 +821,38 @@ class ActivationSpectrum(Metric):
         """
         # A mean over half-precision values is taken in float64 (a bf16 mean loses 3 digits); reshapes are exact.
         dtype = torch.float64 if self.reduction == "mean" and activations.ndim > 2 else None
+        if (mask is None or activations.ndim != 3) and dtype is None:
+            return reduce_activations(activations, self.reduction), None, None
         if mask is None or activations.ndim != 3:
-            return reduce_activations(activations, self.reduction, dtype=dtype), None, None
+            means = self._by_inputs(lambda x: reduce_activations(x, self.reduction, dtype=dtype), activations)
+            return means, None, None
         keep = check_token_mask(mask, activations)
         if self.reduction == "cls":
             warn_cls_left_padding(keep, stacklevel=4)  # update() -> _rows() -> _reduce()
-        rows, real = masked_token_rows(activations, self.reduction, keep, dtype=dtype)
+        if dtype is None:
+            rows, real = masked_token_rows(activations, self.reduction, keep)
+        else:
+            rows, real = self._by_inputs(
+                lambda x, k: masked_token_rows(x, self.reduction, k, dtype=dtype), activations, keep
+            )
         if real is None or _keeps_padded_rows(rows.device):
             return rows, real, None
         return rows[real], None, token_rows_per_sample(keep, self.reduction)
+
+    def _by_inputs(self, reduce: Any, activations: Tensor, keep: Tensor | None = None) -> Any:
+        """``reduce(activations[, keep])`` of float64 rows, taken a chunk of inputs at a time where a float64 copy of
+        the batch would exceed ``update_chunk_mb``, the chunks' rows (and real-row masks) joined. Every row is reduced
+        as in one call: the results are equal."""
+        batch = activations.shape[0]
+        step = rows_per_chunk(math.prod(activations.shape[1:]), self.update_chunk_bytes)
+        args = (activations,) if keep is None else (activations, keep)
+        self._note_temporary(min(batch, step) * math.prod(activations.shape[1:]))
+        if batch <= step:
+            return reduce(*args)
+        parts = [reduce(*(arg[start : start + step] for arg in args)) for start in range(0, batch, step)]
+        if not isinstance(parts[0], tuple):
+            return torch.cat(parts)
+        return tuple(None if part[0] is None else torch.cat(part) for part in zip(*parts))
 
     def _prepare(
         self, activations: Tensor, labels: Tensor | None, mask: Tensor | None
@@ -910,14 +966,19 @@ class ActivationSpectrum(Metric):
 
     def _add_to_sketch(self, rows: Tensor, real: Tensor | None) -> None:
         """Add the (real) rows to the CountSketch; a row where ``real`` is false adds zeros, whatever it holds."""
-        shifted = torch.sub(rows, self.reference)
-        if real is not None:
-            shifted = shifted.masked_fill(~real.unsqueeze(1), 0)
-        sketched = count_sketch(shifted, self.sketch.shape[0], self._rng(rows.device))
-        counted = torch.ones_like(sketched.signs) if real is None else real.to(sketched.signs.dtype)
-        self.sketch.index_add_(0, sketched.buckets, sketched.rows)
-        self.sketch_signs.index_add_(0, sketched.buckets, sketched.signs * counted)
-        self.sketch_rows.index_add_(0, sketched.buckets, counted)
+        buckets, signs = sketch_draws(rows.shape[0], self.sketch.shape[0], self._rng(rows.device), rows.device)
+        # A chunk of float64 rows at a time (update_chunk_mb): each row shifted, zeroed where not real and signed as
+        # in one pass, and added in the same order.
+        step = rows_per_chunk(rows.shape[1], self.update_chunk_bytes)
+        for start in range(0, rows.shape[0], step):
+            stop = start + step
+            shifted = torch.sub(rows[start:stop], self.reference)
+            if real is not None:
+                shifted.masked_fill_(~real[start:stop].unsqueeze(1), 0)
+            self.sketch.index_add_(0, buckets[start:stop], shifted.mul_(signs[start:stop].unsqueeze(1)))
+        counted = torch.ones_like(signs) if real is None else real.to(signs.dtype)
+        self.sketch_signs.index_add_(0, buckets, signs * counted)
+        self.sketch_rows.index_add_(0, buckets, counted)
 
     def _add_to_subsample(self, rows: Tensor, labels: Tensor | None, real: Tensor | None) -> None:
         """Add the (real) rows to the bottom-k subsample; a row where ``real`` is false gets an infinite key: it never
@@ -925,8 +986,16 @@ class ActivationSpectrum(Metric):
         keys = torch.rand(rows.shape[0], generator=self._rng(rows.device), dtype=torch.float64, device=rows.device)
         if real is not None:
             keys = keys.masked_fill(~real, math.inf)
-        kept = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0]) if self.sample_rows else None
-        sample = subsample_update(kept, rows, keys, labels, capacity=self.fallback_size)
+        sample = None
+        if self.sample_rows:
+            sample = Subsample(self.sample_rows[0], self.sample_keys[0], self.sample_labels[0])
+        # A chunk of rows at a time (update_chunk_mb): the bottom-k of the chunks one after another is that of the
+        # batch (the same rows, kept in another order), without the batch's rows in float32 beside the subsample.
+        step = rows_per_chunk(rows.shape[1], self.update_chunk_bytes)
+        for start in range(0, rows.shape[0], step):
+            part = slice(start, start + step)
+            chunk_labels = None if labels is None else labels[part]
+            sample = subsample_update(sample, rows[part], keys[part], chunk_labels, capacity=self.fallback_size)
         self.sample_rows[:], self.sample_keys[:], self.sample_labels[:] = [sample.rows], [sample.keys], [sample.labels]
 
     @override

@@ -83,7 +83,8 @@ def test_a_wide_layer_keeps_its_exact_gram_before_a_narrow_layer_gets_class_gram
     # The plan names each layer without class Grams and why; its total is the sum of planned_bytes.
     assert callback_messages[-1] == (
         "ActivationRankMonitor: state of 2 layers: 0.534 MiB of a 0.6 MiB budget on cpu (largest 'b': 0.524 MiB); "
-        "class Grams (class-wise VR) of no layer; not of 'a' (its 10 class Grams of 32 x 32, 0.0781 MiB, are more "
+        "per-batch temporary up to 0.25 MiB ('b'); class Grams (class-wise VR) of no layer; not of 'a' (its 10 class "
+        "Grams of 32 x 32, 0.0781 MiB, are more "
         "than an even share, 0.0656 MiB, of the 0.0656 MiB that the spectra leave); 'b' (its 10 class Grams of 256 x "
         "256, 5 MiB, are more than the 0.0656 MiB that its spectrum and those of the layers planned before it leave)"
     )
@@ -122,7 +123,8 @@ def test_class_grams_go_to_the_smallest_first_not_to_the_first_layer(tmp_path, c
     assert metrics["b"].planned_bytes(8) == _exact_bytes(8) + _class_gram_bytes(8)
     assert callback_messages[-1] == (
         "ActivationRankMonitor: state of 2 layers: 0.00974 MiB of a 0.0277405 MiB budget on cpu (largest 'b': "
-        "0.00621 MiB); class Grams (class-wise VR) of 'b'; not of 'a' (its 10 class Grams of 16 x 16, 0.0195 MiB, "
+        "0.00621 MiB); per-batch temporary up to 0.0156 MiB ('a'); class Grams (class-wise VR) of 'b'; not of 'a' "
+        "(its 10 class Grams of 16 x 16, 0.0195 MiB, "
         "are more than an even share, 0.018 MiB, of the 0.018 MiB that the spectra leave)"
     )
     assert sum(1 for message in caught if "layer 'a' has no class Grams" in message) == 1

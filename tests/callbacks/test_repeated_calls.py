@@ -333,7 +333,8 @@ def test_the_memory_plan_names_the_applications_as_they_are_logged():
             stream.batch_end()
     stream.stop()
     assert said[0].endswith(
-        "(largest 'block@1': 0.00105 MiB); class Grams (class-wise VR) of 'block@1', 'block@2', 'block@3'"
+        "(largest 'block@1': 0.00105 MiB); per-batch temporary up to 0.000366 MiB ('block@1'); class Grams "
+        "(class-wise VR) of 'block@1', 'block@2', 'block@3'"
     )
 
 
@@ -341,7 +342,10 @@ def test_each_application_takes_a_layers_worth_of_the_memory_budget():
     # An exact 6 x 6 Gram and its sums plan 416 bytes: three of them fit in 0.0012 MiB (1258 bytes).
     said: list[str] = []
     stream = _stream_pass(0.0012, info=said.append)
-    assert said == ["state of 3 layers: 0.00119 MiB of a 0.0012 MiB budget on cpu (largest 'block@1': 0.000397 MiB)"]
+    assert said == [
+        "state of 3 layers: 0.00119 MiB of a 0.0012 MiB budget on cpu (largest 'block@1': 0.000397 MiB); per-batch "
+        "temporary up to 0.000366 MiB ('block@1')"
+    ]
     assert {name: metric.path_for(6) for name, metric in stream.metrics.items()} == dict.fromkeys(
         ["block", "block@2", "block@3"], "gram"
     )
