@@ -54,8 +54,8 @@ def test_setup_messages_of_one_layer_say_one_layer(tmp_path, callback_messages) 
         "WeightRankMonitor: monitoring 1 weight matrix: net.0",
         "JacobianRankMonitor: 1 block, 1 input, patch central, default size: net.0",
         # One layer: its size is the total, no "largest" to name.
-        "ActivationRankMonitor: state of 1 layer: 0.000694 MiB of a 1 MiB budget on cpu; class Grams (class-wise VR) "
-        "of 'net.0'",
+        "ActivationRankMonitor: state of 1 layer: 0.000694 MiB of a 1 MiB budget on cpu; per-batch temporary up to "
+        "0.000244 MiB ('net.0'); class Grams (class-wise VR) of 'net.0'",
     ]
     mask = JacobianRankMonitor(layers=["net.0"], patch=torch.tensor([True, False, False]))
     assert mask._patch_text() == "a mask of 1 coordinate"
