@@ -213,19 +213,11 @@ def classification_dimension(
             RuntimeWarning,
             stacklevel=2,
         )
-        return ClassificationDimension(
-            cls_dim=math.nan,
-            ambient_dim=dim,
-            full_accuracy=full_accuracy,
-            threshold=threshold,
-            centered=center,
-            ks=torch.tensor(grid, dtype=torch.int64),
-            accuracies=accuracies,
-            eigenvalues=eigenvalues.cpu(),
-        )
-    reached = (accuracies >= threshold * full_accuracy).nonzero()
-    # Rounding at k = d can leave the accuracy a hair below the full one; d is the answer then.
-    cls_dim = grid[int(reached[0])] if reached.numel() else dim
+        cls_dim = math.nan
+    else:
+        reached = (accuracies >= threshold * full_accuracy).nonzero()
+        # Rounding at k = d can leave the accuracy a hair below the full one; d is the answer then.
+        cls_dim = grid[int(reached[0])] if reached.numel() else dim
     return ClassificationDimension(
         cls_dim=cls_dim,
         ambient_dim=dim,
