@@ -438,14 +438,8 @@ class ActivationSpectrum(Metric):
         self.gram_precision = check_choice("gram_precision", gram_precision, GRAM_PRECISIONS)
         self.tolerance_size = check_choice("tolerance_size", tolerance_size, ("min", "max"))
         self.alpha_req_range = check_alpha_req_range(alpha_req_range)
-        check_positive("update_chunk_mb", update_chunk_mb)
-        self.update_chunk_bytes = max(1, int(update_chunk_mb * 2**20))
-        # The largest float64 row temporary an update has made, in bytes (the memory plan prints it).
-        self.largest_update_bytes = 0
-        check_positive_int("classwise_k", classwise_k)
-        check_choice("classwise_center", classwise_center, (False, True))
-        check_bool("classwise", classwise)
-        self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
+        self._set_update_chunk(update_chunk_mb)
+        self._set_classwise(classwise, classwise_k, classwise_center)
         self._set_fallback(max_gram_features, max_samples, fallback, memory_budget_mb)
         # Checked here: the seed is first used by a fallback's first draw, possibly hours into the fit.
         check_int("seed", seed)
@@ -456,6 +450,20 @@ class ActivationSpectrum(Metric):
         # restored metric never draws the keys and buckets of its first rows again.
         self._restored_rng: Tensor | int | None = None
         self._add_states(num_features)
+
+    def _set_update_chunk(self, update_chunk_mb: float) -> None:
+        """Check and keep the bound of an update's float64 row temporaries."""
+        check_positive("update_chunk_mb", update_chunk_mb)
+        self.update_chunk_bytes = max(1, int(update_chunk_mb * 2**20))
+        # The largest float64 row temporary an update has made, in bytes (the memory plan prints it).
+        self.largest_update_bytes = 0
+
+    def _set_classwise(self, classwise: bool, classwise_k: int, classwise_center: bool) -> None:
+        """Check and keep the settings of the class-wise variance ratio."""
+        check_positive_int("classwise_k", classwise_k)
+        check_choice("classwise_center", classwise_center, (False, True))
+        check_bool("classwise", classwise)
+        self.classwise, self.classwise_k, self.classwise_center = classwise, classwise_k, classwise_center
 
     def _set_fallback(
         self, max_gram_features: int, max_samples: int | None, fallback: str, memory_budget_mb: float
@@ -711,29 +719,31 @@ class ActivationSpectrum(Metric):
             by_class = labels is not None and options.get("class_grams") is not None
             self._note_temporary(channel_block_values(activations, by_class))
         else:
-            rows, labels, counts, real = self._rows(activations, labels, mask)
-            if rows.shape[0] == 0:
+            moments = self._row_update(activations, labels, mask, options)
+            if moments is None:
                 return
-            self._ensure_reference(lambda: _row_mean(rows, real), until_rows=real is not None)
-            chunk = self.update_chunk_bytes
-            moments = row_moments(
-                rows,
-                labels,
-                reference=self.reference,
-                sorted_counts=counts,
-                row_mask=real,
-                chunk_bytes=chunk,
-                **options,
-            )
-            class_blocks = counts is not None and options.get("class_grams") is not None
-            self._note_temporary(
-                row_temporary_values(*rows.shape, chunk, rows.device, class_blocks=class_blocks and labels is not None)
-            )
-            if self.path == "sketch":
-                self._add_to_sketch(rows, real)
-            elif self.path == "sample_gram":
-                self._add_to_subsample(rows, labels, real)
         self._add_moments(moments)
+
+    def _row_update(
+        self, activations: Tensor, labels: Tensor | ClassGrouping | None, mask: Tensor | None, options: dict[str, Any]
+    ) -> BatchMoments | None:
+        """The moments of a batch's rows (every path but the one-pass channel Gram), added a chunk of rows at a time,
+        and the fallback's share of them; ``None`` for a batch without rows."""
+        rows, labels, counts, real = self._rows(activations, labels, mask)
+        if rows.shape[0] == 0:
+            return None
+        self._ensure_reference(lambda: _row_mean(rows, real), until_rows=real is not None)
+        chunk = self.update_chunk_bytes
+        moments = row_moments(
+            rows, labels, reference=self.reference, sorted_counts=counts, row_mask=real, chunk_bytes=chunk, **options
+        )
+        class_blocks = counts is not None and options.get("class_grams") is not None and labels is not None
+        self._note_temporary(row_temporary_values(*rows.shape, chunk, rows.device, class_blocks=class_blocks))
+        if self.path == "sketch":
+            self._add_to_sketch(rows, real)
+        elif self.path == "sample_gram":
+            self._add_to_subsample(rows, labels, real)
+        return moments
 
     def _note_temporary(self, values: int) -> None:
         """Keep the largest float64 row temporary of the updates so far, ``values`` float64 values."""
