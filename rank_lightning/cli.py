@@ -44,7 +44,7 @@ from pytorch_lightning.loggers.logger import DummyLogger
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
-from rank_lightning.callbacks.curves import run_directory
+from rank_lightning.callbacks.curves import run_directory, wandb_loggers
 from rank_lightning.data.base import get_datamodule_class, list_datamodules
 from rank_lightning.modules.base import RankModule
 from rank_lightning.validation import SetupError
@@ -222,6 +222,14 @@ class RankCLI(LightningCLI):
                 ]
             }
         )
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        # W&B writes a run to <save_dir>/wandb/ only when save_dir already exists: some versions (0.17) otherwise
+        # put it in the system's temporary folder (/tmp/wandb/), where `wandb sync` and the next reboot find it.
+        for logger in wandb_loggers(self.trainer):
+            if logger.save_dir:
+                Path(logger.save_dir).mkdir(parents=True, exist_ok=True)
 
     def _parse_ckpt_path(self) -> None:
         # Lightning reads the checkpoint's hyperparameters here, before any run folder exists.

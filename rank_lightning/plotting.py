@@ -128,15 +128,21 @@ _RENDERERS_PER_THREAD = 2  # a run's figures of two sizes (two namespaces) witho
 _THREAD = threading.local()
 
 
+_WHOLE_PIXEL_RENDERERS = tuple(int(part) for part in matplotlib.__version__.split(".")[:2]) >= (3, 11)
+
+
 class _SharedRendererCanvas(FigureCanvasAgg):
     """An Agg canvas that draws on its thread's renderer of the same size and resolution, kept from the figures
     drawn before (see :func:`save_figure`); a thread keeps its ``_RENDERERS_PER_THREAD`` most recently used ones."""
 
     def get_renderer(self) -> RendererAgg:
         """The thread's renderer of this figure's size in pixels and resolution, made when it has none."""
-        width, height = self.get_width_height(physical=True)
+        # The size FigureCanvasAgg.get_renderer gives its renderer, so the pixels are savefig's: whole pixels
+        # (rounded) from matplotlib 3.11, the figure's size as it is (544.99... pixels for 5.45 inches at 100 dpi)
+        # before, which places every artist a fraction of a pixel from where whole pixels would.
+        width, height = self.get_width_height(physical=True) if _WHOLE_PIXEL_RENDERERS else self.figure.bbox.size
         key = (width, height, self.figure.dpi)
-        renderers: dict[tuple[int, int, float], RendererAgg] = _THREAD.__dict__.setdefault("renderers", {})
+        renderers: dict[tuple[float, float, float], RendererAgg] = _THREAD.__dict__.setdefault("renderers", {})
         renderer = renderers.pop(key, None)
         if renderer is None:
             renderer = RendererAgg(width, height, self.figure.dpi)

@@ -181,7 +181,7 @@ def test_one_run_figure_is_titled_in_words_readable_and_captioned(layers, rotati
     figure = _drawn(
         layer_curves_figure("rank", "channel/m", layers, _history(layers, range(12), "channel/m"), caption=caption)
     )
-    assert figure.get_suptitle() == "m of the activations " + CHANNELS
+    assert _suptitle(figure) == "m of the activations " + CHANNELS
     by_epoch, by_depth = figure.axes
     assert by_epoch.get_ylabel() == by_depth.get_ylabel() == "m"
     assert by_epoch.get_xlabel() == "epoch"
@@ -238,8 +238,8 @@ def test_runs_figures_are_titled_in_words_readable_and_dark():
     }
     caption = caption_text({"split": "val", "samples": 512})
     by_epoch = _drawn(runs_vs_epoch_figure("rank", "channel/numerical_rank", layers, runs, caption=caption))
-    assert by_epoch.get_suptitle() == f"Numerical rank of the activations {CHANNELS}, per layer"
-    assert by_epoch.get_supylabel() == "numerical rank (dimensions)"
+    assert _suptitle(by_epoch) == f"Numerical rank of the activations {CHANNELS}, per layer"
+    assert _supylabel(by_epoch) == "numerical rank (dimensions)"
     assert [t.get_text() for t in by_epoch.texts if t.get_text() == caption] == [caption]
     for lowest in (by_epoch.axes[2], by_epoch.axes[4]):  # layer3 (nothing below it) and layer5 (below layer1)
         assert lowest.get_xticklabels()[0].get_text() == "init"
@@ -251,7 +251,7 @@ def test_runs_figures_are_titled_in_words_readable_and_dark():
     last = {label: (7, curves) for label, curves in runs.items()}
     by_depth = _drawn(runs_vs_depth_figure("weight", "tail_error_k10", layers, last))
     title = "Tail error beyond rank 10 of the weight matrices, against depth at each run's last epoch"
-    assert by_depth.get_suptitle().replace("\n", " ") == title  # wrapped to the figure's width
+    assert _suptitle(by_depth).replace("\n", " ") == title  # wrapped to the figure's width
     [axes] = by_depth.axes
     assert axes.get_ylabel() == "relative Frobenius error of the best rank-10 approximation"
     assert [t.get_text() for t in axes.get_xticklabels()] == layers
@@ -261,6 +261,16 @@ def test_runs_figures_are_titled_in_words_readable_and_dark():
         "lr=3 (epoch 7)",
     ]
     _assert_readable(by_depth)
+
+
+def _suptitle(figure: Figure) -> str:
+    """The figure's title; ``Figure.get_suptitle`` is matplotlib 3.8's, and 3.7 is supported."""
+    return figure.get_suptitle() if hasattr(figure, "get_suptitle") else figure._suptitle.get_text()
+
+
+def _supylabel(figure: Figure) -> str:
+    """The figure's y label; ``Figure.get_supylabel`` is matplotlib 3.8's, and 3.7 is supported."""
+    return figure.get_supylabel() if hasattr(figure, "get_supylabel") else figure._supylabel.get_text()
 
 
 def _pixels(png) -> np.ndarray:
@@ -295,7 +305,11 @@ def test_save_figure_writes_the_pixels_savefig_draws(tmp_path):
         path = save_figure(figure, tmp_path / "sub" / f"{index}.png")
         assert figure.canvas is canvas and figure.dpi == 100
         written = _pixels(path)
-        assert written.shape == (round(figure.get_figheight() * 100), round(figure.get_figwidth() * 100), 4)
+        # The figure's size in pixels as this matplotlib's Agg canvas takes it: rounded from 3.11, truncated before
+        # (a 5.45-inch height at 100 dpi, 544.99..., gives 545 rows, or 544 on 3.7 to 3.10).
+        width, height = canvas.get_width_height(physical=True)
+        assert abs(height - figure.get_figheight() * 100) < 1 and abs(width - figure.get_figwidth() * 100) < 1
+        assert written.shape == (height, width, 4)
         np.testing.assert_array_equal(written, _savefig_pixels(figure, 100))
         with Image.open(path) as image:
             assert image.format == "PNG" and image.info["dpi"] == pytest.approx((100, 100), abs=0.01)

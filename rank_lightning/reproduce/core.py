@@ -165,7 +165,8 @@ class Context:
         figure.savefig(buffer, dpi=_DPI, format="png")
         buffer.seek(0)
         with Image.open(buffer) as image:
-            image.convert("RGB").quantize(colors=_COLORS, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+            # Image.MEDIANCUT, not Image.Quantize.MEDIANCUT: the enum is Pillow 9.1's, and Pillow >= 9 is supported.
+            image.convert("RGB").quantize(colors=_COLORS, method=Image.MEDIANCUT).save(path, optimize=True)
         self.files.append(path)
         return path
 

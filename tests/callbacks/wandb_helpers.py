@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ def wandb_records(path: Path) -> Iterator[Any]:
             position += left
             continue
         if position + _CHUNK_HEADER + length > len(data):
-            return  # a chunk still being written: the records so far (the caller waits for the last one, "exit")
+            return  # a chunk still being written: the records so far (the caller waits for the record "exit")
         pieces.append(data[position + _CHUNK_HEADER : position + _CHUNK_HEADER + length])
         position += _CHUNK_HEADER + length
         if kind in (1, 4):
@@ -49,18 +50,36 @@ def offline_run_rows(save_dir: Path, timeout: float = 60.0) -> list[dict[str, st
     ``log`` call (``"trainer/global_step"`` is the step a ``WandbLogger`` logged it at, ``"_step"`` W&B's own count).
 
     ``wandb.finish()`` can return before the service has flushed the log, so this waits (up to ``timeout`` seconds)
-    for the run's last record, ``exit``. Nested keys are joined with ``/``.
+    for the run's record ``exit``, which follows its history: the last record of the log, or (wandb 0.17) followed by
+    ``stats``, ``summary``, ``final`` and ``footer``. Nested keys are joined with ``/``.
     """
     (run_file,) = Path(save_dir).glob("wandb/offline-run-*/run-*.wandb")
     deadline = time.monotonic() + timeout
-    while not (records := list(wandb_records(run_file))) or records[-1].WhichOneof("record_type") != "exit":
+    records = list(wandb_records(run_file))
+    while not any(record.WhichOneof("record_type") == "exit" for record in records):
         assert time.monotonic() < deadline, f"the offline run {run_file} was never closed"
         time.sleep(0.2)
+        records = list(wandb_records(run_file))
     return [
-        {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+        dict(
+            entry
+            for item in record.history.item
+            for entry in _flat(item.key or "/".join(item.nested_key), item.value_json)
+        )
         for record in records
         if record.WhichOneof("record_type") == "history"
     ]
+
+
+def _flat(key: str, value_json: str) -> Iterator[tuple[str, str]]:
+    """``key -> value_json``, a JSON object as one entry per member (``key/member``): wandb 0.17 logs a table or an
+    image as one item holding an object, later versions as one item per member."""
+    value = json.loads(value_json) if value_json.startswith("{") else None
+    if not isinstance(value, dict):
+        yield key, value_json
+        return
+    for member, inner in value.items():
+        yield from _flat(f"{key}/{member}", json.dumps(inner))
 
 
 def offline_run_history(save_dir: Path, timeout: float = 60.0) -> dict[str, list[str]]:

@@ -107,3 +107,16 @@ def test_the_readme_offline_command_runs_twice_in_a_row(tmp_path):
         assert (config.parent / "checkpoints" / "last.ckpt").is_file()
         loggers = yaml.safe_load(config.read_text())["trainer"]["logger"]
         assert [logger["init_args"].get("mode") for logger in loggers] == [None, "offline"]
+
+
+def test_the_wandb_save_dir_exists_before_the_run_starts(tmp_path, monkeypatch):
+    # W&B 0.17 writes a run whose save_dir does not exist yet to the system's temporary folder (/tmp/wandb/): the
+    # first offline run of the README's command landed there instead of in runs/wandb/.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb_overlay = str(ROOT / "configs/loggers/wandb.yaml")
+    cli = main(["--config", QUICKSTART, "--config", wandb_overlay, *FAST], run=False)
+    [logger] = [logger for logger in cli.trainer.loggers if type(logger).__name__ == "WandbLogger"]
+    assert logger.save_dir == "runs"
+    assert (tmp_path / "runs").is_dir()
+    assert not (tmp_path / "runs" / "wandb").exists()  # no experiment started yet

@@ -190,3 +190,21 @@ def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, monkey
     with pytest.raises(ValueError, match="device 'mps' was asked for but MPS is not available"):
         check_device("mps")
     assert check_device("cpu") == torch.device("cpu")
+
+
+def test_a_saved_figure_is_a_palette_png_of_at_most_96_colours(tmp_path):
+    # Pillow 9.0 (the lowest supported) has no Image.Quantize enum: every experiment stopped at its first figure.
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from rank_lightning.reproduce.core import Context
+
+    context = Context(name="demo", quick=True, device=torch.device("cpu"), directory=tmp_path)
+    figure, axes = plt.subplots(figsize=(2, 1))
+    axes.imshow(torch.linspace(0, 1, 400).reshape(20, 20).numpy(), cmap="viridis")
+    path = context.save(figure, "figure")
+    plt.close(figure)
+    assert path == tmp_path / "demo" / "figure.png" and context.files == [path]
+    with Image.open(path) as image:
+        assert image.mode == "P" and image.size == (144, 72)
+        assert 2 < len(image.getcolors()) <= 96
