@@ -3,6 +3,8 @@ and SAM's vision encoders; timm's attentions beyond its ViT: BEiT, EVA, Swin, XC
 Hiera, TinyViT, EfficientFormer, LeViT, MaxViT, GC ViT, ...): the parts read are the queries, keys and values that the
 layer's own forward pass computes, taken where it hands them to SDPA or multiplies them."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,26 @@ from rank_lightning.weight_matrices import matrices_of
 from tests.test_fused_layouts import QKV, _capture_interface, _check, _heads_last, _inputs
 
 transformers = pytest.importorskip("transformers")
+
+
+def _version(module: object) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", getattr(module, "__version__", "0"))[:3])
+
+
+# The layouts pinned here are those of the classes as transformers 5 and timm 1.0.31 define them; earlier releases
+# (the minimum versions of `make test-min`) lack some of these classes and modules, or build them with other
+# arguments, and their layouts are not what these tests check.
+_NEEDS_TRANSFORMERS_5 = pytest.mark.skipif(
+    _version(transformers) < (5,), reason=f"builds transformers 5 classes, not those of {transformers.__version__}"
+)
+try:
+    import timm as _timm
+except ImportError:
+    _timm = None
+_NEEDS_TIMM_1_0_31 = pytest.mark.skipif(
+    _timm is not None and _version(_timm) < (1, 0, 31),
+    reason=f"builds timm 1.0.31 classes, not those of {getattr(_timm, '__version__', None)}",
+)
 
 
 class _Matmuls(TorchFunctionMode):
@@ -28,6 +50,7 @@ class _Matmuls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@_NEEDS_TRANSFORMERS_5
 @pytest.mark.parametrize("family", ["CodeGen", "DBRX", "ModernBERT", "Persimmon"])
 def test_fused_qkv_parts_of_more_transformers_are_the_states_the_attention_receives(family, monkeypatch):
     torch.manual_seed(0)
@@ -220,6 +243,7 @@ PRODUCT_CASES = ["convit", "davit-channel", "davit-channel-v2", "tiny-vit", "eff
 PRODUCT_CASES += ["volo-class-kv", "gcvit", "gcvit-kv"]
 
 
+@_NEEDS_TIMM_1_0_31
 @pytest.mark.parametrize("case", TIMM_CASES + PRODUCT_CASES)
 def test_fused_qkv_parts_of_timm_attentions_are_the_states_of_their_forward_pass(case, monkeypatch):
     torch.manual_seed(0)
@@ -262,6 +286,7 @@ SDPA_CASES += ["hieradet-sam2", "maxvit", "maxvit-thirds", "metaformer", "nest",
 SDPA_CASES += ["vit-relpos", "vit-sam", "volo"]
 
 
+@_NEEDS_TIMM_1_0_31
 @pytest.mark.parametrize("case", SDPA_CASES)
 def test_fused_parts_of_timm_attentions_are_the_states_they_hand_to_sdpa(case, monkeypatch):
     torch.manual_seed(0)
@@ -299,6 +324,7 @@ SAM_LIKE = {  # the attentions of SAM's image encoder, and of the models that to
 }
 
 
+@_NEEDS_TRANSFORMERS_5
 @pytest.mark.parametrize("family", ["MPT", *SAM_LIKE, "SAM-sdpa", "SAM-HQ-sdpa", "GPTNeoXJapanese"])
 def test_fused_qkv_parts_of_attention_layers_of_transformers_are_their_states(family, monkeypatch):
     torch.manual_seed(0)
@@ -347,6 +373,7 @@ def test_fused_qkv_parts_of_attention_layers_of_transformers_are_their_states(fa
     _check(model, f"attn.{child}", x, {p: _heads_last(s) for p, s in zip(QKV, states)})
 
 
+@_NEEDS_TIMM_1_0_31
 def test_a_layer_of_these_classes_whose_weight_or_settings_do_not_fit_is_one_matrix_with_a_warning():
     timm = pytest.importorskip("timm")
     beit = timm.models.beit.Attention(12, 3)
@@ -372,6 +399,7 @@ def test_a_layer_of_these_classes_whose_weight_or_settings_do_not_fit_is_one_mat
     assert len(matrices_of("attn.qkv", subclass.qkv, parent=subclass)) == 1
 
 
+@_NEEDS_TIMM_1_0_31
 def test_levit_fused_projections_are_split_per_head_with_keys_narrower_than_values():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
@@ -393,6 +421,7 @@ def test_levit_fused_projections_are_split_per_head_with_keys_narrower_than_valu
     assert [m.name for m in matrices_of("attn.qkv.linear", model.attn.qkv.linear)] == ["attn.qkv.linear"]
 
 
+@_NEEDS_TRANSFORMERS_5
 @pytest.mark.parametrize("family", ["Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "GLM-4V", "BLIP-2", "InstructBLIP"])
 def test_fused_qkv_parts_of_vision_attentions_of_transformers_are_the_states_they_attend_with(family, monkeypatch):
     torch.manual_seed(0)
@@ -427,6 +456,7 @@ def test_fused_qkv_parts_of_vision_attentions_of_transformers_are_the_states_the
     _check(model, "attn.qkv", x, {p: _heads_last(s) for p, s in zip(QKV, captured[0])})
 
 
+@_NEEDS_TRANSFORMERS_5
 @pytest.mark.parametrize("family", ["BLIP", "Bark", "DeBERTa"])
 def test_fused_qkv_parts_of_eager_attentions_of_transformers_are_the_states_they_multiply(family):
     torch.manual_seed(0)
