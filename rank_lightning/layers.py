@@ -1490,14 +1490,19 @@ def expert_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
 
 def _takes_no_tokens(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face model whose ``forward`` names neither ``input_ids`` nor
-    ``attention_mask``: an image model or tower (CLIP's and SigLIP's ``vision_model``, a ViT), fed ``pixel_values``."""
-    if not _hugging_face_model(module):
+    ``attention_mask``: an image model or tower (CLIP's and SigLIP's ``vision_model``, a ViT), fed ``pixel_values``;
+    or a module of ``transformers`` fed ``pixel_values`` alone (transformers 4.x's ``CLIPVisionTransformer``, the
+    vision tower that is no ``PreTrainedModel`` there)."""
+    pretrained = _hugging_face_model(module)
+    if not pretrained and not type(module).__module__.startswith("transformers."):
         return False
     try:
         parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
-    return MASK_KEY not in parameters and "input_ids" not in parameters
+    if MASK_KEY in parameters or "input_ids" in parameters:
+        return False
+    return pretrained or "pixel_values" in parameters
 
 
 def unmasked_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
