@@ -26,7 +26,7 @@ from rank_lightning.layers import BatchReader
 from rank_lightning.streams import ActivationStream
 from rank_lightning.tracker import RankTracker
 from tests.callbacks.repeated_calls_ddp_helpers import LoopedBlock, ddp_worker, halves
-from tests.callbacks.trainer_helpers import ResumableBatches, quiet_trainer
+from tests.callbacks.trainer_helpers import KillAtStep, ResumableBatches, quiet_trainer
 
 VOCAB, LENGTH, BATCH, CLASSES, FEATURES = 50, 8, 4, 3, 6
 ALBERT_LAYER = "model.albert.encoder.albert_layer_groups.0.albert_layers.0"
@@ -221,17 +221,11 @@ def test_a_batch_with_fewer_applications_is_named_and_each_application_sums_its_
     assert last["block@3"]["effective_rank"] == pytest.approx(float(effective_rank(rows[2])), rel=1e-9)
 
 
-class _Kill(pl.Callback):
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == 6:  # after the checkpoint of step 6, inside the window of step 8: a preempted job
-            raise RuntimeError("killed")
-
-
 def _window_fit(root: Path, *, kill: bool = False, ckpt: Path | None = None) -> ActivationRankMonitor:
     settings = dict(every_n_train_steps=4, window_batches=3, log_at_init=False, verbose=False)
     monitor = ActivationRankMonitor(layers=["block"], repeated_calls="each", **settings)
     saving = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    callbacks = [monitor, saving, *([_Kill()] if kill else [])]
+    callbacks = [monitor, saving, KillAtStep(6 if kill else None)]
     trainer = quiet_trainer(callbacks, max_steps=8, default_root_dir=root, enable_checkpointing=True)
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, FEATURES, generator=generator), torch.randint(0, CLASSES, (64,), generator=generator)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from rank_lightning.callbacks import ActivationRankMonitor
 from rank_lightning.layers import BatchReader
 from rank_lightning.streams import ActivationStream
-from tests.callbacks.trainer_helpers import ResumableBatches, SmallClassifier, quiet_trainer
+from tests.callbacks.trainer_helpers import KillAtStep, ResumableBatches, SmallClassifier, quiet_trainer
 
 
 def _batches() -> ResumableBatches:
@@ -27,15 +26,6 @@ def _batches() -> ResumableBatches:
     return ResumableBatches(data)
 
 
-class _Kill(pl.Callback):
-    def __init__(self, step: int | None) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:  # after the checkpoint of that step: a preempted job
-            raise RuntimeError("killed")
-
-
 def _fit(
     root: Path, options: dict, kill_at: int | None = None, ckpt: Path | None = None, loader: Any = None, **monitor: Any
 ) -> Any:
@@ -43,7 +33,7 @@ def _fit(
     watched = ActivationRankMonitor(**(settings | monitor))
     saving = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     options = dict(max_epochs=2, default_root_dir=root, enable_checkpointing=True) | options
-    trainer = quiet_trainer([watched, saving, _Kill(kill_at)], **options)
+    trainer = quiet_trainer([watched, saving, KillAtStep(kill_at)], **options)
     trainer.fit(SmallClassifier(seed=0), loader or _batches(), ckpt_path=ckpt)
     return watched
 

@@ -15,7 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import TensorDataset
 
 from rank_lightning.callbacks import ActivationRankMonitor
-from tests.callbacks.trainer_helpers import ResumableBatches, SmallClassifier, quiet_trainer
+from tests.callbacks.trainer_helpers import KillAtStep, ResumableBatches, SmallClassifier, quiet_trainer
 
 
 def _batches() -> ResumableBatches:
@@ -25,21 +25,12 @@ def _batches() -> ResumableBatches:
     return ResumableBatches(data)
 
 
-class _Kill(pl.Callback):
-    def __init__(self, step: int | None) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:  # after the checkpoint of that step: a preempted job
-            raise RuntimeError("killed")
-
-
 def _fit(root: Path, options: dict, kill_at: int | None = None, ckpt: Path | None = None, **monitor: Any) -> Any:
     settings = dict(layers=["net.0"], every_n_train_steps=4, window_batches=3, log_at_init=False, verbose=False)
     watched = ActivationRankMonitor(**(settings | monitor))
     saving = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     options = dict(max_steps=8, default_root_dir=root, enable_checkpointing=True) | options
-    trainer = quiet_trainer([watched, saving, _Kill(kill_at)], **options)
+    trainer = quiet_trainer([watched, saving, KillAtStep(kill_at)], **options)
     trainer.fit(SmallClassifier(seed=0), _batches(), ckpt_path=ckpt)
     return watched
 

@@ -118,6 +118,18 @@ class TrainBatches(pl.Callback):
         return list(range(last - size + 1, last + 1))
 
 
+class KillAtStep(pl.Callback):
+    """Raises at the start of the first batch after optimizer step ``step`` (``None``: never): a job preempted after
+    the checkpoint of that step, to be resumed from it."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("killed")
+
+
 class ResumableBatches:
     """The batches of ``data`` (``batch_size`` rows each), resumed where a checkpoint left them, as Lightning resumes
     any iterable with ``state_dict``."""
