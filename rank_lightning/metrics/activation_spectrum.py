@@ -383,7 +383,7 @@ class ActivationSpectrum(Metric):
             subsample a chunk of rows at a time), so that the per-batch
             temporaries stay bounded whatever the batch (a bf16 (8, 4096, 4096) batch of hidden states would
             otherwise be 1 GiB of float64 rows per hooked layer). Chunks change the order of the float64 additions
-            only (about 1e-15 relative). :attr:`largest_update_bytes` says how large the largest one was.
+            only (about 1e-15 relative). The attribute ``largest_update_bytes`` says how large the largest one was.
         kwargs: passed to :class:`torchmetrics.Metric`.
 
     Example::
