@@ -17,7 +17,6 @@ the work starts.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -125,9 +124,7 @@ def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
     Returns:
         The ``rich`` progress, to use as a context manager.
     """
-    # A disabled bar writes to a sink: rich 13.0's disabled Progress still printed an empty line when it stopped.
-    file = (sys.stdout if stream is None else stream) if enabled else io.StringIO()
-    console = Console(file=file, force_terminal=enabled or None)
+    console = Console(file=sys.stdout if stream is None else stream, force_terminal=enabled or None)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     return Progress(*columns, console=console, disable=not enabled, transient=True)
 

@@ -114,12 +114,3 @@ def test_folders_of_one_name_are_told_apart_by_their_parent(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         "    3 run folders  weight_decay=0/version_0, weight_decay=0.01/version_0, weight_decay=0.1/version_0"
     )
-
-
-def test_a_disabled_progress_bar_writes_nothing():
-    # rich 13.0 printed an empty line when a disabled bar stopped: every quiet reproduction began with one.
-    stream = io.StringIO()
-    with progress_bar(False, stream) as progress:
-        task = progress.add_task("experiments", total=2)
-        progress.advance(task, 2)
-    assert stream.getvalue() == ""
