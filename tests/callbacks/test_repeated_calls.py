@@ -26,6 +26,7 @@ from rank_lightning.layers import BatchReader
 from rank_lightning.streams import ActivationStream
 from rank_lightning.tracker import RankTracker
 from tests.callbacks.repeated_calls_ddp_helpers import LoopedBlock, ddp_worker, halves
+from tests.callbacks.test_transformers import HuggingFaceModule
 from tests.callbacks.trainer_helpers import KillAtStep, ResumableBatches, quiet_trainer
 
 VOCAB, LENGTH, BATCH, CLASSES, FEATURES = 50, 8, 4, 3, 6
@@ -39,29 +40,16 @@ def _quick_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setattr(LayerCurves, "write_figures", lambda self, *args, **kwargs: [])
 
 
-class Albert(pl.LightningModule):
+class Albert(HuggingFaceModule):
     """A tiny random ALBERT classifier (one AlbertLayer applied 4 times), called with the whole dict batch."""
 
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
         config = AlbertConfig(
             vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
             intermediate_size=64, max_position_embeddings=16, num_labels=CLASSES,
         )  # fmt: skip
-        self.model = AlbertForSequenceClassification(config)
-
-    def forward(self, batch: dict[str, Tensor]) -> Any:
-        return self.model(**batch)
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self(batch).loss
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self(batch).loss)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(AlbertForSequenceClassification(config))
 
 
 def _padded_batches(count: int, seed: int) -> list[dict[str, Tensor]]:
