@@ -146,6 +146,7 @@ __all__ = [
     "evaluated_point",
     "log_rank_equal",
     "log_step",
+    "logger_row",
     "publish_scalars",
     "read_curve_file",
     "run_directory",
@@ -256,8 +257,55 @@ def publish_scalars(
     step = log_step(trainer) if step is None else step
     row = {**scalars, "epoch": trainer.current_epoch if epoch is None else epoch}
     for logger in getattr(trainer, "loggers", None) or []:
-        logger.log_metrics(row, step=step)
+        logger.log_metrics(logger_row(logger, row), step=step)
         logger.save()
+
+
+MLFLOW_REFUSED = re.compile(r"[^a-zA-Z0-9_/. -]+")
+"""The characters MLflow refuses in a metric name (it takes letters, digits and ``_/. -``), as Lightning's
+``MLFlowLogger`` finds them to drop them."""
+
+_logger_names: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def logger_row(logger: Any, row: Mapping[str, Any]) -> dict[str, Any]:
+    """``row`` (``key -> value``) with the keys ``logger`` takes: the same keys, but for an ``MLFlowLogger`` (of
+    ``pytorch_lightning`` or ``lightning.pytorch``), to which a key is sent without the characters MLflow refuses,
+    as Lightning's ``MLFlowLogger`` names it (``rank/blocks.0@2/effective_rank`` -> ``rank/blocks.02/effective_rank``),
+    so that a value logged through ``LightningModule.log`` lands on the same name. Where that name is already another
+    key's (``rank/blocks.1@1/...`` and the layer ``blocks.11``), the characters become ``_`` instead
+    (``rank/blocks.1_1/...``; then ``_2``, ``_3``... are appended), so that no two curves meet under one name. Each
+    key keeps its name for the logger's whole run; one warning names the keys renamed, instead of Lightning's warning
+    for every key at every write."""
+    if not any(cls.__name__ == "MLFlowLogger" for cls in type(logger).__mro__):
+        return dict(row)
+    try:
+        names = _logger_names.setdefault(logger, {})
+    except TypeError:  # a logger that cannot be referenced weakly: names within this row only
+        names = {}
+    taken = set(names.values())
+    renamed: list[str] = []
+    # The keys MLflow takes as they are keep their names first; a renamed one may not take theirs.
+    for key in sorted((k for k in row if k not in names), key=lambda k: MLFLOW_REFUSED.search(k) is not None):
+        name = MLFLOW_REFUSED.sub("", key)
+        if name in taken or not name:
+            base = MLFLOW_REFUSED.sub("_", key)
+            name = next(n for n in (base, *(f"{base}_{i}" for i in range(2, len(taken) + 3))) if n not in taken)
+        names[key] = name
+        taken.add(name)
+        if name != key:
+            renamed.append(key)
+    if renamed:
+        shown = ", ".join(f"{key!r} -> {names[key]!r}" for key in renamed[:3])
+        more = f" and {count_of(len(renamed) - 3, 'more key')}" if len(renamed) > 3 else ""
+        warnings.warn(
+            f"MLflow takes letters, digits and '_', '/', '.', '-', ' ' in metric names: {type(logger).__name__} "
+            f"receives {count_of(len(renamed), 'key')} renamed ({shown}{more}); the other loggers and "
+            "trainer.callback_metrics keep the keys.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return {names[key]: value for key, value in row.items()}
 
 
 def log_step(trainer: Any) -> int:
@@ -1049,7 +1097,7 @@ class LayerCurves:
             return
         if scalars:
             for logger in getattr(trainer, "loggers", None) or []:
-                logger.log_metrics({**scalars, "epoch": INITIAL_EPOCH}, step=trainer.global_step)
+                logger.log_metrics(logger_row(logger, {**scalars, "epoch": INITIAL_EPOCH}), step=trainer.global_step)
         self._write_curve_file(trainer, self.initial_point)
         _start_figure_workers(trainer, self)
 
