@@ -47,7 +47,14 @@ class LoopedBlocks(pl.LightningModule):
 
 
 class MLFlowLogger(RecordingLogger):
-    """Stands in for Lightning's ``MLFlowLogger`` (told by its class name) without mlflow."""
+    """Stands in for Lightning's ``MLFlowLogger`` (told by its class name) without mlflow: drops from a key the
+    characters MLflow refuses, as Lightning's does."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        kept: dict[str, float] = {}
+        for key, value in metrics.items():
+            kept.setdefault(re.sub("[^a-zA-Z0-9_/. -]+", "", key), value)  # the first of two keys that meet
+        super().log_metrics(kept, step)
 
 
 def _fit(loggers: list[Any], **monitor_options: Any) -> ActivationRankMonitor:
