@@ -5,11 +5,11 @@ follows with those numbers, identically for every callback:
 
 1. logs each value as the scalar ``"{namespace}/{layer}/{metric}"`` in one batched write (:func:`publish_scalars`):
    straight to every logger on rank zero (as Lightning's ``LearningRateMonitor`` does, without the per-key cost of
-   ``LightningModule.log``) and into ``trainer.callback_metrics`` on every rank, where ``ModelCheckpoint`` /
-   ``EarlyStopping`` monitor them; the values are equal on every DDP rank by construction, so no synchronisation is
-   needed. Under ``trainer.validate`` / ``trainer.test`` they go through ``pl_module.log_dict`` instead
-   (:func:`log_rank_equal`), so that the results those calls return include them. A value exists only in the epochs
-   that measured it:
+   ``LightningModule.log``; an ``MLFlowLogger`` under names MLflow takes, :func:`logger_row`) and into
+   ``trainer.callback_metrics`` on every rank, where ``ModelCheckpoint`` / ``EarlyStopping`` monitor them; the
+   values are equal on every DDP rank by construction, so no synchronisation is needed. Under ``trainer.validate``
+   / ``trainer.test`` they go through ``pl_module.log_dict`` instead (:func:`log_rank_equal`), so that the results
+   those calls return include them. A value exists only in the epochs that measured it:
    :meth:`LayerCurves.start_epoch`, called at the start of every training epoch, removes the previous
    measurement from ``trainer.callback_metrics``, so that
    ``EarlyStopping(strict=False)`` skips the epochs in between instead of counting a repeated value;
