@@ -95,7 +95,9 @@ class _CausalLM(pl.LightningModule):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=length, vocab_size=vocab)
+        # Token ids 0 mark begin and end: GPT-2's default 50256 lies outside the small vocabulary.
+        ends = {"bos_token_id": 0, "eos_token_id": 0}
+        config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=length, vocab_size=vocab, **ends)
         self.model = GPT2LMHeadModel(config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,7 +91,11 @@ def _gpt2_case(name: str, device: torch.device, width: int, seq: int, batch: int
     from transformers import GPT2Config, GPT2Model
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=width, n_head=max(1, width // 64), n_positions=seq, vocab_size=1000)
+    heads = max(1, width // 64)
+    # Token ids 0 mark begin and end: GPT-2's default 50256 lies outside the small vocabulary.
+    config = GPT2Config(
+        n_layer=2, n_embd=width, n_head=heads, n_positions=seq, vocab_size=1000, bos_token_id=0, eos_token_id=0
+    )
     model = GPT2Model(config).to(device).eval()
     outs = [
         model(input_ids=torch.randint(0, 1000, (batch, seq), device=device)).last_hidden_state
