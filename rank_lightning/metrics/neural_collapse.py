@@ -356,10 +356,14 @@ class NeuralCollapseStatistics(Metric):
         return labels
 
     def start_second_pass(self) -> None:
-        """All-reduce the class sums and fix the means; a collective: every process calls it."""
+        """All-reduce the class sums and fix the means; a collective: every process calls it.
+
+        With ``sync_on_compute=False`` nothing is all-reduced: the means are those of this process's samples, as
+        :meth:`compute` then gives the metrics of this process's samples (not a collective then).
+        """
         # The context all-reduces the states and restores this process's own share afterwards, so that compute's
         # all-reduce still counts every share once.
-        with self.sync_context():
+        with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
             dtype = self.input_dtype  # of every process's features, as compute() will take it
         self._restored_second_pass = False

@@ -76,6 +76,11 @@ def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
         assert distributed["num_samples"] == 360.0
         for key, value in single.items():
             assert distributed[key] == pytest.approx(value, rel=1e-10), key
+        # sync_on_compute=False: both passes over this process's share only (its class means, not the global ones).
+        local, own_share = torch.load(tmp_path / f"local{rank}.pt"), stream(rank, 2)
+        assert local["num_samples"] == own_share["num_samples"] == 180.0
+        for key, value in own_share.items():
+            assert local[key] == pytest.approx(value, rel=1e-10, nan_ok=True), key
 
 
 def test_float32_features_drop_rounding_directions_when_streamed() -> None:
