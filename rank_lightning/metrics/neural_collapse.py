@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,6 +161,8 @@ class NeuralCollapseStatistics(Metric):
         self.add_state("class_scatter", torch.zeros(num_classes, dtype=f64), dist_reduce_fx="sum")
         self.add_state("agreements", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("predicted_rows", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        # Of the predicted rows, those without a prediction to compare: NaN logits or non-finite features.
+        self.add_state("undefined_predictions", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("second_counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
         # The largest eps of the first pass's feature dtypes (0: none seen): a state, so that it is saved, merged and
         # agreed across processes (the largest) with the sums it describes.
@@ -255,12 +258,17 @@ class NeuralCollapseStatistics(Metric):
         if self._selected is None:
             predicted = scores.argmax(dim=1)
         else:  # the head's prediction among the selected classes
-            predicted = present[scores[:, present.to(scores.device)].argmax(dim=1).to(nearest.device)]
+            scores = scores[:, present.to(scores.device)]
+            predicted = present[scores.argmax(dim=1).to(nearest.device)]
         measured = self._row_of.to(labels.device)[labels] >= 0
         if counted is not None:
             measured &= counted
-        self.agreements += ((nearest == predicted.to(nearest.device)) & measured.to(nearest.device)).sum()
+        # A NaN score has no argmax (argmax takes the NaN), non-finite features no nearest mean: counted apart, they
+        # make NC4 NaN rather than agreements or disagreements.
+        defined = ~scores.isnan().any(dim=1).to(labels.device) & torch.isfinite(features).all(dim=1).to(labels.device)
+        self.agreements += ((nearest == predicted.to(nearest.device)) & (measured & defined).to(nearest.device)).sum()
         self.predicted_rows += measured.sum()
+        self.undefined_predictions += (measured & ~defined).sum()
 
     def _token_rows(
         self, features: Tensor, labels: Tensor, logits: Tensor | None, mask: Tensor | None
@@ -412,6 +420,9 @@ class NeuralCollapseStatistics(Metric):
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).
 
+        Features holding NaN or Inf make the metrics they reach NaN, with a warning (every metric in the first pass,
+        whose class means they enter; NC1, the CDNV and NC4 in the second); so do logits holding NaN for NC4.
+
         Raises:
             RuntimeError: :meth:`start_second_pass` was not called, or the two passes saw different class counts
                 (a loader that changed between them).
@@ -425,7 +436,8 @@ class NeuralCollapseStatistics(Metric):
                 f"{self.second_counts.tolist()} in the second; both must read the same data"
             )
         measured = int(counts[self._present.to(counts.device)].sum())
-        agreements = self.agreements if int(self.predicted_rows) == measured else None
+        defined = self._warn_non_finite(sums, measured)
+        agreements = self.agreements if defined and int(self.predicted_rows) == measured else None
         return neural_collapse_from_residuals(
             counts,
             sums,
@@ -436,6 +448,21 @@ class NeuralCollapseStatistics(Metric):
             dtype=self.input_dtype,
             classes=self._selected,
         )
+
+    def _warn_non_finite(self, sums: Tensor, measured: int) -> bool:
+        """Warn of features or logits that held NaN or Inf (the metrics they reach are NaN); whether NC4 is defined."""
+        second = (self.class_scatter, self.projected_scatter)
+        undefined = int(self.undefined_predictions)
+        if not bool(torch.isfinite(sums).all()):
+            problem = "the features held NaN or Inf in the first pass; every metric is NaN"
+        elif not all(bool(torch.isfinite(part).all()) for part in second):
+            problem = "the features held NaN or Inf in the second pass; nc1, cdnv and nc4 are NaN"
+        elif undefined:
+            problem = f"the logits of {undefined} of {measured} samples held NaN (no argmax); nc4 is NaN"
+        else:
+            return True
+        warnings.warn(f"NeuralCollapseStatistics: {problem}", RuntimeWarning, stacklevel=4)  # the caller of compute()
+        return False
 
     def _load_from_state_dict(
         self,
@@ -473,6 +500,9 @@ class NeuralCollapseStatistics(Metric):
         if loaded and prefix + "input_eps" not in state_dict:
             # Saved before the dtype was a state: not known, as for a metric that saw no batch.
             state_dict[prefix + "input_eps"] = torch.zeros((), dtype=torch.float64)
+        if loaded and prefix + "undefined_predictions" not in state_dict:
+            # Saved before NaN logits were counted apart.
+            state_dict[prefix + "undefined_predictions"] = torch.zeros((), dtype=torch.long)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )

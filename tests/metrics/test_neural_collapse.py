@@ -309,3 +309,42 @@ def test_classes_tight_against_their_distance_from_the_origin_warn_of_the_rounde
             expected = neural_collapse(x, y)
             assert result.nc1 == pytest.approx(expected.nc1, rel=1e-9)
             assert result.cdnv == pytest.approx(expected.cdnv, rel=1e-9)
+
+
+def test_nan_logits_or_non_finite_features_give_nan_with_a_warning_not_a_wrong_value() -> None:
+    # NaN logits used to be read as predictions (argmax takes the NaN): NC4 was 0.3556 here instead of NaN.
+    x, y, logits, _ = mixture(n=90, d=6, classes=3, seed=4)
+    clean, broken = NeuralCollapseStatistics(3, 6), NeuralCollapseStatistics(3, 6)
+    bad_logits = logits.clone()
+    bad_logits[:45, 1] = math.nan
+    for metric, scores in ((clean, logits), (broken, bad_logits)):
+        metric.update(x, y)
+        metric.start_second_pass()
+        metric.update(x, y, scores)
+    with pytest.warns(RuntimeWarning, match=r"the logits of 45 of 90 samples held NaN \(no argmax\); nc4 is NaN"):
+        result = broken.compute()
+    assert math.isnan(result.nc4) and not math.isnan(clean.compute().nc4)
+    assert result.nc1 == clean.compute().nc1
+    # Features that are NaN in the second pass only: the class means stand, the residuals do not.
+    second = NeuralCollapseStatistics(3, 6)
+    second.update(x, y)
+    second.start_second_pass()
+    x_nan = x.clone()
+    x_nan[5, 2] = math.nan
+    second.update(x_nan, y, logits)
+    with pytest.warns(RuntimeWarning, match="NaN or Inf in the second pass; nc1, cdnv and nc4 are NaN"):
+        values = second.compute().as_dict()
+    assert [k for k, v in values.items() if math.isnan(v)] == ["nc1", "nc3", "nc4", "cdnv"]  # nc3: no head
+    assert values["nc2_equinorm"] == clean.compute().nc2_equinorm
+    # In the first pass they enter the class means: every metric is NaN.
+    first = NeuralCollapseStatistics(3, 6)
+    first.update(x_nan, y)
+    first.start_second_pass()
+    first.update(x, y, logits)
+    with pytest.warns(RuntimeWarning, match="NaN or Inf in the first pass; every metric is NaN"):
+        assert all(math.isnan(v) for v in first.compute().as_dict().values())
+    first.persistent(True)
+    older = first.state_dict()
+    del older["undefined_predictions"]  # saved before the count existed: loads as none
+    first.load_state_dict(older)
+    assert int(first.undefined_predictions) == 0
