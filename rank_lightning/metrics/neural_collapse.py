@@ -226,6 +226,9 @@ class NeuralCollapseStatistics(Metric):
         Raises:
             ValueError: shapes that do not match, or labels out of range.
         """
+        check_real("features", features)
+        if logits is not None:
+            check_real("logits", logits)
         features, labels, logits, counted, odd_mask = self._token_rows(features, labels, logits, mask)
         labels = self._check(features, labels, logits, counted, odd_mask)
         if self._restored_second_pass and not self.second_pass:

@@ -348,3 +348,20 @@ def test_nan_logits_or_non_finite_features_give_nan_with_a_warning_not_a_wrong_v
     del older["undefined_predictions"]  # saved before the count existed: loads as none
     first.load_state_dict(older)
     assert int(first.undefined_predictions) == 0
+
+
+def test_features_logits_or_labels_that_are_not_tensors_are_refused_naming_them() -> None:
+    x, y, logits, _ = mixture(n=12, d=4, classes=3)
+    metric = NeuralCollapseStatistics(3, 4)
+    with pytest.raises(TypeError, match=r"^features must be a torch.Tensor, got ndarray$"):
+        metric.update(x.numpy(), y)
+    with pytest.raises(ValueError, match=r"^labels must be integer labels .*; got a list; pass integer"):
+        metric.update(x, y.tolist())
+    metric.update(x, y)
+    metric.start_second_pass()
+    with pytest.raises(TypeError, match=r"^logits must be a torch.Tensor, got list$"):
+        metric.update(x, y, logits.tolist())
+    metric.update(x, y, logits)
+    metric.head_weight = torch.randn(3, 4).numpy()
+    with pytest.raises(TypeError, match=r"^head_weight must be a torch.Tensor, got ndarray$"):
+        metric.compute()
