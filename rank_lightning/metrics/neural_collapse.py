@@ -434,9 +434,16 @@ class NeuralCollapseStatistics(Metric):
             raise RuntimeError("NeuralCollapseStatistics.compute needs two passes: call start_second_pass() first")
         counts, sums = self._totals
         if not torch.equal(self.second_counts.to(counts.device), counts):
+            more = int(self.second_counts.sum()) > int(counts.sum())
+            hint = (
+                "; a new measurement starts with reset() (the first pass's batches of a metric whose means are fixed "
+                "add to the second)"
+                if more
+                else ""
+            )
             raise RuntimeError(
                 f"the two passes saw different samples: class counts {counts.tolist()} in the first, "
-                f"{self.second_counts.tolist()} in the second; both must read the same data"
+                f"{self.second_counts.tolist()} in the second; both must read the same data{hint}"
             )
         measured = int(counts[self._present.to(counts.device)].sum())
         defined = self._warn_non_finite(sums, measured)

@@ -365,3 +365,24 @@ def test_features_logits_or_labels_that_are_not_tensors_are_refused_naming_them(
     metric.head_weight = torch.randn(3, 4).numpy()
     with pytest.raises(TypeError, match=r"^head_weight must be a torch.Tensor, got ndarray$"):
         metric.compute()
+
+
+def test_a_new_measurement_without_reset_is_named_as_the_cause_of_different_passes() -> None:
+    # A loop over epochs without reset() streams the next first pass into the second: the counts then differ,
+    # which was reported as passes over different data only.
+    x, y, _, _ = mixture(n=30, d=4, classes=3)
+    metric = NeuralCollapseStatistics(3, 4)
+    for epoch in range(2):
+        metric.update(x, y)
+        metric.start_second_pass()
+        metric.update(x, y)
+        if epoch == 0:
+            assert metric.compute().num_samples == 30
+    message = r"\[10, 10, 10\] in the first, \[30, 30, 30\] in the second; both must read the same data; a new "
+    with pytest.raises(RuntimeError, match=message + r"measurement starts with reset\(\)"):
+        metric.compute()
+    metric.reset()
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x, y)
+    assert metric.compute().num_samples == 30
