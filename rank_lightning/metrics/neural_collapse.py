@@ -132,7 +132,8 @@ class NeuralCollapseStatistics(Metric):
         memory_budget_mb: refuse (``MemoryError``) a plan beyond this many MiB; ``None`` for no limit.
 
     Attributes:
-        head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN).
+        head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN); kept
+            detached (the head's ``nn.Parameter`` may be given), and setting it forgets a computed result.
     """
 
     full_state_update = False
@@ -179,6 +180,18 @@ class NeuralCollapseStatistics(Metric):
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
         self._restored_second_pass = False  # load_state_dict brought second-pass sums: the means must be fixed again
+
+    @override
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "head_weight":
+            # The head's own weight (a Parameter) is kept detached, not registered as a parameter of the metric (whose
+            # module's state dict would gain a key that the model's checkpoints cannot load); a new head changes NC3,
+            # so a result computed with the previous one is forgotten.
+            if isinstance(value, Tensor):
+                value = value.detach()
+            if "_computed" in self.__dict__:
+                self._computed = None
+        super().__setattr__(name, value)
 
     @property
     def input_dtype(self) -> torch.dtype | None:

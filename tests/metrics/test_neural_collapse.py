@@ -386,3 +386,28 @@ def test_a_new_measurement_without_reset_is_named_as_the_cause_of_different_pass
     metric.start_second_pass()
     metric.update(x, y)
     assert metric.compute().num_samples == 30
+
+
+def test_a_head_weight_set_after_compute_is_used_and_never_joins_the_state_dict() -> None:
+    # compute() returned its cached result (NC3 NaN) after a head was set, and the head's own Parameter was
+    # registered as a parameter of the metric: the model's checkpoint held "nc.head_weight", which a new model
+    # refused as an unexpected key.
+    class _Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(10, 4, dtype=torch.float64)
+            self.nc = NeuralCollapseStatistics(4, 10)
+
+    x, y, _, weight = mixture(seed=5)
+    net = _Net()
+    net.nc.update(x, y)
+    net.nc.start_second_pass()
+    net.nc.update(x, y)
+    assert math.isnan(net.nc.compute().nc3)
+    net.nc.head_weight = weight
+    assert net.nc.compute().nc3 == pytest.approx(neural_collapse(x, y, head_weight=weight).nc3, rel=1e-10)
+    net.nc.head_weight = net.fc.weight
+    assert net.nc.compute().nc3 == pytest.approx(neural_collapse(x, y, head_weight=net.fc.weight).nc3, rel=1e-10)
+    assert not net.nc.head_weight.requires_grad
+    assert list(net.state_dict()) == ["fc.weight", "fc.bias"]
+    _Net().load_state_dict(net.state_dict())
