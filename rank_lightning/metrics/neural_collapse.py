@@ -531,6 +531,7 @@ class NeuralCollapseStatistics(Metric):
         )
         if not loaded:
             return
+        self._computed = None  # of the sums before the load
         self._means = self._present = self._selected = self._row_of = self._directions = self._totals = None
         self._restored_second_pass = bool(self.second_counts.sum())
 

@@ -411,3 +411,22 @@ def test_a_head_weight_set_after_compute_is_used_and_never_joins_the_state_dict(
     assert not net.nc.head_weight.requires_grad
     assert list(net.state_dict()) == ["fc.weight", "fc.bias"]
     _Net().load_state_dict(net.state_dict())
+
+
+def test_a_loaded_state_replaces_the_result_computed_before_it() -> None:
+    # compute() returned the cached result of the sums before the load (30 samples) instead of asking for the
+    # second pass of the loaded first pass.
+    x, y, _, _ = mixture(n=30, d=4, classes=3)
+    metric, saved = NeuralCollapseStatistics(3, 4), NeuralCollapseStatistics(3, 4)
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x, y)
+    assert metric.compute().num_samples == 30
+    saved.persistent(True)
+    saved.update(x[:12], y[:12])
+    metric.load_state_dict(saved.state_dict())
+    with pytest.raises(RuntimeError, match=r"needs two passes: call start_second_pass\(\) first"):
+        metric.compute()
+    metric.start_second_pass()
+    metric.update(x[:12], y[:12])
+    assert metric.compute().num_samples == 12
