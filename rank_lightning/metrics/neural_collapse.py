@@ -459,7 +459,7 @@ class NeuralCollapseStatistics(Metric):
                 f"{self.second_counts.tolist()} in the second; both must read the same data{hint}"
             )
         measured = int(counts[self._present.to(counts.device)].sum())
-        defined = self._warn_non_finite(sums, measured)
+        defined = self._warn_undefined(sums, measured)
         agreements = self.agreements if defined and int(self.predicted_rows) == measured else None
         return neural_collapse_from_residuals(
             counts,
@@ -472,16 +472,22 @@ class NeuralCollapseStatistics(Metric):
             classes=self._selected,
         )
 
-    def _warn_non_finite(self, sums: Tensor, measured: int) -> bool:
-        """Warn of features or logits that held NaN or Inf (the metrics they reach are NaN); whether NC4 is defined."""
+    def _warn_undefined(self, sums: Tensor, measured: int) -> bool:
+        """Warn of features or logits that held NaN or Inf (the metrics they reach are NaN), and of logits given for
+        some samples only (NC4 NaN); whether NC4 is defined."""
         second = (self.class_scatter, self.projected_scatter)
-        undefined = int(self.undefined_predictions)
+        undefined, predicted = int(self.undefined_predictions), int(self.predicted_rows)
         if not bool(torch.isfinite(sums).all()):
             problem = "the features held NaN or Inf in the first pass; every metric is NaN"
         elif not all(bool(torch.isfinite(part).all()) for part in second):
             problem = "the features held NaN or Inf in the second pass; nc1, cdnv and nc4 are NaN"
         elif undefined:
             problem = f"the logits of {undefined} of {measured} samples held NaN (no argmax); nc4 is NaN"
+        elif 0 < predicted < measured:
+            problem = (
+                f"logits came with {predicted} of the {measured} samples of the second pass; nc4 (the head's "
+                "prediction of every sample against the nearest class mean) is NaN: give logits with every batch"
+            )
         else:
             return True
         warnings.warn(f"NeuralCollapseStatistics: {problem}", RuntimeWarning, stacklevel=4)  # the caller of compute()

@@ -430,3 +430,21 @@ def test_a_loaded_state_replaces_the_result_computed_before_it() -> None:
     metric.start_second_pass()
     metric.update(x[:12], y[:12])
     assert metric.compute().num_samples == 12
+
+
+def test_logits_given_with_some_batches_only_leave_nc4_nan_with_a_warning() -> None:
+    x, y, logits, _ = mixture(n=90, d=6, classes=3)
+    metric = NeuralCollapseStatistics(3, 6)
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x[:60], y[:60], logits[:60])
+    metric.update(x[60:], y[60:])
+    with pytest.warns(RuntimeWarning, match=r"logits came with 60 of the 90 samples of the second pass; nc4 .* is NaN"):
+        assert math.isnan(metric.compute().nc4)
+    metric.reset()  # no logits at all: NC4 is NaN as documented, without a warning
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(metric.compute().nc4)
