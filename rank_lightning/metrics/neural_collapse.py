@@ -477,7 +477,9 @@ class NeuralCollapseStatistics(Metric):
         some samples only (NC4 NaN); whether NC4 is defined."""
         second = (self.class_scatter, self.projected_scatter)
         undefined, predicted = int(self.undefined_predictions), int(self.predicted_rows)
-        if not bool(torch.isfinite(sums).all()):
+        if measured == 0:
+            problem = "no sample was streamed; every metric is NaN"
+        elif not bool(torch.isfinite(sums).all()):
             problem = "the features held NaN or Inf in the first pass; every metric is NaN"
         elif not all(bool(torch.isfinite(part).all()) for part in second):
             problem = "the features held NaN or Inf in the second pass; nc1, cdnv and nc4 are NaN"

@@ -448,3 +448,12 @@ def test_logits_given_with_some_batches_only_leave_nc4_nan_with_a_warning() -> N
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert math.isnan(metric.compute().nc4)
+
+
+def test_no_sample_gives_nan_with_a_warning() -> None:
+    metric = NeuralCollapseStatistics(3, 4)
+    metric.update(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    metric.start_second_pass()
+    with pytest.warns(RuntimeWarning, match=r"^NeuralCollapseStatistics: no sample was streamed; every metric is NaN$"):
+        result = metric.compute()
+    assert result.num_samples == 0 and all(math.isnan(v) for v in result.as_dict().values())
