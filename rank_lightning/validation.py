@@ -219,7 +219,9 @@ def check_names(name: str, values: str | Sequence[str] | None) -> tuple[str, ...
 
 def check_real(name: str, x: torch.Tensor) -> None:
     """Refuse a complex tensor: every spectrum here is of real activations and weights (the imaginary part would
-    otherwise be dropped, or fail deep inside, without naming the input)."""
+    otherwise be dropped, or fail deep inside, without naming the input); ``TypeError`` for anything but a tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.is_complex():
         raise ValueError(f"{name} must be real, got {x.dtype}; the spectra here are of real activations and weights")
 

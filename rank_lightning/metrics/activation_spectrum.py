@@ -704,6 +704,7 @@ class ActivationSpectrum(Metric):
                 several layers share it). Under ``"cls"`` a mask whose first position is padding (left padding) is
                 named in a warning, which reads one more flag back.
         """
+        check_real("activations", activations)
         if not torch.is_inference_mode_enabled():
             self._leave_inference_mode()
         activations, labels, mask = self._prepare(activations.detach(), labels, mask)
@@ -867,8 +868,8 @@ class ActivationSpectrum(Metric):
     def _prepare(
         self, activations: Tensor, labels: Tensor | None, mask: Tensor | None
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Check the batch, learn d from it, and put the batch and the states on one device."""
-        check_real("activations", activations)
+        """Check the batch (:meth:`update` has refused complex ones), learn d from it, and put the batch and the states
+        on one device."""
         if activations.dtype == torch.bool:
             activations = activations.to(torch.uint8)  # 0 / 1, as the functional metrics read a boolean matrix
         # One input's reduction gives d (and validates the reduction) without touching the batch.
@@ -902,6 +903,8 @@ class ActivationSpectrum(Metric):
     def _input_grouping(self, labels: Tensor | ClassGrouping, activations: Tensor) -> ClassGrouping:
         batch = activations.shape[0]
         given = labels.labels if isinstance(labels, ClassGrouping) else labels
+        if not isinstance(given, Tensor):
+            class_labels(given)  # raises, naming what was found and the forms taken
         per_token = labels.labelled is not None if isinstance(labels, ClassGrouping) else given.ndim == 2
         if per_token and activations.ndim == 3 and self.reduction == "token":
             return self._token_grouping(labels, activations)

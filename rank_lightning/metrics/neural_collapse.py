@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,7 +132,8 @@ class NeuralCollapseStatistics(Metric):
         memory_budget_mb: refuse (``MemoryError``) a plan beyond this many MiB; ``None`` for no limit.
 
     Attributes:
-        head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN).
+        head_weight: the head's ``(C, d)`` weight, set before :meth:`compute` for NC3 (``None``: NC3 is NaN); kept
+            detached (the head's ``nn.Parameter`` may be given), and setting it forgets a computed result.
     """
 
     full_state_update = False
@@ -160,6 +162,8 @@ class NeuralCollapseStatistics(Metric):
         self.add_state("class_scatter", torch.zeros(num_classes, dtype=f64), dist_reduce_fx="sum")
         self.add_state("agreements", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("predicted_rows", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        # Of the predicted rows, those without a prediction to compare: NaN logits or non-finite features.
+        self.add_state("undefined_predictions", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("second_counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
         # The largest eps of the first pass's feature dtypes (0: none seen): a state, so that it is saved, merged and
         # agreed across processes (the largest) with the sums it describes.
@@ -176,6 +180,18 @@ class NeuralCollapseStatistics(Metric):
         self._directions: Tensor | None = None
         self._totals: tuple[Tensor, Tensor] | None = None
         self._restored_second_pass = False  # load_state_dict brought second-pass sums: the means must be fixed again
+
+    @override
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "head_weight":
+            # The head's own weight (a Parameter) is kept detached, not registered as a parameter of the metric (whose
+            # module's state dict would gain a key that the model's checkpoints cannot load); a new head changes NC3,
+            # so a result computed with the previous one is forgotten.
+            if isinstance(value, Tensor):
+                value = value.detach()
+            if "_computed" in self.__dict__:
+                self._computed = None
+        super().__setattr__(name, value)
 
     @property
     def input_dtype(self) -> torch.dtype | None:
@@ -223,6 +239,9 @@ class NeuralCollapseStatistics(Metric):
         Raises:
             ValueError: shapes that do not match, or labels out of range.
         """
+        check_real("features", features)
+        if logits is not None:
+            check_real("logits", logits)
         features, labels, logits, counted, odd_mask = self._token_rows(features, labels, logits, mask)
         labels = self._check(features, labels, logits, counted, odd_mask)
         if self._restored_second_pass and not self.second_pass:
@@ -255,12 +274,17 @@ class NeuralCollapseStatistics(Metric):
         if self._selected is None:
             predicted = scores.argmax(dim=1)
         else:  # the head's prediction among the selected classes
-            predicted = present[scores[:, present.to(scores.device)].argmax(dim=1).to(nearest.device)]
+            scores = scores[:, present.to(scores.device)]
+            predicted = present[scores.argmax(dim=1).to(nearest.device)]
         measured = self._row_of.to(labels.device)[labels] >= 0
         if counted is not None:
             measured &= counted
-        self.agreements += ((nearest == predicted.to(nearest.device)) & measured.to(nearest.device)).sum()
+        # A NaN score has no argmax (argmax takes the NaN), non-finite features no nearest mean: counted apart, they
+        # make NC4 NaN rather than agreements or disagreements.
+        defined = ~scores.isnan().any(dim=1).to(labels.device) & torch.isfinite(features).all(dim=1).to(labels.device)
+        self.agreements += ((nearest == predicted.to(nearest.device)) & (measured & defined).to(nearest.device)).sum()
         self.predicted_rows += measured.sum()
+        self.undefined_predictions += (measured & ~defined).sum()
 
     def _token_rows(
         self, features: Tensor, labels: Tensor, logits: Tensor | None, mask: Tensor | None
@@ -356,10 +380,14 @@ class NeuralCollapseStatistics(Metric):
         return labels
 
     def start_second_pass(self) -> None:
-        """All-reduce the class sums and fix the means; a collective: every process calls it."""
+        """All-reduce the class sums and fix the means; a collective: every process calls it.
+
+        With ``sync_on_compute=False`` nothing is all-reduced: the means are those of this process's samples, as
+        :meth:`compute` then gives the metrics of this process's samples (not a collective then).
+        """
         # The context all-reduces the states and restores this process's own share afterwards, so that compute's
         # all-reduce still counts every share once.
-        with self.sync_context():
+        with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
             self._totals = (self.class_counts.clone(), self.class_sums.clone())
             dtype = self.input_dtype  # of every process's features, as compute() will take it
         self._restored_second_pass = False
@@ -408,6 +436,9 @@ class NeuralCollapseStatistics(Metric):
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).
 
+        Features holding NaN or Inf make the metrics they reach NaN, with a warning (every metric in the first pass,
+        whose class means they enter; NC1, the CDNV and NC4 in the second); so do logits holding NaN for NC4.
+
         Raises:
             RuntimeError: :meth:`start_second_pass` was not called, or the two passes saw different class counts
                 (a loader that changed between them).
@@ -416,12 +447,20 @@ class NeuralCollapseStatistics(Metric):
             raise RuntimeError("NeuralCollapseStatistics.compute needs two passes: call start_second_pass() first")
         counts, sums = self._totals
         if not torch.equal(self.second_counts.to(counts.device), counts):
+            more = int(self.second_counts.sum()) > int(counts.sum())
+            hint = (
+                "; a new measurement starts with reset() (the first pass's batches of a metric whose means are fixed "
+                "add to the second)"
+                if more
+                else ""
+            )
             raise RuntimeError(
                 f"the two passes saw different samples: class counts {counts.tolist()} in the first, "
-                f"{self.second_counts.tolist()} in the second; both must read the same data"
+                f"{self.second_counts.tolist()} in the second; both must read the same data{hint}"
             )
         measured = int(counts[self._present.to(counts.device)].sum())
-        agreements = self.agreements if int(self.predicted_rows) == measured else None
+        defined = self._warn_undefined(sums, measured)
+        agreements = self.agreements if defined and int(self.predicted_rows) == measured else None
         return neural_collapse_from_residuals(
             counts,
             sums,
@@ -432,6 +471,29 @@ class NeuralCollapseStatistics(Metric):
             dtype=self.input_dtype,
             classes=self._selected,
         )
+
+    def _warn_undefined(self, sums: Tensor, measured: int) -> bool:
+        """Warn of features or logits that held NaN or Inf (the metrics they reach are NaN), and of logits given for
+        some samples only (NC4 NaN); whether NC4 is defined."""
+        second = (self.class_scatter, self.projected_scatter)
+        undefined, predicted = int(self.undefined_predictions), int(self.predicted_rows)
+        if measured == 0:
+            problem = "no sample was streamed; every metric is NaN"
+        elif not bool(torch.isfinite(sums).all()):
+            problem = "the features held NaN or Inf in the first pass; every metric is NaN"
+        elif not all(bool(torch.isfinite(part).all()) for part in second):
+            problem = "the features held NaN or Inf in the second pass; nc1, cdnv and nc4 are NaN"
+        elif undefined:
+            problem = f"the logits of {undefined} of {measured} samples held NaN (no argmax); nc4 is NaN"
+        elif 0 < predicted < measured:
+            problem = (
+                f"logits came with {predicted} of the {measured} samples of the second pass; nc4 (the head's "
+                "prediction of every sample against the nearest class mean) is NaN: give logits with every batch"
+            )
+        else:
+            return True
+        warnings.warn(f"NeuralCollapseStatistics: {problem}", RuntimeWarning, stacklevel=4)  # the caller of compute()
+        return False
 
     def _load_from_state_dict(
         self,
@@ -469,11 +531,15 @@ class NeuralCollapseStatistics(Metric):
         if loaded and prefix + "input_eps" not in state_dict:
             # Saved before the dtype was a state: not known, as for a metric that saw no batch.
             state_dict[prefix + "input_eps"] = torch.zeros((), dtype=torch.float64)
+        if loaded and prefix + "undefined_predictions" not in state_dict:
+            # Saved before NaN logits were counted apart.
+            state_dict[prefix + "undefined_predictions"] = torch.zeros((), dtype=torch.long)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         if not loaded:
             return
+        self._computed = None  # of the sums before the load
         self._means = self._present = self._selected = self._row_of = self._directions = self._totals = None
         self._restored_second_pass = bool(self.second_counts.sum())
 

@@ -21,10 +21,10 @@ def mixture(n: int = 360, d: int = 10, classes: int = 4, seed: int = 0) -> tuple
     return x, labels, logits, torch.randn(classes, d, generator=g, dtype=torch.float64)
 
 
-def stream(rank: int, world: int, batch: int = 30) -> dict[str, float]:
+def stream(rank: int, world: int, batch: int = 30, *, sync_on_compute: bool = True) -> dict[str, float]:
     """Both passes over this rank's share (every world-th batch), then the metrics."""
     x, y, logits, weight = mixture()
-    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1])
+    metric = NeuralCollapseStatistics(num_classes=4, num_features=x.shape[1], sync_on_compute=sync_on_compute)
     shares = [(xb, yb, lb) for i, (xb, yb, lb) in enumerate(zip(x.split(batch), y.split(batch), logits.split(batch)))]
     mine = [part for i, part in enumerate(shares) if i % world == rank]
     for xb, yb, _ in mine:
@@ -43,6 +43,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save(stream(rank, world), Path(out_dir) / f"rank{rank}.pt")
+        torch.save(stream(rank, world, sync_on_compute=False), Path(out_dir) / f"local{rank}.pt")
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -1302,3 +1302,17 @@ def test_total_cluster_variation_of_tight_classes_warns_of_its_rounding() -> Non
             assert float(result.total_cluster_variation) == pytest.approx(
                 float(F.total_cluster_variation(x, labels)), rel=1e-12
             )
+
+
+def test_activations_or_labels_that_are_not_tensors_are_refused_naming_them() -> None:
+    # They failed with "'list' object has no attribute 'ndim'" (or 'detach') from deep inside update().
+    x, y = torch.randn(4, 3), [0, 1, 2, 0]
+    metric = ActivationSpectrum(num_classes=3)
+    with pytest.raises(ValueError, match=r"labels must be integer labels of shape \(B,\).*; got a list; pass integer"):
+        metric.update(x, y)
+    with pytest.raises(ValueError, match=r"; got a tuple; pass integer class indices"):
+        ActivationSpectrum(num_classes=3, reduction="token").update(torch.randn(2, 3, 4), ((0, 1, 2), (0, 1, 2)))
+    with pytest.raises(TypeError, match=r"^activations must be a torch.Tensor, got ndarray$"):
+        metric.update(x.numpy(), torch.tensor(y))
+    metric.update(x, torch.tensor(y))
+    assert metric.compute().num_samples == 4

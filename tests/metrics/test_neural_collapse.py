@@ -76,6 +76,11 @@ def test_two_process_ddp_equals_one_process(tmp_path: Path) -> None:
         assert distributed["num_samples"] == 360.0
         for key, value in single.items():
             assert distributed[key] == pytest.approx(value, rel=1e-10), key
+        # sync_on_compute=False: both passes over this process's share only (its class means, not the global ones).
+        local, own_share = torch.load(tmp_path / f"local{rank}.pt"), stream(rank, 2)
+        assert local["num_samples"] == own_share["num_samples"] == 180.0
+        for key, value in own_share.items():
+            assert local[key] == pytest.approx(value, rel=1e-10, nan_ok=True), key
 
 
 def test_float32_features_drop_rounding_directions_when_streamed() -> None:
@@ -304,3 +309,151 @@ def test_classes_tight_against_their_distance_from_the_origin_warn_of_the_rounde
             expected = neural_collapse(x, y)
             assert result.nc1 == pytest.approx(expected.nc1, rel=1e-9)
             assert result.cdnv == pytest.approx(expected.cdnv, rel=1e-9)
+
+
+def test_nan_logits_or_non_finite_features_give_nan_with_a_warning_not_a_wrong_value() -> None:
+    # NaN logits used to be read as predictions (argmax takes the NaN): NC4 was 0.3556 here instead of NaN.
+    x, y, logits, _ = mixture(n=90, d=6, classes=3, seed=4)
+    clean, broken = NeuralCollapseStatistics(3, 6), NeuralCollapseStatistics(3, 6)
+    bad_logits = logits.clone()
+    bad_logits[:45, 1] = math.nan
+    for metric, scores in ((clean, logits), (broken, bad_logits)):
+        metric.update(x, y)
+        metric.start_second_pass()
+        metric.update(x, y, scores)
+    with pytest.warns(RuntimeWarning, match=r"the logits of 45 of 90 samples held NaN \(no argmax\); nc4 is NaN"):
+        result = broken.compute()
+    assert math.isnan(result.nc4) and not math.isnan(clean.compute().nc4)
+    assert result.nc1 == clean.compute().nc1
+    # Features that are NaN in the second pass only: the class means stand, the residuals do not.
+    second = NeuralCollapseStatistics(3, 6)
+    second.update(x, y)
+    second.start_second_pass()
+    x_nan = x.clone()
+    x_nan[5, 2] = math.nan
+    second.update(x_nan, y, logits)
+    with pytest.warns(RuntimeWarning, match="NaN or Inf in the second pass; nc1, cdnv and nc4 are NaN"):
+        values = second.compute().as_dict()
+    assert [k for k, v in values.items() if math.isnan(v)] == ["nc1", "nc3", "nc4", "cdnv"]  # nc3: no head
+    assert values["nc2_equinorm"] == clean.compute().nc2_equinorm
+    # In the first pass they enter the class means: every metric is NaN.
+    first = NeuralCollapseStatistics(3, 6)
+    first.update(x_nan, y)
+    first.start_second_pass()
+    first.update(x, y, logits)
+    with pytest.warns(RuntimeWarning, match="NaN or Inf in the first pass; every metric is NaN"):
+        assert all(math.isnan(v) for v in first.compute().as_dict().values())
+    first.persistent(True)
+    older = first.state_dict()
+    del older["undefined_predictions"]  # saved before the count existed: loads as none
+    first.load_state_dict(older)
+    assert int(first.undefined_predictions) == 0
+
+
+def test_features_logits_or_labels_that_are_not_tensors_are_refused_naming_them() -> None:
+    x, y, logits, _ = mixture(n=12, d=4, classes=3)
+    metric = NeuralCollapseStatistics(3, 4)
+    with pytest.raises(TypeError, match=r"^features must be a torch.Tensor, got ndarray$"):
+        metric.update(x.numpy(), y)
+    with pytest.raises(ValueError, match=r"^labels must be integer labels .*; got a list; pass integer"):
+        metric.update(x, y.tolist())
+    metric.update(x, y)
+    metric.start_second_pass()
+    with pytest.raises(TypeError, match=r"^logits must be a torch.Tensor, got list$"):
+        metric.update(x, y, logits.tolist())
+    metric.update(x, y, logits)
+    metric.head_weight = torch.randn(3, 4).numpy()
+    with pytest.raises(TypeError, match=r"^head_weight must be a torch.Tensor, got ndarray$"):
+        metric.compute()
+
+
+def test_a_new_measurement_without_reset_is_named_as_the_cause_of_different_passes() -> None:
+    # A loop over epochs without reset() streams the next first pass into the second: the counts then differ,
+    # which was reported as passes over different data only.
+    x, y, _, _ = mixture(n=30, d=4, classes=3)
+    metric = NeuralCollapseStatistics(3, 4)
+    for epoch in range(2):
+        metric.update(x, y)
+        metric.start_second_pass()
+        metric.update(x, y)
+        if epoch == 0:
+            assert metric.compute().num_samples == 30
+    message = r"\[10, 10, 10\] in the first, \[30, 30, 30\] in the second; both must read the same data; a new "
+    with pytest.raises(RuntimeError, match=message + r"measurement starts with reset\(\)"):
+        metric.compute()
+    metric.reset()
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x, y)
+    assert metric.compute().num_samples == 30
+
+
+def test_a_head_weight_set_after_compute_is_used_and_never_joins_the_state_dict() -> None:
+    # compute() returned its cached result (NC3 NaN) after a head was set, and the head's own Parameter was
+    # registered as a parameter of the metric: the model's checkpoint held "nc.head_weight", which a new model
+    # refused as an unexpected key.
+    class _Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(10, 4, dtype=torch.float64)
+            self.nc = NeuralCollapseStatistics(4, 10)
+
+    x, y, _, weight = mixture(seed=5)
+    net = _Net()
+    net.nc.update(x, y)
+    net.nc.start_second_pass()
+    net.nc.update(x, y)
+    assert math.isnan(net.nc.compute().nc3)
+    net.nc.head_weight = weight
+    assert net.nc.compute().nc3 == pytest.approx(neural_collapse(x, y, head_weight=weight).nc3, rel=1e-10)
+    net.nc.head_weight = net.fc.weight
+    assert net.nc.compute().nc3 == pytest.approx(neural_collapse(x, y, head_weight=net.fc.weight).nc3, rel=1e-10)
+    assert not net.nc.head_weight.requires_grad
+    assert list(net.state_dict()) == ["fc.weight", "fc.bias"]
+    _Net().load_state_dict(net.state_dict())
+
+
+def test_a_loaded_state_replaces_the_result_computed_before_it() -> None:
+    # compute() returned the cached result of the sums before the load (30 samples) instead of asking for the
+    # second pass of the loaded first pass.
+    x, y, _, _ = mixture(n=30, d=4, classes=3)
+    metric, saved = NeuralCollapseStatistics(3, 4), NeuralCollapseStatistics(3, 4)
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x, y)
+    assert metric.compute().num_samples == 30
+    saved.persistent(True)
+    saved.update(x[:12], y[:12])
+    metric.load_state_dict(saved.state_dict())
+    with pytest.raises(RuntimeError, match=r"needs two passes: call start_second_pass\(\) first"):
+        metric.compute()
+    metric.start_second_pass()
+    metric.update(x[:12], y[:12])
+    assert metric.compute().num_samples == 12
+
+
+def test_logits_given_with_some_batches_only_leave_nc4_nan_with_a_warning() -> None:
+    x, y, logits, _ = mixture(n=90, d=6, classes=3)
+    metric = NeuralCollapseStatistics(3, 6)
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x[:60], y[:60], logits[:60])
+    metric.update(x[60:], y[60:])
+    with pytest.warns(RuntimeWarning, match=r"logits came with 60 of the 90 samples of the second pass; nc4 .* is NaN"):
+        assert math.isnan(metric.compute().nc4)
+    metric.reset()  # no logits at all: NC4 is NaN as documented, without a warning
+    metric.update(x, y)
+    metric.start_second_pass()
+    metric.update(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(metric.compute().nc4)
+
+
+def test_no_sample_gives_nan_with_a_warning() -> None:
+    metric = NeuralCollapseStatistics(3, 4)
+    metric.update(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    metric.start_second_pass()
+    with pytest.warns(RuntimeWarning, match=r"^NeuralCollapseStatistics: no sample was streamed; every metric is NaN$"):
+        result = metric.compute()
+    assert result.num_samples == 0 and all(math.isnan(v) for v in result.as_dict().values())
