@@ -872,6 +872,11 @@ class ActivationSpectrum(Metric):
         on one device."""
         if activations.dtype == torch.bool:
             activations = activations.to(torch.uint8)  # 0 / 1, as the functional metrics read a boolean matrix
+        if 0 in activations.shape[1:]:
+            raise ValueError(
+                f"activations of shape {tuple(activations.shape)} have an empty dimension after the batch one: every "
+                "input needs at least one feature, channel, position or token"
+            )
         # One input's reduction gives d (and validates the reduction) without touching the batch.
         try:
             num_features = reduce_activations(activations[:1], self.reduction).shape[1]

@@ -1,5 +1,6 @@
 import io
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -1316,3 +1317,18 @@ def test_activations_or_labels_that_are_not_tensors_are_refused_naming_them() ->
         metric.update(x.numpy(), torch.tensor(y))
     metric.update(x, torch.tensor(y))
     assert metric.compute().num_samples == 4
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduction"),
+    [((4, 0), "mean"), ((4, 3, 0, 5), "channel"), ((4, 0, 6), "cls"), ((4, 0, 6), "mean"), ((4, 3, 0, 5), "flatten")],
+)
+def test_an_empty_dimension_after_the_batch_is_refused_naming_the_shape(shape: tuple[int, ...], reduction: str) -> None:
+    # They failed with "num_features must be a positive integer, got 0" (no num_features was given), a
+    # ZeroDivisionError, an IndexError, or, for the mean of no token, NaN with a warning of NaN or Inf activations.
+    metric = ActivationSpectrum(reduction=reduction)
+    shown = re.escape(str(shape))
+    with pytest.raises(ValueError, match=rf"^activations of shape {shown} have an empty dimension after the batch one"):
+        metric.update(torch.randn(*shape))
+    metric.update(torch.ones(0, *(size or 2 for size in shape[1:])))  # an empty batch stays a batch without rows
+    assert metric.compute().num_samples == 0
