@@ -372,7 +372,7 @@ class ActivationRankMonitor(CurveMonitor):
         num_classes: int | None = None,
         label_key: int | str | None = None,
         label_fn: Callable[[Any], Tensor] | None = None,
-        mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
+        mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None,
         output_selector: OutputSelector | None = None,
         repeated_calls: Literal["first", "each"] = "first",
         unbatched: bool = False,

@@ -148,7 +148,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,
         top_classes: int | None = None,
-        mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
+        mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None,
         memory_budget_mb: float | None = 4096.0,
     ) -> None:
         super().__init__(

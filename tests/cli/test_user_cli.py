@@ -1,0 +1,39 @@
+"""The callbacks in a user's own LightningCLI: every setting parses from YAML and the command line, and the config
+the CLI saves gives the same callbacks back."""
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.cli import LightningCLI
+from torch import nn
+
+MONITOR = "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitor"
+
+
+class UserModel(pl.LightningModule):
+    """A module of the user's own, nothing taken from the package."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def user_cli(*args: str) -> LightningCLI:
+    """The user's CLI on ``args``, classes instantiated, nothing run."""
+    return LightningCLI(UserModel, args=["--trainer.logger=false", *args], run=False)
+
+
+def test_mask_key_false_survives_the_saved_config(tmp_path):
+    cli = user_cli(MONITOR, "--trainer.callbacks.mask_key=false")
+    assert cli.trainer.callbacks[0].batch_reader.mask_key is False  # not the key 'false'
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cli.parser.dump(cli.config))  # as SaveConfigCallback writes it
+    assert "mask_key: false\n" in saved.read_text()
+    restarted = user_cli("--config", str(saved))
+    assert restarted.trainer.callbacks[0].batch_reader.mask_key is False
+    assert user_cli(MONITOR, "--trainer.callbacks.mask_key=0").trainer.callbacks[0].batch_reader.mask_key == 0
