@@ -1749,7 +1749,9 @@ class BatchReader:
 
     input_key: int | str | None = None
     label_key: int | str | None = None
-    label_fn: Callable[[Any], Tensor] | None = None
+    # Returning Any: a LightningCLI config refuses the import path of a function whose return annotation is not the
+    # Callable's, and most label functions have none.
+    label_fn: Callable[[Any], Any] | None = None
     # Literal[False] first: a LightningCLI config then reads `false` as False and writes it back as `false`
     # (listed after str, `--mask_key=false` is the key 'false' and a saved False cannot be read back). The callbacks'
     # and RankTracker's mask_key list the same types in the same order.

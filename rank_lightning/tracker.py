@@ -144,7 +144,7 @@ class RankTracker:
         output_selector: OutputSelector | None = None,
         repeated_calls: Literal["first", "each"] = "first",
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None,
         unbatched: bool = False,
     ) -> None:

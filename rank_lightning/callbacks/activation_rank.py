@@ -371,7 +371,7 @@ class ActivationRankMonitor(CurveMonitor):
         alpha_req_range: tuple[int, int | None] = (1, None),
         num_classes: int | None = None,
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None,
         output_selector: OutputSelector | None = None,
         repeated_calls: Literal["first", "each"] = "first",

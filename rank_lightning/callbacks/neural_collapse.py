@@ -143,7 +143,7 @@ class NeuralCollapseMonitor(CurveMonitor):
         max_samples: int | None = None,
         input_key: int | str | None = None,
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         log_at_init: bool = False,
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,

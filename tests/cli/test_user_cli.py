@@ -37,3 +37,23 @@ def test_mask_key_false_survives_the_saved_config(tmp_path):
     restarted = user_cli("--config", str(saved))
     assert restarted.trainer.callbacks[0].batch_reader.mask_key is False
     assert user_cli(MONITOR, "--trainer.callbacks.mask_key=0").trainer.callbacks[0].batch_reader.mask_key == 0
+
+
+def labels_of(batch):
+    """A user's label function, without a return annotation, as most are written."""
+    return batch[1]
+
+
+def test_label_fn_is_a_functions_import_path_in_yaml(tmp_path):
+    config = tmp_path / "callbacks.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n"
+        "    - class_path: rank_lightning.callbacks.NeuralCollapseMonitor\n"
+        f"      init_args: {{label_fn: {__name__}.labels_of}}\n"
+    )
+    cli = user_cli("--config", str(config))
+    assert cli.trainer.callbacks[0].reader.label_fn is labels_of
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cli.parser.dump(cli.config))
+    assert f"label_fn: {__name__}.labels_of\n" in saved.read_text()
+    assert user_cli("--config", str(saved)).trainer.callbacks[0].reader.label_fn is labels_of
