@@ -63,7 +63,13 @@ CONFIG_SUFFIXES = (".yaml", ".yml")
 _SETUP_FILES = ("config*.yaml", "hparams.yaml", "events.out.tfevents.*")
 
 
-_CLASS_PROBLEM = re.compile(r"^( *)- Problem with given class_path '([^']+)':\n((?:\1 +\S.*(?:\n|$))+)", re.MULTILINE)
+# The block of lines indented below the class's line; a blank line inside it (the parser writes one after the option's
+# key before the lines about reading the value as a config file's path) does not end it.
+_CLASS_PROBLEM = re.compile(
+    r"^( *)- Problem with given class_path '([^']+)':\n((?:\1 +\S.*(?:\n|$)|\n(?=\1 +\S))+)", re.MULTILINE
+)
+# A value refused for a Callable (an argument such as label_fn), with the reason the parser gives.
+_FUNCTION_PROBLEM = re.compile(r"- Type \S*Callable.* expects a function or a callable class: (.*)")
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)"')
 
 
@@ -73,6 +79,21 @@ def _type_name(text: str) -> str:
     if literal := re.fullmatch(r"Literal\[(.*)\]", text):
         return f"one of {literal.group(1)}"
     return "None" if text == "NoneType" else text
+
+
+def _expected(body: list[str]) -> list[str]:
+    """What the ``- Expected a ...`` lines of the parser's message about one option ask for, in words, each once; a
+    function (``label_fn``) is asked for by its import path, with the reason the value given is none. The parser's
+    attempt to read the value as a config file's path is left out."""
+    expected = []
+    for line in body:
+        if function := _FUNCTION_PROBLEM.match(line):
+            expected.append(f"the import path of a function, module.function ({function.group(1).rstrip('.')})")
+        elif line.startswith("- Expected a dot import path string"):
+            expected.append("an import path, module.name")
+        elif line.startswith("- Expected a ") and not line.startswith("- Expected a path but "):
+            expected.append(_type_name(line.removeprefix("- Expected a ")))
+    return list(dict.fromkeys(expected))
 
 
 def _init_options(class_path: str) -> list[str]:
@@ -108,7 +129,7 @@ def class_argument_error(message: str) -> str | None:
         return None
     class_path = problem.group(2)
     name = class_path.rpartition(".")[2]
-    body = [line.strip() for line in problem.group(3).splitlines()]
+    body = [line.strip() for line in problem.group(3).splitlines() if line.strip()]
     where = f"{key.group(1)}: {name}"
     if unknown := re.fullmatch(r"Option '([^']+)' is not accepted", body[0]):
         option, options = unknown.group(1), _init_options(class_path)
@@ -117,7 +138,7 @@ def class_argument_error(message: str) -> str | None:
         return f"{where} has no option {option!r}{hint}; its options are: {', '.join(options)}"
     if inner := _PARSER_KEY.match(body[0]):
         given = next((line.removeprefix("Given value: ") for line in body if line.startswith("Given value: ")), None)
-        expected = [_type_name(line.removeprefix("- Expected a ")) for line in body if line.startswith("- Expected a ")]
+        expected = _expected(body)
         single = [re.search(r"Expected a (.+?)\. Got value: (.*)", line) for line in body if "Got value" in line]
         if not expected and single and single[0] is not None:  # one type: 'Expected a <type>. Got value: <value>'
             expected, given = [_type_name(single[0].group(1))], single[0].group(2)
