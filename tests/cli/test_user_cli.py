@@ -1,10 +1,16 @@
 """The callbacks in a user's own LightningCLI: every setting parses from YAML and the command line, and the config
 the CLI saves gives the same callbacks back."""
 
+import inspect
+from pathlib import Path
+
 import pytorch_lightning as pl
 import torch
+import yaml
 from pytorch_lightning.cli import LightningCLI
 from torch import nn
+
+from rank_lightning import callbacks
 
 MONITOR = "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitor"
 
@@ -32,7 +38,7 @@ def test_mask_key_false_survives_the_saved_config(tmp_path):
     cli = user_cli(MONITOR, "--trainer.callbacks.mask_key=false")
     assert cli.trainer.callbacks[0].batch_reader.mask_key is False  # not the key 'false'
     saved = tmp_path / "config.yaml"
-    saved.write_text(cli.parser.dump(cli.config))  # as SaveConfigCallback writes it
+    saved.write_text(cli.parser.dump(cli.config, skip_none=False))  # as SaveConfigCallback writes it
     assert "mask_key: false\n" in saved.read_text()
     restarted = user_cli("--config", str(saved))
     assert restarted.trainer.callbacks[0].batch_reader.mask_key is False
@@ -54,6 +60,24 @@ def test_label_fn_is_a_functions_import_path_in_yaml(tmp_path):
     cli = user_cli("--config", str(config))
     assert cli.trainer.callbacks[0].reader.label_fn is labels_of
     saved = tmp_path / "config.yaml"
-    saved.write_text(cli.parser.dump(cli.config))
+    saved.write_text(cli.parser.dump(cli.config, skip_none=False))
     assert f"label_fn: {__name__}.labels_of\n" in saved.read_text()
     assert user_cli("--config", str(saved)).trainer.callbacks[0].reader.label_fn is labels_of
+
+
+def test_every_argument_of_every_callback_parses_and_survives_the_saved_config(tmp_path):
+    config = Path(__file__).with_name("user_callbacks.yaml")
+    given = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+    classes = {entry["class_path"].rpartition(".")[2]: entry["init_args"] for entry in given}
+    helpers = {"Cadence", "CurveMonitor", "LayerCurves", "RankCallback"}  # bases and parts, not callbacks to add
+    assert set(classes) == set(callbacks.__all__) - helpers
+    for name, arguments in classes.items():
+        assert set(arguments) == set(inspect.signature(getattr(callbacks, name)).parameters), name
+    cli = user_cli("--config", str(config))
+    assert [type(c).__name__ for c in cli.trainer.callbacks[: len(classes)]] == list(classes)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cli.parser.dump(cli.config, skip_none=False))
+    restarted = user_cli("--config", str(saved))
+    assert restarted.parser.dump(restarted.config, skip_none=False) == saved.read_text()
+    printed = yaml.safe_load(saved.read_text())["trainer"]["callbacks"][: len(classes)]
+    assert {entry["class_path"].rpartition(".")[2]: entry["init_args"] for entry in printed} == classes
