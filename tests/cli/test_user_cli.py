@@ -4,6 +4,7 @@ the CLI saves gives the same callbacks back."""
 import inspect
 from pathlib import Path
 
+import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
@@ -63,6 +64,22 @@ def test_label_fn_is_a_functions_import_path_in_yaml(tmp_path):
     saved.write_text(cli.parser.dump(cli.config, skip_none=False))
     assert f"label_fn: {__name__}.labels_of\n" in saved.read_text()
     assert user_cli("--config", str(saved)).trainer.callbacks[0].reader.label_fn is labels_of
+
+
+def test_a_lightning_pytorch_cli_takes_the_callbacks():
+    lightning = pytest.importorskip("lightning.pytorch")
+    cli_module = pytest.importorskip("lightning.pytorch.cli")
+
+    class LightningUserModel(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 2)
+
+    arguments = ["--trainer.callbacks+=rank_lightning.callbacks.WeightRankMonitor"]
+    arguments += ["--trainer.callbacks.every_n_epochs=2", "--trainer.logger=false"]
+    cli = cli_module.LightningCLI(LightningUserModel, args=arguments, run=False)
+    monitor = cli.trainer.callbacks[0]
+    assert type(monitor).__name__ == "WeightRankMonitor" and monitor.every_n_epochs == 2
 
 
 def test_every_argument_of_every_callback_parses_and_survives_the_saved_config(tmp_path):
