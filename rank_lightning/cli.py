@@ -413,15 +413,31 @@ def _remove_if_without_results(directory: Path) -> None:
         shutil.rmtree(directory)
 
 
+_PACKAGE = Path(__file__).parent
+"""The package's folder, where the code that raises its own errors is."""
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the package's own code."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return traceback is not None and Path(traceback.tb_frame.f_code.co_filename).is_relative_to(_PACKAGE)
+
+
 def _user_message(error: BaseException) -> str:
-    """The message of the innermost error in ``error``'s chain of causes that explains itself.
+    """The message of the error in ``error``'s chain of causes that explains itself: the outermost one the package
+    raised, else the innermost.
 
     Errors raised while instantiating a class from a config arrive wrapped by the config parser ("Does not validate
-    against any of the Union subtypes ..."), with the package's own error as their cause.
+    against any of the Union subtypes ..."), with the package's own error as their cause; that one may in turn have
+    the error it explains as its cause (``eps entries must be numbers or fractions such as '8/255'; got 'abc'`` from
+    Python's ``Invalid literal for Fraction: 'abc'``).
     """
-    while isinstance(error.__cause__, USER_ERRORS):
-        error = error.__cause__
-    return str(error)
+    chain = [error]
+    while isinstance(chain[-1].__cause__, USER_ERRORS):
+        chain.append(chain[-1].__cause__)
+    return str(next((cause for cause in chain if _raised_here(cause)), chain[-1]))
 
 
 def configs_directory() -> Path:

@@ -212,6 +212,18 @@ Expected 'data.labels' to be a function that returns <class 'Tensor'>.
     )
 
 
+def test_a_callbacks_own_message_is_printed_not_the_error_it_explains(capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    callback = "--trainer.callbacks+=rank_lightning.callbacks.AdversarialValidation"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.eps=[abc]", "--trainer.logger=false"])
+    assert exit_info.value.code == 1
+    # Not Python's 'Invalid literal for Fraction', which the callback's message explains.
+    assert capsys.readouterr().err.startswith(
+        "error: eps entries must be numbers or fractions such as '8/255'; got 'abc'\n"
+    )
+
+
 def test_a_misspelled_callback_class_names_the_close_ones(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", QUICKSTART, "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitr"])
