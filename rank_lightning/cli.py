@@ -71,6 +71,7 @@ _CLASS_PROBLEM = re.compile(
 # A value refused for a Callable (an argument such as label_fn), with the reason the parser gives.
 _FUNCTION_PROBLEM = re.compile(r"- Type \S*Callable.* expects a function or a callable class: (.*)")
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)"')
+_PARSER_HINT = f"({DEBUG_ENV}=1 shows the parser's whole message)"
 
 
 def _type_name(text: str) -> str:
@@ -129,7 +130,8 @@ def class_argument_error(message: str) -> str | None:
         return None
     class_path = problem.group(2)
     name = class_path.rpartition(".")[2]
-    body = [line.strip() for line in problem.group(3).splitlines() if line.strip()]
+    # The message of a class nested in the class (a callback's Patch) is shortened first, with its own hint.
+    body = [line.strip() for line in problem.group(3).splitlines() if line.strip() not in ("", _PARSER_HINT)]
     where = f"{key.group(1)}: {name}"
     if unknown := re.fullmatch(r"Option '([^']+)' is not accepted", body[0]):
         option, options = unknown.group(1), _init_options(class_path)
@@ -180,7 +182,7 @@ class RankArgumentParser(LightningArgumentParser):
             if meant := _meant_datamodule(message, classes):
                 message += f"\ndid you mean --data={meant}?"
         elif os.environ.get(DEBUG_ENV, "") in ("", "0") and (short := class_argument_error(message)) is not None:
-            message = f"{short}\n({DEBUG_ENV}=1 shows the parser's whole message)"
+            message = f"{short}\n{_PARSER_HINT}"
         super().error(message, ex)
 
 

@@ -224,6 +224,19 @@ def test_a_callbacks_own_message_is_printed_not_the_error_it_explains(capsys, mo
     )
 
 
+def test_a_bad_argument_of_a_class_inside_a_callback_is_one_line_with_one_hint(capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    callback = "--trainer.callbacks+=rank_lightning.callbacks.JacobianRankMonitor"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.patch={top: 1}", "--trainer.logger=false"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "error: trainer.callbacks: JacobianRankMonitor: patch: Patch: the following arguments are required: left, "
+        f"height, width\n({DEBUG_ENV}=1 shows the parser's whole message)\n"
+    )
+
+
 def test_a_misspelled_callback_class_names_the_close_ones(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", QUICKSTART, "--trainer.callbacks+=rank_lightning.callbacks.ActivationRankMonitr"])
