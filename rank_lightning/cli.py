@@ -63,8 +63,15 @@ CONFIG_SUFFIXES = (".yaml", ".yml")
 _SETUP_FILES = ("config*.yaml", "hparams.yaml", "events.out.tfevents.*")
 
 
-_CLASS_PROBLEM = re.compile(r"^( *)- Problem with given class_path '([^']+)':\n((?:\1 +\S.*(?:\n|$))+)", re.MULTILINE)
+# The block of lines indented below the class's line; a blank line inside it (the parser writes one after the option's
+# key before the lines about reading the value as a config file's path) does not end it.
+_CLASS_PROBLEM = re.compile(
+    r"^( *)- Problem with given class_path '([^']+)':\n((?:\1 +\S.*(?:\n|$)|\n(?=\1 +\S))+)", re.MULTILINE
+)
+# A value refused for a Callable (an argument such as label_fn), with the reason the parser gives.
+_FUNCTION_PROBLEM = re.compile(r"- Type \S*Callable.* expects a function or a callable class: (.*)")
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)"')
+_PARSER_HINT = f"({DEBUG_ENV}=1 shows the parser's whole message)"
 
 
 def _type_name(text: str) -> str:
@@ -73,6 +80,21 @@ def _type_name(text: str) -> str:
     if literal := re.fullmatch(r"Literal\[(.*)\]", text):
         return f"one of {literal.group(1)}"
     return "None" if text == "NoneType" else text
+
+
+def _expected(body: list[str]) -> list[str]:
+    """What the ``- Expected a ...`` lines of the parser's message about one option ask for, in words, each once; a
+    function (``label_fn``) is asked for by its import path, with the reason the value given is none. The parser's
+    attempt to read the value as a config file's path is left out."""
+    expected = []
+    for line in body:
+        if function := _FUNCTION_PROBLEM.match(line):
+            expected.append(f"the import path of a function, module.function ({function.group(1).rstrip('.')})")
+        elif line.startswith("- Expected a dot import path string"):
+            expected.append("an import path, module.name")
+        elif line.startswith("- Expected a ") and not line.startswith("- Expected a path but "):
+            expected.append(_type_name(line.removeprefix("- Expected a ")))
+    return list(dict.fromkeys(expected))
 
 
 def _init_options(class_path: str) -> list[str]:
@@ -108,7 +130,8 @@ def class_argument_error(message: str) -> str | None:
         return None
     class_path = problem.group(2)
     name = class_path.rpartition(".")[2]
-    body = [line.strip() for line in problem.group(3).splitlines()]
+    # The message of a class nested in the class (a callback's Patch) is shortened first, with its own hint.
+    body = [line.strip() for line in problem.group(3).splitlines() if line.strip() not in ("", _PARSER_HINT)]
     where = f"{key.group(1)}: {name}"
     if unknown := re.fullmatch(r"Option '([^']+)' is not accepted", body[0]):
         option, options = unknown.group(1), _init_options(class_path)
@@ -117,7 +140,7 @@ def class_argument_error(message: str) -> str | None:
         return f"{where} has no option {option!r}{hint}; its options are: {', '.join(options)}"
     if inner := _PARSER_KEY.match(body[0]):
         given = next((line.removeprefix("Given value: ") for line in body if line.startswith("Given value: ")), None)
-        expected = [_type_name(line.removeprefix("- Expected a ")) for line in body if line.startswith("- Expected a ")]
+        expected = _expected(body)
         single = [re.search(r"Expected a (.+?)\. Got value: (.*)", line) for line in body if "Got value" in line]
         if not expected and single and single[0] is not None:  # one type: 'Expected a <type>. Got value: <value>'
             expected, given = [_type_name(single[0].group(1))], single[0].group(2)
@@ -159,7 +182,7 @@ class RankArgumentParser(LightningArgumentParser):
             if meant := _meant_datamodule(message, classes):
                 message += f"\ndid you mean --data={meant}?"
         elif os.environ.get(DEBUG_ENV, "") in ("", "0") and (short := class_argument_error(message)) is not None:
-            message = f"{short}\n({DEBUG_ENV}=1 shows the parser's whole message)"
+            message = f"{short}\n{_PARSER_HINT}"
         super().error(message, ex)
 
 
@@ -392,15 +415,31 @@ def _remove_if_without_results(directory: Path) -> None:
         shutil.rmtree(directory)
 
 
+_PACKAGE = Path(__file__).parent
+"""The package's folder, where the code that raises its own errors is."""
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the package's own code."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return traceback is not None and Path(traceback.tb_frame.f_code.co_filename).is_relative_to(_PACKAGE)
+
+
 def _user_message(error: BaseException) -> str:
-    """The message of the innermost error in ``error``'s chain of causes that explains itself.
+    """The message of the error in ``error``'s chain of causes that explains itself: the outermost one the package
+    raised, else the innermost.
 
     Errors raised while instantiating a class from a config arrive wrapped by the config parser ("Does not validate
-    against any of the Union subtypes ..."), with the package's own error as their cause.
+    against any of the Union subtypes ..."), with the package's own error as their cause; that one may in turn have
+    the error it explains as its cause (``eps entries must be numbers or fractions such as '8/255'; got 'abc'`` from
+    Python's ``Invalid literal for Fraction: 'abc'``).
     """
-    while isinstance(error.__cause__, USER_ERRORS):
-        error = error.__cause__
-    return str(error)
+    chain = [error]
+    while isinstance(chain[-1].__cause__, USER_ERRORS):
+        chain.append(chain[-1].__cause__)
+    return str(next((cause for cause in chain if _raised_here(cause)), chain[-1]))
 
 
 def configs_directory() -> Path:

@@ -1749,8 +1749,13 @@ class BatchReader:
 
     input_key: int | str | None = None
     label_key: int | str | None = None
-    label_fn: Callable[[Any], Tensor] | None = None
-    mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None
+    # Returning Any: a LightningCLI config refuses the import path of a function whose return annotation is not the
+    # Callable's, and most label functions have none.
+    label_fn: Callable[[Any], Any] | None = None
+    # Literal[False] first: a LightningCLI config then reads `false` as False and writes it back as `false`
+    # (listed after str, `--mask_key=false` is the key 'false' and a saved False cannot be read back). The callbacks'
+    # and RankTracker's mask_key list the same types in the same order.
+    mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("input_key", "label_key"):

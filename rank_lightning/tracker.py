@@ -144,8 +144,8 @@ class RankTracker:
         output_selector: OutputSelector | None = None,
         repeated_calls: Literal["first", "each"] = "first",
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
-        mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
+        mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None,
         unbatched: bool = False,
     ) -> None:
         for name, value in (("max_samples", max_samples), ("num_classes", num_classes), ("num_batches", num_batches)):

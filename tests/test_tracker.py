@@ -168,7 +168,7 @@ def test_variance_ratio_needs_a_k_as_in_the_monitor():
 def test_mask_key_takes_what_the_monitor_takes():
     # The hint said int | str | None although a function batch -> mask and False (no mask) are accepted.
     hint = inspect.signature(RankTracker).parameters["mask_key"].annotation
-    assert hint == "int | str | Callable[[Any], Tensor | None] | Literal[False] | None"
+    assert hint == "Literal[False] | int | str | Callable[[Any], Tensor | None] | None"
     assert hint == inspect.signature(ActivationRankMonitor).parameters["mask_key"].annotation
     model = _model()
     assert RankTracker(model, layers=["fc1"], mask_key=False).stream.batch_reader.mask_key is False

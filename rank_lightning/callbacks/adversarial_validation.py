@@ -248,7 +248,7 @@ class AdversarialValidation(RankCallback):
         std: Sequence[float] | None = None,
         input_key: int | str | None = None,
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)

@@ -470,7 +470,19 @@ def builds_layers_later(pl_module: Any) -> bool:
     return False
 
 
-class RankCallback(pl.Callback):
+try:
+    # lightning.pytorch's own copy of the Callback class, when the ``lightning`` package is installed: its trainer
+    # runs the package's callbacks as it runs its own, but a lightning.pytorch LightningCLI takes in
+    # ``trainer.callbacks`` only subclasses of its Callback, and would refuse every callback of the package named in
+    # a config.
+    from lightning.pytorch import Callback as _LightningCallback
+
+    _CALLBACK_BASES: tuple[type, ...] = (pl.Callback, _LightningCallback)
+except ImportError:
+    _CALLBACK_BASES = (pl.Callback,)
+
+
+class RankCallback(*_CALLBACK_BASES):
     """Base of the package's callbacks: messages on rank zero, each warning once.
 
     Args:

@@ -286,7 +286,7 @@ class ClassificationDimension(RankCallback):
         head: str | None = None,
         input_key: int | str | None = None,
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         independence_deficit: bool = False,
         deficit_eta: float = 20.0,
         deficit_classes: Sequence[int] | None = None,

@@ -103,7 +103,7 @@ class LowDimensionalEvaluation(RankCallback):
         reduction: str = "flatten",
         input_key: int | str | None = None,
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)

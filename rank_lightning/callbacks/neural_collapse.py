@@ -143,12 +143,12 @@ class NeuralCollapseMonitor(CurveMonitor):
         max_samples: int | None = None,
         input_key: int | str | None = None,
         label_key: int | str | None = None,
-        label_fn: Callable[[Any], Tensor] | None = None,
+        label_fn: Callable[[Any], Any] | None = None,
         log_at_init: bool = False,
         figures_every_n_epochs: int | None = None,
         verbose: bool = True,
         top_classes: int | None = None,
-        mask_key: int | str | Callable[[Any], Tensor | None] | Literal[False] | None = None,
+        mask_key: Literal[False] | int | str | Callable[[Any], Tensor | None] | None = None,
         memory_budget_mb: float | None = 4096.0,
     ) -> None:
         super().__init__(

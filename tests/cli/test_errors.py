@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 
-from rank_lightning.cli import DEBUG_ENV, main
+from rank_lightning.cli import DEBUG_ENV, class_argument_error, main
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs/quickstart.yaml")
@@ -170,8 +170,13 @@ def test_a_linked_model_setting_on_the_command_line_is_refused(argument, capsys)
             ["--trainer.callbacks.init_args.window_batches=abc"],
             "error: trainer.callbacks: ActivationRankMonitor: window_batches=abc is not valid; expected int\n",
         ),
+        (
+            ["--trainer.callbacks.init_args.label_fn=no_such_module.labels"],
+            "error: trainer.callbacks: ActivationRankMonitor: label_fn=no_such_module.labels is not valid; expected "
+            "the import path of a function, module.function (No module named 'no_such_module') or None\n",
+        ),
     ],
-    ids=["misspelled_option", "bad_literal", "bad_int"],
+    ids=["misspelled_option", "bad_literal", "bad_int", "bad_function_path"],
 )
 def test_a_bad_callback_argument_is_one_line_naming_it_and_the_valid_ones(arguments, message, capsys, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
@@ -183,6 +188,53 @@ def test_a_bad_callback_argument_is_one_line_naming_it_and_the_valid_ones(argume
     assert message in err
     assert "Union subtypes" not in err
     assert err.endswith(f"\n({DEBUG_ENV}=1 shows the parser's whole message)\n")
+
+
+def test_a_refused_function_is_one_line_past_the_blank_line_of_the_parsers_message():
+    # The parser's message when a function's return annotation does not fit: a blank line after the option's key.
+    message = """Parser key "trainer.callbacks":
+  Errors:
+    - Problem with given class_path 'rank_lightning.callbacks.ActivationRankMonitor':
+        Parser key "label_fn":
+
+          - Expected a path but data.labels either not accessible or invalid
+          - Does not validate against any of the Union subtypes
+          Errors:
+            - Type collections.abc.Callable[[typing.Any], torch.Tensor] expects a function or a callable class: \
+Expected 'data.labels' to be a function that returns <class 'Tensor'>.
+            - Expected a <class 'NoneType'>
+          Given value: data.labels
+    - Expected a <class 'NoneType'>
+"""
+    assert class_argument_error(message) == (
+        "trainer.callbacks: ActivationRankMonitor: label_fn=data.labels is not valid; expected the import path of a "
+        "function, module.function (Expected 'data.labels' to be a function that returns <class 'Tensor'>) or None"
+    )
+
+
+def test_a_callbacks_own_message_is_printed_not_the_error_it_explains(capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    callback = "--trainer.callbacks+=rank_lightning.callbacks.AdversarialValidation"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.eps=[abc]", "--trainer.logger=false"])
+    assert exit_info.value.code == 1
+    # Not Python's 'Invalid literal for Fraction', which the callback's message explains.
+    assert capsys.readouterr().err.startswith(
+        "error: eps entries must be numbers or fractions such as '8/255'; got 'abc'\n"
+    )
+
+
+def test_a_bad_argument_of_a_class_inside_a_callback_is_one_line_with_one_hint(capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    callback = "--trainer.callbacks+=rank_lightning.callbacks.JacobianRankMonitor"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.patch={top: 1}", "--trainer.logger=false"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "error: trainer.callbacks: JacobianRankMonitor: patch: Patch: the following arguments are required: left, "
+        f"height, width\n({DEBUG_ENV}=1 shows the parser's whole message)\n"
+    )
 
 
 def test_a_misspelled_callback_class_names_the_close_ones(capsys):
