@@ -422,6 +422,13 @@ def _never_called(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward
 
 
+def _routed_experts(path: str, container: nn.Module) -> bool:
+    """Whether ``container`` (at ``path``) holds the routed experts of a mixture-of-experts layer: a ``ModuleList`` or
+    ``ModuleDict`` held as ``experts`` (Switch Transformers' ``experts.expert_<e>``, the ``experts.<e>`` of
+    ``transformers`` 4.x Mixtral and Qwen-MoE blocks), whose members are called on the tokens routed to them."""
+    return path.rpartition(".")[2] == "experts" and isinstance(container, (nn.ModuleList, nn.ModuleDict))
+
+
 def _block_runs(container: nn.Module, *, stacks: bool = False) -> list[list[str]]:
     """Runs of the container's children that repeat: >= 2 parameterised children with children, of the same kind.
 
@@ -458,11 +465,14 @@ def _repeated_blocks(
     One run of blocks of one kind is looked for first (ties: the deepest container, then the first); when no run
     holds half of the weight layers, the runs of one container together (Inception: blocks of several classes).
     ``stacks``: stacks side by side are blocks of one kind (:func:`_block_runs`). ``leave_out``: path prefixes
-    (ending in ``.``) of modules that are no blocks, nor hold any.
+    (ending in ``.``) of modules that are no blocks, nor hold any. Routed experts (:func:`_routed_experts`) are no
+    blocks: each sees only the tokens routed to it, and a layer holding them is no stack.
     """
     single: list[list[str]] = []
     together: list[list[str]] = []
     for path, container in module.named_modules():
+        if _routed_experts(path, container):
+            continue
         prefix = f"{path}." if path else ""
         runs = _block_runs(container, stacks=stacks)
         if leave_out:
@@ -581,14 +591,16 @@ def default_layers(module: nn.Module) -> dict[str, str]:
        block: it is never called itself, its children are. The run chosen is the one whose blocks hold the most
        weight layers (modules owning a parameter of >= 2 dimensions), ties to the deepest container, then the
        first; and only when they hold at least half of the network's weight layers. When no single run does, the
-       runs of one container together are tried the same way (Inception's blocks of several classes). Every block
-       is kept, the last one too: a head of another type is never among them. Stacks (modules, not plain
-       containers, whose own repeated blocks sit in a ModuleList they loop over and hold at least half of their
-       weight layers: an encoder, a decoder) side by side in one module are blocks of one kind whatever their
-       classes: T5's two ``T5Stack``, BART's, Marian's and Whisper's encoder and decoder, ``nn.Transformer``'s
-       ``TransformerEncoder`` and ``TransformerDecoder``, the two towers of CLIP. When the chosen blocks are stacks,
-       their layers are chosen instead, stack by stack in module order (the encoder's, then the decoder's), so that
-       depth has more than two points.
+       runs of one container together are tried the same way (Inception's blocks of several classes). The routed
+       experts of a mixture-of-experts layer (a ``ModuleList`` or ``ModuleDict`` held as ``experts``:
+       ``transformers`` 4.x Mixtral's and Qwen-MoE's, Switch Transformers') are never blocks, nor is a layer
+       holding them a stack: each expert sees only the tokens routed to it. Every block is kept, the last one too:
+       a head of another type is never among them. Stacks (modules, not plain containers, whose own repeated blocks sit
+       in a ModuleList they loop over and hold at least half of their weight layers: an encoder, a decoder) side by
+       side in one module are blocks of one kind whatever their classes: T5's two ``T5Stack``, BART's, Marian's and
+       Whisper's encoder and decoder, ``nn.Transformer``'s ``TransformerEncoder`` and ``TransformerDecoder``, the two
+       towers of CLIP. When the chosen blocks are stacks, their layers are chosen instead, stack by stack in module
+       order (the encoder's, then the decoder's), so that depth has more than two points.
     3. Else, the one block a weight-tied Hugging Face model applies several times per forward pass: the only block of
        a ModuleList inside a model whose ``config.num_hidden_layers`` is larger (ALBERT's shared ``AlbertLayer``),
        when the weight layers it applies, counted once per application, are at least half of the model's (the
@@ -1480,11 +1492,10 @@ def expert_layers(model: nn.Module, layers: Mapping[str, str]) -> list[str]:
     for name, path in layers.items():
         parts = path.split(".") if path else []
         for depth in range(len(parts) - 1):
-            if parts[depth] == "experts":
-                container = model.get_submodule(".".join(parts[: depth + 1]))
-                if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-                    found.append(name)
-                    break
+            prefix = ".".join(parts[: depth + 1])
+            if parts[depth] == "experts" and _routed_experts(prefix, model.get_submodule(prefix)):
+                found.append(name)
+                break
     return found
 
 

@@ -104,6 +104,32 @@ class GPTLMHeadModel(nn.Module):
         return self.lm_head(self.transformer(ids))
 
 
+class SparseMoE(nn.Module):
+    """A router and top-1 routed experts held as ``experts``, an ``nn.ModuleList`` (``transformers`` 4.x Mixtral's
+    and Qwen2-MoE's layout): each expert is called on the tokens routed to it."""
+
+    def __init__(self, width: int, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList([MLP(width) for _ in range(experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        flat = x.reshape(-1, x.shape[-1])
+        chosen, out = self.gate(flat).argmax(-1), torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            out[chosen == e] = expert(flat[chosen == e])
+        return out.view_as(x)
+
+
+class MoEModel(GPTModel):
+    """A decoder whose blocks' MLP is a :class:`SparseMoE`: the experts hold most weight layers of each block."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=2)
+        for block in self.h:
+            block.mlp = SparseMoE(16)
+
+
 class SharedActivationMLP(nn.Module):
     """One ``self.act`` applied after both hidden layers: choosing it would hook one module that runs twice."""
 
@@ -377,6 +403,7 @@ ZOO: dict[
     ),
     "transformers_gpt2": (_gpt2, _tokens, ["transformer.h.0", "transformer.h.1", "transformer.h.2"]),
     "transformers_bert": (_bert, _tokens, ["bert.encoder.layer.0", "bert.encoder.layer.1", "bert.encoder.layer.2"]),
+    "routed_experts": (MoEModel, _tokens, ["h.0", "h.1"]),  # not the experts, which see only their tokens
     "transformers_llama": (_llama, _tokens, ["model.layers.0", "model.layers.1"]),
     "transformers_roberta": (_roberta, _tokens, ["roberta.encoder.layer.0", "roberta.encoder.layer.1"]),
     "transformers_distilbert": (

@@ -1,9 +1,10 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Switch Transformers) in the activation monitor.
 
-Tiny models from ``transformers`` 5.x configs with random weights, inside a LightningModule fed dict batches with
-padding. The blocks and the sparse MoE block give ``(B, T, D)`` tokens; a router's logits and fused experts give the
-batch's positions flattened, ``(B * T, d)``, and a routed expert the ``(n_routed, d)`` tokens routed to it: such rows
-are never read as inputs or views of the batch, and ``unbatched=True`` measures them as they come.
+Tiny models from ``transformers`` configs with random weights, inside a LightningModule fed dict batches with
+padding, on 5.x and on 4.x (the minimum), whose Mixtral and Qwen2-MoE blocks hold one module per expert. The blocks
+and the sparse MoE block give ``(B, T, D)`` tokens; a router's logits and fused experts give the batch's positions
+flattened, ``(B * T, d)``, and a routed expert the ``(n_routed, d)`` tokens routed to it: such rows are never read
+as inputs or views of the batch, and ``unbatched=True`` measures them as they come.
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ def _model(family: str) -> nn.Module:
             vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=1, num_heads=4,
             num_experts=4, expert_capacity=64, encoder_sparse_step=1, decoder_start_token_id=0, pad_token_id=0,
         )  # fmt: skip
-        return transformers.SwitchTransformersEncoderModel(config)
+        model = transformers.SwitchTransformersEncoderModel(config)
+        # Weights of one generator, not of transformers' initialisation, which differs between versions: every
+        # version routes the same tokens to each expert.
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5) if p.ndim > 1 else p.fill_(1)
+        return model
     return FAMILIES[family]()
 
 
@@ -118,16 +126,51 @@ def _outputs(model: nn.Module, path: str, batches: list[dict[str, Tensor]], pick
     return seen
 
 
+def _routed(model: nn.Module, batches: list[dict[str, Tensor]]) -> Tensor:
+    """``(batches, experts)``: how many tokens of each batch Switch's first router sends to each expert."""
+    router = SWITCH_FFN.removeprefix("model.") + ".router"
+    return torch.stack([index.sum((0, 1)) for index in _outputs(model, router, batches, pick=lambda out: out[0])])
+
+
 def _real(batch: dict[str, Tensor]) -> Tensor:
     return batch["attention_mask"].bool()
 
 
+def _family(family: str) -> str:
+    """``family``, skipped where the installed ``transformers`` lacks its model (added in 4.45 and 4.51)."""
+    missing = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(family)
+    if missing and not hasattr(transformers, missing):
+        pytest.skip(f"transformers {transformers.__version__} has no {missing}")
+    return family
+
+
+def _moe_block(model: nn.Module, layer: int = 0) -> str:
+    """The path of decoder layer ``layer``'s sparse MoE block, found by what it holds (a ``gate`` and ``experts``):
+    ``mlp`` in ``transformers`` 5.x, Mixtral's ``block_sparse_moe`` in 4.x."""
+    decoder = model.get_submodule(f"model.layers.{layer}")
+    names = [name for name, child in decoder.named_children() if hasattr(child, "gate") and hasattr(child, "experts")]
+    assert len(names) == 1, names
+    return f"model.layers.{layer}.{names[0]}"
+
+
+def _first(out: Any) -> Tensor:
+    """The first tensor of a tuple: a ``transformers`` 4.x sparse MoE block's hidden states (it returns
+    ``(hidden_states, router_logits)``), a 5.x router's logits (Mixtral's returns ``(logits, ...)``)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_default_layers_are_the_decoder_layers_and_fused_experts_are_no_routed_experts(family):
-    module = MoEModule(_model(family))
+    module = MoEModule(_model(_family(family)))
     assert default_layers(module) == {f"model.model.layers.{i}": f"model.model.layers.{i}" for i in range(2)}
-    moe = {name: name for name in ("model.model.layers.0.mlp", "model.model.layers.0.mlp.experts")}
-    assert expert_layers(module, moe) == []  # one module for all experts: no expert's own rows to hook
+    block = f"model.{_moe_block(module.model)}"
+    moe = {name: name for name in (block, f"{block}.gate", f"{block}.experts")}
+    experts = module.get_submodule(f"{block}.experts")
+    if isinstance(experts, nn.ModuleList):  # transformers 4.x: one module per expert, called on its routed tokens
+        inside = [f"{block}.experts.3", *(f"{block}.experts.0.{name}" for name, _ in experts[0].named_children())]
+        assert expert_layers(module, {**moe, **{name: name for name in inside}}) == inside
+    else:
+        assert expert_layers(module, moe) == []  # one module for all experts: no expert's own rows to hook
 
 
 def test_switch_experts_and_their_linears_are_routed_experts():
@@ -138,11 +181,12 @@ def test_switch_experts_and_their_linears_are_routed_experts():
 
 @pytest.mark.parametrize("reduction", ["token", "mean", "last"])
 def test_the_sparse_moe_block_gives_the_real_tokens_of_each_sequence(reduction):
-    model, batches, block = _model("mixtral"), _batches(), "model.layers.0.mlp"
+    model, batches = _model("mixtral"), _batches()
+    block = _moe_block(model)
     monitor = ActivationRankMonitor(layers=[f"model.{block}"], token_reduction=reduction, verbose=False)
     values, _ = _validate(model, monitor, batches)
     rows = []
-    for out, batch in zip(_outputs(model, block, batches), batches):
+    for out, batch in zip(_outputs(model, block, batches, pick=_first), batches):
         real, out = _real(batch), out.double()
         assert out.shape == (BATCH, LENGTH, 16)
         if reduction == "token":
@@ -178,10 +222,14 @@ def test_with_router_logits_returned_the_blocks_give_their_hidden_states(family,
 def test_router_logits_and_fused_experts_are_never_read_as_views_of_the_batch(mask):
     # (B * T, d) rows of a batch with per-sequence labels and no mask were read as T views of every sequence, each
     # row labelled as sequence i % B: a TCV of rows paired with other sequences' classes.
-    layers = ["model.model.layers.0.mlp.gate", "model.model.layers.0.mlp.experts"]
+    model = _model("mixtral")
+    block = f"model.{_moe_block(model)}"
+    layers = [f"{block}.gate", f"{block}.experts"]
+    if isinstance(model.get_submodule(layers[1].removeprefix("model.")), nn.ModuleList):
+        del layers[1]  # transformers 4.x: no fused experts, one module per expert (a routed expert: see below)
     monitor = ActivationRankMonitor(layers=layers, num_classes=3, verbose=False)
-    values, messages = _validate(_model("mixtral"), monitor, _batches(padded=mask, mask=mask, labels=True))
-    assert not [key for key in values if ".mlp." in key]
+    values, messages = _validate(model, monitor, _batches(padded=mask, mask=mask, labels=True))
+    assert not [key for key in values if f"{block}." in key]
     for layer, width in zip(layers, (4, 16)):
         expected = (
             f"layer {layer!r} gives ({BATCH * LENGTH}, {width}) from a batch of {BATCH} sequences of {LENGTH} tokens: "
@@ -192,10 +240,10 @@ def test_router_logits_and_fused_experts_are_never_read_as_views_of_the_batch(ma
 
 def test_unbatched_measures_the_router_logits_of_every_position():
     model, batches = _model("mixtral"), _batches()
-    gate = "model.layers.0.mlp.gate"
+    gate = f"{_moe_block(model)}.gate"  # transformers 5.x: a router returning (logits, ...); 4.x: a Linear
     monitor = ActivationRankMonitor(layers=[f"model.{gate}"], unbatched=True, num_classes=3, verbose=False)
     values, messages = _validate(model, monitor, _batches(labels=True))
-    logits = torch.cat(_outputs(model, gate, batches, pick=lambda out: out[0])).double()
+    logits = torch.cat(_outputs(model, gate, batches, pick=_first)).double()
     assert logits.shape == (2 * BATCH * LENGTH, 4)  # padded positions too: the router runs on them
     assert values[f"rank/model.{gate}/spectrum_rows"] == 2 * BATCH * LENGTH
     assert values[f"rank/model.{gate}/effective_rank"] == pytest.approx(float(effective_rank(logits)), rel=1e-9)
@@ -204,9 +252,11 @@ def test_unbatched_measures_the_router_logits_of_every_position():
 
 
 def test_a_routed_expert_is_skipped_unless_unbatched_measures_its_rows():
-    # Expert 1 gets 4 tokens of the first batch of 4 sequences: they were measured as one row per sequence, the
+    # Expert 3 gets 4 tokens of the first batch of 4 sequences: they were measured as one row per sequence, the
     # other batches skipped.
     model, batches = _model("switch"), _batches(padded=False, mask=False)
+    routed = _routed(model, batches)
+    assert routed[0, 3] == BATCH
     experts = [f"{SWITCH_FFN}.experts.expert_{e}" for e in range(4)]
     values, messages = _validate(model, ActivationRankMonitor(layers=experts, verbose=False), batches)
     assert not [key for key in values if "expert_" in key]
@@ -219,7 +269,7 @@ def test_a_routed_expert_is_skipped_unless_unbatched_measures_its_rows():
         counts.append(rows.shape[0])
         assert values[f"rank/{layer}/spectrum_rows"] == rows.shape[0]
         assert values[f"rank/{layer}/effective_rank"] == pytest.approx(float(effective_rank(rows)), rel=1e-9)
-    assert counts == [15, 22, 17, 10]  # every position routed to one expert: 2 batches of 4 x 8 tokens
+    assert counts == routed.sum(0).tolist() == [28, 7, 18, 11]  # every position routed to one expert: 2 x 4 x 8
 
 
 def test_the_tracker_measures_routed_experts_as_the_monitor_does():
@@ -231,7 +281,7 @@ def test_the_tracker_measures_routed_experts_as_the_monitor_does():
         for batch in batches:
             model(**batch)
     values, rows = tracker.compute()[layer], torch.cat(_outputs(model, layer, batches)).double()
-    assert values["spectrum_rows"] == rows.shape[0] == 26
+    assert values["spectrum_rows"] == rows.shape[0] == _routed(model, batches)[:, 0].sum() == 27
     assert values["effective_rank"] == pytest.approx(float(effective_rank(rows)), rel=1e-9)
 
 
