@@ -114,6 +114,17 @@ def show_progress(quiet: bool, stream: TextIO | None = None) -> bool:
     return not quiet and stream.isatty()
 
 
+class _Progress(Progress):
+    """A ``rich`` progress that, disabled, also stops without a trace: older ``rich`` releases (13.0 among them) print
+    an empty line when a disabled progress stops on a console that is not a terminal, which would open the output of
+    every command run with ``--quiet`` or into a pipe. Its console is left as it is: lines printed through it
+    (the sweep's start and end of each run) reach the stream whether the bar is drawn or not."""
+
+    def stop(self) -> None:
+        if not self.disable:
+            super().stop()
+
+
 def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
     """A progress bar (description, bar, ``done/total``, elapsed time) that vanishes when it stops.
 
@@ -126,7 +137,7 @@ def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
     """
     console = Console(file=sys.stdout if stream is None else stream, force_terminal=enabled or None)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, disable=not enabled, transient=True)
+    return _Progress(*columns, console=console, disable=not enabled, transient=True)
 
 
 def _file_list(paths: Sequence[Path]) -> str:
