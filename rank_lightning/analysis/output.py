@@ -129,13 +129,17 @@ def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
     """A progress bar (description, bar, ``done/total``, elapsed time) that vanishes when it stops.
 
     Args:
-        enabled: draw it (see :func:`show_progress`); a disabled bar accepts every call and draws nothing.
+        enabled: draw it (see :func:`show_progress`), unless ``stream`` is a terminal that cannot redraw a line; a
+            disabled bar accepts every call and draws nothing.
         stream: where to draw; standard output by default.
 
     Returns:
         The ``rich`` progress, to use as a context manager.
     """
     console = Console(file=sys.stdout if stream is None else stream, force_terminal=enabled or None)
+    # A terminal that cannot redraw a line (TERM=dumb: an editor's shell, some CI consoles) gets no bar: rich draws
+    # none there, only empty lines when it stops.
+    enabled = enabled and console.is_interactive
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     return _Progress(*columns, console=console, disable=not enabled, transient=True)
 
