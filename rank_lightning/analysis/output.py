@@ -114,19 +114,34 @@ def show_progress(quiet: bool, stream: TextIO | None = None) -> bool:
     return not quiet and stream.isatty()
 
 
+class _Progress(Progress):
+    """A ``rich`` progress that, disabled, also stops without a trace: older ``rich`` releases (13.0 among them) print
+    an empty line when a disabled progress stops on a console that is not a terminal, which would open the output of
+    every command run with ``--quiet`` or into a pipe. Its console is left as it is: lines printed through it
+    (the sweep's start and end of each run) reach the stream whether the bar is drawn or not."""
+
+    def stop(self) -> None:
+        if not self.disable:
+            super().stop()
+
+
 def progress_bar(enabled: bool, stream: TextIO | None = None) -> Progress:
     """A progress bar (description, bar, ``done/total``, elapsed time) that vanishes when it stops.
 
     Args:
-        enabled: draw it (see :func:`show_progress`); a disabled bar accepts every call and draws nothing.
+        enabled: draw it (see :func:`show_progress`), unless ``stream`` is a terminal that cannot redraw a line; a
+            disabled bar accepts every call and draws nothing.
         stream: where to draw; standard output by default.
 
     Returns:
         The ``rich`` progress, to use as a context manager.
     """
     console = Console(file=sys.stdout if stream is None else stream, force_terminal=enabled or None)
+    # A terminal that cannot redraw a line (TERM=dumb: an editor's shell, some CI consoles) gets no bar: rich draws
+    # none there, only empty lines when it stops.
+    enabled = enabled and console.is_interactive
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, disable=not enabled, transient=True)
+    return _Progress(*columns, console=console, disable=not enabled, transient=True)
 
 
 def _file_list(paths: Sequence[Path]) -> str:

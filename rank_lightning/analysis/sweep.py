@@ -877,7 +877,9 @@ def _run_with_progress(args: argparse.Namespace, points: Sequence[GridPoint], ex
             processes=args.processes,
             threads=args.threads,
             extra_args=extra,
-            echo=progress.console.print,
+            # Printed above the bar as written: never wrapped (a log keeps each line, and its path, whole) and never
+            # read as console markup or emoji codes (a folder named "[bold]" stays in the line).
+            echo=lambda line: progress.console.print(line, markup=False, emoji=False, soft_wrap=True),
             on_done=lambda run: progress.advance(task),
         )
     finished = sum(run.returncode == 0 for run in runs)

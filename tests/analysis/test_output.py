@@ -82,6 +82,27 @@ def test_progress_is_drawn_only_on_a_terminal():
         assert ("counting" in stream.getvalue()) is enabled
 
 
+def test_a_disabled_bar_adds_nothing_to_what_is_printed_through_its_console():
+    # Piped or quiet, the bar draws nothing, not even the empty line rich 13.0 prints when a progress stops on a
+    # console that is not a terminal; lines printed through its console still reach the stream.
+    stream = io.StringIO()
+    with progress_bar(False, stream) as progress:
+        progress.advance(progress.add_task("counting", total=2))
+        progress.console.print("[1/2] done   weight_decay=0/version_0 in 3 s")
+    assert stream.getvalue() == "[1/2] done   weight_decay=0/version_0 in 3 s\n"
+
+
+def test_a_terminal_that_cannot_redraw_gets_no_bar_and_no_empty_line(monkeypatch):
+    # TERM=dumb (an editor's shell, some CI consoles): rich draws no live bar there, only an empty line when it stops.
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.delenv("TTY_INTERACTIVE", raising=False)
+    stream = _Terminal()
+    with progress_bar(True, stream) as progress:
+        list(progress.track(range(3), description="counting"))
+        progress.console.print("[1/2] done   weight_decay=0/version_0 in 3 s")
+    assert stream.getvalue() == "[1/2] done   weight_decay=0/version_0 in 3 s\n"
+
+
 def test_the_summary_names_the_folder_and_shortens_long_lists(tmp_path, capsys):
     figures = [tmp_path / "run_2" / f"figure_{i}.png" for i in range(9)]
     tables = [tmp_path / "run_2" / "summary.csv"]

@@ -416,6 +416,24 @@ def test_main_ends_with_a_summary_of_what_it_wrote_and_where(tmp_path, monkeypat
     assert "1 run(s) failed: weight_decay=1/version_0 (see their .log files)" in printed
 
 
+def test_run_lines_reach_a_pipe_whole_and_as_written(tmp_path, monkeypatch, capsys):
+    # A log gets each run's line on one line, its path unbroken and its brackets kept (no console markup).
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, "train_command", lambda: [sys.executable, str(fake)])
+    monkeypatch.setattr(sweep, "check_arguments", lambda configs, grid, extra: None)
+    out = tmp_path / "sweeps [bold]" / ("long_folder_name_" * 4)
+    assert sweep.main(["--config", "c.yaml", "--weight-decays", "0", "1", "--out", str(out), "--quiet"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "[1/2] start  weight_decay=0/version_0"
+    assert re.fullmatch(r"\[1/2\] done   weight_decay=0/version_0 in \d+ s", lines[2]), lines
+    assert lines[3] == "[2/2] start  weight_decay=1/version_0"
+    log = out / "weight_decay=1" / "version_0.log"
+    failed = rf"\[2/2\] FAILED \(exit 3, see {re.escape(str(log))}\) weight_decay=1/version_0 in \d+ s"
+    assert re.fullmatch(failed, lines[4]), lines
+    assert re.fullmatch(r"1 of 2 run\(s\) finished in \d+ s", lines[5]), lines
+
+
 def test_the_figure_title_names_the_step_for_runs_keyed_by_step():
     by_epoch, by_step = {"epoch": 3, "layer": "fc"}, {"epoch": None, "step": 40, "layer": "fc"}
     assert sweep.last_point([by_epoch]) == "epoch"
