@@ -6,7 +6,8 @@
   requested file when it exists;
 * :func:`progress_bar`: a ``rich`` progress bar on standard output, drawn only on a terminal and when not asked to be
   quiet (a log file or a pipe gets no control characters).
-* :func:`print_written`: the closing summary, one line per group of files, short whatever the number of files.
+* :func:`print_written`: the closing summary, one line per group of files, short whatever the number of files;
+* :func:`run_command`: a command's ``main`` run as ``python -m`` runs it, quiet when its reader stops early.
 
 Both number from 2: the requested folder or file holds the first run, ``run_2`` (``<stem>_2``) the second, ``run_3``
 the third. Neither creates anything: the writer creates the folders it needs (a run that fails leaves no empty folder
@@ -17,18 +18,38 @@ the work starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["at_least", "fresh_directory", "fresh_file", "print_written", "progress_bar", "show_progress"]
+__all__ = ["at_least", "fresh_directory", "fresh_file", "print_written", "progress_bar", "run_command", "show_progress"]
 
 # Files of a group named in full in the summary; longer groups show their first and last file.
 _NAMED_FILES = 3
+
+
+def run_command(main: Callable[[], object]) -> NoReturn:
+    """Run a command's ``main`` and exit with its status: the ``int`` it returns, else 0.
+
+    A reader that stops early (``python -m rank_lightning.analysis.report ... | head``) ends the command quietly with
+    status 141 (128 + SIGPIPE, as a shell's own tools end), instead of a ``BrokenPipeError`` traceback on the
+    terminal.
+    """
+    try:
+        try:
+            result = main()
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Standard output goes to the null device, so that Python's own flush at exit finds no closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
+    raise SystemExit(result if isinstance(result, int) else 0)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -48,12 +48,11 @@ import itertools
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import fresh_directory, print_written, progress_bar, run_command, show_progress
 from rank_lightning.callbacks.curves import FIGURE_DIR, epoch_ranges, read_curve_file
 from rank_lightning.figure_workers import FigureJob, draw_figures
 from rank_lightning.plotting import figure_filename, runs_vs_depth_figure, runs_vs_epoch_figure
@@ -613,4 +612,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -49,7 +49,14 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from rank_lightning.analysis.output import at_least, fresh_directory, print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import (
+    at_least,
+    fresh_directory,
+    print_written,
+    progress_bar,
+    run_command,
+    show_progress,
+)
 from rank_lightning.functional.jacobian import partial_jacobian
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
 from rank_lightning.plotting import save_figure
@@ -396,4 +403,4 @@ def main(argv: Sequence[str] | None = None) -> list[ComponentRank]:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -72,7 +72,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from rank_lightning.analysis.output import print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import print_written, progress_bar, run_command, show_progress
 from rank_lightning.analysis.report import DEFAULT_NAMESPACES, load_run, summary_rows
 
 __all__ = [
@@ -888,4 +888,4 @@ def _run_with_progress(args: argparse.Namespace, points: Sequence[GridPoint], ex
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

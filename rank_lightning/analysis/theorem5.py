@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rank_lightning.analysis.output import at_least, fresh_file, print_written, progress_bar, show_progress
+from rank_lightning.analysis.output import at_least, fresh_file, print_written, progress_bar, run_command, show_progress
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank, spectrum
 from rank_lightning.functional.theory import gaussian_product_log_singular_ratio, gaussian_product_numerical_rank
 
@@ -268,4 +268,4 @@ def main(argv: Sequence[str] | None = None) -> list[LayerRanks]:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

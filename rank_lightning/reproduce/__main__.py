@@ -6,7 +6,8 @@ import os
 # core (rank_lightning/cli.py says more); set before torch is imported, an explicit setting is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from rank_lightning.analysis.output import run_command
 from rank_lightning.reproduce.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_command(main)

@@ -1,4 +1,6 @@
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,17 @@ def test_folders_of_one_name_are_told_apart_by_their_parent(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         "    3 run folders  weight_decay=0/version_0, weight_decay=0.01/version_0, weight_decay=0.1/version_0"
     )
+
+
+@pytest.mark.parametrize("command", ["rank_lightning.analysis.theorem5", "rank_lightning.reproduce"])
+def test_a_reader_that_stops_early_ends_the_command_quietly(command: str, tmp_path: Path) -> None:
+    # `... | head` ended with a BrokenPipeError traceback (and "Exception ignored ... <stdout>") on the terminal.
+    arguments = ["--width", "8", "--depth", "3", "--seeds", "1", "--out", str(tmp_path / "t5.png")]
+    arguments = arguments if command.endswith("theorem5") else ["--list"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", command, *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path
+    )
+    process.stdout.close()  # the reader is gone before the command writes its first line
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141, errors
+    assert "BrokenPipeError" not in errors and "Traceback" not in errors, errors
