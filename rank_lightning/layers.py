@@ -430,9 +430,23 @@ def _block_runs(container: nn.Module, *, stacks: bool = False) -> list[list[str]
     """
     runs: dict[Any, list[str]] = {}
     for name, child in container.named_children():
-        if _has_children(child) and _parameter_count(child) > 0 and not _never_called(child):
-            runs.setdefault(_kind(child, stacks=stacks), []).append(name)
+        # A block wrapped alone (``blocks[0] = torch.compile(blocks[0])``, activation checkpointing of some blocks)
+        # is of the kind of the block it wraps; the wrapper's path is the block's.
+        inner = _unwrapped(child)
+        if _has_children(inner) and _parameter_count(inner) > 0 and not _never_called(inner):
+            runs.setdefault(_kind(inner, stacks=stacks), []).append(name)
     return [names for names in runs.values() if len(names) >= 2]
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module that wrappers (:data:`WRAPPER_SEGMENTS`: ``torch.compile``'s ``OptimizedModule``, FSDP, activation
+    checkpointing) hold, through any nesting of them; ``module`` itself when it is no wrapper."""
+    while len(module._modules) == 1:
+        name, inner = next(iter(module._modules.items()))
+        if name not in WRAPPER_SEGMENTS or inner is None:
+            break
+        module = inner
+    return module
 
 
 def _weight_layers(module: nn.Module) -> list[str]:
