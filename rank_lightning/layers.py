@@ -837,7 +837,7 @@ def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool
         if len(chosen) != 1:
             raise ValueError(f"layer {layer!r} matches {len(chosen)} modules ({', '.join(chosen.values())}); name one")
         ((name, path),) = chosen.items()
-        return FeatureLayer(name if name == layer else path, path)
+        return FeatureLayer(name if name == layer else eager_name(path), path)
     blocks = module_blocks(module)
     if blocks:
         name, path = list(blocks.items())[-1]
@@ -851,7 +851,8 @@ def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool
             f"{type(module).__name__} has no blocks() and no nn.Linear layer; name the layer explicitly, "
             f"{describe_names('submodule', paths) if paths else 'it has no submodules'}"
         )
-    return FeatureLayer(f"{linears[-1]}_input", linears[-1], "input")
+    # Named without wrapper segments: a compiled network's layer has the name (and keys) of the uncompiled one.
+    return FeatureLayer(f"{eager_name(linears[-1])}_input", linears[-1], "input")
 
 
 # -- block outputs ---------------------------------------------------------------------------------------------------

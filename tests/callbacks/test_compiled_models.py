@@ -151,3 +151,27 @@ def test_compiled_layers_are_chosen_and_logged_by_their_eager_names(how):
         assert keys([ActivationRankMonitor(layers=["net._orig_mod.2"], log_at_init=False)]) == {"rank": {"net.2"}}
     with pytest.raises(ValueError, match=r"unknown layer 'net\.9'; layers are: net, net\.0, net\.1,"):
         keys([ActivationRankMonitor(layers=["net.9"])])
+
+
+def test_the_head_of_a_compiled_network_is_logged_by_its_eager_name(monkeypatch, tmp_path):
+    """NeuralCollapseMonitor (the head's input) and RankPretraining (the input of the last Linear) log the keys and
+    values of the uncompiled model, not ``net._orig_mod.4``."""
+    from rank_lightning.callbacks import NeuralCollapseMonitor, RankPretraining
+    from tests.callbacks.recording_logger import RecordingLogger
+
+    def logged(compile_net: str | None) -> dict[str, float]:
+        (tmp_path / str(compile_net)).mkdir()
+        monkeypatch.chdir(tmp_path / str(compile_net))  # each run writes its own curve files
+        torch.manual_seed(0)
+        logger = RecordingLogger()
+        callbacks = [NeuralCollapseMonitor(metrics=["nc1"]), RankPretraining(num_batches=1, steps=1)]
+        trainer = quiet_trainer(callbacks, max_epochs=1, logger=logger)
+        module = MLPClassifier(compile_net=compile_net)
+        trainer.fit(module, DataLoader(_batches(2, 0), batch_size=None), DataLoader(_batches(2, 1), batch_size=None))
+        return {key: float(value) for key, value in (logger.latest | dict(trainer.callback_metrics)).items()}
+
+    eager, compiled = logged(None), logged("wrapped")
+    expected = {"neural_collapse/net.4/nc1", "pretrain/net.4_input/r_before", "pretrain/net.4_input/r_after"}
+    assert expected <= compiled.keys()
+    assert compiled.keys() == eager.keys()
+    assert compiled == pytest.approx(eager, rel=1e-6)
