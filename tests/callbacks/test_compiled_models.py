@@ -175,3 +175,30 @@ def test_the_head_of_a_compiled_network_is_logged_by_its_eager_name(monkeypatch,
     assert expected <= compiled.keys()
     assert compiled.keys() == eager.keys()
     assert compiled == pytest.approx(eager, rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["wrapped", "lightning_module"])
+def test_monitoring_whole_training_epochs_of_a_compiled_model_says_they_run_eagerly(how):
+    """stage='train' at epoch cadence hooks every batch of the epoch: the whole epoch runs eagerly, which is said."""
+    backend = CountingBackend()
+    module: Any = MLPClassifier(compile_net="wrapped" if how == "wrapped" else None, backend=backend)
+    module = torch.compile(module, backend=backend) if how == "lightning_module" else module
+    trainer = quiet_trainer([ActivationRankMonitor(stage="train", log_at_init=False)], max_epochs=1)
+    compiled = "'net'" if how == "wrapped" else "the LightningModule"
+    message = (
+        r"ActivationRankMonitor: stage='train' at epoch cadence measures every batch of the monitored training epochs "
+        rf"\(every_n_epochs=1\), and compiled code never calls the hooks that read them: those epochs run eagerly, "
+        rf"without the speed-up of torch.compile \(compiled: {compiled}\). Measure windows of training steps instead "
+        r"\(every_n_train_steps=..., window_batches=...\): the other steps run compiled"
+    )
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(module, DataLoader(_batches(4, 0), batch_size=None), DataLoader(_batches(1, 1), batch_size=None))
+    assert backend.calls == 1  # no training step ran the compiled code; the one validation batch did
+
+
+def test_monitoring_step_windows_of_a_compiled_model_needs_no_warning(recwarn):
+    module = MLPClassifier(compile_net="wrapped")
+    monitor = ActivationRankMonitor(stage="train", every_n_train_steps=2, log_at_init=False)
+    trainer = quiet_trainer([monitor], max_epochs=1, limit_val_batches=0)
+    trainer.fit(module, DataLoader(_batches(4, 0), batch_size=None))
+    assert not [w for w in recwarn if "run eagerly" in str(w.message)]
