@@ -63,6 +63,7 @@ __all__ = [
     "check_output_selector",
     "class_labels",
     "classifier_head",
+    "compiled_code_eager",
     "compiled_modules",
     "declared_batch_first",
     "decoder_layers",
@@ -1053,6 +1054,19 @@ class _EagerWhileHooked:
 
 
 _EAGER_WHILE_HOOKED = _EagerWhileHooked()
+
+
+@contextmanager
+def compiled_code_eager() -> Iterator[None]:
+    """Run every function compiled by ``torch.compile`` eagerly for the duration of the block
+    (``torch.compiler.set_stance("force_eager")``), as :func:`forward_hooks` does; blocks of both nest in any order.
+
+    For passes that compiled code cannot run: ``torch.func.jvp`` and ``vmap`` of a compiled model make TorchDynamo
+    give up on the model's ``forward`` for the rest of the process (the compiled code is never used again), which
+    running it eagerly avoids.
+    """
+    with _EAGER_WHILE_HOOKED.hold():
+        yield
 
 
 @contextmanager

@@ -202,3 +202,30 @@ def test_monitoring_step_windows_of_a_compiled_model_needs_no_warning(recwarn):
     trainer = quiet_trainer([monitor], max_epochs=1, limit_val_batches=0)
     trainer.fit(module, DataLoader(_batches(4, 0), batch_size=None))
     assert not [w for w in recwarn if "run eagerly" in str(w.message)]
+
+
+def test_jacobian_ranks_of_a_compiled_model_leave_its_compiled_code_running(monkeypatch, tmp_path):
+    """torch.func.jvp cannot run compiled code: TorchDynamo, asked to, gives up on the network's forward for the rest
+    of the process, so every later step ran eagerly. The Jacobians are computed eagerly, the steps stay compiled."""
+    from torch.utils.data import TensorDataset
+
+    from rank_lightning.callbacks import JacobianRankMonitor
+
+    def fit(compile_net: str | None, backend: Any = "eager") -> dict[str, float]:
+        (tmp_path / str(compile_net)).mkdir()
+        monkeypatch.chdir(tmp_path / str(compile_net))  # each run writes its own curve files
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(8, 6), torch.randint(0, CLASSES, (8,)))
+        trainer = quiet_trainer([JacobianRankMonitor(num_inputs=2)], max_epochs=2, num_sanity_val_steps=0)
+        module = MLPClassifier(compile_net=compile_net, backend=backend)
+        trainer.fit(module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+        return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+    eager = fit(None)
+    backend = CountingBackend()
+    compiled = fit("wrapped", backend)
+    assert backend.calls == 6  # 2 epochs of 2 training steps and 1 validation batch, all compiled
+    assert {key for key in compiled if key.startswith("jacobian/")} == {
+        f"jacobian/net.{i}/rank{s}" for i in (1, 3) for s in ("", "_max")
+    }
+    assert compiled == pytest.approx(eager, rel=1e-6)
