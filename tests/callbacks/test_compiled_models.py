@@ -229,3 +229,32 @@ def test_jacobian_ranks_of_a_compiled_model_leave_its_compiled_code_running(monk
         f"jacobian/net.{i}/rank{s}" for i in (1, 3) for s in ("", "_max")
     }
     assert compiled == pytest.approx(eager, rel=1e-6)
+
+
+def test_the_lr_layer_of_a_compiled_network_is_logged_by_its_eager_name(monkeypatch, tmp_path):
+    from rank_lightning.callbacks import LowRankProjection
+    from rank_lightning.nn import LRLayer, collect_auxiliary_losses, insert_lr_layer
+
+    class WithLRLayer(MLPClassifier):
+        def __init__(self, compile_net: str | None) -> None:
+            super().__init__()
+            insert_lr_layer(self.net, "4", LRLayer(16, rank=2))  # before the head, then compiled with it
+            if compile_net == "wrapped":
+                self.net = torch.compile(self.net, backend="eager")
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            return super().training_step(batch, batch_idx) + collect_auxiliary_losses(self)
+
+    def logged(compile_net: str | None) -> dict[str, float]:
+        (tmp_path / str(compile_net)).mkdir()
+        monkeypatch.chdir(tmp_path / str(compile_net))
+        torch.manual_seed(0)
+        trainer = quiet_trainer([LowRankProjection(threshold=None, switch_on_epoch=0)], max_epochs=1)
+        val = DataLoader(_batches(1, 1), batch_size=None)
+        trainer.fit(WithLRLayer(compile_net), DataLoader(_batches(2, 0), batch_size=None), val)
+        return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+    eager, compiled = logged(None), logged("wrapped")
+    assert {"lr_layer/net.4.0/reconstruction", "lr_layer/net.4.0/norm"} <= compiled.keys()
+    assert compiled.keys() == eager.keys()
+    assert compiled == pytest.approx(eager, rel=1e-6)
