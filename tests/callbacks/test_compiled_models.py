@@ -258,3 +258,25 @@ def test_the_lr_layer_of_a_compiled_network_is_logged_by_its_eager_name(monkeypa
     assert {"lr_layer/net.4.0/reconstruction", "lr_layer/net.4.0/norm"} <= compiled.keys()
     assert compiled.keys() == eager.keys()
     assert compiled == pytest.approx(eager, rel=1e-6)
+
+
+def test_monitored_windows_neither_recompile_nor_change_the_values_under_aot_autograd(monkeypatch, tmp_path):
+    """``"aot_eager"`` traces the backward pass too (AOTAutograd, as Inductor does): four monitored windows leave one
+    compiled graph, the one the first step compiled, and the values are the eager model's."""
+    from torch._dynamo.utils import counters
+
+    def values(compile_net: str | None) -> dict[str, float]:
+        (tmp_path / str(compile_net)).mkdir()
+        monkeypatch.chdir(tmp_path / str(compile_net))  # each run writes its own curve files
+        torch.manual_seed(0)
+        monitor = ActivationRankMonitor(every_n_train_steps=2, window_batches=1, stage="train", log_at_init=False)
+        trainer = quiet_trainer([monitor], max_epochs=1, limit_val_batches=0)
+        trainer.fit(MLPClassifier(compile_net, backend="aot_eager"), DataLoader(_batches(8, 0), batch_size=None))
+        return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+    eager = values(None)
+    counters.clear()
+    compiled = values("wrapped")
+    assert (counters["stats"]["unique_graphs"], dict(counters["recompiles"])) == (1, {})
+    assert compiled.keys() == eager.keys() and "rank_train/net.1/numerical_rank" in compiled
+    assert compiled == pytest.approx(eager, rel=1e-6)
