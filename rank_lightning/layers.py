@@ -516,15 +516,21 @@ def frozen_copies(module: nn.Module) -> list[str]:
         children = [(name, child) for name, child in container.named_children() if _parameter_count(child) > 0]
         frozen = [(name, child) for name, child in children if not any(p.requires_grad for p in child.parameters())]
         for name, child in frozen:
-            shapes = [(key, p.shape) for key, p in child.named_parameters()]
+            # Seen through wrappers: a copy made before torch.compile wrapped one of the pair is a copy still.
+            kind, shapes = type(_unwrapped(child)), _parameter_shapes(child)
             if any(
-                type(other) is type(child)
+                type(_unwrapped(other)) is kind
                 and any(p.requires_grad for p in other.parameters())
-                and [(key, p.shape) for key, p in other.named_parameters()] == shapes
+                and _parameter_shapes(other) == shapes
                 for _, other in children
             ):
                 found.append(f"{path}.{name}" if path else name)
     return found
+
+
+def _parameter_shapes(module: nn.Module) -> list[tuple[str, torch.Size]]:
+    """``(name, shape)`` of the parameters of ``module``, named without :data:`WRAPPER_SEGMENTS`."""
+    return [(eager_name(key), p.shape) for key, p in module.named_parameters()]
 
 
 def _stack_blocks(block: nn.Module) -> list[str] | None:
