@@ -280,3 +280,34 @@ def test_monitored_windows_neither_recompile_nor_change_the_values_under_aot_aut
     assert (counters["stats"]["unique_graphs"], dict(counters["recompiles"])) == (1, {})
     assert compiled.keys() == eager.keys() and "rank_train/net.1/numerical_rank" in compiled
     assert compiled == pytest.approx(eager, rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["wrapped", "blocks"])
+def test_a_compiled_gpt2_logs_the_values_of_the_eager_one(how, monkeypatch, tmp_path):
+    """A Hugging Face model (dict batches, padded tokens, tuple outputs, a graph break in its logging): compiled whole
+    (``self.model = torch.compile(model)``), or block by block (``h[i] = torch.compile(h[i])``)."""
+    pytest.importorskip("transformers")
+    from tests.callbacks.test_transformers import _causal_lm_batches, _gpt2
+
+    def values(compiled: str | None) -> dict[str, float]:
+        (tmp_path / str(compiled)).mkdir()
+        monkeypatch.chdir(tmp_path / str(compiled))  # each run writes its own curve files
+        torch.manual_seed(0)
+        module = _gpt2()
+        if compiled == "wrapped":
+            module.model = torch.compile(module.model, backend="eager")
+        elif compiled == "blocks":
+            blocks = module.model.transformer.h
+            for index, block in enumerate(blocks):
+                blocks[index] = torch.compile(block, backend="eager")
+        monitor = ActivationRankMonitor(every_n_train_steps=2, stage="train", log_at_init=False)
+        trainer = quiet_trainer([monitor], max_epochs=1)
+        train, val = _causal_lm_batches(2, 0), _causal_lm_batches(1, 1)
+        trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
+        return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+    eager, compiled = values(None), values(how)
+    layers = {key.split("/")[1] for key in compiled if key.startswith("rank_train/")}
+    assert layers == {f"model.transformer.h.{i}" for i in range(3)}
+    assert compiled.keys() == eager.keys()
+    assert compiled == pytest.approx(eager, rel=1e-6)
