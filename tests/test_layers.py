@@ -906,3 +906,12 @@ def test_a_block_wrapped_alone_is_still_one_of_the_blocks(wrap):
     with forward_hooks(model, layers, lambda layer, _: seen.append(layer.name)):
         model(torch.randn(2, 4))
     assert seen == ["blocks.0", "blocks.1", "blocks.2"]  # the wrapped block's hook fires too
+
+
+def test_the_feature_layer_of_a_compiled_network_has_its_eager_name():
+    from rank_lightning.layers import feature_layer
+
+    _, compiled, _ = _compiled_mlp()
+    assert feature_layer(compiled) == FeatureLayer("4_input", "_orig_mod.4", "input")  # the input of the last Linear
+    assert feature_layer(compiled, "*3") == FeatureLayer("3", "_orig_mod.3")  # a glob: named by the module's name
+    assert feature_layer(compiled, "3") == FeatureLayer("3", "_orig_mod.3")
