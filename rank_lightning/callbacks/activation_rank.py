@@ -506,8 +506,7 @@ class ActivationRankMonitor(CurveMonitor):
         else:
             data = f", the test data under {self.curves.namespace}{TEST_SUFFIX}/" if stage == "test" else ""
             self.info(f"monitoring {count_of(len(self._layers), 'layer')}{how}, {classes}{data}: {names}")
-        if str(getattr(stage, "value", stage)) == "fit":
-            self._warn_eager_epochs(pl_module)
+        self._warn_eager_epochs(pl_module, stage)
         self._stop()
         self._stream = ActivationStream(
             self._layers,
@@ -536,10 +535,12 @@ class ActivationRankMonitor(CurveMonitor):
             tolerance_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
         )
 
-    def _warn_eager_epochs(self, pl_module: pl.LightningModule) -> None:
-        """Say that the monitored training epochs of a compiled model run eagerly: an epoch pass hooks every batch,
-        and compiled code runs eagerly while hooks are registered (:func:`~rank_lightning.layers.forward_hooks`)."""
-        compiled = compiled_modules(pl_module) if self.stage == "train" and not self.cadence.by_step else []
+    def _warn_eager_epochs(self, pl_module: pl.LightningModule, stage: str) -> None:
+        """Say, for ``fit``, that the monitored training epochs of a compiled model run eagerly: an epoch pass hooks
+        every batch, and compiled code runs eagerly while hooks are registered
+        (:func:`~rank_lightning.layers.forward_hooks`)."""
+        epochs = str(getattr(stage, "value", stage)) == "fit" and self.stage == "train" and not self.cadence.by_step
+        compiled = compiled_modules(pl_module) if epochs else []
         if not compiled:
             return
         names = ", ".join(repr(path) if path else "the LightningModule" for path in compiled)
