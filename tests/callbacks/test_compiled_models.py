@@ -204,9 +204,11 @@ def test_monitoring_step_windows_of_a_compiled_model_needs_no_warning(recwarn):
     assert not [w for w in recwarn if "run eagerly" in str(w.message)]
 
 
-def test_jacobian_ranks_of_a_compiled_model_leave_its_compiled_code_running(monkeypatch, tmp_path):
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_jacobian_ranks_of_a_compiled_model_leave_its_compiled_code_running(fullgraph, monkeypatch, tmp_path):
     """torch.func.jvp cannot run compiled code: TorchDynamo, asked to, gives up on the network's forward for the rest
-    of the process, so every later step ran eagerly. The Jacobians are computed eagerly, the steps stay compiled."""
+    of the process, so every later step ran eagerly (with ``fullgraph=True`` it raised, ending the fit). The
+    Jacobians are computed eagerly, the steps stay compiled."""
     from torch.utils.data import TensorDataset
 
     from rank_lightning.callbacks import JacobianRankMonitor
@@ -217,7 +219,9 @@ def test_jacobian_ranks_of_a_compiled_model_leave_its_compiled_code_running(monk
         torch.manual_seed(0)
         data = TensorDataset(torch.randn(8, 6), torch.randint(0, CLASSES, (8,)))
         trainer = quiet_trainer([JacobianRankMonitor(num_inputs=2)], max_epochs=2, num_sanity_val_steps=0)
-        module = MLPClassifier(compile_net=compile_net, backend=backend)
+        module = MLPClassifier()
+        if compile_net == "wrapped":
+            module.net = torch.compile(module.net, backend=backend, fullgraph=fullgraph)
         trainer.fit(module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
         return {key: float(value) for key, value in trainer.callback_metrics.items()}
 
