@@ -63,6 +63,7 @@ __all__ = [
     "check_output_selector",
     "class_labels",
     "classifier_head",
+    "compiled_code_eager",
     "compiled_modules",
     "declared_batch_first",
     "decoder_layers",
@@ -437,9 +438,23 @@ def _block_runs(container: nn.Module, *, stacks: bool = False) -> list[list[str]
     """
     runs: dict[Any, list[str]] = {}
     for name, child in container.named_children():
-        if _has_children(child) and _parameter_count(child) > 0 and not _never_called(child):
-            runs.setdefault(_kind(child, stacks=stacks), []).append(name)
+        # A block wrapped alone (``blocks[0] = torch.compile(blocks[0])``, activation checkpointing of some blocks)
+        # is of the kind of the block it wraps; the wrapper's path is the block's.
+        inner = _unwrapped(child)
+        if _has_children(inner) and _parameter_count(inner) > 0 and not _never_called(inner):
+            runs.setdefault(_kind(inner, stacks=stacks), []).append(name)
     return [names for names in runs.values() if len(names) >= 2]
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module that wrappers (:data:`WRAPPER_SEGMENTS`: ``torch.compile``'s ``OptimizedModule``, FSDP, activation
+    checkpointing) hold, through any nesting of them; ``module`` itself when it is no wrapper."""
+    while len(module._modules) == 1:
+        name, inner = next(iter(module._modules.items()))
+        if name not in WRAPPER_SEGMENTS or inner is None:
+            break
+        module = inner
+    return module
 
 
 def _weight_layers(module: nn.Module) -> list[str]:
@@ -511,15 +526,21 @@ def frozen_copies(module: nn.Module) -> list[str]:
         children = [(name, child) for name, child in container.named_children() if _parameter_count(child) > 0]
         frozen = [(name, child) for name, child in children if not any(p.requires_grad for p in child.parameters())]
         for name, child in frozen:
-            shapes = [(key, p.shape) for key, p in child.named_parameters()]
+            # Seen through wrappers: a copy made before torch.compile wrapped one of the pair is a copy still.
+            kind, shapes = type(_unwrapped(child)), _parameter_shapes(child)
             if any(
-                type(other) is type(child)
+                type(_unwrapped(other)) is kind
                 and any(p.requires_grad for p in other.parameters())
-                and [(key, p.shape) for key, p in other.named_parameters()] == shapes
+                and _parameter_shapes(other) == shapes
                 for _, other in children
             ):
                 found.append(f"{path}.{name}" if path else name)
     return found
+
+
+def _parameter_shapes(module: nn.Module) -> list[tuple[str, torch.Size]]:
+    """``(name, shape)`` of the parameters of ``module``, named without :data:`WRAPPER_SEGMENTS`."""
+    return [(eager_name(key), p.shape) for key, p in module.named_parameters()]
 
 
 def _stack_blocks(block: nn.Module) -> list[str] | None:
@@ -835,7 +856,7 @@ def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool
         if len(chosen) != 1:
             raise ValueError(f"layer {layer!r} matches {len(chosen)} modules ({', '.join(chosen.values())}); name one")
         ((name, path),) = chosen.items()
-        return FeatureLayer(name if name == layer else path, path)
+        return FeatureLayer(name if name == layer else eager_name(path), path)
     blocks = module_blocks(module)
     if blocks:
         name, path = list(blocks.items())[-1]
@@ -849,7 +870,8 @@ def feature_layer(module: nn.Module, layer: str | None = None, *, required: bool
             f"{type(module).__name__} has no blocks() and no nn.Linear layer; name the layer explicitly, "
             f"{describe_names('submodule', paths) if paths else 'it has no submodules'}"
         )
-    return FeatureLayer(f"{linears[-1]}_input", linears[-1], "input")
+    # Named without wrapper segments: a compiled network's layer has the name (and keys) of the uncompiled one.
+    return FeatureLayer(f"{eager_name(linears[-1])}_input", linears[-1], "input")
 
 
 # -- block outputs ---------------------------------------------------------------------------------------------------
@@ -1050,6 +1072,19 @@ class _EagerWhileHooked:
 
 
 _EAGER_WHILE_HOOKED = _EagerWhileHooked()
+
+
+@contextmanager
+def compiled_code_eager() -> Iterator[None]:
+    """Run every function compiled by ``torch.compile`` eagerly for the duration of the block
+    (``torch.compiler.set_stance("force_eager")``), as :func:`forward_hooks` does; blocks of both nest in any order.
+
+    For passes that compiled code cannot run: ``torch.func.jvp`` and ``vmap`` of a compiled model make TorchDynamo
+    give up on the model's ``forward`` for the rest of the process (the compiled code is never used again), which
+    running it eagerly avoids.
+    """
+    with _EAGER_WHILE_HOOKED.hold():
+        yield
 
 
 @contextmanager

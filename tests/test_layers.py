@@ -870,3 +870,48 @@ def test_no_default_layer_or_head_of_a_large_model_gives_a_bounded_message() -> 
         classifier_head(_Conv48())
     with pytest.raises(ValueError, match=r"submodules are: 0, 1$"):
         feature_layer(nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU()))
+
+
+class _Blocks(nn.Module):
+    """Three blocks applied in a loop, then a head: the blocks are the default layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("wrap", ["compile", "compile_in_place", "checkpoint_wrapper"])
+def test_a_block_wrapped_alone_is_still_one_of_the_blocks(wrap):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _Blocks()
+    if wrap == "compile":  # the wrapper torch.compile returns replaces the block
+        model.blocks[0] = torch.compile(model.blocks[0], backend="eager")
+    elif wrap == "compile_in_place":
+        model.blocks[0].compile(backend="eager")
+    else:  # activation checkpointing of some blocks only
+        model.blocks[1] = checkpoint_wrapper(model.blocks[1])
+    chosen = default_layers(model)
+    assert list(chosen) == ["blocks.0", "blocks.1", "blocks.2"] == list(default_layers(_Blocks()))
+    hooked = {"compile": "blocks.0", "compile_in_place": "", "checkpoint_wrapper": "blocks.1"}[wrap]
+    assert all(path == name for name, path in chosen.items() if name != hooked)
+    seen: list[str] = []
+    layers = [FeatureLayer(name, path) for name, path in chosen.items()]
+    with forward_hooks(model, layers, lambda layer, _: seen.append(layer.name)):
+        model(torch.randn(2, 4))
+    assert seen == ["blocks.0", "blocks.1", "blocks.2"]  # the wrapped block's hook fires too
+
+
+def test_the_feature_layer_of_a_compiled_network_has_its_eager_name():
+    from rank_lightning.layers import feature_layer
+
+    _, compiled, _ = _compiled_mlp()
+    assert feature_layer(compiled) == FeatureLayer("4_input", "_orig_mod.4", "input")  # the input of the last Linear
+    assert feature_layer(compiled, "*3") == FeatureLayer("3", "_orig_mod.3")  # a glob: named by the module's name
+    assert feature_layer(compiled, "3") == FeatureLayer("3", "_orig_mod.3")

@@ -34,6 +34,7 @@ from rank_lightning.layers import (
     channel_first_layers,
     channels_last_layers,
     check_layer_types,
+    compiled_modules,
     eval_mode,
     forward_batch,
     frozen_copies,
@@ -505,6 +506,7 @@ class ActivationRankMonitor(CurveMonitor):
         else:
             data = f", the test data under {self.curves.namespace}{TEST_SUFFIX}/" if stage == "test" else ""
             self.info(f"monitoring {count_of(len(self._layers), 'layer')}{how}, {classes}{data}: {names}")
+        self._warn_eager_epochs(pl_module, stage)
         self._stop()
         self._stream = ActivationStream(
             self._layers,
@@ -532,6 +534,23 @@ class ActivationRankMonitor(CurveMonitor):
             tolerance_size=options["tolerance_size"],
             tolerance_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
         )
+
+    def _warn_eager_epochs(self, pl_module: pl.LightningModule, stage: str) -> None:
+        """Say, for ``fit``, that the monitored training epochs of a compiled model run eagerly: an epoch pass hooks
+        every batch, and compiled code runs eagerly while hooks are registered
+        (:func:`~rank_lightning.layers.forward_hooks`)."""
+        epochs = str(getattr(stage, "value", stage)) == "fit" and self.stage == "train" and not self.cadence.by_step
+        compiled = compiled_modules(pl_module) if epochs else []
+        if not compiled:
+            return
+        names = ", ".join(repr(path) if path else "the LightningModule" for path in compiled)
+        message = (
+            "stage='train' at epoch cadence measures every batch of the monitored training epochs "
+            f"(every_n_epochs={self.cadence.every_n_epochs}), and compiled code never calls the hooks that read them: "
+            f"those epochs run eagerly, without the speed-up of torch.compile (compiled: {names}). Measure windows of "
+            "training steps instead (every_n_train_steps=..., window_batches=...): the other steps run compiled."
+        )
+        self.warn_once(("compiled training epochs",), message)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback
+from rank_lightning.layers import eager_name
 from rank_lightning.nn.lr_layer import lr_layers
 from rank_lightning.validation import check_bool, check_finite, check_non_negative_int
 
@@ -125,7 +126,8 @@ class LowRankProjection(RankCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        layers = lr_layers(pl_module)
+        # Named without wrapper segments: a compiled network's LR-Layer has the keys of the uncompiled one.
+        layers = [(eager_name(name), layer) for name, layer in lr_layers(pl_module)]
         stepped = trainer.global_step != self._last_step
         self._last_step = trainer.global_step
         if self.enabled and stepped:

@@ -23,6 +23,7 @@ from rank_lightning.layers import (
     check_label_rows,
     classifier_head,
     decoder_layers,
+    eager_name,
     eval_mode,
     forward_batch,
     forward_hooks,
@@ -198,7 +199,8 @@ class NeuralCollapseMonitor(CurveMonitor):
         if isinstance(weight, Tensor) and weight.ndim == 2:
             # The head's (C, d) weight tells the plan before any training step (else the first batch's shapes do).
             check_neural_collapse_memory(*weight.shape, self.top_classes, self.memory_budget_mb)
-        self.info(f"neural collapse of the input of {self._head_path!r} (two passes over the validation data)")
+        head = eager_name(self._head_path)
+        self.info(f"neural collapse of the input of {head!r} (two passes over the validation data)")
         self.curves.describe(split="val")
 
     @override
@@ -234,7 +236,8 @@ class NeuralCollapseMonitor(CurveMonitor):
                 return {}
             metric.start_second_pass()
             self._stream(pl_module, loaders, path, limit, metric)
-        return {path: self._values(metric, pl_module.get_submodule(path))}
+        # Logged under the eager name: a compiled network's head has the key of the uncompiled one.
+        return {eager_name(path): self._values(metric, pl_module.get_submodule(path))}
 
     def _values(self, metric: NeuralCollapseStatistics, head: nn.Module) -> dict[str, float]:
         weight = getattr(head, "weight", None)

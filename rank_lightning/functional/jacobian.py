@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rank_lightning.functional.spectral import default_rank_tolerance, numerical_rank
+from rank_lightning.layers import compiled_code_eager
 from rank_lightning.layers import eval_mode as switch_to_eval
 from rank_lightning.validation import (
     check_choice,
@@ -191,11 +192,13 @@ def _flatten_columns(tangents: Tensor) -> Tensor:
 
 @contextmanager
 def _forward_mode_context() -> Iterator[None]:
-    """Use the attention kernels that have a forward-mode derivative (not the fused ones), restoring the settings."""
+    """Use the attention kernels that have a forward-mode derivative (not the fused ones), restoring the settings;
+    run compiled code eagerly (``torch.func.jvp`` of a compiled model would make TorchDynamo skip its ``forward``
+    from then on, see :func:`~rank_lightning.layers.compiled_code_eager`)."""
     enabled = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
+        with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), compiled_code_eager():
             # On first use, forward-mode AD compiles torch's own decompositions with torch.jit.script and warns about
             # that deprecated call, which the user can do nothing about.
             warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)

@@ -208,6 +208,16 @@ def test_the_default_layers_leave_out_a_frozen_momentum_copy(tmp_path, caplog):
     assert "frozen copies (momentum targets) left out: target;" in caplog.text
 
 
+@pytest.mark.parametrize("compiled", ["online", "target"])
+def test_a_momentum_copy_is_left_out_when_only_one_of_the_pair_is_compiled(compiled):
+    # The target is a copy of the online encoder made before ``torch.compile`` wrapped one of them: the wrapper's class
+    # and its parameter names (``_orig_mod.``) are not the copy's, yet the pair is an encoder and its frozen copy.
+    model = BYOL()
+    setattr(model, compiled, torch.compile(getattr(model, compiled), backend="eager"))
+    assert frozen_copies(model) == ["target"]
+    assert list(default_layers(model)) == [f"online.blocks.{i}" for i in range(3)]
+
+
 def test_frozen_blocks_of_a_stack_are_no_copies():
     # Fine-tuning with the first blocks frozen: they run in the forward pass and stay among the default layers.
     encoder = Encoder()
