@@ -373,3 +373,41 @@ def test_every_inline_call_of_the_prose_takes_its_arguments():
             with contextlib.suppress(SyntaxError):
                 checked += _check_calls(page.name, span, namespace)
     assert checked >= 20, checked
+
+
+def test_the_readmes_lightning_module_methods_log_the_spectrum_and_the_quoted_error_is_lightnings():
+    # README's ActivationSpectrum in a LightningModule: its two methods in a module, validated; and the error it
+    # quotes for logging the metric object itself.
+    import pytorch_lightning as pl
+
+    from rank_lightning.metrics import ActivationSpectrum
+
+    text = (ROOT / "README.md").read_text().split("so a `LightningModule` cannot log the metric object")[1]
+    quoted = re.search(r'fails with Lightning\'s "(.+?)"\. Update', " ".join(text.split())).group(1)
+    methods: dict = {}
+    exec(text.split("```python\n")[1].split("```")[0], methods)
+
+    class Module(pl.LightningModule):
+        def __init__(self, log_the_metric: bool = False) -> None:
+            super().__init__()
+            self.backbone, self.spectrum = torch.nn.Linear(4, 6), ActivationSpectrum(num_classes=3)
+            self.log_the_metric = log_the_metric
+
+        def validation_step(self, batch, batch_idx):
+            methods["validation_step"](self, batch, batch_idx)
+            if self.log_the_metric:
+                self.log("val_rank", self.spectrum)
+
+        def on_validation_epoch_end(self):
+            if not self.log_the_metric:
+                methods["on_validation_epoch_end"](self)
+
+    data = torch.utils.data.TensorDataset(torch.eye(4).repeat(3, 1), torch.arange(12) % 3)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    module = Module()
+    (logged,) = trainer.validate(module, loader, verbose=False)
+    assert logged["val_rank/numerical_rank"] == 4 and logged["val_rank/spectrum_rows"] == 12
+    assert int(module.spectrum.num_samples) == 0  # reset for the next epoch
+    with pytest.raises(ValueError, match=re.escape(quoted)):
+        trainer.validate(Module(log_the_metric=True), loader, verbose=False)

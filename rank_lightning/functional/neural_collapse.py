@@ -314,7 +314,7 @@ def nc2(means: Tensor, global_mean: Tensor) -> tuple[float, float, float]:
 
 
 def nc3(head_weight: Tensor, means: Tensor, global_mean: Tensor) -> float:
-    """Self-duality ``||W/||W||_F - M/||M||_F||_F^2`` (Papyan et al. 2020, NC3).
+    """Self-duality ``||W/||W||_F - M/||M||_F||_F^2`` (Papyan et al. 2020, NC3); NaN without a class mean.
 
     Args:
         head_weight: ``(C, d)`` classifier weight, rows in the order of ``means``.
@@ -325,6 +325,8 @@ def nc3(head_weight: Tensor, means: Tensor, global_mean: Tensor) -> float:
         raise ValueError(
             f"head_weight must have the shape of the class means {tuple(means.shape)}, got {tuple(head_weight.shape)}"
         )
+    if means.shape[0] == 0:  # no class mean to compare the head with (an empty sum would give 0.0)
+        return math.nan
     w = head_weight.detach().to(torch.float64)
     centred = means - global_mean
     return float((w / w.norm() - centred / centred.norm()).square().sum())

@@ -237,7 +237,9 @@ class NeuralCollapseStatistics(Metric):
         device than the features.
 
         Raises:
-            ValueError: shapes that do not match, or labels out of range.
+            TypeError: features or logits that are not tensors.
+            ValueError: shapes that do not match, labels out of range or of no form taken, or complex features or
+                logits.
         """
         check_real("features", features)
         if logits is not None:
@@ -436,8 +438,9 @@ class NeuralCollapseStatistics(Metric):
     def compute(self) -> NeuralCollapse:
         """The metrics from both passes (NC4 NaN if no logits were given in the second pass).
 
-        Features holding NaN or Inf make the metrics they reach NaN, with a warning (every metric in the first pass,
-        whose class means they enter; NC1, the CDNV and NC4 in the second); so do logits holding NaN for NC4.
+        NaN, with a warning: every metric when no sample was streamed; the metrics that features holding NaN or Inf
+        reach (every metric in the first pass, whose class means they enter; NC1, the CDNV and NC4 in the second);
+        NC4 when logits hold NaN, or came with some of the second pass's batches only.
 
         Raises:
             RuntimeError: :meth:`start_second_pass` was not called, or the two passes saw different class counts

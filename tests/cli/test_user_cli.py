@@ -2,6 +2,9 @@
 the CLI saves gives the same callbacks back."""
 
 import inspect
+import shlex
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,22 @@ def test_every_argument_of_every_callback_parses_and_survives_the_saved_config(t
     assert restarted.parser.dump(restarted.config, skip_none=False) == saved.read_text()
     printed = yaml.safe_load(saved.read_text())["trainer"]["callbacks"][: len(classes)]
     assert {entry["class_path"].rpartition(".")[2]: entry["init_args"] for entry in printed} == classes
+
+
+def test_the_readmes_config_and_command_line_build_their_callbacks(tmp_path, monkeypatch):
+    # README's "In a LightningCLI of your own": its config, then its command line after that config.
+    readme = (Path(__file__).parents[2] / "README.md").read_text().split("In a `LightningCLI` of your own")[1]
+    config, command = (readme.split(f"```{language}\n")[1].split("```")[0] for language in ("yaml", "bash"))
+    (tmp_path / "config.yaml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    package, data = types.ModuleType("mypackage"), types.ModuleType("mypackage.data")
+    data.labels = labels_of
+    monkeypatch.setitem(sys.modules, "mypackage", package)
+    monkeypatch.setitem(sys.modules, "mypackage.data", data)
+    words = shlex.split(command.replace("\\\n", " "))
+    assert words[:3] == ["python", "main.py", "fit"]
+    cli = user_cli(*words[3:])
+    built = cli.trainer.callbacks[:3]
+    assert [type(c).__name__ for c in built] == ["ActivationRankMonitor", "WeightRankMonitor", "NeuralCollapseMonitor"]
+    assert built[0].batch_reader.label_fn is labels_of and built[0].num_classes == 10
+    assert built[2].every_n_epochs == 5

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rank_lightning.functional.neural_collapse import NC_METRICS, neural_collapse
+from rank_lightning.functional.neural_collapse import NC_METRICS, nc3, neural_collapse
 from rank_lightning.metrics import NeuralCollapseStatistics
 from tests.metrics.neural_collapse_ddp_helpers import ddp_worker, mixture, stream
 
@@ -457,3 +457,15 @@ def test_no_sample_gives_nan_with_a_warning() -> None:
     with pytest.warns(RuntimeWarning, match=r"^NeuralCollapseStatistics: no sample was streamed; every metric is NaN$"):
         result = metric.compute()
     assert result.num_samples == 0 and all(math.isnan(v) for v in result.as_dict().values())
+
+
+def test_no_sample_gives_nan_nc3_with_the_heads_weight_set() -> None:
+    # The warning says every metric is NaN: NC3 too, which compared the head with no class mean and gave 0.0.
+    metric = NeuralCollapseStatistics(3, 4)
+    metric.head_weight = torch.ones(3, 4)
+    metric.update(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    metric.start_second_pass()
+    with pytest.warns(RuntimeWarning, match="every metric is NaN"):
+        result = metric.compute()
+    assert result.num_samples == 0 and all(math.isnan(v) for v in result.as_dict().values())
+    assert math.isnan(nc3(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(4)))
