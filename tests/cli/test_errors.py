@@ -212,25 +212,25 @@ Expected 'data.labels' to be a function that returns <class 'Tensor'>.
     )
 
 
-def test_a_callbacks_own_message_is_printed_not_the_error_it_explains(capsys, monkeypatch):
+def _added_callback_error(capsys, monkeypatch, callback: str, argument: str) -> tuple[int, str]:
+    """The exit status and standard error of a quickstart fit with ``callback`` added, given ``argument``."""
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    callback = "--trainer.callbacks+=rank_lightning.callbacks.AdversarialValidation"
+    added = f"--trainer.callbacks+=rank_lightning.callbacks.{callback}"
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.eps=[abc]", "--trainer.logger=false"])
-    assert exit_info.value.code == 1
+        main(["fit", "--config", QUICKSTART, added, f"--trainer.callbacks.{argument}", "--trainer.logger=false"])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_a_callbacks_own_message_is_printed_not_the_error_it_explains(capsys, monkeypatch):
+    code, err = _added_callback_error(capsys, monkeypatch, "AdversarialValidation", "eps=[abc]")
+    assert code == 1
     # Not Python's 'Invalid literal for Fraction', which the callback's message explains.
-    assert capsys.readouterr().err.startswith(
-        "error: eps entries must be numbers or fractions such as '8/255'; got 'abc'\n"
-    )
+    assert err.startswith("error: eps entries must be numbers or fractions such as '8/255'; got 'abc'\n")
 
 
 def test_a_bad_argument_of_a_class_inside_a_callback_is_one_line_with_one_hint(capsys, monkeypatch):
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
-    callback = "--trainer.callbacks+=rank_lightning.callbacks.JacobianRankMonitor"
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", QUICKSTART, callback, "--trainer.callbacks.patch={top: 1}", "--trainer.logger=false"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    code, err = _added_callback_error(capsys, monkeypatch, "JacobianRankMonitor", "patch={top: 1}")
+    assert code == 2
     assert err.endswith(
         "error: trainer.callbacks: JacobianRankMonitor: patch: Patch: the following arguments are required: left, "
         f"height, width\n({DEBUG_ENV}=1 shows the parser's whole message)\n"
