@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +188,34 @@ def attack(
     raise ValueError(f"unknown attack {name!r}; attacks are: {', '.join(ATTACKS)}")
 
 
+def model_logits(output: Any) -> torch.Tensor:
+    """The logits in what a classifier's forward returned: a tensor, or the ``"logits"`` entry of a dict or of a
+    Hugging Face ``ModelOutput`` (a mapping).
+
+    Raises:
+        TypeError: anything else; the message names what the forward returned.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    keys = f" with keys {list(output.keys())}" if isinstance(output, Mapping) else ""
+    raise TypeError(
+        f"the attacks need the model's logits, but its forward returned a {type(output).__name__}{keys}; return a "
+        "tensor (B, num_classes), or a dict or ModelOutput holding it under 'logits'"
+    )
+
+
+def _check_continuous(inputs: torch.Tensor) -> None:
+    """Integer inputs (token ids, class indices) have no gradient and no pixel range: no sign attack applies."""
+    if not inputs.is_floating_point():
+        raise ValueError(
+            f"the attacks perturb continuous inputs (pixels in [0, 1], or normalised pixels), but the inputs have "
+            f"dtype {inputs.dtype} (token ids?), which have no input gradient; attack a model whose inputs are "
+            "images, or name the floating-point inputs of the batch with input_key"
+        )
+
+
 def _check_eps(eps: float) -> None:
     # Pixels lie in [0, 1]: a budget above 1 is grey levels written as pixel units (8 for 8/255), and clipping to the
     # image would make every budget from 1 on the same attack.
@@ -231,6 +261,7 @@ def _sign_gradient_attack(
     _check_steps(alpha, steps)
     if steps is None:
         steps = kurakin_steps(eps)
+    _check_continuous(inputs)
     _check_gradients_possible(inputs)
     if targets is not None and not least_likely:
         # The forms every class-aware part takes: a (B, 1) column, booleans, one-hot rows as their argmax.
@@ -258,14 +289,14 @@ def _sign_gradient_attack(
     with torch.enable_grad(), eval_mode(model):
         if least_likely:
             with torch.no_grad():
-                targets = model(inputs).argmin(dim=1)
+                targets = model_logits(model(inputs)).argmin(dim=1)
         for _ in range(steps):
             # The gradient is taken in the model's (normalised) input space: it differs from the pixel-space
             # gradient by the positive factor 1/std per channel, so the signs agree and two backward ops are saved.
             model_input = adversarial if stats is None else (adversarial - stats[0]) / stats[1]
             model_input = model_input.detach().requires_grad_(True)
             # A summed loss keeps each sample's gradient independent of the batch it is attacked in.
-            loss = F.cross_entropy(model(model_input), targets, reduction="sum")
+            loss = F.cross_entropy(model_logits(model(model_input)), targets, reduction="sum")
             (grad,) = torch.autograd.grad(loss, model_input)
             adversarial = adversarial + (direction * alpha) * grad.sign()
             adversarial = torch.minimum(torch.maximum(adversarial, low), high)

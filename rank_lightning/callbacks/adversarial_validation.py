@@ -23,6 +23,7 @@ from rank_lightning.attacks import (
     kurakin_steps,
     l2_dissimilarity,
 )
+from rank_lightning.attacks.gradient_sign import model_logits
 from rank_lightning.callbacks.base import (
     Cadence,
     RankCallback,
@@ -138,12 +139,14 @@ class AdversarialValidation(RankCallback):
 
     Budgets are in pixel units: the attacks un-normalise the inputs with the per-channel ``mean`` and ``std``,
     perturb pixels in [0, 1] and normalise again (see :mod:`rank_lightning.attacks`). Every forward pass calls
-    ``pl_module(inputs)``, which must return logits; the attacks run the model in eval mode and afterwards restore
-    every submodule's train/eval flag, and no parameter's ``.grad`` is touched (gradients are taken with respect to
-    the inputs only). The clean and adversarial forward passes run in the mode Lightning validates in (eval). Forward
-    hooks that other callbacks still hold see these passes: list this callback after those that hook layers during
-    validation (:class:`~rank_lightning.callbacks.ActivationRankMonitor` removes its hooks in its own
-    ``on_validation_epoch_end``, which then runs first).
+    ``pl_module(inputs)``, which must return logits (a tensor, or a dict or ``ModelOutput`` holding them under
+    ``"logits"``); the inputs must be floating point (token ids cannot be attacked: a ``ValueError`` says so). The
+    attacks run the model in eval mode and afterwards restore every submodule's train/eval flag, and no parameter's
+    ``.grad`` is touched (gradients are taken with respect to the inputs only). The clean and adversarial forward
+    passes run in the mode Lightning validates in (eval). Forward hooks that other callbacks still hold see these
+    passes: list this callback after those that hook layers during validation
+    (:class:`~rank_lightning.callbacks.ActivationRankMonitor` removes its hooks in its own ``on_validation_epoch_end``,
+    which then runs first).
 
     Gradients and inference mode: inside ``fit``, validation runs under ``torch.no_grad``, which the attacks lift with
     ``torch.enable_grad``. ``trainer.validate`` and ``trainer.test`` run under ``torch.inference_mode`` unless the
@@ -586,7 +589,7 @@ class AdversarialValidation(RankCallback):
     def _forward(self, pl_module: pl.LightningModule, x: Tensor) -> tuple[Tensor, Tensor | None]:
         layers = [] if self._feature_layer is None else [self._feature_layer]
         with torch.no_grad(), capture_features(pl_module, layers, on_repeat=repeated_layer_warner(self)) as captured:
-            logits = pl_module(x)
+            logits = model_logits(pl_module(x))
         return logits, (captured[layers[0].name] if layers else None)
 
     def _values(self, totals: list[float]) -> dict[str, float] | None:

@@ -244,3 +244,46 @@ def test_functional_attacks_reject_grey_levels(cnn, rgb_batch):
     ):
         with pytest.raises(ValueError, match="did you mean 16/255"):
             call()
+
+
+class _DictOutput(nn.Module):
+    """The CNN of the tests, returning its logits as a Hugging Face model does (a mapping with ``"logits"``)."""
+
+    def __init__(self, wrapped: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.wrapped, self.kind = wrapped, kind
+
+    def forward(self, x: torch.Tensor):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.wrapped(x)
+        return {"logits": logits} if self.kind == "dict" else SequenceClassifierOutput(logits=logits)
+
+
+@pytest.mark.parametrize("kind", ["dict", "model_output"])
+@pytest.mark.parametrize("name", ATTACKS)
+def test_logits_read_from_dict_and_model_output(cnn, rgb_batch, name, kind):
+    inputs, labels = rgb_batch
+    expected = attack(name, cnn, inputs, labels, 4 / 255, mean=RGB_MEAN, std=RGB_STD)
+    got = attack(name, _DictOutput(cnn, kind), inputs, labels, 4 / 255, mean=RGB_MEAN, std=RGB_STD)
+    assert torch.equal(got, expected)
+
+
+def test_output_without_logits_names_what_forward_returned(cnn, rgb_batch):
+    model = nn.Sequential(cnn, _Wrap())
+    with pytest.raises(TypeError, match=r"forward returned a dict with keys \['scores'\]; return a tensor"):
+        attack("fgsm", model, *rgb_batch, 4 / 255, mean=RGB_MEAN, std=RGB_STD)
+
+
+class _Wrap(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scores": x}
+
+
+@pytest.mark.parametrize("name", ATTACKS)
+def test_token_ids_are_refused_by_dtype(name):
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Flatten(), nn.Linear(32, 3))
+    token_ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+    message = r"inputs have dtype torch.int64 \(token ids\?\), which have no input gradient"
+    with pytest.raises(ValueError, match=message):
+        attack(name, model, token_ids, torch.zeros(4, dtype=torch.long), 8 / 255)

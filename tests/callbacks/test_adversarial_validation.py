@@ -601,3 +601,34 @@ def test_evaluations_are_recorded_where_the_rank_curves_record_them(tmp_path, mo
     again = _trainer(tmp_path, [callback], logger=False, inference_mode=False)
     again.validate(model, datamodule=_datamodule(), ckpt_path=checkpoint, verbose=False)
     assert callback.history["validate"][8] == last  # the checkpoint's x axis (step) and point came with it
+
+
+class _ModelOutputClassifier(pl.LightningModule):
+    """A user's module: ``forward`` returns a Hugging Face ``ModelOutput``, batches are ``(x, y, meta)``."""
+
+    def __init__(self, wrapped: ImageClassifier) -> None:
+        super().__init__()
+        self.wrapped = wrapped
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=self.wrapped(x))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _meta = batch
+        self.log("val_loss", F.cross_entropy(self(x).logits, y))
+
+
+def test_forward_returning_a_model_output_with_tuple_batches_with_meta(tmp_path, model):
+    datamodule = _datamodule()
+    inputs, labels = (t[:64] for t in datamodule.val_set.tensors)
+    batches = DataLoader([(inputs[i : i + 32], labels[i : i + 32], torch.arange(i, i + 32)) for i in (0, 32)], None)
+    settings = dict(eps=[8 / 255], max_samples=64, layer="wrapped.backbone.layers.0", verbose=False)
+    reference = _reference(copy.deepcopy(model), 64, (8 / 255,))
+    callback = AdversarialValidation(**settings, mean=datamodule.mean, std=datamodule.std)
+    _trainer(tmp_path, [callback], inference_mode=False).validate(_ModelOutputClassifier(model), dataloaders=batches)
+    logged = callback.history["validate"][-1]
+    assert set(logged) == set(reference)
+    for key, value in reference.items():
+        assert logged[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
