@@ -20,6 +20,7 @@ from rank_lightning.layers import (
     buffers_kept,
     capture_features,
     feature_layer,
+    forward_batch,
     measuring_without_grad,
     module_blocks,
     train_mode,
@@ -76,7 +77,9 @@ class RankPretraining(RankCallback):
         reduction: how conv or token features become an (N, d) matrix (see
             :func:`~rank_lightning.functional.reduce_activations`).
         input_key: where the inputs are in a batch (:class:`~rank_lightning.layers.BatchReader`); ``None`` for
-            ``batch[0]``, the usual keys of a dict batch, or the batch itself when it is a tensor.
+            ``batch[0]``, or the batch itself when it is a tensor, and for dict batches the rule of
+            :func:`~rank_lightning.layers.forward_batch` (``forward(**entries)``, so that an ``attention_mask`` reaches
+            the model, ``forward(batch)``, else the dict's ``x`` / ``image`` / ``input_ids`` ...).
         verbose: report the table of ``r(H)`` before and after (rank zero, at INFO level).
 
     Logged metrics:
@@ -120,6 +123,7 @@ class RankPretraining(RankCallback):
         self.normalize_gradient = check_bool("normalize_gradient", normalize_gradient)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.reader = BatchReader(input_key)
+        self._call: str | None = None  # how forward() takes a dict batch (layers.forward_batch)
         self.done = False
         self.results: dict[str, dict[str, float]] = {}
 
@@ -153,10 +157,10 @@ class RankPretraining(RankCallback):
         header = f"{'block':<32} {'before':>10} {'after':>10}"
         self.info("\n".join([title, header, *rows]))
 
-    def _batches(self, trainer: pl.Trainer) -> list[Tensor]:
-        """The inputs of the first ``num_batches`` training batches, as the steps get them (on the module's device,
-        cast by the precision plugin: bf16 / fp16 / float64 under ``"bf16-true"``, ``"16-true"``, ``"64-true"``); of a
-        batch of several training loaders, their inputs concatenated in loader order
+    def _batches(self, trainer: pl.Trainer) -> list[Any]:
+        """The first ``num_batches`` training batches, as the steps get them (on the module's device, cast by the
+        precision plugin: bf16 / fp16 / float64 under ``"bf16-true"``, ``"16-true"``, ``"64-true"``); of a batch of
+        several training loaders, their inputs concatenated in loader order
         (:class:`~rank_lightning.callbacks.base.TrainingBatches`)."""
         if trainer.train_dataloader is None:
             raise RuntimeError("RankPretraining needs a training dataloader")
@@ -166,23 +170,31 @@ class RankPretraining(RankCallback):
                 f"is {UNREADABLE_LOADER}: those batches would be taken from the fit. {READABLE_ADVICE}."
             )
         loader = TrainingBatches(trainer)
-        batches: list[Tensor] = []
+        batches: list[Any] = []
         while len(batches) < self.num_batches:
             start = len(batches)
             for batch in loader:
-                parts = loader.parts(step_inputs(trainer, batch))
-                batches.append(torch.cat([self.reader.inputs(part) for part in parts]))
+                batch = step_inputs(trainer, batch)
+                if loader.combined:
+                    batches.append(torch.cat([self.reader.inputs(part) for part in loader.parts(batch)]))
+                else:
+                    # Run as the steps run it (layers.forward_batch): a dict batch keeps its attention mask.
+                    batches.append(batch)
                 if len(batches) == self.num_batches:
                     break
             if len(batches) == start:
                 raise RuntimeError("the training dataloader yielded no batch")
         return batches
 
-    def _features(
-        self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], inputs: Tensor
-    ) -> dict[str, Tensor]:
+    def _features(self, pl_module: pl.LightningModule, layers: Sequence[FeatureLayer], batch: Any) -> dict[str, Tensor]:
+        """The features of ``layers`` on a batch of :meth:`_batches`: the inputs of several training loaders together,
+        or one loader's batch run as the steps run it, a dict batch by its entries (Hugging Face style: its
+        ``attention_mask`` too) when ``forward`` names them (:func:`~rank_lightning.layers.forward_batch`)."""
         with capture_features(pl_module, layers, on_repeat=repeated_layer_warner(self)) as captured:
-            pl_module(inputs)
+            if isinstance(batch, Tensor):
+                pl_module(batch)
+            else:
+                self._call = forward_batch(pl_module, batch, self.reader, self._call, ran=lambda: len(captured))
         return {name: reduce_activations(value, self.reduction) for name, value in captured.items()}
 
     def _measure(

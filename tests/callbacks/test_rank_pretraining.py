@@ -256,3 +256,47 @@ def test_a_generator_of_training_batches_is_refused_before_it_loses_a_batch() ->
     with pytest.raises(ValueError, match=r"RankPretraining reads 2 training batches before the fit, .* one-pass"):
         _fit(module, [RankPretraining(num_batches=2, steps=1)], batches)
     assert len(list(batches)) == 4  # the callback took none
+
+
+class _MaskedTokens(pl.LightningModule):
+    """Hugging Face style: ``forward(input_ids, attention_mask)`` averages the embeddings of the real tokens only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.hidden, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        weights = mask.unsqueeze(-1).float()
+        pooled = (self.embed(input_ids) * weights).sum(1) / weights.sum(1)
+        return self.head(torch.relu(self.hidden(pooled)))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        return F.cross_entropy(logits, batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_dict_batches_reach_forward_with_their_attention_mask() -> None:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 20, (16, 6), generator=generator)
+    mask = (torch.arange(6) < torch.randint(2, 7, (16, 1), generator=generator)).long()
+    rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": torch.tensor(i % 3)} for i in range(16)]
+    module = _MaskedTokens()
+    features: list[torch.Tensor] = []
+    handle = module.head.register_forward_pre_hook(lambda m, args: features.append(args[0]))
+    with torch.no_grad():
+        module(ids, mask)
+    handle.remove()
+    expected = _participation(features[0])
+    callback = RankPretraining(num_batches=1, steps=1, lr=1e-12, momentum=0.0, verbose=False)
+    _fit(module, [callback], DataLoader(rows, batch_size=16), max_steps=1)
+    assert callback.results["head_input"]["r_before"] == pytest.approx(expected, rel=1e-6)
+
+
+def _participation(features: torch.Tensor) -> float:
+    gram = features.double().T @ features.double()
+    return float(torch.trace(gram) ** 2 / gram.square().sum())
