@@ -520,9 +520,11 @@ class ClassificationDimension(RankCallback):
         directory = run_directory(trainer) / CLSDIM_DIR
         figure = self._write_files(directory, result, deficit) if writes_files(trainer) else None
         self._log_wandb(trainer, result, deficit, figure)
-        how = "centred" if self.center else "uncentred"
+        # The directions are the covariance's either way; center chooses the point the projection goes through.
+        how = "the mean" if self.center else "the origin"
         self.info(
-            f"cls_dim = {result.cls_dim} of {result.ambient_dim} ({how} PCA, {features.shape[0]} samples, "
+            f"cls_dim = {result.cls_dim} of {result.ambient_dim} (PCA projection through {how}, {features.shape[0]} "
+            "samples, "
             f"full accuracy {result.full_accuracy:.4f}, threshold {self.threshold}); files in {directory}"
         )
         if deficit:

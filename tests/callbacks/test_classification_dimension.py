@@ -243,7 +243,7 @@ def test_cls_dim_messages_go_through_rank_zero_info(tmp_path, callback_messages)
     make_trainer(tmp_path, [callback]).validate(model, make_loader(val))
     result = callback.result
     assert callback_messages[0].startswith(
-        f"ClassificationDimension: cls_dim = {result.cls_dim} of 12 (uncentred PCA, 20 samples, "
+        f"ClassificationDimension: cls_dim = {result.cls_dim} of 12 (PCA projection through the origin, 20 samples, "
         f"full accuracy {result.full_accuracy:.4f}, threshold 0.95); files in "
     )
     assert callback_messages[1].startswith("ClassificationDimension: independence deficit:\n| class |")
