@@ -16,6 +16,7 @@ from typing_extensions import override
 from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
 from rank_lightning.layers import module_blocks
 from rank_lightning.validation import check_bool, check_choice, check_finite, check_names, check_positive
+from rank_lightning.weight_matrices import is_conv1d, is_weight_layer, logged_name, matrices_of, parent_layer
 
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
 
@@ -45,11 +46,14 @@ class RankCollapseAlarm(RankCallback):
 
     Width of a layer (for ``min_width_fraction``): ``widths`` (``{glob over keys: width}``, the first matching
     pattern wins) when given; otherwise read from the model: the layer is the key's second part, a module path or a
-    block name of ``blocks()`` (:func:`~rank_lightning.layers.module_blocks`). For weight keys (``weight/...``) the
-    width is ``min(rows, columns)`` of the weight matrix (``out`` and ``in * prod(kernel)``), the most its rank can
-    be; for activation keys, the first dimension of the weight of the last submodule (in ``named_modules()`` order,
-    the layer included) that holds a weight: the ``out_features`` of a Linear, the channels of a conv (the width of
-    the ``channel`` and ``mean`` reductions), the width of a block's last linear or norm layer. A key whose width is
+    block name of ``blocks()`` (:func:`~rank_lightning.layers.module_blocks`); ``<layer>@<k>``, the k-th call of a
+    layer, has the layer's width. For weight keys (``weight/...``) the width is ``min(rows, columns)`` of the matrix
+    that ``WeightRankMonitor`` logs under that name (``out`` and ``in * prod(kernel)``; each ``q_proj`` / ``k_proj`` /
+    ``v_proj`` part of a fused projection such as GPT-2's ``c_attn`` on its own), the most its rank can be; for
+    activation keys, the output width of the last submodule (in ``named_modules()`` order, the layer included) that
+    holds a weight: the ``out_features`` of a Linear or of ``transformers``' ``Conv1D`` (whose weight is stored
+    ``(in, out)``), the channels of a conv (the width of the ``channel`` and ``mean`` reductions), the width of a
+    block's last linear or norm layer (a GPT-2 block's ``n_embd``). A key whose width is
     not known this way (a ``flatten`` reduction, a layer without weights) gets a warning once and no width rule:
     pass ``widths``. The activation rank is also capped by the number of samples measured, so a width-relative
     threshold fires spuriously when fewer samples than features are monitored.
@@ -284,23 +288,41 @@ def _width_from_model(key: str, module: nn.Module) -> float | None:
     parts = key.split("/")
     if len(parts) < 3 or "flatten" in parts[2:-1]:
         return None
-    layer = parts[1]
+    layer, _, call = parts[1].rpartition("@")
+    layer = layer if layer and call.isdigit() else parts[1]  # ``<layer>@<k>``: the k-th call of the layer
+    if parts[0] in _WEIGHT_NAMESPACES:
+        return _matrix_width(layer, module)
     path = (module_blocks(module) or {}).get(layer, layer)
     try:
         target = module.get_submodule(path)
     except AttributeError:
         return None
-    weights = [m.weight for m in target.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
-    if not weights:
+    holders = [m for m in target.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if not holders:
         return None
-    if parts[0] in _WEIGHT_NAMESPACES:
-        weight = getattr(target, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.ndim < 2:
-            return None
-        # A grouped conv's matrix is the block-diagonal out x (in * prod(kernel)) one (WeightRankMonitor).
-        groups = target.groups if isinstance(target, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else 1
-        return float(min(weight.shape[0], weight[0].numel() * groups))
-    return float(weights[-1].shape[0])
+    last = holders[-1]
+    # transformers' Conv1D (GPT-2's projections) stores its weight (in, out).
+    return float(last.weight.shape[1] if is_conv1d(last) and last.weight.ndim == 2 else last.weight.shape[0])
+
+
+def _matrix_width(name: str, module: nn.Module) -> float | None:
+    """``min(rows, columns)`` of the weight matrix that a weight monitor logs as ``name`` (a layer, or a part of a fused
+    projection such as GPT-2's ``<c_attn>.q_proj``), or ``None`` when ``module`` holds no such matrix."""
+    modules = dict(module.named_modules())
+    for path, layer in modules.items():
+        prefix = logged_name(path)
+        if not (name == prefix or name.startswith(prefix + ".")) or not is_weight_layer(layer):
+            continue
+        try:
+            matrices = matrices_of(path, layer, parent=parent_layer(path, modules))
+        except ValueError:
+            continue
+        for matrix in matrices:
+            if matrix.name == name:
+                rows, columns = matrix.shape(tuple(getattr(matrix.module, matrix.attribute).shape))
+                # A grouped conv's matrix is the block-diagonal out x (in * prod(kernel)) one (WeightRankMonitor).
+                return float(min(rows, columns * matrix.groups))
+    return None
 
 
 def _step_cadence_keys(trainer: pl.Trainer) -> dict[str, int]:

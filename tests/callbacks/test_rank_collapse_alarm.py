@@ -237,3 +237,22 @@ def test_every_validation_of_an_epoch_that_validates_twice_is_judged(tmp_path):
         "epoch 1, step 9",
         "epoch 1, step 12",
     ]
+
+
+def test_widths_of_a_gpt2_block_its_fused_attention_parts_and_a_repeated_call() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_inner=128, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    alarm = RankCollapseAlarm(min_width_fraction=0.5, verbose=False)
+    # A block's output is n_embd wide; its last weight, the MLP's Conv1D c_proj, stores (n_inner, n_embd).
+    assert alarm.width("rank_train/transformer.h.0/token/effective_rank", model) == 32
+    assert alarm.width("rank/transformer.h.1@2/token/effective_rank", model) == 32
+    assert alarm.width("rank/transformer.h.0.mlp.c_fc/token/effective_rank", model) == 128
+    # The q, k and v parts of the fused c_attn that WeightRankMonitor logs, each an n_embd x n_embd matrix.
+    assert alarm.width("weight/transformer.h.0.attn.c_attn.q_proj/effective_rank", model) == 32
+    assert alarm.width("weight/transformer.h.1.attn.c_attn.v_proj/effective_rank", model) == 32
+    assert alarm.width("weight/transformer.h.0.mlp.c_fc/effective_rank", model) == 32
+    grouped = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2))
+    assert alarm.width("weight/0/effective_rank", grouped) == 8  # min(8, 2 * 2 * 3 * 3)
+    # A rank of 20 of a 32-wide block is not below half its width.
+    assert alarm.judge("rank_train/transformer.h.0/token/effective_rank", 20.0, model) is None
