@@ -15,7 +15,14 @@ from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
 from rank_lightning.layers import module_blocks
-from rank_lightning.validation import check_bool, check_choice, check_finite, check_names, check_positive
+from rank_lightning.validation import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_names,
+    check_non_negative_int,
+    check_positive,
+)
 from rank_lightning.weight_matrices import is_conv1d, is_weight_layer, logged_name, matrices_of, parent_layer
 
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
@@ -39,10 +46,17 @@ class RankCollapseAlarm(RankCallback):
     * is below ``min_value`` (absolute threshold);
     * is below ``min_width_fraction`` times the layer's width (relative threshold; width below);
     * fell by more than ``max_drop`` (a fraction) since the previous monitored value of the same key;
-    * is NaN (with ``nan_is_collapse``, the default: activations or weights that blew up).
+    * is NaN or infinite (with ``nan_is_collapse``, the default: activations or weights that blew up).
 
-    Each rule is off when its argument is ``None``; at least one must be set. The message names the key, the layer
-    (the key's second part), the metric (the rest), the value and the threshold.
+    Each rule is off when its argument is ``None``; at least one must be set. ``min_steps`` is a warm-up: a value
+    measured before that optimizer step (the step of a step-cadence measurement, else ``trainer.global_step``) fires
+    only when it is NaN or infinite; it is still the previous value that ``max_drop`` compares the next one with. The
+    first measurements of a fresh network often fall fast (an LM's token rank can lose a quarter in its first steps)
+    without anything going wrong: set ``min_steps`` past them rather than loosening ``max_drop``. The untrained
+    model's point (``log_at_init``) never reaches ``trainer.callback_metrics`` and is not judged.
+
+    The message names the key, the layer (the key's second part), the metric (the rest), the value, the threshold and
+    the step or epoch.
 
     Width of a layer (for ``min_width_fraction``): ``widths`` (``{glob over keys: width}``, the first matching
     pattern wins) when given; otherwise read from the model: the layer is the key's second part, a module path or a
@@ -68,9 +82,10 @@ class RankCollapseAlarm(RankCallback):
     value. The keys of monitors with a step cadence (``every_n_train_steps``) are also read
     at the end of every training batch, where a measurement is present for one batch: each one is judged once, at
     its step. Only ``fit`` is watched, never the sanity check. ``"stop"`` sets
-    ``trainer.should_stop`` (agreed across DDP processes; the fit ends after the current epoch, as with
-    ``EarlyStopping``); ``"raise"`` raises a ``RuntimeError`` on every process; ``"warn"`` warns on rank zero. A
-    pattern that matched no key during the whole fit gets a warning at the end.
+    ``trainer.should_stop`` (agreed across DDP processes, which all stop at the same step), and Lightning ends the
+    fit where it fired, as with ``EarlyStopping``: at the step of a step measurement or of a validation within an
+    epoch, else at the end of the epoch; ``"raise"`` raises a ``RuntimeError`` on every process; ``"warn"`` warns on
+    rank zero. A pattern that matched no key during the whole fit gets a warning at the end.
 
     Args:
         keys: glob patterns of the logged keys to watch.
@@ -79,7 +94,8 @@ class RankCollapseAlarm(RankCallback):
         max_drop: fire when a value fell by more than this fraction of the previous value (in ``(0, 1]``).
         action: ``"warn"``, ``"stop"`` or ``"raise"``.
         widths: ``{glob over keys: width}``, overriding the widths read from the model.
-        nan_is_collapse: fire on NaN values.
+        nan_is_collapse: fire on NaN and infinite values.
+        min_steps: judge the other rules from this optimizer step on (a warm-up; see above).
         verbose: print the widths used (rank zero).
 
     Attributes:
@@ -88,7 +104,7 @@ class RankCollapseAlarm(RankCallback):
 
     Raises:
         ValueError: at construction, for no rule, an unknown action, a fraction outside ``(0, 1]``, a non-positive
-            width or an empty pattern list.
+            width, a negative ``min_steps`` or an empty pattern list.
 
     Example::
 
@@ -111,6 +127,7 @@ class RankCollapseAlarm(RankCallback):
         action: Literal["warn", "stop", "raise"] = "warn",
         widths: Mapping[str, int] | None = None,
         nan_is_collapse: bool = True,
+        min_steps: int = 0,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)
@@ -133,6 +150,7 @@ class RankCollapseAlarm(RankCallback):
         self.action = check_choice("action", action, ACTIONS)
         self.widths = dict(widths or {})
         self.nan_is_collapse = check_bool("nan_is_collapse", nan_is_collapse)
+        self.min_steps = check_non_negative_int("min_steps", min_steps)
         self.alarms: list[str] = []
         self.stopped_epoch: int | None = None
         self._previous: dict[str, float] = {}
@@ -196,13 +214,15 @@ class RankCollapseAlarm(RankCallback):
             if only is None and self._judged.get(key) == point:
                 continue
             self._judged[key], self._seen[key], judged = point, current, True
-            reason = self.judge(key, value, pl_module)
+            step = only[key] if only is not None else trainer.global_step
+            warming_up = step < self.min_steps and math.isfinite(value)  # a warm-up judges NaN and inf only
+            reason = None if warming_up else self.judge(key, value, pl_module)
             if reason is not None:
                 when = f"step {only[key]}" if only is not None else f"epoch {epoch}"
                 if only is None and validations_per_epoch(trainer) > 1:
                     when += f", step {trainer.global_step}"  # which of the epoch's validations
                 messages.append(f"{self._describe(key, value)} at {when} {reason}")
-            if not math.isnan(value):
+            if math.isfinite(value):
                 self._previous[key] = value
         if only is not None and not judged:
             return  # no measurement at this batch (on any process: they measure at the same steps); no collective
@@ -218,6 +238,8 @@ class RankCollapseAlarm(RankCallback):
         """
         if math.isnan(value):
             return "is NaN" if self.nan_is_collapse else None
+        if math.isinf(value) and self.nan_is_collapse:
+            return f"is {value}"  # inf or -inf: blew up like a NaN
         if self.min_value is not None and value < self.min_value:
             return f"is below the threshold min_value={self.min_value}"
         if self.min_width_fraction is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from pathlib import Path
@@ -256,3 +257,38 @@ def test_widths_of_a_gpt2_block_its_fused_attention_parts_and_a_repeated_call() 
     assert alarm.width("weight/0/effective_rank", grouped) == 8  # min(8, 2 * 2 * 3 * 3)
     # A rank of 20 of a 32-wide block is not below half its width.
     assert alarm.judge("rank_train/transformer.h.0/token/effective_rank", 20.0, model) is None
+
+
+def test_an_infinite_value_is_a_blow_up_like_nan_and_is_no_previous_value() -> None:
+    alarm = RankCollapseAlarm(keys="weight/*", max_drop=0.5, verbose=False)
+    assert alarm.judge("weight/fc/spectral_norm", math.inf) == "is inf"
+    assert alarm.judge("weight/fc/condition_number", -math.inf) == "is -inf"
+    assert RankCollapseAlarm(max_drop=0.5, nan_is_collapse=False).judge("rank/a/b", math.inf) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(alarm, [4.0, math.inf, 1.0], functools.partial(_Logs, key="weight/fc/spectral_norm"))
+    # The drop after the inf is measured from the last finite value, 4.
+    assert [m.split(" at epoch ")[1] for m in alarm.alarms] == [
+        "1 is inf",
+        "2 fell by 75.0% from 4 since the previous monitored value (max_drop=0.5)",
+    ]
+    assert sum("RankCollapseAlarm" in str(w.message) for w in caught) == 2
+
+
+def test_min_steps_is_a_warm_up_that_still_fires_on_nan() -> None:
+    # 2 optimizer steps per epoch: judged at steps 2, 4, 6 and 8; the rules other than NaN start at step 7.
+    alarm = RankCollapseAlarm(keys="rank/*", min_value=2.0, max_drop=0.5, min_steps=7, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(alarm, [5.0, math.nan, 1.0, 0.4])
+    assert [m.split(" at epoch ")[1] for m in alarm.alarms] == ["1 is NaN", "3 is below the threshold min_value=2.0"]
+    alarm = RankCollapseAlarm(keys="rank/*", max_drop=0.5, min_steps=5, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(alarm, [5.0, 1.0, 0.4, 0.1])  # a drop in the warm-up is no alarm; the next is compared with its value
+    assert [m.split(" at epoch ")[1] for m in alarm.alarms] == [
+        "2 fell by 60.0% from 1 since the previous monitored value (max_drop=0.5)",
+        "3 fell by 75.0% from 0.4 since the previous monitored value (max_drop=0.5)",
+    ]
+    with pytest.raises(ValueError, match="min_steps must be a non-negative integer, got -1"):
+        RankCollapseAlarm(min_value=1.0, min_steps=-1)
