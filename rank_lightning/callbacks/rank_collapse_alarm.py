@@ -14,6 +14,7 @@ from torch import nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
+from rank_lightning.callbacks.weight_rank import WeightRankMonitor
 from rank_lightning.layers import module_blocks
 from rank_lightning.validation import (
     check_bool,
@@ -61,7 +62,8 @@ class RankCollapseAlarm(RankCallback):
     Width of a layer (for ``min_width_fraction``): ``widths`` (``{glob over keys: width}``, the first matching
     pattern wins) when given; otherwise read from the model: the layer is the key's second part, a module path or a
     block name of ``blocks()`` (:func:`~rank_lightning.layers.module_blocks`); ``<layer>@<k>``, the k-th call of a
-    layer, has the layer's width. For weight keys (``weight/...``) the width is ``min(rows, columns)`` of the matrix
+    layer, has the layer's width. For weight keys (``weight/...``, or ``<namespace>/...`` of a ``WeightRankMonitor``
+    of the trainer under another namespace) the width is ``min(rows, columns)`` of the matrix
     that ``WeightRankMonitor`` logs under that name (``out`` and ``in * prod(kernel)``; each ``q_proj`` / ``k_proj`` /
     ``v_proj`` part of a fused projection such as GPT-2's ``c_attn`` on its own), the most its rank can be; for
     activation keys, the output width of the last submodule (in ``named_modules()`` order, the layer included) that
@@ -159,6 +161,7 @@ class RankCollapseAlarm(RankCallback):
         self._width_of: dict[str, float | None] = {}
         self._matched: set[str] = set()
         self._seen: dict[str, Any] = {}  # the value object last judged per key: one measurement is judged once
+        self._weight_namespaces: set[str] = set(_WEIGHT_NAMESPACES)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -203,6 +206,9 @@ class RankCollapseAlarm(RankCallback):
         if trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return
         epoch, messages, judged = trainer.current_epoch, [], False
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, WeightRankMonitor):  # its keys are weight keys under any namespace
+                self._weight_namespaces.add(callback.curves.namespace)
         point = (epoch, self._validations)
         metrics = trainer.callback_metrics
         if only is not None:
@@ -261,7 +267,7 @@ class RankCollapseAlarm(RankCallback):
             if fnmatch.fnmatchcase(key, pattern):
                 return float(width)
         if key not in self._width_of:
-            found = None if module is None else _width_from_model(key, module)
+            found = None if module is None else _width_from_model(key, module, self._weight_namespaces)
             if found is None:
                 self.warn_once(("width", key), f"no width known for {key!r}; pass widths={{pattern: width}}")
             else:
@@ -305,14 +311,14 @@ class RankCollapseAlarm(RankCallback):
         self.stopped_epoch = state_dict.get("stopped_epoch")
 
 
-def _width_from_model(key: str, module: nn.Module) -> float | None:
+def _width_from_model(key: str, module: nn.Module, weight_namespaces: set[str]) -> float | None:
     """Width of the layer named by ``key``'s second part (see :class:`RankCollapseAlarm`), or ``None``."""
     parts = key.split("/")
     if len(parts) < 3 or "flatten" in parts[2:-1]:
         return None
     layer, _, call = parts[1].rpartition("@")
     layer = layer if layer and call.isdigit() else parts[1]  # ``<layer>@<k>``: the k-th call of the layer
-    if parts[0] in _WEIGHT_NAMESPACES:
+    if parts[0] in weight_namespaces:
         return _matrix_width(layer, module)
     path = (module_blocks(module) or {}).get(layer, layer)
     try:

@@ -292,3 +292,19 @@ def test_min_steps_is_a_warm_up_that_still_fires_on_nan() -> None:
     ]
     with pytest.raises(ValueError, match="min_steps must be a non-negative integer, got -1"):
         RankCollapseAlarm(min_value=1.0, min_steps=-1)
+
+
+def test_weight_keys_under_another_namespace_get_the_matrix_width(tmp_path):
+    # The keys of WeightRankMonitor(namespace="ema") were read as activation keys: the width of a Linear(6, 40) was
+    # its 40 outputs instead of min(40, 6), and every healthy value fell below half of it.
+    from rank_lightning.callbacks import WeightRankMonitor
+    from tests.callbacks.trainer_helpers import SmallClassifier, small_loader
+
+    monitor = WeightRankMonitor(layers=["net.0"], namespace="ema", every_n_train_steps=2, verbose=False)
+    alarm = RankCollapseAlarm(keys="ema/*/effective_rank", min_width_fraction=0.5, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = quiet_trainer([monitor, alarm], max_epochs=1, default_root_dir=tmp_path)
+        trainer.fit(SmallClassifier((6, 40, 3), seed=0), small_loader(48, 6))
+    assert monitor.curves.epochs[-1] == 6 and alarm.width("ema/net.0/effective_rank") == 6
+    assert alarm.alarms == []
