@@ -308,3 +308,22 @@ def test_weight_keys_under_another_namespace_get_the_matrix_width(tmp_path):
         trainer.fit(SmallClassifier((6, 40, 3), seed=0), small_loader(48, 6))
     assert monitor.curves.epochs[-1] == 6 and alarm.width("ema/net.0/effective_rank") == 6
     assert alarm.alarms == []
+
+
+@pytest.mark.parametrize("action", ["stop", "raise"])
+def test_a_step_measurement_stops_or_raises_at_its_step_mid_epoch(tmp_path, action):
+    from rank_lightning.callbacks import WeightRankMonitor
+    from tests.callbacks.trainer_helpers import SmallClassifier, small_loader
+
+    monitor = WeightRankMonitor(layers=["net.0"], every_n_train_steps=3, log_at_init=False, verbose=False)
+    alarm = RankCollapseAlarm(keys="weight/*/spectral_norm", min_value=1e9, action=action, verbose=False)
+    trainer = quiet_trainer([monitor, alarm], max_epochs=2, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if action == "raise":
+            with pytest.raises(RuntimeError, match=r"weight/net\.0/spectral_norm = .* at step 3 is below"):
+                trainer.fit(SmallClassifier(seed=0), small_loader(80))
+        else:
+            trainer.fit(SmallClassifier(seed=0), small_loader(80))  # 10 batches per epoch
+    assert trainer.global_step == 3 and len(alarm.alarms) == 1
+    assert alarm.stopped_epoch == (0 if action == "stop" else None)
