@@ -51,10 +51,10 @@ class RankCollapseAlarm(RankCallback):
 
     Each rule is off when its argument is ``None``; at least one must be set. ``min_steps`` is a warm-up: a value
     measured before that optimizer step (the step of a step-cadence measurement, else ``trainer.global_step``) fires
-    only when it is NaN or infinite; it is still the previous value that ``max_drop`` compares the next one with. The
-    first measurements of a fresh network often fall fast (an LM's token rank can lose a quarter in its first steps)
-    without anything going wrong: set ``min_steps`` past them rather than loosening ``max_drop``. The untrained
-    model's point (``log_at_init``) never reaches ``trainer.callback_metrics`` and is not judged.
+    only when it is NaN or infinite; it is still the previous value that ``max_drop`` compares the next one with.
+    The first measurements of a fresh network often fall fast (a language model's token rank can lose a third in its
+    first steps) without anything going wrong: set ``min_steps`` past them rather than loosening ``max_drop``. The
+    untrained model's point (``log_at_init``) never reaches ``trainer.callback_metrics`` and is not judged.
 
     The message names the key, the layer (the key's second part), the metric (the rest), the value, the threshold and
     the step or epoch.
