@@ -14,8 +14,17 @@ from torch import nn
 from typing_extensions import override
 
 from rank_lightning.callbacks.base import RankCallback, trainer_fn, validations_per_epoch
+from rank_lightning.callbacks.weight_rank import WeightRankMonitor
 from rank_lightning.layers import module_blocks
-from rank_lightning.validation import check_bool, check_choice, check_finite, check_names, check_positive
+from rank_lightning.validation import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_names,
+    check_non_negative_int,
+    check_positive,
+)
+from rank_lightning.weight_matrices import is_conv1d, is_weight_layer, logged_name, matrices_of, parent_layer
 
 __all__ = ["ACTIONS", "RankCollapseAlarm"]
 
@@ -38,18 +47,29 @@ class RankCollapseAlarm(RankCallback):
     * is below ``min_value`` (absolute threshold);
     * is below ``min_width_fraction`` times the layer's width (relative threshold; width below);
     * fell by more than ``max_drop`` (a fraction) since the previous monitored value of the same key;
-    * is NaN (with ``nan_is_collapse``, the default: activations or weights that blew up).
+    * is NaN or infinite (with ``nan_is_collapse``, the default: activations or weights that blew up).
 
-    Each rule is off when its argument is ``None``; at least one must be set. The message names the key, the layer
-    (the key's second part), the metric (the rest), the value and the threshold.
+    Each rule is off when its argument is ``None``; at least one must be set. ``min_steps`` is a warm-up: a value
+    measured before that optimizer step (the step of a step-cadence measurement, else ``trainer.global_step``) fires
+    only when it is NaN or infinite; it is still the previous value that ``max_drop`` compares the next one with.
+    The first measurements of a fresh network often fall fast (a language model's token rank can lose a third in its
+    first steps) without anything going wrong: set ``min_steps`` past them rather than loosening ``max_drop``. The
+    untrained model's point (``log_at_init``) never reaches ``trainer.callback_metrics`` and is not judged.
+
+    The message names the key, the layer (the key's second part), the metric (the rest), the value, the threshold and
+    the step or epoch.
 
     Width of a layer (for ``min_width_fraction``): ``widths`` (``{glob over keys: width}``, the first matching
     pattern wins) when given; otherwise read from the model: the layer is the key's second part, a module path or a
-    block name of ``blocks()`` (:func:`~rank_lightning.layers.module_blocks`). For weight keys (``weight/...``) the
-    width is ``min(rows, columns)`` of the weight matrix (``out`` and ``in * prod(kernel)``), the most its rank can
-    be; for activation keys, the first dimension of the weight of the last submodule (in ``named_modules()`` order,
-    the layer included) that holds a weight: the ``out_features`` of a Linear, the channels of a conv (the width of
-    the ``channel`` and ``mean`` reductions), the width of a block's last linear or norm layer. A key whose width is
+    block name of ``blocks()`` (:func:`~rank_lightning.layers.module_blocks`); ``<layer>@<k>``, the k-th call of a
+    layer, has the layer's width. For weight keys (``weight/...``, or ``<namespace>/...`` of a ``WeightRankMonitor``
+    of the trainer under another namespace) the width is ``min(rows, columns)`` of the matrix
+    that ``WeightRankMonitor`` logs under that name (``out`` and ``in * prod(kernel)``; each ``q_proj`` / ``k_proj`` /
+    ``v_proj`` part of a fused projection such as GPT-2's ``c_attn`` on its own), the most its rank can be; for
+    activation keys, the output width of the last submodule (in ``named_modules()`` order, the layer included) that
+    holds a weight: the ``out_features`` of a Linear or of ``transformers``' ``Conv1D`` (whose weight is stored
+    ``(in, out)``), the channels of a conv (the width of the ``channel`` and ``mean`` reductions), the width of a
+    block's last linear or norm layer (a GPT-2 block's ``n_embd``). A key whose width is
     not known this way (a ``flatten`` reduction, a layer without weights) gets a warning once and no width rule:
     pass ``widths``. The activation rank is also capped by the number of samples measured, so a width-relative
     threshold fires spuriously when fewer samples than features are monitored.
@@ -64,9 +84,10 @@ class RankCollapseAlarm(RankCallback):
     value. The keys of monitors with a step cadence (``every_n_train_steps``) are also read
     at the end of every training batch, where a measurement is present for one batch: each one is judged once, at
     its step. Only ``fit`` is watched, never the sanity check. ``"stop"`` sets
-    ``trainer.should_stop`` (agreed across DDP processes; the fit ends after the current epoch, as with
-    ``EarlyStopping``); ``"raise"`` raises a ``RuntimeError`` on every process; ``"warn"`` warns on rank zero. A
-    pattern that matched no key during the whole fit gets a warning at the end.
+    ``trainer.should_stop`` (agreed across DDP processes, which all stop at the same step), and Lightning ends the
+    fit where it fired, as with ``EarlyStopping``: at the step of a step measurement or of a validation within an
+    epoch, else at the end of the epoch; ``"raise"`` raises a ``RuntimeError`` on every process; ``"warn"`` warns on
+    rank zero. A pattern that matched no key during the whole fit gets a warning at the end.
 
     Args:
         keys: glob patterns of the logged keys to watch.
@@ -75,7 +96,8 @@ class RankCollapseAlarm(RankCallback):
         max_drop: fire when a value fell by more than this fraction of the previous value (in ``(0, 1]``).
         action: ``"warn"``, ``"stop"`` or ``"raise"``.
         widths: ``{glob over keys: width}``, overriding the widths read from the model.
-        nan_is_collapse: fire on NaN values.
+        nan_is_collapse: fire on NaN and infinite values.
+        min_steps: judge the other rules from this optimizer step on (a warm-up; see above).
         verbose: print the widths used (rank zero).
 
     Attributes:
@@ -84,7 +106,7 @@ class RankCollapseAlarm(RankCallback):
 
     Raises:
         ValueError: at construction, for no rule, an unknown action, a fraction outside ``(0, 1]``, a non-positive
-            width or an empty pattern list.
+            width, a negative ``min_steps`` or an empty pattern list.
 
     Example::
 
@@ -107,6 +129,7 @@ class RankCollapseAlarm(RankCallback):
         action: Literal["warn", "stop", "raise"] = "warn",
         widths: Mapping[str, int] | None = None,
         nan_is_collapse: bool = True,
+        min_steps: int = 0,
         verbose: bool = True,
     ) -> None:
         super().__init__(verbose=verbose)
@@ -129,6 +152,7 @@ class RankCollapseAlarm(RankCallback):
         self.action = check_choice("action", action, ACTIONS)
         self.widths = dict(widths or {})
         self.nan_is_collapse = check_bool("nan_is_collapse", nan_is_collapse)
+        self.min_steps = check_non_negative_int("min_steps", min_steps)
         self.alarms: list[str] = []
         self.stopped_epoch: int | None = None
         self._previous: dict[str, float] = {}
@@ -137,6 +161,7 @@ class RankCollapseAlarm(RankCallback):
         self._width_of: dict[str, float | None] = {}
         self._matched: set[str] = set()
         self._seen: dict[str, Any] = {}  # the value object last judged per key: one measurement is judged once
+        self._weight_namespaces: set[str] = set(_WEIGHT_NAMESPACES)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -181,6 +206,9 @@ class RankCollapseAlarm(RankCallback):
         if trainer.sanity_checking or trainer_fn(trainer) != "fit":
             return
         epoch, messages, judged = trainer.current_epoch, [], False
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, WeightRankMonitor):  # its keys are weight keys under any namespace
+                self._weight_namespaces.add(callback.curves.namespace)
         point = (epoch, self._validations)
         metrics = trainer.callback_metrics
         if only is not None:
@@ -192,13 +220,15 @@ class RankCollapseAlarm(RankCallback):
             if only is None and self._judged.get(key) == point:
                 continue
             self._judged[key], self._seen[key], judged = point, current, True
-            reason = self.judge(key, value, pl_module)
+            step = only[key] if only is not None else trainer.global_step
+            warming_up = step < self.min_steps and math.isfinite(value)  # a warm-up judges NaN and inf only
+            reason = None if warming_up else self.judge(key, value, pl_module)
             if reason is not None:
                 when = f"step {only[key]}" if only is not None else f"epoch {epoch}"
                 if only is None and validations_per_epoch(trainer) > 1:
                     when += f", step {trainer.global_step}"  # which of the epoch's validations
                 messages.append(f"{self._describe(key, value)} at {when} {reason}")
-            if not math.isnan(value):
+            if math.isfinite(value):
                 self._previous[key] = value
         if only is not None and not judged:
             return  # no measurement at this batch (on any process: they measure at the same steps); no collective
@@ -214,6 +244,8 @@ class RankCollapseAlarm(RankCallback):
         """
         if math.isnan(value):
             return "is NaN" if self.nan_is_collapse else None
+        if math.isinf(value) and self.nan_is_collapse:
+            return f"is {value}"  # inf or -inf: blew up like a NaN
         if self.min_value is not None and value < self.min_value:
             return f"is below the threshold min_value={self.min_value}"
         if self.min_width_fraction is not None:
@@ -235,7 +267,7 @@ class RankCollapseAlarm(RankCallback):
             if fnmatch.fnmatchcase(key, pattern):
                 return float(width)
         if key not in self._width_of:
-            found = None if module is None else _width_from_model(key, module)
+            found = None if module is None else _width_from_model(key, module, self._weight_namespaces)
             if found is None:
                 self.warn_once(("width", key), f"no width known for {key!r}; pass widths={{pattern: width}}")
             else:
@@ -279,28 +311,46 @@ class RankCollapseAlarm(RankCallback):
         self.stopped_epoch = state_dict.get("stopped_epoch")
 
 
-def _width_from_model(key: str, module: nn.Module) -> float | None:
+def _width_from_model(key: str, module: nn.Module, weight_namespaces: set[str]) -> float | None:
     """Width of the layer named by ``key``'s second part (see :class:`RankCollapseAlarm`), or ``None``."""
     parts = key.split("/")
     if len(parts) < 3 or "flatten" in parts[2:-1]:
         return None
-    layer = parts[1]
+    layer, _, call = parts[1].rpartition("@")
+    layer = layer if layer and call.isdigit() else parts[1]  # ``<layer>@<k>``: the k-th call of the layer
+    if parts[0] in weight_namespaces:
+        return _matrix_width(layer, module)
     path = (module_blocks(module) or {}).get(layer, layer)
     try:
         target = module.get_submodule(path)
     except AttributeError:
         return None
-    weights = [m.weight for m in target.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
-    if not weights:
+    holders = [m for m in target.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if not holders:
         return None
-    if parts[0] in _WEIGHT_NAMESPACES:
-        weight = getattr(target, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.ndim < 2:
-            return None
-        # A grouped conv's matrix is the block-diagonal out x (in * prod(kernel)) one (WeightRankMonitor).
-        groups = target.groups if isinstance(target, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else 1
-        return float(min(weight.shape[0], weight[0].numel() * groups))
-    return float(weights[-1].shape[0])
+    last = holders[-1]
+    # transformers' Conv1D (GPT-2's projections) stores its weight (in, out).
+    return float(last.weight.shape[1] if is_conv1d(last) and last.weight.ndim == 2 else last.weight.shape[0])
+
+
+def _matrix_width(name: str, module: nn.Module) -> float | None:
+    """``min(rows, columns)`` of the weight matrix that a weight monitor logs as ``name`` (a layer, or a part of a fused
+    projection such as GPT-2's ``<c_attn>.q_proj``), or ``None`` when ``module`` holds no such matrix."""
+    modules = dict(module.named_modules())
+    for path, layer in modules.items():
+        prefix = logged_name(path)
+        if not (name == prefix or name.startswith(prefix + ".")) or not is_weight_layer(layer):
+            continue
+        try:
+            matrices = matrices_of(path, layer, parent=parent_layer(path, modules))
+        except ValueError:
+            continue
+        for matrix in matrices:
+            if matrix.name == name:
+                rows, columns = matrix.shape(tuple(getattr(matrix.module, matrix.attribute).shape))
+                # A grouped conv's matrix is the block-diagonal out x (in * prod(kernel)) one (WeightRankMonitor).
+                return float(min(rows, columns * matrix.groups))
+    return None
 
 
 def _step_cadence_keys(trainer: pl.Trainer) -> dict[str, int]:

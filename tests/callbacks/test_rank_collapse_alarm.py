@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from pathlib import Path
@@ -237,3 +238,92 @@ def test_every_validation_of_an_epoch_that_validates_twice_is_judged(tmp_path):
         "epoch 1, step 9",
         "epoch 1, step 12",
     ]
+
+
+def test_widths_of_a_gpt2_block_its_fused_attention_parts_and_a_repeated_call() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_inner=128, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    alarm = RankCollapseAlarm(min_width_fraction=0.5, verbose=False)
+    # A block's output is n_embd wide; its last weight, the MLP's Conv1D c_proj, stores (n_inner, n_embd).
+    assert alarm.width("rank_train/transformer.h.0/token/effective_rank", model) == 32
+    assert alarm.width("rank/transformer.h.1@2/token/effective_rank", model) == 32
+    assert alarm.width("rank/transformer.h.0.mlp.c_fc/token/effective_rank", model) == 128
+    # The q, k and v parts of the fused c_attn that WeightRankMonitor logs, each an n_embd x n_embd matrix.
+    assert alarm.width("weight/transformer.h.0.attn.c_attn.q_proj/effective_rank", model) == 32
+    assert alarm.width("weight/transformer.h.1.attn.c_attn.v_proj/effective_rank", model) == 32
+    assert alarm.width("weight/transformer.h.0.mlp.c_fc/effective_rank", model) == 32
+    grouped = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2))
+    assert alarm.width("weight/0/effective_rank", grouped) == 8  # min(8, 2 * 2 * 3 * 3)
+    # A rank of 20 of a 32-wide block is not below half its width.
+    assert alarm.judge("rank_train/transformer.h.0/token/effective_rank", 20.0, model) is None
+
+
+def test_an_infinite_value_is_a_blow_up_like_nan_and_is_no_previous_value() -> None:
+    alarm = RankCollapseAlarm(keys="weight/*", max_drop=0.5, verbose=False)
+    assert alarm.judge("weight/fc/spectral_norm", math.inf) == "is inf"
+    assert alarm.judge("weight/fc/condition_number", -math.inf) == "is -inf"
+    assert RankCollapseAlarm(max_drop=0.5, nan_is_collapse=False).judge("rank/a/b", math.inf) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(alarm, [4.0, math.inf, 1.0], functools.partial(_Logs, key="weight/fc/spectral_norm"))
+    # The drop after the inf is measured from the last finite value, 4.
+    assert [m.split(" at epoch ")[1] for m in alarm.alarms] == [
+        "1 is inf",
+        "2 fell by 75.0% from 4 since the previous monitored value (max_drop=0.5)",
+    ]
+    assert sum("RankCollapseAlarm" in str(w.message) for w in caught) == 2
+
+
+def test_min_steps_is_a_warm_up_that_still_fires_on_nan() -> None:
+    # 2 optimizer steps per epoch: judged at steps 2, 4, 6 and 8; the rules other than NaN start at step 7.
+    alarm = RankCollapseAlarm(keys="rank/*", min_value=2.0, max_drop=0.5, min_steps=7, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(alarm, [5.0, math.nan, 1.0, 0.4])
+    assert [m.split(" at epoch ")[1] for m in alarm.alarms] == ["1 is NaN", "3 is below the threshold min_value=2.0"]
+    alarm = RankCollapseAlarm(keys="rank/*", max_drop=0.5, min_steps=5, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(alarm, [5.0, 1.0, 0.4, 0.1])  # a drop in the warm-up is no alarm; the next is compared with its value
+    assert [m.split(" at epoch ")[1] for m in alarm.alarms] == [
+        "2 fell by 60.0% from 1 since the previous monitored value (max_drop=0.5)",
+        "3 fell by 75.0% from 0.4 since the previous monitored value (max_drop=0.5)",
+    ]
+    with pytest.raises(ValueError, match="min_steps must be a non-negative integer, got -1"):
+        RankCollapseAlarm(min_value=1.0, min_steps=-1)
+
+
+def test_weight_keys_under_another_namespace_get_the_matrix_width(tmp_path):
+    # The keys of WeightRankMonitor(namespace="ema") were read as activation keys: the width of a Linear(6, 40) was
+    # its 40 outputs instead of min(40, 6), and every healthy value fell below half of it.
+    from rank_lightning.callbacks import WeightRankMonitor
+    from tests.callbacks.trainer_helpers import SmallClassifier, small_loader
+
+    monitor = WeightRankMonitor(layers=["net.0"], namespace="ema", every_n_train_steps=2, verbose=False)
+    alarm = RankCollapseAlarm(keys="ema/*/effective_rank", min_width_fraction=0.5, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = quiet_trainer([monitor, alarm], max_epochs=1, default_root_dir=tmp_path)
+        trainer.fit(SmallClassifier((6, 40, 3), seed=0), small_loader(48, 6))
+    assert monitor.curves.epochs[-1] == 6 and alarm.width("ema/net.0/effective_rank") == 6
+    assert alarm.alarms == []
+
+
+@pytest.mark.parametrize("action", ["stop", "raise"])
+def test_a_step_measurement_stops_or_raises_at_its_step_mid_epoch(tmp_path, action):
+    from rank_lightning.callbacks import WeightRankMonitor
+    from tests.callbacks.trainer_helpers import SmallClassifier, small_loader
+
+    monitor = WeightRankMonitor(layers=["net.0"], every_n_train_steps=3, log_at_init=False, verbose=False)
+    alarm = RankCollapseAlarm(keys="weight/*/spectral_norm", min_value=1e9, action=action, verbose=False)
+    trainer = quiet_trainer([monitor, alarm], max_epochs=2, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if action == "raise":
+            with pytest.raises(RuntimeError, match=r"weight/net\.0/spectral_norm = .* at step 3 is below"):
+                trainer.fit(SmallClassifier(seed=0), small_loader(80))
+        else:
+            trainer.fit(SmallClassifier(seed=0), small_loader(80))  # 10 batches per epoch
+    assert trainer.global_step == 3 and len(alarm.alarms) == 1
+    assert alarm.stopped_epoch == (0 if action == "stop" else None)
