@@ -173,6 +173,10 @@ class AdversarialValidation(RankCallback):
     steps after it) is logged but kept out of the history, with a warning. A fresh ``fit`` (the same instance given to
     a new Trainer) starts a new history.
 
+    Its clean and adversarial passes run in the parameters' own dtype, outside the autocast that a mixed-precision fit
+    (``bf16-mixed``, ``16-mixed``) puts around its steps, so their accuracies can differ slightly from the
+    validation steps'.
+
     Args:
         eps: L-infinity budgets in pixel units, numbers or fractions such as ``"8/255"``, each in [0, 1]; ``0``
             gives the clean accuracy.

@@ -225,6 +225,10 @@ class ClassificationDimension(RankCallback):
     data never stops the run, nor does a head whose outputs are not one row of logits per sample ``(B, C)`` (one that
     scores every token of ``(B, T, d)`` features): a warning names it, and nothing is evaluated.
 
+    Its pass over the validation data runs in the parameters' own dtype, outside the autocast that a mixed-precision
+    fit (``bf16-mixed``, ``16-mixed``) puts around its steps, so its full accuracy can differ slightly from the
+    validation steps'.
+
     Args:
         threshold: fraction of the full accuracy to keep (Feng et al.: 0.95).
         center: project through the mean (True) or through the origin (False, Feng et al.'s choice).

@@ -63,6 +63,10 @@ class LowDimensionalEvaluation(RankCallback):
     iterator such as a generator, or a resumable iterable that is not a ``DataLoader``:
     :func:`~rank_lightning.sampling.readable_beside`) is never read: a warning says so and nothing is evaluated.
 
+    Its passes over the data run in the parameters' own dtype, outside the autocast that a mixed-precision fit
+    (``bf16-mixed``, ``16-mixed``) puts around its steps, so their accuracies can differ slightly from the
+    validation steps'.
+
     Args:
         dims: embedding dimensions ``m'``; dimensions above ``min(N, d)`` of the collected training features are
             skipped with a warning.

@@ -58,6 +58,10 @@ class RankPretraining(RankCallback):
     weights or buffers (batch-norm running statistics are restored after measuring), and reported as a table
     (under DDP, the mean over every process's minibatches, so that every process reports the same numbers).
 
+    Its measuring and ascent passes run in the parameters' own dtype, outside the autocast that a mixed-precision fit
+    (``bf16-mixed``, ``16-mixed``) puts around its steps, so ``r(H)`` can differ slightly from its value under the
+    steps' precision.
+
     Args:
         layer: the layer whose output ``H`` is pre-trained, in the syntax every callback accepts
             (:func:`~rank_lightning.layers.select_layers`: a block name, a module path or a glob pattern), matching

@@ -48,7 +48,8 @@ class LRLayer(nn.Module):
         oversampling: Nyström columns per unit of rank (``l = oversampling * k``; 2 in the paper; Nyström only).
         flatten: ``True`` treats each input ``(B, ...)`` as B samples of ``prod(...)`` features (conv activations
             ``(B, C, H, W)`` become ``(B, C*H*W)``); ``False`` treats the last dimension as the features and every other
-            position as a sample (tokens ``(B, T, D)`` become ``(B*T, D)``).
+            position as a sample (tokens ``(B, T, D)`` become ``(B*T, D)``), padded tokens included: the layer sees
+            no attention mask.
 
     Attributes:
         weight: ``W_S``, (m, m).
