@@ -7,6 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -101,6 +102,15 @@ def test_top_classes_says_in_which_pass_the_classes_are_counted() -> None:
     assert "their samples counted in the first of each measurement's two passes" in doc
 
 
+def _fit_warnings(tmp_path, monitor, loader, part: str, model: pl.LightningModule | None = None) -> list[str]:
+    """The warnings holding ``part`` of a one-epoch fit of ``model`` (a small classifier by default) with ``monitor``,
+    trained and validated on ``loader``."""
+    model = SmallClassifier((5, 4, 3)) if model is None else model
+    with pytest.warns(UserWarning) as caught:
+        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, loader, loader)
+    return [str(warning.message) for warning in caught if part in str(warning.message)]
+
+
 def test_one_batch_and_one_row_are_singular(tmp_path) -> None:
     monitor = ActivationRankMonitor(layers=["net.0"], every_n_train_steps=1, window_batches=2)
     with pytest.raises(ValueError, match=re.escape("window_batches=2 exceeds the 1 training batch between two")):
@@ -108,11 +118,7 @@ def test_one_batch_and_one_row_are_singular(tmp_path) -> None:
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(16, 5), torch.randint(0, 3, (16,))), batch_size=8)
     monitor = ActivationRankMonitor(layers=["net.0"], max_samples=1, verbose=False)
-    with pytest.warns(UserWarning) as caught:
-        trainer = quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path)
-        trainer.fit(SmallClassifier((5, 4, 3)), loader, loader)
-    said = [str(warning.message) for warning in caught if "fewer than its" in str(warning.message)]
-    assert said == [
+    assert _fit_warnings(tmp_path, monitor, loader, "fewer than its") == [
         "ActivationRankMonitor: layer 'net.0' was measured on 1 row, fewer than its 4 features: its ranks are at most "
         "1 (raise max_samples to measure more rows)."
     ]
@@ -132,10 +138,7 @@ def test_the_advice_for_missing_labels_fits_the_batch_type(tmp_path) -> None:
     loader = DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=8)
     model = _Unlabelled((5, 4, 3))
     monitor = ActivationRankMonitor(layers=["net.0"], num_classes=3, verbose=False)
-    with pytest.warns(UserWarning) as caught:
-        quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path).fit(model, loader, loader)
-    said = [str(warning.message) for warning in caught if "no class labels" in str(warning.message)]
-    assert said == [
+    assert _fit_warnings(tmp_path, monitor, loader, "no class labels", model) == [
         "ActivationRankMonitor: num_classes=3 but no class labels at index 1 in a list batch of length 1 (found "
         "nothing); the class metrics (TCV, class-wise VR) are not logged; set label_key (an index of the list batch) "
         "or label_fn."
@@ -146,11 +149,7 @@ def test_fewer_jacobian_inputs_than_num_inputs_are_named(tmp_path) -> None:
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(3, 5), torch.randint(0, 3, (3,))), batch_size=3)
     monitor = JacobianRankMonitor(layers=["net.0"], num_inputs=8, verbose=False)
-    with pytest.warns(UserWarning) as caught:
-        trainer = quiet_trainer([monitor], max_epochs=1, default_root_dir=tmp_path)
-        trainer.fit(SmallClassifier((5, 4, 3)), loader, loader)
-    said = [str(warning.message) for warning in caught if "num_inputs" in str(warning.message)]
-    assert said == [
+    assert _fit_warnings(tmp_path, monitor, loader, "num_inputs") == [
         "JacobianRankMonitor: num_inputs=8, but the validation data holds 3 inputs only: the ranks are averaged over "
         "those"
     ]
